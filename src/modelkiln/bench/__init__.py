@@ -1,0 +1,1 @@
+"""In-process latency and throughput of every backend and variant."""

@@ -1,0 +1,318 @@
+"""``kiln convert``: export, build variants, validate each against PyTorch, write the artifact atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import ContextManager
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from ..bench.timing import measure
+from ..errors import ConversionError, OutputNotWritableError, ValidationFailedError
+from ..manifest import Manifest, TokenizerSpec, Variant
+from ..runtime.onnx import OnnxEngine, cuda_available
+from ..runtime.tokenizer import TextEncoder
+from ..samples import SAMPLE_PAIRS, SAMPLE_QA, SAMPLE_TEXTS
+from ..tasks import Task, TextInput, make_task, task_class
+from . import source as src
+from . import variants as build
+from .export import EXTERNAL_DATA_THRESHOLD, OPSET, TaskModule, export_onnx
+from .validate import DEFAULT_TOLERANCES, Reference, Tolerance, failure_reason, run_reference, validate
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "optimized", "int8", "fp16", "tensorrt")
+LATENCY_SEQ = 128  # variants are timed at batch 1 × this many tokens (or the model's max, if smaller)
+
+Steps = Callable[[str], ContextManager[None]]
+
+
+def _no_steps(description: str) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
+@dataclass
+class ConvertConfig:
+    model: str
+    out: Path
+    task: str = "auto"
+    precisions: Sequence[str] | None = None  # None: every variant that fits the device
+    device: str = "cpu"
+    calibration_texts: Sequence[TextInput] | None = None
+    tolerances: dict[str, Tolerance] = field(default_factory=lambda: dict(DEFAULT_TOLERANCES))
+    threads: int | None = None
+    force: bool = False
+    name: str | None = None
+    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD
+
+
+def default_precisions(device: str) -> tuple[str, ...]:
+    return ("fp32", "optimized", "int8") if device == "cpu" else ("fp32", "optimized", "fp16", "tensorrt")
+
+
+def default_texts(task: str) -> list[TextInput]:
+    if task == "question-answering":
+        return list(SAMPLE_QA)
+    if task == "text-classification":
+        return [*SAMPLE_TEXTS, *SAMPLE_PAIRS]
+    return list(SAMPLE_TEXTS)
+
+
+# --- atomic output ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary folder beside ``out``; on success it replaces ``out`` by rename, on any
+    failure (including Ctrl-C) it is deleted, so ``out`` is never half-written."""
+    out = out.resolve()
+    if out.exists() and not force:
+        raise OutputNotWritableError(f"{out} already exists (pass --force to replace it)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise OutputNotWritableError(f"cannot write to {out.parent}: {exc.strerror or exc}") from exc
+    try:
+        yield tmp
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --- the conversion ---------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for pkg in ("modelkiln", "torch", "transformers", "onnx", "onnxruntime", "tokenizers"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[pkg] = metadata.version(pkg)
+    return found
+
+
+def check_tokenizer_parity(source: src.SourceModel, encoder: TextEncoder, texts: Sequence[TextInput], truncation: str) -> None:
+    """The served tokenizer (tokenizers alone) must give transformers' ids, or answers would differ."""
+    singles = [t for t in texts if isinstance(t, str)]
+    pairs = [t for t in texts if not isinstance(t, str)]
+    hf_truncation = {"longest_first": "longest_first", "only_second": "only_second"}[truncation]
+    mismatches = 0
+    if singles:
+        ids = source.tokenizer(singles, truncation=True, max_length=encoder.max_length)["input_ids"]
+        mismatches += sum(a != e.ids for a, e in zip(ids, encoder.tokenize(singles)))
+    if pairs:
+        ids = source.tokenizer([p[0] for p in pairs], [p[1] for p in pairs], truncation=hf_truncation,
+                               max_length=encoder.max_length)["input_ids"]
+        mismatches += sum(a != e.ids for a, e in zip(ids, encoder.tokenize(pairs)))
+    if mismatches:
+        raise ConversionError(f"the exported tokenizer.json disagrees with transformers on {mismatches} texts")
+
+
+def timing_feeds(encoder: TextEncoder, seq: int) -> dict[str, np.ndarray]:
+    """Batch 1 × ``seq`` real tokens: a long sample text, truncated to length."""
+    long_text = " ".join(SAMPLE_TEXTS[18:21] * 4)
+    enc = encoder.tokenize([long_text])[0]
+    feeds = encoder.collate([enc])
+    return {k: np.ascontiguousarray(v[:, :seq]) for k, v in feeds.items()}
+
+
+class _Builder:
+    """The state of one conversion: where files go and what has been learned so far."""
+
+    def __init__(self, cfg: ConvertConfig, folder: Path, task: Task, encoder: TextEncoder, reference: Reference,
+                 config: object, steps: Steps):
+        self.cfg, self.folder, self.task, self.encoder = cfg, folder, task, encoder
+        self.reference, self.config, self.steps = reference, config, steps
+        self.feeds = timing_feeds(encoder, min(LATENCY_SEQ, encoder.max_length))
+        self.variants: list[Variant] = []
+        self.latency: dict[str, float] = {}
+
+    def tolerance(self, precision: str) -> Tolerance:
+        return self.cfg.tolerances[precision]
+
+    def check(self, name: str, precision: str, device: str, path: Path, **details: object) -> Variant:
+        """Validate and time one built file; returns an (as yet un-kept) Variant record."""
+        engine = OnnxEngine(path, device=device, threads=self.cfg.threads, label=name)
+        validation = validate(self.task, self.reference, engine, self.tolerance(precision))
+        latency = measure(lambda: engine.run(self.feeds), warmup=3, min_iters=10, min_seconds=0.5).median
+        return Variant(name=name, precision=precision, device=device, file=path.name, kept=validation.passed,
+                       reason=failure_reason(validation), validation=validation, latency_ms=round(latency, 4),
+                       latency_shape=list(self.feeds["input_ids"].shape), details=dict(details))
+
+    def skip(self, name: str, precision: str, device: str, reason: str) -> None:
+        self.variants.append(Variant(name=name, precision=precision, device=device, file=None, kept=False, reason=reason))
+
+
+def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
+    """Run a whole conversion. Raises a KilnError subclass with a one-line message on failure."""
+    device = cfg.device
+    if device == "cuda" and not cuda_available():
+        raise ConversionError("--device cuda: onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu)")
+    wanted = list(cfg.precisions or default_precisions(device))
+    unknown = [p for p in wanted if p not in PRECISIONS]
+    if unknown:
+        raise ConversionError(f"unknown precision {unknown} (choose from {', '.join(PRECISIONS)}, or all)")
+    if cfg.task != "auto":
+        task_class(cfg.task)  # fail fast on a typo, before loading anything
+
+    with steps("Loading model and tokenizer"):
+        source = src.load_source(cfg.model)
+        task_name = src.detect_task(source) if cfg.task == "auto" else cfg.task
+        src.check_task_fits(source, task_name)
+        model = src.load_torch_model(source, task_name)
+        names = src.input_names(source, model)
+    info = task_class(task_name).info
+    tok = source.tokenizer
+    manifest = Manifest(
+        name=cfg.name or Path(cfg.out).name,
+        task=task_name,
+        input_names=names,
+        output_names=list(info.output_names),
+        max_length=src.max_length(source),
+        tokenizer=TokenizerSpec(pad_token=str(tok.pad_token), pad_token_id=int(tok.pad_token_id or 0),
+                                truncation=info.truncation),
+        variants=[],
+        labels=src.labels_of(source, task_name),
+        problem_type=getattr(source.config, "problem_type", None),
+        pooling=src.read_pooling(source) if task_name == "sentence-embeddings" else None,
+        source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture},
+        versions=versions(),
+        opset=OPSET,
+    )
+    task = make_task(manifest)
+    texts = list(cfg.calibration_texts) if cfg.calibration_texts else default_texts(task_name)
+
+    with atomic_folder(Path(cfg.out), cfg.force) as folder:
+        tok.backend_tokenizer.save(str(folder / manifest.tokenizer.file))
+        source.config.to_json_file(str(folder / "config.json"))
+        encoder = TextEncoder(Tokenizer.from_file(str(folder / manifest.tokenizer.file)), manifest.tokenizer,
+                              names, manifest.max_length)
+        prepared = task.prepare(texts)
+        check_tokenizer_parity(source, encoder, prepared, info.truncation)
+
+        module = TaskModule(model, names, info.output_names)
+        fp32_path = folder / "model.onnx"
+        with steps("Exporting to ONNX (fp32)"):
+            sample_feeds, _ = encoder.encode(prepared[:2])
+            export_onnx(module, sample_feeds, names, info.output_names, info.per_token, fp32_path,
+                        cfg.external_data_threshold)
+        with steps(f"Running the PyTorch reference on {len(prepared)} texts"):
+            from ..runtime.torch_engine import TorchEngine
+
+            reference = run_reference(TorchEngine(module, names, info.output_names, cfg.threads), encoder, task, prepared)
+
+        b = _Builder(cfg, folder, task, encoder, reference, source.config, steps)
+        _build_variants(b, wanted, fp32_path, device)
+
+        for v in b.variants:
+            if v.file and not v.kept:
+                _remove_onnx(folder / v.file)
+        if not any(v.kept for v in b.variants):
+            summary = "; ".join(f"{v.name}: {v.reason}" for v in b.variants)
+            raise ValidationFailedError(f"no variant passed validation ({summary})")
+        for v in b.variants:
+            if not v.kept:
+                v.file = None
+        manifest.variants = b.variants
+        manifest.save(folder)
+        folder.chmod(0o755)  # mkdtemp makes it owner-only; an artifact is meant to be shared
+    return manifest
+
+
+def _remove_onnx(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    (path.parent / (path.name + ".data")).unlink(missing_ok=True)
+
+
+def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str) -> None:
+    with b.steps("Validating fp32"):
+        fp32 = b.check("fp32", "fp32", device, fp32_path)
+    fp32.kept = fp32.kept and "fp32" in wanted
+    if "fp32" not in wanted:
+        fp32.reason = fp32.reason or "not requested (built as the base of the others)"
+    b.variants.append(fp32)
+
+    # The fused graph is also the better base for int8 (Attention → QAttention), so build it
+    # whenever int8 or fp16 is wanted, even if the fp32 fused variant itself is not kept.
+    base_path = fp32_path
+    if {"optimized", "int8", "fp16"} & set(wanted):
+        opt_path = b.folder / "model.optimized.onnx"
+        with b.steps("Applying ONNX Runtime transformer fusions"):
+            try:
+                fused = build.optimize(fp32_path, opt_path, b.config)
+            except Exception as exc:  # the optimizer fails in many ways on graphs it does not know
+                b.skip("optimized", "fp32", device, f"fusions failed: {str(exc).splitlines()[0]}")
+                fused = None
+        if fused is not None:
+            with b.steps("Validating optimized"):
+                opt = b.check("optimized", "fp32", device, opt_path, fused_ops=fused)
+            if opt.validation and opt.validation.passed:
+                base_path = opt_path
+            if opt.kept and opt.latency_ms is not None and fp32.latency_ms is not None and opt.latency_ms >= fp32.latency_ms:
+                opt.kept = False
+                opt.reason = f"not faster than fp32 on {device} ({opt.latency_ms:.3f} ms vs {fp32.latency_ms:.3f} ms)"
+            if "optimized" not in wanted:
+                opt.kept = False
+                opt.reason = opt.reason or "not requested (built as the base of int8/fp16)"
+            b.variants.append(opt)
+
+    if "int8" in wanted:
+        _build_int8(b, base_path)
+    if "fp16" in wanted:
+        if device != "cuda":
+            b.skip("fp16", "fp16", "cuda", "needs a CUDA device (onnxruntime CUDAExecutionProvider); fp16 is slow on CPU")
+        else:
+            path = b.folder / "model.fp16.onnx"
+            with b.steps("Building and validating fp16"):
+                build.to_fp16(base_path, path)
+                b.variants.append(b.check("fp16", "fp16", "cuda", path))
+    if "tensorrt" in wanted:
+        _build_tensorrt(b, device)
+
+
+def _build_int8(b: _Builder, base_path: Path) -> None:
+    """Per-tensor and per-channel weight scales; keep the one closer to PyTorch."""
+    candidates = []
+    for per_channel in (False, True):
+        path = b.folder / f"model.int8{'.pc' if per_channel else ''}.onnx"
+        label = "per-channel" if per_channel else "per-tensor"
+        with b.steps(f"Quantizing to int8 ({label}) and validating"):
+            build.quantize_int8(base_path, path, per_channel)
+            candidates.append(b.check("int8", "int8", "cpu", path, per_channel=per_channel, base=base_path.name))
+    best = max(candidates, key=lambda v: (v.kept, v.validation.mean_cosine if v.validation else 0))
+    other = next(c for c in candidates if c is not best)
+    best.details["other_scales"] = {"per_channel": other.details["per_channel"],
+                                    "mean_cosine": other.validation.mean_cosine if other.validation else None,
+                                    "latency_ms": other.latency_ms}
+    _remove_onnx(b.folder / other.file)  # type: ignore[operator]
+    final = b.folder / "model.int8.onnx"
+    if best.file != final.name:
+        os.replace(b.folder / best.file, final)  # type: ignore[operator]
+        best.file = final.name
+    b.variants.append(best)
+
+
+def _build_tensorrt(b: _Builder, device: str) -> None:
+    trt = build.tensorrt_version()
+    if trt is None:
+        b.skip("tensorrt", "fp16", "cuda", "tensorrt is not installed")
+    elif device != "cuda":
+        b.skip("tensorrt", "fp16", "cuda", "needs --device cuda and a GPU")
+    else:  # pragma: no cover - needs a GPU with TensorRT
+        b.skip("tensorrt", "fp16", "cuda", f"tensorrt {trt} found; engine building is not implemented yet")

@@ -1,0 +1,186 @@
+"""The model being converted: its config, tokenizer, task and PyTorch module.
+
+This is the only place that asks transformers what a model is and can do."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelLoadError, TaskNotSupportedError, UnsupportedArchitectureError
+from ..manifest import Pooling
+from ..tasks import TASKS, task_class
+
+log = logging.getLogger(__name__)
+
+# Architecture-name suffix → the task its head was trained for.
+_HEAD_SUFFIXES = {
+    "ForSequenceClassification": "text-classification",
+    "ForTokenClassification": "token-classification",
+    "ForQuestionAnswering": "question-answering",
+}
+# Heads that carry no task head of ours: fine for embeddings, not for head tasks.
+_BASE_SUFFIXES = ("Model", "ForMaskedLM", "ForPreTraining")
+
+
+@dataclass
+class SourceModel:
+    """A Hugging Face model folder (or hub id) with everything conversion needs to know."""
+
+    ref: str
+    config: Any  # transformers.PretrainedConfig
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    folder: Path | None  # local folder (for sentence-transformers configs), None for hub ids
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    def st_file(self, relative: str) -> dict | list | None:
+        """A sentence-transformers json file of the model, if present."""
+        if self.folder is None:
+            return None
+        path = self.folder / relative
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path} is corrupt: {exc}") from exc
+
+
+def load_source(ref: str) -> SourceModel:
+    """Load config and fast tokenizer; one-line errors for missing or corrupt files."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = Path(ref)
+    is_local = folder.exists()
+    if is_local and not folder.is_dir():
+        raise ModelLoadError(f"{ref} is a file; expected a model folder or a hub id")
+    if is_local and not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{ref} has no config.json: not a Hugging Face model folder")
+    try:
+        config = AutoConfig.from_pretrained(ref)
+    except ValueError as exc:
+        raise UnsupportedArchitectureError(f"{ref}: {str(exc).splitlines()[0]}") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read the config of {ref}: {str(exc).splitlines()[0]}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ref)
+    except Exception as exc:  # transformers raises many kinds here; all mean "no usable tokenizer"
+        raise ModelLoadError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}") from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelLoadError(f"{ref} has no fast tokenizer (tokenizer.json); the serving path needs one")
+    return SourceModel(ref=ref, config=config, tokenizer=tokenizer, folder=folder if is_local else None)
+
+
+def detect_task(source: SourceModel) -> str:
+    """auto: a sentence-transformers model → embeddings; else the head named by the architecture."""
+    if source.st_file("modules.json") is not None:
+        return "sentence-embeddings"
+    arch = source.architecture
+    for suffix, task in _HEAD_SUFFIXES.items():
+        if arch.endswith(suffix):
+            return task
+    if not arch or arch.endswith(_BASE_SUFFIXES):
+        return "sentence-embeddings"
+    raise TaskNotSupportedError(
+        f"cannot tell the task of architecture {arch}; pass --task ({', '.join(TASKS)})"
+    )
+
+
+def check_task_fits(source: SourceModel, task: str) -> None:
+    """A head task needs weights trained for that head; a random new head would 'work' silently."""
+    task_class(task)  # unknown task names fail here first
+    arch = source.architecture
+    trained_for = next((t for s, t in _HEAD_SUFFIXES.items() if arch.endswith(s)), None)
+    if task == "sentence-embeddings":
+        return  # every encoder has hidden states to pool
+    if trained_for != task:
+        what = f"was trained for {trained_for}" if trained_for else "has no task head"
+        raise TaskNotSupportedError(f"{source.ref}: architecture {arch or source.model_type} {what}; it cannot do {task}")
+
+
+def read_pooling(source: SourceModel) -> Pooling:
+    """Pooling from sentence-transformers' 1_Pooling/config.json and a Normalize module."""
+    modules = source.st_file("modules.json")
+    if not modules:
+        return Pooling(mode="mean", normalize=True)
+    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
+    pooling_dir = next((m.get("path") for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
+    cfg = source.st_file(f"{pooling_dir}/config.json") if pooling_dir else None
+    mode = "mean"
+    if cfg:
+        if cfg.get("pooling_mode_cls_token"):
+            mode = "cls"
+        elif cfg.get("pooling_mode_max_tokens"):
+            mode = "max"
+        elif cfg.get("pooling_mode_mean_sqrt_len_tokens") or cfg.get("pooling_mode_weightedmean_tokens"):
+            raise UnsupportedArchitectureError(f"{source.ref}: pooling mode {cfg} is not supported (mean, cls, max are)")
+    return Pooling(mode=mode, normalize=normalize)
+
+
+def max_length(source: SourceModel) -> int:
+    """The longest input: sentence-transformers' max_seq_length, else tokenizer and position limits."""
+    candidates = []
+    st = source.st_file("sentence_bert_config.json")
+    if isinstance(st, dict) and st.get("max_seq_length"):
+        candidates.append(int(st["max_seq_length"]))
+    tok_max = getattr(source.tokenizer, "model_max_length", None)
+    if tok_max and tok_max < 1_000_000:
+        candidates.append(int(tok_max))
+    positions = getattr(source.config, "max_position_embeddings", None)
+    if positions:
+        # RoBERTa-style position ids start after the padding index.
+        offset = 2 if source.model_type in ("roberta", "xlm-roberta", "camembert") else 0
+        candidates.append(int(positions) - offset)
+    return min(candidates) if candidates else 512
+
+
+def load_torch_model(source: SourceModel, task: str) -> Any:
+    """The PyTorch module for the task, in eval mode, with plain (eager) attention: it exports to
+    the graph that ONNX Runtime's transformer fusions recognise."""
+    import transformers
+
+    auto = {
+        "text-classification": transformers.AutoModelForSequenceClassification,
+        "token-classification": transformers.AutoModelForTokenClassification,
+        "question-answering": transformers.AutoModelForQuestionAnswering,
+        "sentence-embeddings": transformers.AutoModel,
+    }[task]
+    try:
+        model = auto.from_pretrained(source.ref, attn_implementation="eager")
+    except ValueError as exc:
+        raise UnsupportedArchitectureError(
+            f"{source.ref}: {source.model_type} is not supported for {task}: {str(exc).splitlines()[0]}"
+        ) from exc
+    except (OSError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load the weights of {source.ref}: {str(exc).splitlines()[0]}") from exc
+    return model.eval()
+
+
+def labels_of(source: SourceModel, task: str) -> list[str] | None:
+    if task not in ("text-classification", "token-classification"):
+        return None
+    id2label = getattr(source.config, "id2label", None) or {}
+    return [str(id2label.get(i, f"LABEL_{i}")) for i in range(source.config.num_labels)]
+
+
+def input_names(source: SourceModel, model: Any) -> list[str]:
+    """The tokenizer's model_input_names that the model's forward actually takes, in that order.
+    Never assume token_type_ids: RoBERTa, DistilBERT and others have none."""
+    import inspect
+
+    accepted = set(inspect.signature(model.forward).parameters)
+    names = [n for n in source.tokenizer.model_input_names if n in accepted]
+    if "input_ids" not in names:
+        raise UnsupportedArchitectureError(f"{source.ref}: the model does not take input_ids")
+    return names

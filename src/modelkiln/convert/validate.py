@@ -1,0 +1,114 @@
+"""The validation gate: a variant is kept only if its outputs stay close to PyTorch's on real text."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..manifest import Validation
+from ..runtime.engine import Engine
+from ..runtime.tokenizer import TextEncoder
+from ..tasks import Task, TextInput
+
+BATCH = 8  # validation batch: big enough to exercise padding, small enough for long texts
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_abs_diff: float  # on raw model outputs, real (unpadded) positions only
+    min_cosine: float  # lowest per-input cosine similarity of the task output
+    min_mean_cosine: float  # mean over inputs of that cosine similarity
+    min_agreement: float  # fraction of inputs with the same label / span / entity tags
+
+
+DEFAULT_TOLERANCES = {
+    "fp32": Tolerance(max_abs_diff=1e-3, min_cosine=0.9999, min_mean_cosine=0.9999, min_agreement=1.0),
+    # fp16 keeps ~3 significant digits; hidden states of magnitude ~10 move by ~1e-2.
+    "fp16": Tolerance(max_abs_diff=5e-2, min_cosine=0.999, min_mean_cosine=0.999, min_agreement=0.95),
+    # int8 moves raw values a lot; what matters is the task output and the decision. Very short
+    # texts ("ok") move most, hence a looser floor for the worst text than for the mean.
+    # (all-MiniLM-L6-v2 per-channel int8: mean 0.989, worst 0.95, STS-B Spearman -0.18.)
+    "int8": Tolerance(max_abs_diff=math.inf, min_cosine=0.9, min_mean_cosine=0.98, min_agreement=0.9),
+}
+
+
+@dataclass
+class Reference:
+    """PyTorch's outputs on the validation texts, computed once and compared with every variant."""
+
+    batches: list[tuple[dict[str, np.ndarray], list, list[TextInput]]]  # feeds, encodings, inputs
+    outputs: list[dict[str, np.ndarray]]
+
+
+def run_reference(engine: Engine, encoder: TextEncoder, task: Task, texts: Sequence[TextInput]) -> Reference:
+    prepared = task.prepare(list(texts))
+    batches, outputs = [], []
+    for i in range(0, len(prepared), BATCH):
+        chunk = prepared[i : i + BATCH]
+        feeds, encodings = encoder.encode(chunk)
+        batches.append((feeds, encodings, chunk))
+        outputs.append(engine.run(feeds))
+    return Reference(batches, outputs)
+
+
+def _max_abs_diff(task: Task, ref: dict[str, np.ndarray], cand: dict[str, np.ndarray], mask: np.ndarray) -> float:
+    worst = 0.0
+    for name in task.output_names:
+        diff = np.abs(ref[name].astype(np.float64) - cand[name].astype(np.float64))
+        if task.info.per_token:
+            # Padded positions carry no meaning and differ freely between runtimes.
+            diff = diff[mask.astype(bool)]
+        worst = max(worst, float(diff.max()) if diff.size else 0.0)
+    return worst
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    denom = np.linalg.norm(a) * np.linalg.norm(b)
+    return float(a @ b / denom) if denom > 0 else float(np.array_equal(a, b))
+
+
+def validate(task: Task, reference: Reference, candidate: Engine, tolerance: Tolerance) -> Validation:
+    max_diff, cosines, ref_answers, cand_answers = 0.0, [], [], []
+    for (feeds, encodings, inputs), ref_out in zip(reference.batches, reference.outputs):
+        out = candidate.run(feeds)
+        max_diff = max(max_diff, _max_abs_diff(task, ref_out, out, feeds["attention_mask"]))
+        for r, c in zip(task.task_vector(ref_out, encodings), task.task_vector(out, encodings)):
+            cosines.append(_cosine(r, c))
+        ref_answers += task.postprocess(ref_out, encodings, inputs)
+        cand_answers += task.postprocess(out, encodings, inputs)
+    agreement = task.agreement(ref_answers, cand_answers)
+    min_cos, mean_cos = min(cosines), float(np.mean(cosines))
+    passed = (
+        max_diff <= tolerance.max_abs_diff
+        and min_cos >= tolerance.min_cosine
+        and mean_cos >= tolerance.min_mean_cosine
+        and agreement >= tolerance.min_agreement
+        and all(math.isfinite(c) for c in cosines)
+    )
+    return Validation(
+        max_abs_diff=max_diff,
+        min_cosine=min_cos,
+        mean_cosine=mean_cos,
+        agreement=agreement,
+        texts=len(cosines),
+        passed=passed,
+        tolerance={k: v for k, v in asdict(tolerance).items() if math.isfinite(v)},
+    )
+
+
+def failure_reason(v: Validation) -> str:
+    tol = v.tolerance
+    parts = []
+    if "max_abs_diff" in tol and v.max_abs_diff > tol["max_abs_diff"]:
+        parts.append(f"max abs diff {v.max_abs_diff:.2e} > {tol['max_abs_diff']:.0e}")
+    if v.min_cosine < tol.get("min_cosine", -1) or not math.isfinite(v.min_cosine):
+        parts.append(f"min cosine {v.min_cosine:.5f} < {tol['min_cosine']}")
+    if v.mean_cosine < tol.get("min_mean_cosine", -1):
+        parts.append(f"mean cosine {v.mean_cosine:.5f} < {tol['min_mean_cosine']}")
+    if v.agreement < tol.get("min_agreement", 0):
+        parts.append(f"agreement {v.agreement:.2f} < {tol['min_agreement']}")
+    return "outside tolerance: " + ", ".join(parts) if parts else ""

@@ -1,0 +1,74 @@
+"""Building the faster variants from the fp32 export: transformer fusions, int8, fp16.
+
+Each builder takes a source .onnx and writes a new one; deciding what to keep is the validation
+gate's and the latency measurement's job (convert/pipeline.py), not theirs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from .export import has_external_data
+
+log = logging.getLogger(__name__)
+
+# Hugging Face model types whose graphs ONNX Runtime's BERT optimizer knows how to fuse.
+_BERT_LIKE = {"bert", "roberta", "distilbert", "electra", "xlm-roberta", "camembert", "mpnet", "albert", "ernie", "deberta-v2"}
+
+# Ops whose reductions overflow or lose too much in fp16: left in fp32 when converting.
+FP16_KEEP_FP32 = ["LayerNormalization", "SimplifiedLayerNormalization", "Softmax", "ReduceMean", "Pow", "Sqrt", "Erf"]
+
+
+def attention_shape(config: Any) -> tuple[int, int]:
+    """(num_heads, hidden_size): the optimizer cannot always infer them from the graph."""
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None) or 0
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "dim", None) or 0
+    return int(heads), int(hidden)
+
+
+def optimize(src: Path, dst: Path, config: Any) -> dict[str, int]:
+    """ONNX Runtime transformer fusions (Attention, SkipLayerNorm, BiasGelu, EmbedLayerNorm).
+    Returns the fused-operator counts; raises ValueError for model types it does not handle."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    if config.model_type not in _BERT_LIKE:
+        raise ValueError(f"no transformer fusions for model type {config.model_type}")
+    heads, hidden = attention_shape(config)
+    model = optimize_model(str(src), model_type="bert", num_heads=heads, hidden_size=hidden, opt_level=1)
+    model.save_model_to_file(str(dst), use_external_data_format=has_external_data(src))
+    return {k: v for k, v in model.get_fused_operator_statistics().items() if v}
+
+
+def quantize_int8(src: Path, dst: Path, per_channel: bool) -> None:
+    """Dynamic int8 quantization of MatMul/Attention weights (activations quantized at run time)."""
+    from onnx import TensorProto
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        str(src),
+        str(dst),
+        weight_type=QuantType.QInt8,
+        per_channel=per_channel,
+        use_external_data_format=has_external_data(src),
+        # Fused contrib ops (Attention, BiasGelu) defeat shape inference; their outputs are float.
+        extra_options={"DefaultTensorType": TensorProto.FLOAT},
+    )
+
+
+def to_fp16(src: Path, dst: Path) -> None:
+    """fp16 weights and activations for CUDA, keeping inputs/outputs and reduction ops in fp32."""
+    import onnx
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    model = OnnxModel(onnx.load(str(src)))
+    model.convert_float_to_float16(keep_io_types=True, op_block_list=FP16_KEEP_FP32)
+    model.save_model_to_file(str(dst), use_external_data_format=has_external_data(src))
+
+
+def tensorrt_version() -> str | None:
+    try:
+        import tensorrt  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return str(tensorrt.__version__)

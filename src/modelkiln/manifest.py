@@ -1,0 +1,135 @@
+"""The artifact manifest (``kiln.json``): everything needed to run an artifact without torch or
+transformers, and the record of how each variant was built, validated and timed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ArtifactError, VariantNotFoundError
+
+MANIFEST_NAME = "kiln.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Validation:
+    """How a variant's outputs compare with the PyTorch reference on the validation texts."""
+
+    max_abs_diff: float
+    min_cosine: float  # lowest per-example cosine similarity of the task output
+    mean_cosine: float
+    agreement: float  # fraction of examples with the same label / span / entity tags
+    texts: int
+    passed: bool
+    tolerance: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Variant:
+    name: str  # "fp32", "optimized", "int8", "fp16", "tensorrt"
+    precision: str  # "fp32", "int8", "fp16"
+    device: str  # "cpu" or "cuda"
+    file: str | None  # relative to the artifact folder; None when not kept
+    kept: bool
+    reason: str = ""  # why it was not kept (or how it was built)
+    validation: Validation | None = None
+    latency_ms: float | None = None  # median, batch 1, on the build machine
+    latency_shape: list[int] | None = None  # [batch, seq] the latency was measured at
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Pooling:
+    mode: str = "mean"  # "mean", "cls", "max"
+    normalize: bool = True
+
+
+@dataclass
+class TokenizerSpec:
+    file: str = "tokenizer.json"
+    pad_token: str = "[PAD]"
+    pad_token_id: int = 0
+    truncation: str = "longest_first"  # tokenizers' strategy: longest_first | only_second
+
+
+@dataclass
+class Manifest:
+    name: str
+    task: str
+    input_names: list[str]
+    output_names: list[str]
+    max_length: int
+    tokenizer: TokenizerSpec
+    variants: list[Variant]
+    labels: list[str] | None = None
+    problem_type: str | None = None  # classification: single_label / multi_label / regression
+    pooling: Pooling | None = None
+    source: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    opset: int | None = None
+    format_version: int = FORMAT_VERSION
+
+    # -- queries ---------------------------------------------------------------------------
+    def kept_variants(self) -> list[Variant]:
+        return [v for v in self.variants if v.kept]
+
+    def variant(self, name: str) -> Variant:
+        for v in self.kept_variants():
+            if v.name == name:
+                return v
+        kept = ", ".join(v.name for v in self.kept_variants()) or "none"
+        raise VariantNotFoundError(f"variant '{name}' is not in artifact '{self.name}' (kept: {kept})")
+
+    def fastest_variant(self, device: str = "cpu") -> Variant:
+        """The kept variant with the lowest measured latency on ``device``."""
+        candidates = [v for v in self.kept_variants() if v.device == device]
+        if not candidates:
+            raise VariantNotFoundError(f"artifact '{self.name}' has no variant for device '{device}'")
+        return min(candidates, key=lambda v: v.latency_ms if v.latency_ms is not None else float("inf"))
+
+    # -- (de)serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, folder: Path) -> Path:
+        path = Path(folder) / MANIFEST_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        data = dict(data)
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(
+                f"manifest format {data.get('format_version')} is not supported (expected {FORMAT_VERSION})"
+            )
+        variants = []
+        for v in data.pop("variants"):
+            v = dict(v)
+            val = v.pop("validation", None)
+            variants.append(Variant(**v, validation=Validation(**val) if val else None))
+        pooling = data.pop("pooling", None)
+        return cls(
+            **{k: v for k, v in data.items() if k != "tokenizer"},
+            tokenizer=TokenizerSpec(**data["tokenizer"]),
+            variants=variants,
+            pooling=Pooling(**pooling) if pooling else None,
+        )
+
+    @classmethod
+    def load(cls, folder: Path | str) -> Manifest:
+        path = Path(folder) / MANIFEST_NAME
+        if not path.is_file():
+            raise ArtifactError(f"{folder} is not a modelkiln artifact (no {MANIFEST_NAME})")
+        try:
+            data = json.loads(path.read_text())
+            return cls.from_dict(data)
+        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            raise ArtifactError(f"{path} is corrupt: {exc}") from exc
+
+
+def is_artifact(path: Path | str) -> bool:
+    return (Path(path) / MANIFEST_NAME).is_file()

@@ -1,0 +1,60 @@
+"""ONNX Runtime engine: the only engine on the serving path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import ArtifactError
+
+_PROVIDERS = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+def cuda_available() -> bool:
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def session_options(threads: int | None) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    # One graph branch at a time: transformer graphs are a single chain, and a second pool of
+    # threads only competes with the intra-op pool on small machines.
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return options
+
+
+class OnnxEngine:
+    def __init__(
+        self,
+        path: Path | str,
+        device: str = "cpu",
+        threads: int | None = None,
+        label: str = "",
+        provider_options: dict | None = None,
+    ):
+        if device not in _PROVIDERS:
+            raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(_PROVIDERS)})")
+        providers: list = list(_PROVIDERS[device])
+        if provider_options:
+            providers[0] = (providers[0], provider_options)
+        try:
+            self.session = ort.InferenceSession(str(path), session_options(threads), providers=providers)
+        except Exception as exc:  # onnxruntime raises its own untyped errors for bad files
+            raise ArtifactError(f"cannot load {path}: {exc}") from exc
+        self.name = label or f"onnxruntime-{device}"
+        self.device = device
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names})
+        return dict(zip(self.output_names, values))

@@ -1,0 +1,45 @@
+"""text → task.prepare → tokenizer → engine → task.postprocess: one call for bench and tests.
+(The server runs the same stages, split across its queue and batcher.)"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..manifest import Manifest, Variant
+from ..tasks import Task, make_task
+from .engine import Engine
+from .onnx import OnnxEngine
+from .tokenizer import TextEncoder
+
+
+class Pipeline:
+    def __init__(self, task: Task, encoder: TextEncoder, engine: Engine):
+        self.task = task
+        self.encoder = encoder
+        self.engine = engine
+
+    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
+        prepared = self.task.prepare(inputs)
+        feeds, encodings = self.encoder.encode(prepared)
+        outputs = self.engine.run(feeds)
+        return self.task.postprocess(outputs, encodings, prepared)
+
+
+def load_encoder(folder: Path | str, manifest: Manifest) -> TextEncoder:
+    return TextEncoder.from_folder(folder, manifest.tokenizer, manifest.input_names, manifest.max_length)
+
+
+def load_variant(folder: Path | str, manifest: Manifest, variant: Variant, threads: int | None = None) -> OnnxEngine:
+    assert variant.file is not None
+    return OnnxEngine(Path(folder) / variant.file, device=variant.device, threads=threads, label=variant.name)
+
+
+def load_pipeline(
+    folder: Path | str, variant: str | None = None, device: str = "cpu", threads: int | None = None
+) -> Pipeline:
+    """Load an artifact: no torch, no transformers. ``variant`` None → fastest kept on ``device``."""
+    manifest = Manifest.load(folder)
+    chosen = manifest.variant(variant) if variant else manifest.fastest_variant(device)
+    return Pipeline(make_task(manifest), load_encoder(folder, manifest), load_variant(folder, manifest, chosen, threads))
