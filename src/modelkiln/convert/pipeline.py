@@ -53,6 +53,7 @@ class ConvertConfig:
     force: bool = False
     name: str | None = None
     external_data_threshold: int = EXTERNAL_DATA_THRESHOLD
+    timing_seconds: float = 0.5  # time budget for each variant's latency measurement
 
 
 def default_precisions(device: str) -> tuple[str, ...]:
@@ -124,10 +125,11 @@ def check_tokenizer_parity(source: src.SourceModel, encoder: TextEncoder, texts:
         raise ConversionError(f"the exported tokenizer.json disagrees with transformers on {mismatches} texts")
 
 
-def timing_feeds(encoder: TextEncoder, seq: int) -> dict[str, np.ndarray]:
-    """Batch 1 × ``seq`` real tokens: a long sample text, truncated to length."""
+def timing_feeds(encoder: TextEncoder, task: str, seq: int) -> dict[str, np.ndarray]:
+    """Batch 1 × ``seq`` real tokens: a long sample text (a QA context), truncated to length."""
     long_text = " ".join(SAMPLE_TEXTS[18:21] * 4)
-    enc = encoder.tokenize([long_text])[0]
+    item: TextInput = (SAMPLE_QA[0][0], long_text) if task == "question-answering" else long_text
+    enc = encoder.tokenize([item])[0]
     feeds = encoder.collate([enc])
     return {k: np.ascontiguousarray(v[:, :seq]) for k, v in feeds.items()}
 
@@ -139,7 +141,7 @@ class _Builder:
                  config: object, steps: Steps):
         self.cfg, self.folder, self.task, self.encoder = cfg, folder, task, encoder
         self.reference, self.config, self.steps = reference, config, steps
-        self.feeds = timing_feeds(encoder, min(LATENCY_SEQ, encoder.max_length))
+        self.feeds = timing_feeds(encoder, task.name, min(LATENCY_SEQ, encoder.max_length))
         self.variants: list[Variant] = []
         self.latency: dict[str, float] = {}
 
@@ -150,7 +152,7 @@ class _Builder:
         """Validate and time one built file; returns an (as yet un-kept) Variant record."""
         engine = OnnxEngine(path, device=device, threads=self.cfg.threads, label=name)
         validation = validate(self.task, self.reference, engine, self.tolerance(precision))
-        latency = measure(lambda: engine.run(self.feeds), warmup=3, min_iters=10, min_seconds=0.5).median
+        latency = measure(lambda: engine.run(self.feeds), warmup=3, min_iters=10, min_seconds=self.cfg.timing_seconds).median
         return Variant(name=name, precision=precision, device=device, file=path.name, kept=validation.passed,
                        reason=failure_reason(validation), validation=validation, latency_ms=round(latency, 4),
                        latency_shape=list(self.feeds["input_ids"].shape), details=dict(details))
