@@ -49,3 +49,25 @@ def measure(
         fn()
         samples.append(time.perf_counter() - t0)
     return Stats.of(samples)
+
+
+def measure_interleaved(
+    fns: dict[str, Callable[[], object]], rounds: int = 5, seconds_per_round: float = 0.1, warmup: int = 3
+) -> dict[str, Stats]:
+    """Time several callables in alternating rounds, so a burst of load from elsewhere on the
+    machine hits all of them alike and the comparison between them stays fair."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            while True:
+                t0 = time.perf_counter()
+                fn()
+                now = time.perf_counter()
+                samples[name].append(now - t0)
+                if now - started >= seconds_per_round and len(samples[name]) >= 2:
+                    break
+    return {name: Stats.of(s) for name, s in samples.items()}

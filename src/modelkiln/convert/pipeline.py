@@ -16,7 +16,7 @@ from typing import ContextManager
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..bench.timing import measure
+from ..bench.timing import measure_interleaved
 from ..errors import ConversionError, OutputNotWritableError, ValidationFailedError
 from ..manifest import Manifest, TokenizerSpec, Variant
 from ..runtime.onnx import OnnxEngine, cuda_available
@@ -149,13 +149,21 @@ class _Builder:
         return self.cfg.tolerances[precision]
 
     def check(self, name: str, precision: str, device: str, path: Path, **details: object) -> Variant:
-        """Validate and time one built file; returns an (as yet un-kept) Variant record."""
+        """Validate one built file; returns a Variant record, kept if it passed (timing comes later)."""
         engine = OnnxEngine(path, device=device, threads=self.cfg.threads, label=name)
         validation = validate(self.task, self.reference, engine, self.tolerance(precision))
-        latency = measure(lambda: engine.run(self.feeds), warmup=3, min_iters=10, min_seconds=self.cfg.timing_seconds).median
         return Variant(name=name, precision=precision, device=device, file=path.name, kept=validation.passed,
-                       reason=failure_reason(validation), validation=validation, latency_ms=round(latency, 4),
-                       latency_shape=list(self.feeds["input_ids"].shape), details=dict(details))
+                       reason=failure_reason(validation), validation=validation, details=dict(details))
+
+    def time_all(self, variants: list[Variant]) -> None:
+        """Latency of every validated variant at batch 1, measured interleaved (see measure_interleaved)."""
+        engines = {id(v): OnnxEngine(self.folder / v.file, device=v.device, threads=self.cfg.threads)  # type: ignore[operator]
+                   for v in variants}
+        stats = measure_interleaved({k: (lambda e=e: e.run(self.feeds)) for k, e in engines.items()},
+                                    rounds=5, seconds_per_round=self.cfg.timing_seconds / 5)
+        for v in variants:
+            v.latency_ms = round(stats[id(v)].median, 4)
+            v.latency_shape = list(self.feeds["input_ids"].shape)
 
     def skip(self, name: str, precision: str, device: str, reason: str) -> None:
         self.variants.append(Variant(name=name, precision=precision, device=device, file=None, kept=False, reason=reason))
@@ -193,7 +201,8 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
         labels=src.labels_of(source, task_name),
         problem_type=getattr(source.config, "problem_type", None),
         pooling=src.read_pooling(source) if task_name == "sentence-embeddings" else None,
-        source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture},
+        source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture,
+                "max_positions": src.max_positions(source)},
         versions=versions(),
         opset=OPSET,
     )
@@ -266,9 +275,6 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
                 opt = b.check("optimized", "fp32", device, opt_path, fused_ops=fused)
             if opt.validation and opt.validation.passed:
                 base_path = opt_path
-            if opt.kept and opt.latency_ms is not None and fp32.latency_ms is not None and opt.latency_ms >= fp32.latency_ms:
-                opt.kept = False
-                opt.reason = f"not faster than fp32 on {device} ({opt.latency_ms:.3f} ms vs {fp32.latency_ms:.3f} ms)"
             if "optimized" not in wanted:
                 opt.kept = False
                 opt.reason = opt.reason or "not requested (built as the base of int8/fp16)"
@@ -287,6 +293,15 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
     if "tensorrt" in wanted:
         _build_tensorrt(b, device)
 
+    validated = [v for v in b.variants if v.file and v.validation and v.validation.passed and v.device == device]
+    with b.steps(f"Timing {len(validated)} variants at batch 1 (interleaved)"):
+        b.time_all(validated)
+    # Fusions are kept only where they are measured faster on this device.
+    opt = next((v for v in b.variants if v.name == "optimized" and v.kept), None)
+    if opt and fp32.latency_ms is not None and opt.latency_ms is not None and opt.latency_ms >= fp32.latency_ms:
+        opt.kept = False
+        opt.reason = f"not faster than fp32 on {device} ({opt.latency_ms:.3f} ms vs {fp32.latency_ms:.3f} ms)"
+
 
 def _build_int8(b: _Builder, base_path: Path) -> None:
     """Per-tensor and per-channel weight scales; keep the one closer to PyTorch."""
@@ -300,8 +315,7 @@ def _build_int8(b: _Builder, base_path: Path) -> None:
     best = max(candidates, key=lambda v: (v.kept, v.validation.mean_cosine if v.validation else 0))
     other = next(c for c in candidates if c is not best)
     best.details["other_scales"] = {"per_channel": other.details["per_channel"],
-                                    "mean_cosine": other.validation.mean_cosine if other.validation else None,
-                                    "latency_ms": other.latency_ms}
+                                    "mean_cosine": other.validation.mean_cosine if other.validation else None}
     _remove_onnx(b.folder / other.file)  # type: ignore[operator]
     final = b.folder / "model.int8.onnx"
     if best.file != final.name:

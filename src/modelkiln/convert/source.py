@@ -137,12 +137,20 @@ def max_length(source: SourceModel) -> int:
     tok_max = getattr(source.tokenizer, "model_max_length", None)
     if tok_max and tok_max < 1_000_000:
         candidates.append(int(tok_max))
-    positions = getattr(source.config, "max_position_embeddings", None)
+    positions = max_positions(source)
     if positions:
-        # RoBERTa-style position ids start after the padding index.
-        offset = 2 if source.model_type in ("roberta", "xlm-roberta", "camembert") else 0
-        candidates.append(int(positions) - offset)
+        candidates.append(positions)
     return min(candidates) if candidates else 512
+
+
+def max_positions(source: SourceModel) -> int | None:
+    """The longest sequence the position embeddings allow (bench may go past max_length)."""
+    positions = getattr(source.config, "max_position_embeddings", None)
+    if not positions:
+        return None
+    # RoBERTa-style position ids start after the padding index.
+    offset = 2 if source.model_type in ("roberta", "xlm-roberta", "camembert", "mpnet") else 0
+    return int(positions) - offset
 
 
 def load_torch_model(source: SourceModel, task: str) -> Any:
@@ -162,7 +170,7 @@ def load_torch_model(source: SourceModel, task: str) -> Any:
         raise UnsupportedArchitectureError(
             f"{source.ref}: {source.model_type} is not supported for {task}: {str(exc).splitlines()[0]}"
         ) from exc
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:  # OSError, safetensors' and torch's own errors: all mean unreadable weights
         raise ModelLoadError(f"cannot load the weights of {source.ref}: {str(exc).splitlines()[0]}") from exc
     return model.eval()
 

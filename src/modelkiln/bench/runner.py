@@ -1,0 +1,178 @@
+"""``kiln bench``: time every backend over a grid of batch sizes × sequence lengths."""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ContextManager
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from ..errors import KilnError
+from ..manifest import Manifest, is_artifact
+from ..runtime.engine import Engine
+from ..runtime.onnx import OnnxEngine, cuda_available
+from .timing import Stats, measure
+
+Steps = Callable[[str], ContextManager[None]]
+
+
+@dataclass
+class BenchConfig:
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32])
+    seqs: list[int] = field(default_factory=lambda: [16, 128, 384])
+    threads: int | None = None
+    variants: list[str] | None = None
+    reference: bool = True
+    warmup: int = 3
+    min_iters: int = 10
+    min_seconds: float = 1.0
+
+
+@dataclass
+class Cell:
+    backend: str  # "pytorch fp32", "onnxruntime int8", ...
+    device: str
+    batch: int
+    seq: int
+    stats: Stats
+    speedup: float | None = None  # PyTorch fp32 median / this median, same batch and seq
+
+    @property
+    def sequences_per_s(self) -> float:
+        return self.batch / (self.stats.median / 1000.0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.seq / (self.stats.median / 1000.0)
+
+
+@dataclass
+class BenchResult:
+    model: str
+    task: str
+    cells: list[Cell]
+    skipped: list[str]  # "backend @ batch×seq: why"
+    machine: dict[str, Any]
+    config: BenchConfig
+
+
+def machine_info(threads: int | None) -> dict[str, Any]:
+    import os
+
+    import onnxruntime
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads or os.cpu_count(),
+            "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
+
+
+def real_token_ids(folder: Path, manifest: Manifest, length: int) -> list[int]:
+    """``length`` token ids of real text: SQuAD paragraphs (or the built-in samples if the shared
+    data is absent), tokenized without truncation, ending with the model's closing special token."""
+    from ..data import read_squad
+    from ..samples import SAMPLE_TEXTS
+
+    try:
+        paragraphs, _ = read_squad()
+    except KilnError:
+        paragraphs = list(SAMPLE_TEXTS)
+    tokenizer = Tokenizer.from_file(str(folder / manifest.tokenizer.file))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    ids: list[int] = []
+    for paragraph in paragraphs:
+        enc = tokenizer.encode(paragraph)
+        ids = enc.ids if not ids else ids[:-1] + enc.ids[1:]  # join, keeping one opening/closing special
+        if len(ids) >= length:
+            break
+    if len(ids) < length:
+        raise KilnError(f"not enough text to build {length}-token inputs")
+    return ids[: length - 1] + [ids[-1]]
+
+
+def make_feeds(folder: Path, manifest: Manifest, batch: int, seq: int) -> dict[str, np.ndarray]:
+    ids = np.array(real_token_ids(folder, manifest, seq), dtype=np.int64)
+    feeds = {"input_ids": np.tile(ids, (batch, 1))}
+    if "attention_mask" in manifest.input_names:
+        feeds["attention_mask"] = np.ones((batch, seq), dtype=np.int64)
+    if "token_type_ids" in manifest.input_names:
+        feeds["token_type_ids"] = np.zeros((batch, seq), dtype=np.int64)
+    return feeds
+
+
+def _engines(folder: Path, manifest: Manifest, cfg: BenchConfig, skipped: list[str]) -> Iterator[tuple[str, str, Callable[[], Engine]]]:
+    """(backend label, device, engine factory) for every backend to run, reference first."""
+    if cfg.reference:
+        from ..convert.reference import reference_engine
+
+        yield "pytorch fp32", "cpu", lambda: reference_engine(manifest, cfg.threads)
+        if _torch_cuda():
+            yield "pytorch fp16", "cuda", lambda: reference_engine(manifest, cfg.threads, device="cuda", half=True)
+    for v in manifest.kept_variants():
+        if cfg.variants and v.name not in cfg.variants:
+            continue
+        if v.device == "cuda" and not cuda_available():
+            skipped.append(f"onnxruntime {v.name}: no CUDA device")
+            continue
+        assert v.file is not None
+        path = folder / v.file
+        yield (f"onnxruntime {v.name}", v.device,
+               lambda path=path, v=v: OnnxEngine(path, device=v.device, threads=cfg.threads, label=v.name))
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@contextlib.contextmanager
+def _artifact_for(target: str, steps: Steps) -> Iterator[Path]:
+    """An artifact folder for ``target``: itself, or a temporary conversion of a model."""
+    if is_artifact(target):
+        yield Path(target)
+        return
+    from ..convert.pipeline import ConvertConfig, convert
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
+        out = Path(tmp) / Path(target).name
+        convert(ConvertConfig(model=target, out=out), steps=steps)
+        yield out
+
+
+def run_bench(target: str, cfg: BenchConfig, steps: Steps) -> BenchResult:
+    if cfg.variants is not None and not cfg.variants:
+        raise KilnError("--variants is empty")
+    with _artifact_for(target, steps) as folder:
+        manifest = Manifest.load(folder)
+        max_positions = manifest.source.get("max_positions") or manifest.max_length
+        skipped: list[str] = []
+        cells: list[Cell] = []
+        feeds = {(b, s): make_feeds(folder, manifest, b, s) for b in cfg.batches for s in cfg.seqs if s <= max_positions}
+        skipped += [f"seq {s}: longer than the model's {max_positions} positions" for s in cfg.seqs if s > max_positions]
+        for label, device, factory in _engines(folder, manifest, cfg, skipped):
+            with steps(f"Loading {label}"):
+                engine = factory()
+            for (b, s), f in feeds.items():
+                with steps(f"{label}: batch {b} × seq {s}"):
+                    stats = measure(lambda: engine.run(f), cfg.warmup, cfg.min_iters, cfg.min_seconds)
+                cells.append(Cell(label, device, b, s, stats))
+            del engine
+    baseline = {(c.batch, c.seq): c.stats.median for c in cells if c.backend == "pytorch fp32"}
+    for c in cells:
+        if (c.batch, c.seq) in baseline:
+            c.speedup = baseline[(c.batch, c.seq)] / c.stats.median
+    return BenchResult(manifest.name, manifest.task, cells, skipped, machine_info(cfg.threads), cfg)

@@ -1,0 +1,170 @@
+"""The ``kiln`` command line: parses arguments and calls the library. Nothing else lives here."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from .errors import KilnError
+
+app = typer.Typer(
+    help="Turn a Hugging Face transformer into validated fast ONNX variants, benchmark them, and serve them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+# Tables are wide; when piped (CI logs, README captures) do not squeeze them into 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 160)
+
+
+@contextlib.contextmanager
+def step(description: str) -> Iterator[None]:
+    """A spinner while a step runs, then a ✓ line with its duration."""
+    started = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        progress.add_task(description)
+        yield
+    console.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - started:.1f}s)[/]")
+
+
+def split_list(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def int_list(value: str, option: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise KilnError(f"{option} takes comma-separated whole numbers, got '{value}'") from None
+
+
+# --- convert ----------------------------------------------------------------------------------
+
+
+@app.command()
+def convert(
+    model: str = typer.Argument(..., help="Local model folder or Hugging Face hub id."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Artifact folder to write (atomically)."),
+    task: str = typer.Option("auto", help="text-classification | sentence-embeddings | token-classification | question-answering | auto"),
+    precision: str = typer.Option("", help="Comma-separated variants to build: fp32,optimized,int8,fp16,tensorrt or all. Default: all that fit the device."),
+    device: str = typer.Option("cpu", help="cpu or cuda: the device variants are built, validated and timed on."),
+    calibration_texts: Optional[Path] = typer.Option(None, help="Validation texts, one per line (a tab separates a pair / question-context)."),
+    threads: Optional[int] = typer.Option(None, help="Intra-op threads for validation and timing (default: all cores)."),
+    name: Optional[str] = typer.Option(None, help="Model name in the manifest (default: the output folder's name)."),
+    force: bool = typer.Option(False, help="Replace an existing artifact folder."),
+    fp32_atol: Optional[float] = typer.Option(None, help="Max abs difference allowed for fp32 variants (default 1e-3)."),
+    int8_min_cosine: Optional[float] = typer.Option(None, help="Min mean cosine similarity for int8 (default 0.98)."),
+    int8_min_agreement: Optional[float] = typer.Option(None, help="Min task agreement for int8 (default 0.9)."),
+    fp16_min_cosine: Optional[float] = typer.Option(None, help="Min mean cosine similarity for fp16 (default 0.999)."),
+) -> None:
+    """Export MODEL to ONNX, build faster variants, validate each against PyTorch, write an artifact."""
+    from dataclasses import replace
+
+    from .convert.pipeline import PRECISIONS, ConvertConfig
+    from .convert.pipeline import convert as run_convert
+    from .convert.validate import DEFAULT_TOLERANCES
+    from .data import read_text_file
+    from .report import print_variants
+
+    tolerances = dict(DEFAULT_TOLERANCES)
+    if fp32_atol is not None:
+        tolerances["fp32"] = replace(tolerances["fp32"], max_abs_diff=fp32_atol)
+    if int8_min_cosine is not None:
+        tolerances["int8"] = replace(tolerances["int8"], min_mean_cosine=int8_min_cosine)
+    if int8_min_agreement is not None:
+        tolerances["int8"] = replace(tolerances["int8"], min_agreement=int8_min_agreement)
+    if fp16_min_cosine is not None:
+        tolerances["fp16"] = replace(tolerances["fp16"], min_mean_cosine=fp16_min_cosine)
+    precisions = list(PRECISIONS) if precision.strip() == "all" else split_list(precision)
+    cfg = ConvertConfig(
+        model=model, out=out_dir, task=task, precisions=precisions, device=device,
+        calibration_texts=read_text_file(calibration_texts) if calibration_texts else None,
+        tolerances=tolerances, threads=threads, force=force, name=name,
+    )
+    manifest = run_convert(cfg, steps=step)
+    print_variants(out, manifest)
+    out.print(f"Wrote [bold]{out_dir}[/] ({manifest.task}, {len(manifest.kept_variants())} variants kept)")
+
+
+# --- bench ------------------------------------------------------------------------------------
+
+
+@app.command()
+def bench(
+    target: str = typer.Argument(..., help="An artifact folder, or a model (converted to a temporary artifact first)."),
+    batch: str = typer.Option("1,8,32", help="Batch sizes."),
+    seq: str = typer.Option("16,128,384", help="Sequence lengths (tokens)."),
+    threads: Optional[int] = typer.Option(None, help="Intra-op threads for every backend (default: all cores)."),
+    variants: Optional[str] = typer.Option(None, help="Comma-separated variants to run (default: every kept one)."),
+    reference: bool = typer.Option(True, help="Run the PyTorch fp32 reference (needs modelkiln[convert])."),
+    warmup: int = typer.Option(3, help="Warm-up runs per cell."),
+    min_iters: int = typer.Option(10, help="At least this many timed runs per cell."),
+    min_seconds: float = typer.Option(1.0, help="And at least this long per cell."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
+) -> None:
+    """Latency and throughput of PyTorch and every ONNX variant over batch × sequence length."""
+    from .bench.report import print_table, write_json
+    from .bench.runner import BenchConfig, run_bench
+
+    cfg = BenchConfig(batches=int_list(batch, "--batch"), seqs=int_list(seq, "--seq"), threads=threads,
+                      variants=split_list(variants), reference=reference, warmup=warmup, min_iters=min_iters,
+                      min_seconds=min_seconds)
+    result = run_bench(target, cfg, steps=step)
+    print_table(out, result)
+    if json_path:
+        write_json(json_path, result)
+        out.print(f"Wrote {json_path}")
+
+
+# --- eval -------------------------------------------------------------------------------------
+
+
+@app.command("eval")
+def evaluate(
+    artifact: Path = typer.Argument(..., help="An artifact folder of a sentence-embeddings model."),
+    sts: Optional[Path] = typer.Option(None, help="STS Benchmark file (default: ../shared/data/stsbenchmark/sts-dev.csv)."),
+    threads: Optional[int] = typer.Option(None, help="Intra-op threads."),
+    reference: bool = typer.Option(True, help="Also score the PyTorch model the artifact came from."),
+) -> None:
+    """Accuracy on STS Benchmark: Spearman ×100 of cosine similarities, per variant and for PyTorch."""
+    from .bench.accuracy import evaluate_sts
+    from .report import print_accuracy
+
+    print_accuracy(out, evaluate_sts(artifact, sts, threads, reference, steps=step))
+
+
+from .serve.command import serve as _serve; app.command("serve")(_serve)  # noqa: E402,E702
+
+
+from .triton.command import triton as _triton; app.command("triton")(_triton)  # noqa: E402,E702
+
+
+# --- entry point ------------------------------------------------------------------------------
+
+
+def main() -> None:
+    try:
+        app()
+    except KilnError as exc:
+        if os.environ.get("KILN_DEBUG"):
+            raise
+        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        console.print("[bold red]interrupted[/]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Terminal tables shared by the commands (kept out of cli.py so the CLI stays a parser)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from .bench.accuracy import Score
+from .manifest import Manifest
+
+
+def print_variants(console: Console, manifest: Manifest) -> None:
+    table = Table(title=f"{manifest.name}: {manifest.task}, inputs {', '.join(manifest.input_names)}", title_justify="left")
+    for col in ("variant", "device", "kept", "max |Δ|", "min cos", "mean cos", "agreement", "ms (b1)", "note"):
+        table.add_column(col, justify="left" if col in ("variant", "note", "device") else "right")
+    for v in manifest.variants:
+        val = v.validation
+        table.add_row(
+            v.name, v.device, "[green]yes[/]" if v.kept else "[red]no[/]",
+            f"{val.max_abs_diff:.1e}" if val else "—",
+            f"{val.min_cosine:.5f}" if val else "—",
+            f"{val.mean_cosine:.5f}" if val else "—",
+            f"{val.agreement:.3f}" if val else "—",
+            f"{v.latency_ms:.2f}" if v.latency_ms is not None else "—",
+            v.reason or (f"{v.details.get('fused_ops')}" if v.details.get("fused_ops") else "")
+            + ("per-channel" if v.details.get("per_channel") else ""),
+        )
+    console.print(table)
+
+
+def print_accuracy(console: Console, scores: list[Score]) -> None:
+    table = Table(title="STS Benchmark: Spearman ×100 of cosine similarity", title_justify="left")
+    for col in ("backend", "spearman", "Δ vs pytorch"):
+        table.add_column(col, justify="left" if col == "backend" else "right")
+    for s in scores:
+        table.add_row(s.backend, f"{s.spearman:.3f}", "—" if s.delta is None else f"{s.delta:+.3f}")
+    console.print(table)

@@ -1,0 +1,172 @@
+"""kiln convert on tiny random models of four architectures × four tasks."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from modelkiln.manifest import Manifest
+from modelkiln.runtime.pipeline import load_pipeline
+from modelkiln.samples import SAMPLE_PAIRS, SAMPLE_QA, SAMPLE_TEXTS
+from tiny_models import ARCHITECTURES, CLASS_LABELS, NER_LABELS, TASKS
+
+AUTO = {
+    "text-classification": tf.AutoModelForSequenceClassification,
+    "token-classification": tf.AutoModelForTokenClassification,
+    "question-answering": tf.AutoModelForQuestionAnswering,
+    "sentence-embeddings": tf.AutoModel,
+}
+
+
+def inputs_for(task: str) -> list:
+    if task == "question-answering":
+        return list(SAMPLE_QA[:6])
+    if task == "text-classification":
+        return [*SAMPLE_TEXTS[:6], *SAMPLE_PAIRS[:3]]
+    return list(SAMPLE_TEXTS[:8])
+
+
+def torch_reference(model_dir, task: str, inputs: list, max_length: int) -> list[np.ndarray]:
+    """The task's raw outputs straight from transformers, one row per input, unpadded."""
+    tok = tf.AutoTokenizer.from_pretrained(model_dir)
+    model = AUTO[task].from_pretrained(model_dir).eval()
+    rows = []
+    for item in inputs:
+        args = (item,) if isinstance(item, str) else tuple(item)
+        trunc = "only_second" if task == "question-answering" else True
+        enc = tok(*args, return_tensors="pt", truncation=trunc, max_length=max_length)
+        enc = {k: v for k, v in enc.items() if k in inspect.signature(model.forward).parameters}
+        with torch.no_grad():
+            out = model(**enc)
+        if task == "sentence-embeddings":
+            v = out.last_hidden_state[0].mean(0)
+            rows.append((v / v.norm()).numpy())
+        elif task == "question-answering":
+            rows.append(np.concatenate([out.start_logits[0].numpy(), out.end_logits[0].numpy()]))
+        else:
+            rows.append(out.logits[0].numpy())
+    return rows
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("task", TASKS)
+def test_every_kept_variant_agrees_with_pytorch(zoo, arch, task):
+    folder = zoo.artifact(arch, task)
+    manifest = Manifest.load(folder)
+    assert manifest.task == task
+    kept = manifest.kept_variants()
+    assert "fp32" in [v.name for v in kept]
+    # Input names come from the tokenizer: only BERT has token_type_ids here.
+    assert ("token_type_ids" in manifest.input_names) == (arch == "bert")
+    inputs = inputs_for(task)
+    expected = torch_reference(zoo.model(arch, task), task, inputs, manifest.max_length)
+    for variant in kept:
+        pipe = load_pipeline(folder, variant=variant.name, threads=1)
+        prepared = pipe.task.prepare(inputs)
+        for item, want in zip(prepared, expected):
+            feeds, _ = pipe.encoder.encode([item])
+            out = pipe.engine.run(feeds)
+            if task == "sentence-embeddings":
+                got = pipe(([item]))[0]
+            elif task == "question-answering":
+                got = np.concatenate([out["start_logits"][0], out["end_logits"][0]])
+            else:
+                got = out["logits"][0]
+            cos = float(got.ravel() @ want.ravel() / np.linalg.norm(got) / np.linalg.norm(want))
+            if variant.precision == "fp32":
+                np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-3)
+            else:
+                assert cos > 0.97, (variant.name, cos)
+        assert variant.validation is not None and variant.validation.passed
+        assert variant.latency_ms and variant.latency_ms > 0
+
+
+def test_manifest_records_what_serving_needs(zoo):
+    folder = zoo.artifact("roberta", "token-classification")
+    data = json.loads((folder / "kiln.json").read_text())
+    assert data["labels"] == NER_LABELS
+    assert data["input_names"] == ["input_ids", "attention_mask"]
+    assert data["max_length"] == 128
+    assert data["opset"] == 17
+    assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(data["versions"])
+    names = {v["name"]: v for v in data["variants"]}
+    assert set(names) >= {"fp32", "optimized", "int8"}
+    for v in data["variants"]:
+        if v["kept"]:
+            assert (folder / v["file"]).is_file()
+            assert v["validation"]["passed"]
+        else:
+            assert v["file"] is None and v["reason"]
+    # Only kept variants leave files behind.
+    onnx_files = {p.name for p in folder.glob("*.onnx")}
+    assert onnx_files == {v["file"] for v in data["variants"] if v["kept"]}
+    assert (folder / "tokenizer.json").is_file()
+
+
+def test_classification_labels_and_pairs(zoo):
+    pipe = load_pipeline(zoo.artifact("bert", "text-classification"), variant="fp32")
+    single, pair = pipe(["I loved it", ("A man is eating.", "Someone eats food.")])
+    for answer in (single, pair):
+        assert [a["label"] for a in answer] and {a["label"] for a in answer} == set(CLASS_LABELS)
+        assert abs(sum(a["score"] for a in answer) - 1.0) < 1e-5
+        assert answer[0]["score"] >= answer[1]["score"]
+
+
+@pytest.mark.parametrize("mode", ["cls", "max"])
+def test_sentence_transformers_pooling_is_honoured(zoo, mode):
+    folder = zoo.artifact("bert", "sentence-embeddings", precisions=("fp32",), pooling=mode)
+    manifest = Manifest.load(folder)
+    assert manifest.pooling.mode == mode and manifest.pooling.normalize
+    model_dir = zoo.model("bert", "sentence-embeddings", pooling=mode)
+    tok, model = tf.AutoTokenizer.from_pretrained(model_dir), tf.AutoModel.from_pretrained(model_dir).eval()
+    text = SAMPLE_TEXTS[5]
+    with torch.no_grad():
+        hidden = model(**tok(text, return_tensors="pt")).last_hidden_state[0]
+    want = hidden[0] if mode == "cls" else hidden.max(0).values
+    want = (want / want.norm()).numpy()
+    got = load_pipeline(folder)([text])[0]
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_auto_task_detection(zoo):
+    for task in TASKS:
+        assert Manifest.load(zoo.artifact("distilbert", task)).task == task  # built with task=auto
+    plain = zoo.model("distilbert", "sentence-embeddings", sentence_transformers=False)
+    assert not (plain / "modules.json").exists()
+
+
+def test_external_data_for_large_models(zoo, tmp_path):
+    from modelkiln.convert.pipeline import ConvertConfig, convert
+
+    out = tmp_path / "big"
+    convert(ConvertConfig(model=str(zoo.model("bert", "text-classification")), out=out, precisions=("fp32", "int8"),
+                          external_data_threshold=0, timing_seconds=0.02))
+    assert (out / "model.onnx.data").is_file()
+    assert (out / "model.onnx").stat().st_size < (out / "model.onnx.data").stat().st_size
+    a = load_pipeline(out, variant="fp32")([SAMPLE_TEXTS[2]])
+    b = load_pipeline(zoo.artifact("bert", "text-classification"), variant="fp32")([SAMPLE_TEXTS[2]])
+    assert a[0][0]["label"] == b[0][0]["label"] and abs(a[0][0]["score"] - b[0][0]["score"]) < 1e-5
+
+
+def test_serving_path_needs_neither_torch_nor_transformers(zoo):
+    import subprocess
+    import sys
+
+    from helpers import SRC
+
+    folder = zoo.artifact("roberta", "question-answering")
+    code = (
+        "import sys\n"
+        "from modelkiln.runtime.pipeline import load_pipeline\n"
+        f"p = load_pipeline({str(folder)!r})\n"
+        "print(p([('Who?', 'Marie Curie won.')])[0]['answer'] is not None)\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(SRC)})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[:2] == ["True", "[]"]
