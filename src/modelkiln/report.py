@@ -33,5 +33,5 @@ def print_accuracy(console: Console, scores: list[Score]) -> None:
     for col in ("backend", "spearman", "Δ vs pytorch"):
         table.add_column(col, justify="left" if col == "backend" else "right")
     for s in scores:
-        table.add_row(s.backend, f"{s.spearman:.3f}", "—" if s.delta is None else f"{s.delta:+.3f}")
+        table.add_row(s.backend, f"{s.spearman:.3f}", "—" if s.delta is None else f"{s.delta:+.4f}")
     console.print(table)

@@ -7,7 +7,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -16,8 +16,9 @@ from typing import ContextManager
 import numpy as np
 from tokenizers import Tokenizer
 
+from ..atomic import atomic_folder
 from ..bench.timing import measure_interleaved
-from ..errors import ConversionError, OutputNotWritableError, ValidationFailedError
+from ..errors import ConversionError, ValidationFailedError
 from ..manifest import Manifest, TokenizerSpec, Variant
 from ..runtime.onnx import OnnxEngine, cuda_available
 from ..runtime.tokenizer import TextEncoder
@@ -66,35 +67,6 @@ def default_texts(task: str) -> list[TextInput]:
     if task == "text-classification":
         return [*SAMPLE_TEXTS, *SAMPLE_PAIRS]
     return list(SAMPLE_TEXTS)
-
-
-# --- atomic output ----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary folder beside ``out``; on success it replaces ``out`` by rename, on any
-    failure (including Ctrl-C) it is deleted, so ``out`` is never half-written."""
-    out = out.resolve()
-    if out.exists() and not force:
-        raise OutputNotWritableError(f"{out} already exists (pass --force to replace it)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    except OSError as exc:
-        raise OutputNotWritableError(f"cannot write to {out.parent}: {exc.strerror or exc}") from exc
-    try:
-        yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # --- the conversion ---------------------------------------------------------------------------

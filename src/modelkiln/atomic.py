@@ -1,0 +1,38 @@
+"""Writing a folder all at once: used by `kiln convert` (artifacts) and `kiln triton` (repositories)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import OutputNotWritableError
+
+
+@contextlib.contextmanager
+def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary folder beside ``out``; on success it replaces ``out`` by rename, on any
+    failure (including Ctrl-C) it is deleted, so ``out`` is never half-written."""
+    out = out.resolve()
+    if out.exists() and not force:
+        raise OutputNotWritableError(f"{out} already exists (pass --force to replace it)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise OutputNotWritableError(f"cannot write to {out.parent}: {exc.strerror or exc}") from exc
+    try:
+        yield tmp
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
