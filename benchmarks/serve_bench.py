@@ -1,0 +1,167 @@
+"""Load-test ``kiln serve`` with wrk, driving STS-B sentences (../shared/data), and compare with the
+in-process batch-1 latency of the same artifact.
+
+    python benchmarks/serve_bench.py --artifact /tmp/serve-art/all-MiniLM-L6-v2 --duration 20
+
+Prints one JSON document and a Markdown table for the README. Needs ``wrk`` (apt-get install wrk).
+Acceptance targets (2 CPU cores): concurrency 1 p50 <= in-process batch-1 latency + 0.5 ms;
+concurrency 16 >= 800 requests/s with zero errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from modelkiln.data import sts_sentences
+
+LUA = r"""
+local bodies = {%s}
+local i = 0
+local path = "%s"
+init = function(args) i = math.random(#bodies) end
+request = function()
+  i = i %% #bodies + 1
+  return wrk.format("POST", path, {["Content-Type"] = "application/json"}, bodies[i])
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("RESULT %%d %%d %%d %%d %%d %%d %%f %%f %%f %%f\n", summary.requests, summary.duration,
+    e.connect + e.read + e.write + e.timeout, e.status, e.timeout, 0,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.mean))
+end
+"""
+
+
+def lua_string(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def in_process_latency(artifact: str, sentences: list[str], threads: int | None, seconds: float) -> float:
+    """Median ms of the full pipeline (tokenize + model + postprocess) at batch 1, in this process."""
+    from modelkiln.runtime.pipeline import load_pipeline
+
+    pipe = load_pipeline(artifact, threads=threads)
+    for s in sentences[:20]:
+        pipe([s])
+    times, k, end = [], 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        pipe([sentences[k % len(sentences)]])
+        times.append(time.perf_counter() - t)
+        k += 1
+    return statistics.median(times) * 1000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/v2/health/ready", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("server not ready")
+
+
+def run_wrk(url: str, script: Path, connections: int, seconds: int, threads: int) -> dict:
+    out = subprocess.run(["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{seconds}s", "--latency",
+                          "-s", str(script), url], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"RESULT (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+)", out)
+    if not m:
+        raise SystemExit(f"cannot parse wrk output:\n{out}")
+    requests, duration_us, socket_errors, status_errors, timeouts = (int(m.group(i)) for i in range(1, 6))
+    p50, p90, p99, mean = (float(m.group(i)) / 1000 for i in range(7, 11))
+    return {"concurrency": connections, "requests": requests, "seconds": duration_us / 1e6,
+            "rps": requests / (duration_us / 1e6), "errors": socket_errors + status_errors,
+            "p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "mean_ms": mean}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifact", required=True, help="artifact folder (e.g. a converted all-MiniLM-L6-v2)")
+    ap.add_argument("--route", default="predict", choices=["predict", "infer", "embeddings"])
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--duration", type=int, default=20, help="seconds per wrk run")
+    ap.add_argument("--warmup", type=int, default=3, help="seconds of load before measuring")
+    ap.add_argument("--threads", type=int, default=None, help="server onnxruntime threads (KILN_THREADS)")
+    ap.add_argument("--server-args", default="", help="extra `kiln serve` flags, e.g. '--max-batch-size 64'")
+    ap.add_argument("--json", type=Path, help="also write results here")
+    args = ap.parse_args()
+    if not shutil.which("wrk"):
+        raise SystemExit("wrk not found: apt-get install -y wrk")
+
+    sentences = sts_sentences()
+    name = "bench"
+    if args.route == "predict":
+        path, bodies = f"/v2/models/{name}/predict", [json.dumps({"inputs": s}) for s in sentences]
+    elif args.route == "embeddings":
+        path, bodies = "/v1/embeddings", [json.dumps({"model": name, "input": s}) for s in sentences]
+    else:
+        path = f"/v2/models/{name}/infer"
+        bodies = [json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1], "data": [s]}]})
+                  for s in sentences]
+    script = Path(tempfile.mkdtemp()) / "sts.lua"
+    script.write_text(LUA % (",".join(lua_string(b) for b in bodies), path))
+
+    from modelkiln.serve.settings import ServeSettings
+
+    # the same session layout the server uses (threads per engine instance)
+    _, engine_threads = ServeSettings(threads=args.threads).engine_layout()
+    baseline = in_process_latency(args.artifact, sentences, engine_threads, seconds=5)
+    port = free_port()
+    env = dict(os.environ)
+    if args.threads:
+        env["KILN_THREADS"] = str(args.threads)
+    cmd = [sys.executable, "-m", "modelkiln", "serve", f"{name}={args.artifact}", "--port", str(port),
+           "--log-level", "warning", *args.server_args.split()]
+    proc = subprocess.Popen(cmd, env=env)
+    url = f"http://127.0.0.1:{port}"
+    results = []
+    try:
+        wait_ready(url, proc)
+        if args.warmup:
+            run_wrk(url, script, 16, args.warmup, 1)
+        for c in (int(x) for x in args.concurrency.split(",")):
+            results.append(run_wrk(url, script, c, args.duration, threads=1 if c == 1 else 2))
+        rss_mb = int(next(ln for ln in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                          if ln.startswith("VmRSS")).split()[1]) / 1024
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    report = {"artifact": args.artifact, "route": args.route, "sentences": len(sentences), "cpus": os.cpu_count(),
+              "in_process_batch1_ms": baseline, "server_rss_mb": rss_mb, "server_exit": code, "runs": results}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nin-process batch-1 latency: {baseline:.2f} ms; server RSS {rss_mb:.0f} MB\n")
+    print("| concurrency | requests/s | p50 ms | p90 ms | p99 ms | errors |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['concurrency']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | {r['p99_ms']:.2f} "
+              f"| {r['errors']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""HTTP routes (FastAPI), kept thin: read the body, call the data plane, write the answer.
+
+Cross-cutting concerns live in one small ASGI middleware (``Gate``): bearer-token check, request
+ids, in-flight gauge, per-route outcome metrics and the optional access log. Errors become
+responses in one place (``errors.error_response``)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from ..errors import KilnError, PayloadTooLargeError, UnauthorizedError
+from . import codec
+from .dataplane import DataPlane
+from .errors import error_response
+from .metrics import Metrics
+
+log = logging.getLogger("modelkiln.serve")
+access = logging.getLogger("modelkiln.serve.access")
+
+JSON = "application/json"
+PUBLIC_PREFIX = "/v2/health/"  # the only routes that need no API key (probes)
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type=JSON)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) more than ``limit`` bytes before reading them all."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLargeError(f"request body of {length} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    return codec.decompress(body, request.headers.get("content-encoding"), limit)
+
+
+def route_of(path: str) -> tuple[str, str]:
+    """(model, route) labels for metrics, without a regex per request."""
+    parts = path.strip("/").split("/")
+    if len(parts) >= 3 and parts[0] == "v2" and parts[1] == "models":
+        return parts[2], parts[-1] if parts[-1] in ("infer", "predict", "ready", "stats") else "metadata"
+    if path == "/v1/embeddings":
+        return "", "embeddings"
+    return "", parts[-1] if parts[0] in ("v2", "metrics") else "other"
+
+
+class Gate:
+    """Pure ASGI middleware (no per-request task or body buffering, unlike BaseHTTPMiddleware)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], api_key: str | None, metrics: Metrics,
+                 plane: DataPlane, access_log: bool):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.metrics = metrics
+        self.plane = plane
+        self.access_log = access_log
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        headers = dict(scope["headers"])
+        request_id = (headers.get(b"x-request-id") or b"").decode("latin-1")[:128] or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        path: str = scope["path"]
+        if self.api_key is not None and not path.startswith(PUBLIC_PREFIX):
+            token = headers.get(b"authorization", b"")
+            if not (token.startswith(b"Bearer ") and hmac.compare_digest(token[7:].strip(), self.api_key)):
+                status, body, extra = error_response(UnauthorizedError("missing or wrong bearer token"), request_id)
+                extra["www-authenticate"] = "Bearer"
+                await _send_plain(send, status, body, extra, request_id)
+                self._done(path, status, started, request_id, scope)
+                return
+        status_box = [500]
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status_box[0] = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.in_flight.dec()
+            self._done(path, status_box[0], started, request_id, scope)
+
+    def _done(self, path: str, status: int, started: float, request_id: str, scope: dict) -> None:
+        seconds = time.perf_counter() - started
+        model, route = route_of(path)
+        self.metrics.requests.labels(model, route, str(status)).inc()
+        if route in ("infer", "predict", "embeddings"):
+            self.metrics.request_seconds.labels(model, route).observe(seconds)
+            served = self.plane.models.get(model)
+            if served is not None:
+                served.record(status == 200, seconds)
+        if self.access_log:
+            access.info("%s %s %s %d %.1fms", request_id, scope["method"], path, status, seconds * 1000)
+
+
+async def _send_plain(send: Callable, status: int, body: bytes, headers: dict[str, str], request_id: str) -> None:
+    raw = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode()),
+           (b"x-request-id", request_id.encode())]
+    raw += [(k.encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(plane: DataPlane, metrics: Metrics, *, on_shutdown: Callable[[], None] | None = None) -> Any:
+    settings = plane.settings
+    limit = settings.max_body_bytes
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        yield
+        # uvicorn has stopped accepting and every accepted request has been answered by now;
+        # the batchers drain whatever is still queued, then their threads end.
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="modelkiln", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    def fail(request: Request, exc: BaseException) -> Response:
+        status, body, headers = error_response(exc, request.scope.get("state", {}).get("request_id"))
+        return Response(body, status_code=status, media_type=JSON, headers=headers)
+
+    @app.exception_handler(KilnError)
+    async def kiln_error(request: Request, exc: KilnError) -> Response:
+        return fail(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return Response(orjson.dumps({"error": str(exc.detail)}), status_code=exc.status_code, media_type=JSON)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return Response(orjson.dumps({"error": str(exc)}), status_code=400, media_type=JSON)
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> Response:
+        return fail(request, exc)
+
+    # -- health and metadata --------------------------------------------------------------------
+    @app.get("/v2/health/live")
+    async def live() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v2/health/ready")
+    async def ready() -> Response:
+        return Response(status_code=200 if plane.ready() else 503)
+
+    @app.get("/v2")
+    async def server_metadata() -> Response:
+        return json_response(plane.server_metadata())
+
+    @app.get("/v2/models/stats")
+    @app.get("/v2/models/{name}/stats")
+    @app.get("/v2/models/{name}/versions/{version}/stats")
+    async def model_stats(name: str | None = None, version: str | None = None) -> Response:
+        return json_response(plane.model_stats(name, version))
+
+    @app.get("/v2/models/{name}")
+    @app.get("/v2/models/{name}/versions/{version}")
+    async def model_metadata(name: str, version: str | None = None) -> Response:
+        return json_response(plane.model_metadata(name, version))
+
+    @app.get("/v2/models/{name}/ready")
+    @app.get("/v2/models/{name}/versions/{version}/ready")
+    async def model_ready(name: str, version: str | None = None) -> Response:
+        model = plane.model(name, version, need_ready=False)
+        return Response(status_code=200 if model.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        for model in plane.models.values():
+            metrics.queued.labels(model.name).set(model.batcher.queued)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    # -- inference ------------------------------------------------------------------------------
+    @app.post("/v2/models/{name}/infer")
+    @app.post("/v2/models/{name}/versions/{version}/infer")
+    async def infer(request: Request, name: str, version: str | None = None) -> Response:
+        body = await read_body(request, limit)
+        content, header_length = await plane.infer(name, version, body, request.headers.get(codec.HEADER_LENGTH))
+        if header_length is None:
+            return Response(content, media_type=JSON)
+        return Response(content, media_type="application/octet-stream",
+                        headers={"Inference-Header-Content-Length": str(header_length)})
+
+    @app.post("/v2/models/{name}/predict")
+    @app.post("/v2/models/{name}/versions/{version}/predict")
+    async def predict(request: Request, name: str, version: str | None = None) -> Response:
+        return Response(await plane.predict(name, version, await read_body(request, limit)), media_type=JSON)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return Response(await plane.embeddings(await read_body(request, limit)), media_type=JSON)
+
+    @app.get("/v1/models")
+    async def openai_models() -> Response:
+        return json_response({"object": "list", "data": [
+            {"id": m.name, "object": "model", "owned_by": "modelkiln", "created": 0} for m in plane.models.values()]})
+
+    return Gate(app, settings.api_key, metrics, plane, settings.access_log)

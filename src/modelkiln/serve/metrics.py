@@ -1,0 +1,33 @@
+"""Prometheus metrics, in a registry of their own (so tests and embedding apps don't collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kiln_requests_total", "Requests answered, by route and outcome (HTTP status).",
+                                ["model", "route", "status"], registry=r)
+        self.request_seconds = Histogram("kiln_request_duration_seconds", "Time from request to answer.",
+                                         ["model", "route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("kiln_queue_duration_seconds", "Time an input waited before its batch ran.",
+                                       ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.compute_seconds = Histogram("kiln_batch_compute_seconds", "Model execution + postprocessing per batch.",
+                                         ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("kiln_batch_size", "Inputs per model batch.", ["model"],
+                                    buckets=_SIZE_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("kiln_batch_tokens", "Padded tokens per model batch.", ["model"],
+                                      buckets=_TOKEN_BUCKETS, registry=r)
+        self.in_flight = Gauge("kiln_requests_in_flight", "Requests being handled now.", registry=r)
+        self.queued = Gauge("kiln_queue_inputs", "Inputs waiting for a batch.", ["model"], registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

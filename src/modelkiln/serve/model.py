@@ -1,0 +1,211 @@
+"""A served model: manifest + task + tokenizer + ONNX engine + its own batcher.
+
+The stages are the runtime's and the task's (``task.prepare`` / ``TextEncoder`` /
+``task.postprocess``); this module only splits them across the batcher's worker thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidInputError, KilnError, RequestTimeoutError
+from ..manifest import Manifest
+from ..runtime.pipeline import load_encoder, load_variant
+from ..samples import SAMPLE_QA, SAMPLE_TEXTS
+from ..tasks import make_task
+from .batcher import Batcher, BatchHooks, Item, Job, wait_for
+from .metrics import Metrics
+from .settings import ModelSpec, ServeSettings
+
+log = logging.getLogger("modelkiln.serve")
+
+# Per-token tasks need character offsets to answer; pre-tokenized rows have none, so those
+# requests get the model's raw outputs instead.
+PER_TOKEN_ANSWERS = ("token-classification", "question-answering")
+
+
+@dataclass(slots=True)
+class TokenRow:
+    """A pre-tokenized input row, shaped like ``tokenizers.Encoding`` for ``TextEncoder.collate``."""
+
+    ids: np.ndarray
+    attention_mask: np.ndarray
+    type_ids: np.ndarray
+
+
+@dataclass
+class Stats:
+    """Triton-style statistics (``GET /v2/models/{m}/stats``). Each counter has one writer thread."""
+
+    success_count: int = 0
+    success_ns: int = 0
+    fail_count: int = 0
+    fail_ns: int = 0
+    queue_count: int = 0
+    queue_ns: int = 0
+    compute_count: int = 0
+    compute_ns: int = 0
+    inference_count: int = 0  # inputs run
+    execution_count: int = 0  # batches run
+    last_inference_ms: int = 0
+
+
+class ServedModel(BatchHooks):
+    version = "1"
+
+    def __init__(self, spec: ModelSpec, settings: ServeSettings, metrics: Metrics):
+        folder = Path(spec.path)
+        self.folder = folder
+        self.manifest = Manifest.load(folder)
+        self.name = spec.name or self.manifest.name
+        chosen = spec.variant or settings.variant
+        self.variant = (self.manifest.variant(chosen) if chosen
+                        else self.manifest.fastest_variant(settings.device))
+        self.task = make_task(self.manifest)
+        self.settings = settings
+        self.metrics = metrics
+        self.stats = Stats()
+        self.ready = False
+        self.instances, self.threads = settings.engine_layout()
+        self.batcher = Batcher(self, settings.max_batch_size, settings.max_batch_tokens, settings.max_queue_size,
+                               settings.max_queue_delay_ms / 1000.0, name=self.name, instances=self.instances)
+        self._observe_lock = threading.Lock()
+        self._queue_hist = metrics.queue_seconds.labels(self.name)
+        self._compute_hist = metrics.compute_seconds.labels(self.name)
+        self._size_hist = metrics.batch_size.labels(self.name)
+        self._tokens_hist = metrics.batch_tokens.labels(self.name)
+        self._queued_gauge = metrics.queued.labels(self.name)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def load(self) -> None:
+        """Tokenizer + ONNX session, a warm-up, then start the batcher. Blocking."""
+        started = time.perf_counter()
+        self.encoder = load_encoder(self.folder, self.manifest)
+        self.engines = [load_variant(self.folder, self.manifest, self.variant, self.threads)
+                        for _ in range(self.instances)]
+        self.engine = self.engines[0]
+        if self.settings.warmup:
+            for k in range(self.instances):
+                self._warm_up(k)
+        self.batcher.start()
+        self.ready = True
+        log.info("loaded model %s (%s, variant %s, %d instance(s) x %d thread(s)) in %.1fs", self.name,
+                 self.task.name, self.variant.name, self.instances, self.threads, time.perf_counter() - started)
+
+    def _warm_up(self, instance: int) -> None:
+        """Run a short and a full-size batch so first requests don't pay for arena growth."""
+        samples: list[Any] = list(SAMPLE_QA) if self.task.name == "question-answering" else list(SAMPLE_TEXTS)
+        for n in (1, min(len(samples), self.settings.max_batch_size)):
+            job = Job(n=n, future=None)  # type: ignore[arg-type]
+            items = [Item(job, i, text) for i, text in enumerate(self.task.prepare(samples[:n]))]
+            self.tokenize(items)
+            self.execute(items, instance)
+
+    def stop(self) -> None:
+        self.ready = False
+        self.batcher.stop()
+
+    # -- what the batcher's worker thread calls ---------------------------------------------
+    def tokenize(self, items: Sequence[Item]) -> list[KilnError | None]:
+        errors: list[KilnError | None] = [None] * len(items)
+        texts = [(k, it.text) for k, it in enumerate(items) if it.text is not None]
+        if texts:
+            encodings = self.encoder.tokenize([t for _, t in texts])
+            for (k, _), enc in zip(texts, encodings):
+                items[k].encoding = enc
+                items[k].length = len(enc.ids)
+                if not self.settings.truncate and enc.overflowing:
+                    errors[k] = InvalidInputError(
+                        f"input {items[k].index} is longer than the model's {self.manifest.max_length} tokens "
+                        "(the server rejects long inputs: start it with truncation on to cut them instead)")
+        for it in items:
+            if it.text is None:
+                it.length = len(it.encoding.ids)
+        return errors
+
+    def execute(self, batch: Sequence[Item], instance: int = 0) -> list[Any]:
+        encodings = [it.encoding for it in batch]
+        outputs = self.engines[instance].run(self.encoder.collate(encodings))
+        raw_rows = [k for k, it in enumerate(batch) if it.text is None and self.task.name in PER_TOKEN_ANSWERS]
+        if not raw_rows:
+            return self.task.postprocess(outputs, encodings, [it.text for it in batch])
+        results: list[Any] = [None] * len(batch)
+        for k in raw_rows:
+            n = batch[k].length
+            results[k] = {name: value[k, :n] for name, value in outputs.items()}
+        rest = [k for k in range(len(batch)) if k not in set(raw_rows)]
+        if rest:
+            sub = {name: value[rest] for name, value in outputs.items()}
+            for k, answer in zip(rest, self.task.postprocess(sub, [encodings[k] for k in rest],
+                                                             [batch[k].text for k in rest])):
+                results[k] = answer
+        return results
+
+    def observe(self, batch: Sequence[Item], queue_s: list[float], compute_s: float) -> None:
+        with self._observe_lock:  # engine instances report from their own threads
+            self._observe(batch, queue_s, compute_s)
+
+    def _observe(self, batch: Sequence[Item], queue_s: list[float], compute_s: float) -> None:
+        for q in queue_s:
+            self._queue_hist.observe(q)
+        self._compute_hist.observe(compute_s)
+        self._size_hist.observe(len(batch))
+        self._tokens_hist.observe(len(batch) * max(it.length for it in batch))
+        self._queued_gauge.set(self.batcher.queued)
+        s = self.stats
+        s.queue_count += len(queue_s)
+        s.queue_ns += int(sum(queue_s) * 1e9)
+        s.compute_count += 1
+        s.compute_ns += int(compute_s * 1e9)
+        s.inference_count += len(batch)
+        s.execution_count += 1
+        s.last_inference_ms = int(time.time() * 1000)
+
+    # -- what the data plane calls (event loop) ----------------------------------------------
+    async def run(self, inputs: list[Any], timeout_s: float) -> tuple[list[Any], int]:
+        """Answer prepared inputs (texts, pairs or TokenRows). Returns (answers, real tokens)."""
+        import asyncio
+
+        error = RequestTimeoutError(f"request timed out after {timeout_s:g}s waiting for model '{self.name}'")
+        job = Job(n=len(inputs), future=asyncio.get_running_loop().create_future(),
+                  deadline=time.perf_counter() + timeout_s, timeout_error=error)
+        self.batcher.submit([Item(job, i, None if isinstance(x, TokenRow) else x,
+                                  x if isinstance(x, TokenRow) else None) for i, x in enumerate(inputs)])
+        results = await wait_for(job, timeout_s, lambda: error)
+        return results, job.tokens
+
+    def record(self, ok: bool, seconds: float) -> None:
+        if ok:
+            self.stats.success_count += 1
+            self.stats.success_ns += int(seconds * 1e9)
+        else:
+            self.stats.fail_count += 1
+            self.stats.fail_ns += int(seconds * 1e9)
+
+    # -- protocol description ------------------------------------------------------------------
+    def text_inputs(self) -> list[str]:
+        if self.task.name == "question-answering":
+            return ["QUESTION", "CONTEXT"]
+        if self.task.name == "text-classification":
+            return ["TEXT", "TEXT_PAIR"]
+        return ["TEXT"]
+
+    def output_specs(self) -> list[tuple[str, str, list[int]]]:
+        """(name, datatype, shape) of the outputs of a text request."""
+        task = self.task.name
+        if task == "text-classification":
+            return [("PROBABILITIES", "FP32", [-1, len(self.manifest.labels or [])]), ("LABEL", "BYTES", [-1]),
+                    ("SCORE", "FP32", [-1])]
+        if task == "sentence-embeddings":
+            dim = self.engine.session.get_outputs()[0].shape[-1] if hasattr(self, "engine") else -1
+            return [("EMBEDDINGS", "FP32", [-1, dim if isinstance(dim, int) else -1])]
+        if task == "token-classification":
+            return [("ENTITIES", "BYTES", [-1])]
+        return [("ANSWER", "BYTES", [-1]), ("START", "INT64", [-1]), ("END", "INT64", [-1]), ("SCORE", "FP32", [-1])]

@@ -1,0 +1,115 @@
+"""Server settings: one frozen dataclass. Defaults come from ``KILN_*`` environment variables,
+CLI flags override them (see ``command.py``), and nothing else reads the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from ..errors import KilnError
+
+ENV_PREFIX = "KILN_"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to serve: its public name, its artifact folder and the variant to run."""
+
+    name: str
+    path: str
+    variant: str | None = None  # None: the fastest kept variant for ``device``
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None  # bearer token required on every route but health
+    device: str = "cpu"
+    variant: str | None = None  # default variant for models given without one
+    threads: int | None = None  # onnxruntime intra-op threads per instance (None: cores / instances)
+    instances: int | None = None  # engine sessions per model run in parallel (None: 2 on CPU, 1 on GPU)
+    # batching
+    max_batch_size: int = 32  # inputs per model batch
+    max_batch_tokens: int = 8192  # padded tokens per model batch (rows × longest row)
+    max_queue_delay_ms: float = 0.0  # extra wait for a fuller batch; 0 = run whatever is queued
+    max_queue_size: int = 1024  # inputs waiting; beyond that requests get 503 at once
+    # limits
+    request_timeout_s: float = 30.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_inputs_per_request: int = 256
+    max_input_chars: int = 100_000  # checked before tokenizing (bounds tokenizer work)
+    truncate: bool = True  # inputs longer than the model's max_length: truncate, or reject (400)
+    # operations
+    warmup: bool = True
+    log_level: str = "info"
+    access_log: bool = False  # one line per request, with its request id
+    models: tuple[ModelSpec, ...] = field(default_factory=tuple)
+
+    def engine_layout(self) -> tuple[int, int]:
+        """(instances, threads each). Two single-threaded sessions beat one two-threaded session on a
+        2-core box: onnxruntime's pool threads spin between ops and starve the event loop."""
+        cpus = os.cpu_count() or 1
+        instances = self.instances or (1 if self.device != "cpu" else min(2, cpus))
+        threads = self.threads or max(1, cpus // instances)
+        return instances, threads
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> ServeSettings:
+        """Defaults ← ``KILN_<FIELD>`` env vars ← explicit overrides (None means "not given")."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == "models":
+                continue
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f.name, str(f.type), raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def with_models(self, models: tuple[ModelSpec, ...]) -> ServeSettings:
+        return replace(self, models=models)
+
+    def check(self) -> None:
+        positive = ("max_batch_size", "max_batch_tokens", "max_queue_size", "max_body_bytes",
+                    "max_inputs_per_request", "max_input_chars")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise KilnError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.instances is not None and self.instances < 1:
+            raise KilnError("instances must be at least 1")
+        if self.request_timeout_s <= 0 or self.max_queue_delay_ms < 0:
+            raise KilnError("request_timeout_s must be positive and max_queue_delay_ms not negative")
+
+
+def _parse(name: str, kind: str, raw: str) -> Any:
+    try:
+        if "bool" in kind:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+        if "int" in kind and "None" in kind:  # int | None
+            return int(raw)
+        return raw
+    except ValueError:
+        raise KilnError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind}") from None
+
+
+def parse_model_arg(arg: str, default_variant: str | None) -> ModelSpec:
+    """``PATH`` (name = the artifact's name) or ``NAME=PATH``; the name is filled in at load."""
+    name, sep, path = arg.partition("=")
+    if not sep:
+        return ModelSpec(name="", path=arg, variant=default_variant)
+    if not name or not path:
+        raise KilnError(f"model argument '{arg}' must be PATH or NAME=PATH")
+    return ModelSpec(name=name, path=path, variant=default_variant)

@@ -1,0 +1,395 @@
+"""`kiln serve` end to end: a real server process called by real clients (tritonclient.http,
+openai, httpx). Tiny random models keep it fast; tests/test_serve_slow.py covers MiniLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from modelkiln.runtime.pipeline import load_pipeline
+from modelkiln.samples import SAMPLE_QA, SAMPLE_TEXTS
+
+TASKS = {"cls": "text-classification", "emb": "sentence-embeddings", "ner": "token-classification",
+         "qa": "question-answering"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m modelkiln serve ...`` on a free port; waits until /v2/health/ready answers 200."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, python_flags: tuple[str, ...] = (),
+                 timeout: float = 60.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        full_env = {**os.environ, "KILN_THREADS": "1", "KILN_PORT": str(self.port), **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, *python_flags, "-m", "modelkiln", "serve", *args],
+                                     env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/v2/health/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("server did not become ready")
+            time.sleep(0.05)
+
+    def stop(self) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return self.proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def artifacts(zoo) -> dict[str, Path]:
+    return {name: zoo.artifact("bert", task) for name, task in TASKS.items()}
+
+
+@pytest.fixture(scope="module")
+def server(artifacts):
+    srv = Server([f"{n}={p}" for n, p in artifacts.items()] + ["--variant", "fp32", "--max-inputs-per-request", "64",
+                                                               "--max-body-bytes", "200000"])
+    yield srv
+    code, err = srv.stop()
+    assert code == 0, err[-2000:]
+
+
+@pytest.fixture(scope="module")
+def reference(artifacts):
+    return {n: load_pipeline(p, variant="fp32", threads=1) for n, p in artifacts.items()}
+
+
+def post(server: Server, path: str, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, timeout=30, **kw)
+
+
+# --- health, metadata ----------------------------------------------------------------------------
+
+
+def test_health_metadata_and_stats(server):
+    assert httpx.get(server.url + "/v2/health/live").status_code == 200
+    assert httpx.get(server.url + "/v2/health/ready").status_code == 200
+    meta = httpx.get(server.url + "/v2").json()
+    assert meta["name"] == "modelkiln" and "binary_tensor_data" in meta["extensions"]
+    for name, task in TASKS.items():
+        for path in (f"/v2/models/{name}", f"/v2/models/{name}/versions/1"):
+            m = httpx.get(server.url + path).json()
+            assert m["name"] == name and m["parameters"]["task"] == task and m["versions"] == ["1"]
+        assert httpx.get(f"{server.url}/v2/models/{name}/ready").status_code == 200
+    emb = httpx.get(server.url + "/v2/models/emb").json()
+    assert emb["inputs"] == [{"name": "TEXT", "datatype": "BYTES", "shape": [-1]}]
+    assert emb["outputs"][0]["name"] == "EMBEDDINGS" and emb["outputs"][0]["shape"][1] > 0
+    post(server, "/v2/models/cls/predict", {"inputs": "hello"})
+    stats = httpx.get(server.url + "/v2/models/cls/stats").json()["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] >= 1 and stats["execution_count"] >= 1
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("kiln_requests_total", "kiln_queue_duration_seconds", "kiln_batch_size", "kiln_batch_tokens",
+                 "kiln_batch_compute_seconds", "kiln_requests_in_flight"):
+        assert name in metrics
+    assert 'route="predict",status="200"' in metrics
+
+
+# --- tritonclient: every task, JSON and binary ------------------------------------------------------
+
+
+def _triton_infer(server, model: str, inputs: dict[str, list[str]], binary: bool, outputs: list[str] | None = None):
+    import tritonclient.http as th
+
+    client = th.InferenceServerClient(server.url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(model)
+    tensors = []
+    for name, values in inputs.items():
+        t = th.InferInput(name, [len(values)], "BYTES")
+        t.set_data_from_numpy(np.array([v.encode() for v in values], dtype=object), binary_data=binary)
+        tensors.append(t)
+    requested = [th.InferRequestedOutput(n, binary_data=binary) for n in outputs] if outputs else None
+    return client.infer(model, tensors, outputs=requested, request_id="req-42")
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_tritonclient_every_task(server, reference, binary):
+    texts = list(SAMPLE_TEXTS[:5])
+    result = _triton_infer(server, "emb", {"TEXT": texts}, binary)
+    assert result.get_response()["id"] == "req-42"
+    expected = np.stack(reference["emb"](texts))
+    np.testing.assert_allclose(result.as_numpy("EMBEDDINGS"), expected, atol=1e-4)
+
+    result = _triton_infer(server, "cls", {"TEXT": texts}, binary, outputs=["PROBABILITIES", "LABEL"])
+    answers = reference["cls"](texts)
+    labels = [a[0]["label"] for a in answers]
+    assert [v.decode() if isinstance(v, bytes) else v for v in result.as_numpy("LABEL")] == labels
+    assert result.as_numpy("PROBABILITIES").shape == (5, 2)
+    assert result.as_numpy("SCORE") is None  # not requested: not returned
+    pairs = _triton_infer(server, "cls", {"TEXT": texts[:2], "TEXT_PAIR": texts[2:4]}, binary)
+    ref_pairs = reference["cls"](list(zip(texts[:2], texts[2:4])))
+    np.testing.assert_allclose(pairs.as_numpy("SCORE"), [a[0]["score"] for a in ref_pairs], atol=1e-4)
+
+    result = _triton_infer(server, "ner", {"TEXT": texts}, binary)
+    entities = [json.loads(v) for v in result.as_numpy("ENTITIES")]
+    assert [[e["word"] for e in ents] for ents in entities] == [[e["word"] for e in ents]
+                                                                for ents in reference["ner"](texts)]
+
+    qs, cs = [q for q, _ in SAMPLE_QA[:3]], [c for _, c in SAMPLE_QA[:3]]
+    result = _triton_infer(server, "qa", {"QUESTION": qs, "CONTEXT": cs}, binary)
+    ref = reference["qa"](list(zip(qs, cs)))
+    assert list(result.as_numpy("START")) == [a["start"] for a in ref]
+    assert list(result.as_numpy("END")) == [a["end"] for a in ref]
+    got = [v.decode() if isinstance(v, bytes) else v for v in result.as_numpy("ANSWER")]
+    assert got == [a["answer"] for a in ref]
+
+
+def test_pretokenized_int64_inputs(server, reference):
+    import tritonclient.http as th
+
+    pipe = reference["emb"]
+    feeds, _ = pipe.encoder.encode(list(SAMPLE_TEXTS[:3]))
+    client = th.InferenceServerClient(server.url.removeprefix("http://"))
+    tensors = []
+    for name, array in feeds.items():
+        t = th.InferInput(name, list(array.shape), "INT64")
+        t.set_data_from_numpy(array, binary_data=True)
+        tensors.append(t)
+    result = client.infer("emb", tensors)
+    np.testing.assert_allclose(result.as_numpy("EMBEDDINGS"), np.stack(pipe(list(SAMPLE_TEXTS[:3]))), atol=1e-4)
+    # per-token task without text: the model's raw outputs come back
+    feeds, _ = reference["ner"].encoder.encode(["Angela Merkel met Macron"])
+    body = {"inputs": [{"name": n, "datatype": "INT64", "shape": list(a.shape), "data": a.ravel().tolist()}
+                       for n, a in feeds.items()]}
+    out = post(server, "/v2/models/ner/infer", body).json()["outputs"]
+    assert out[0]["name"] == "logits" and out[0]["shape"][:2] == list(feeds["input_ids"].shape)
+
+
+def test_json_infer_shape_n1_and_raw_json(server, reference):
+    body = {"id": "abc", "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [2, 1], "data": [["a b"], ["c"]]}],
+            "outputs": [{"name": "EMBEDDINGS"}]}
+    r = post(server, "/v2/models/emb/versions/1/infer", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"] == "abc" and out["model_name"] == "emb" and out["outputs"][0]["shape"][0] == 2
+    np.testing.assert_allclose(np.array(out["outputs"][0]["data"]).reshape(2, -1),
+                               np.stack(reference["emb"](["a b", "c"])), atol=1e-4)
+
+
+# --- predict and OpenAI ----------------------------------------------------------------------------
+
+
+def test_predict_every_task(server, reference):
+    r = post(server, "/v2/models/cls/predict", {"inputs": "I love it"})
+    expected = reference["cls"](["I love it"])[0]
+    assert [a["label"] for a in r.json()] == [a["label"] for a in expected]
+    assert [a["score"] for a in r.json()] == pytest.approx([a["score"] for a in expected], abs=1e-5)
+    r = post(server, "/v2/models/cls/predict", {"inputs": ["a", {"text": "b", "text_pair": "c"}],
+                                                 "parameters": {"top_k": 1}})
+    assert [len(a) for a in r.json()] == [1, 1]
+    emb = post(server, "/v2/models/emb/predict", {"inputs": ["x y", "z"]}).json()
+    np.testing.assert_allclose(emb, np.stack(reference["emb"](["x y", "z"])), atol=1e-4)
+    ner = post(server, "/v2/models/ner/predict", {"inputs": SAMPLE_TEXTS[17]}).json()
+    assert [e["word"] for e in ner] == [e["word"] for e in reference["ner"]([SAMPLE_TEXTS[17]])[0]]
+    q, c = SAMPLE_QA[0]
+    qa = post(server, "/v2/models/qa/predict", {"inputs": {"question": q, "context": c}}).json()
+    assert qa["answer"] == reference["qa"]([(q, c)])[0]["answer"] and set(qa) == {"answer", "score", "start", "end"}
+
+
+def test_openai_client_embeddings(server, reference):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    texts = list(SAMPLE_TEXTS[:4])
+    expected = np.stack(reference["emb"](texts))
+    for kwargs in ({}, {"encoding_format": "float"}):  # the client asks for base64 by default
+        res = client.embeddings.create(model="emb", input=texts, **kwargs)
+        np.testing.assert_allclose(np.array([d.embedding for d in res.data]), expected, atol=1e-4)
+        assert res.usage.prompt_tokens > 0 and res.model == "emb"
+    single = client.embeddings.create(model="emb", input="hello")
+    assert len(single.data) == 1
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nope", input="x")
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="cls", input="x")
+
+
+# --- the error table ------------------------------------------------------------------------------
+
+
+def test_error_table(server):
+    cases = [
+        ("/v2/models/emb/infer", b"{not json", 400, "malformed JSON"),
+        ("/v2/models/emb/predict", b"[1,", 400, "malformed JSON"),
+        ("/v1/embeddings", b"{", 400, "malformed JSON"),
+        ("/v2/models/nope/infer", b"{}", 404, "unknown model"),
+        ("/v2/models/emb/versions/7/infer", b"{}", 404, "unknown version"),
+        ("/v2/models/emb/infer", json.dumps({"inputs": []}), 400, "inputs"),
+        ("/v2/models/emb/infer", json.dumps({"inputs": [{"name": "WRONG", "datatype": "BYTES", "shape": [1],
+                                                          "data": ["x"]}]}), 400, "unexpected input"),
+        ("/v2/models/emb/infer", json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [3],
+                                                          "data": ["x"]}]}), 400, "do not fill"),
+        ("/v2/models/emb/infer", json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1],
+                                                          "data": ["x"]}], "outputs": [{"name": "NOPE"}]}), 400,
+         "unknown output"),
+        ("/v2/models/qa/predict", json.dumps({"inputs": "no context"}), 400, "pair"),
+        ("/v2/models/emb/predict", json.dumps({"inputs": ["x"] * 65}), 400, "limit is 64"),
+        ("/v2/models/emb/predict", json.dumps({"inputs": "x" * 300_000}), 413, "exceeds"),
+        ("/v2/models/emb/predict", json.dumps({"inputs": "x", "parameters": {"timeout": 1}}), 503, "timed out"),
+    ]
+    for path, body, status, message in cases:
+        r = post(server, path, body)
+        assert r.status_code == status, (path, body[:80], r.status_code, r.text)
+        assert message in r.json()["error"], (path, r.json())
+        assert r.headers["x-request-id"]
+    r = httpx.get(server.url + "/v2/nothing/here")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.post(server.url + "/v2/models/emb/predict", content=b'{"inputs":"x"}', headers={"x-request-id": "rid-7"})
+    assert r.headers["x-request-id"] == "rid-7"
+
+
+def test_tritonclient_error_surface(server):
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
+    client = th.InferenceServerClient(server.url.removeprefix("http://"))
+    t = th.InferInput("TEXT", [1], "BYTES")
+    t.set_data_from_numpy(np.array([b"x"], dtype=object))
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        client.infer("nope", [t])
+
+
+# --- concurrency: every client gets its own answers -------------------------------------------------
+
+
+def test_concurrent_clients_get_their_own_answers(server, reference):
+    texts = [f"{SAMPLE_TEXTS[i % len(SAMPLE_TEXTS)]} #{i}" for i in range(96)]
+    expected = np.stack(reference["emb"](texts))
+    labels = [a[0]["label"] for a in reference["cls"](texts)]
+
+    def call(i: int) -> tuple[int, list, list]:
+        with httpx.Client(timeout=30) as c:
+            n = 1 + i % 3  # requests of 1..3 inputs, so batches mix requests and split them
+            chunk = list(range(i, min(i + n, len(texts))))
+            emb = c.post(f"{server.url}/v2/models/emb/predict", json={"inputs": [texts[k] for k in chunk]}).json()
+            cls = c.post(f"{server.url}/v2/models/cls/predict", json={"inputs": [texts[k] for k in chunk]}).json()
+            return i, chunk, [emb, cls]
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(call, range(len(texts))))
+    for _, chunk, (emb, cls) in results:
+        np.testing.assert_allclose(np.array(emb), expected[chunk], atol=1e-4)
+        assert [a[0]["label"] for a in cls] == [labels[k] for k in chunk]
+    sizes = httpx.get(server.url + "/metrics").text
+    assert "kiln_batch_size_bucket" in sizes
+
+
+# --- limits, auth, overload, shutdown, imports ------------------------------------------------------
+
+
+def test_api_key_queue_full_and_no_truncate(artifacts):
+    srv = Server([str(artifacts["emb"]), "--max-queue-size", "8", "--max-batch-size", "1", "--no-truncate"],
+                 env={"KILN_API_KEY": "s3cret"})
+    try:
+        name = httpx.get(srv.url + "/v2/health/ready").status_code and "bert-sentence-embeddings-fp32-optimized-int8"
+        auth = {"Authorization": "Bearer s3cret"}
+        assert httpx.get(srv.url + f"/v2/models/{name}").status_code == 401
+        assert httpx.get(srv.url + "/metrics").status_code == 401
+        assert httpx.get(srv.url + f"/v2/models/{name}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(srv.url + f"/v2/models/{name}", headers=auth).status_code == 200
+        r = httpx.post(srv.url + f"/v2/models/{name}/predict", json={"inputs": "word " * 400}, headers=auth)
+        assert r.status_code == 400 and "longer than" in r.json()["error"]
+
+        def call(_: int) -> httpx.Response:
+            return httpx.post(srv.url + f"/v2/models/{name}/predict", json={"inputs": list(SAMPLE_TEXTS[:6])},
+                              headers=auth, timeout=30)
+
+        with ThreadPoolExecutor(24) as pool:
+            responses = list(pool.map(call, range(48)))
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
+        full = next(r for r in responses if r.status_code == 503)
+        assert full.headers["retry-after"] == "1" and "queue full" in full.json()["error"]
+    finally:
+        code, err = srv.stop()
+    assert code == 0, err[-2000:]
+
+
+def test_sigterm_finishes_accepted_requests(artifacts):
+    srv = Server([f"emb={artifacts['emb']}", "--max-batch-size", "2", "--variant", "fp32"])
+    texts = [f"{t} {i}" for i, t in enumerate(SAMPLE_TEXTS)] * 3
+    results: list = [None] * 12
+    started = threading.Barrier(13)
+
+    def call(i: int) -> None:
+        started.wait()
+        try:
+            results[i] = httpx.post(srv.url + "/v2/models/emb/predict", json={"inputs": texts}, timeout=60)
+        except httpx.HTTPError as exc:  # pragma: no cover - a failure is what the test looks for
+            results[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    started.wait()
+    deadline = time.monotonic() + 10  # SIGTERM once every request is in flight (accepted)
+    while time.monotonic() < deadline:
+        metrics = subprocess.run(["curl", "-s", srv.url + "/metrics"], capture_output=True, text=True).stdout
+        line = next((ln for ln in metrics.splitlines() if ln.startswith("kiln_requests_in_flight")), "0 0")
+        if float(line.split()[-1]) >= 13:  # 12 + the metrics request itself
+            break
+        time.sleep(0.02)
+    code, err = srv.stop()
+    for t in threads:
+        t.join()
+    assert code == 0, err[-2000:]
+    assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in results), results
+    assert all(len(r.json()) == len(texts) for r in results)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(srv.url + "/v2/health/live")
+
+
+def test_server_never_imports_torch_or_transformers(artifacts):
+    """-X importtime lists every module the server process imports, on stderr."""
+    srv = Server([f"emb={artifacts['emb']}", f"qa={artifacts['qa']}"], python_flags=("-X", "importtime"))
+    post(srv, "/v2/models/emb/predict", {"inputs": "hello"}).raise_for_status()
+    post(srv, "/v1/embeddings", {"model": "emb", "input": ["hello"]}).raise_for_status()
+    code, err = srv.stop()
+    assert code == 0
+    imported = {line.rsplit("|", 1)[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
+    assert "fastapi" in imported and "onnxruntime" in imported
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers", "pickle"))
+    assert not [m for m in heavy if m.split(".")[0] != "pickle"], heavy
+
+
+def test_not_ready_with_zero_models_and_settings_from_env():
+    from modelkiln.serve.dataplane import DataPlane
+    from modelkiln.serve.settings import ServeSettings, parse_model_arg
+
+    assert not DataPlane({}, ServeSettings()).ready()
+    s = ServeSettings.from_env({"KILN_PORT": "9", "KILN_TRUNCATE": "false", "KILN_MAX_QUEUE_DELAY_MS": "2.5"},
+                               port=None, host="0.0.0.0")
+    assert (s.port, s.truncate, s.max_queue_delay_ms, s.host) == (9, False, 2.5, "0.0.0.0")
+    assert ServeSettings().host == "127.0.0.1"
+    assert parse_model_arg("m=/x", None).name == "m" and parse_model_arg("/x", "int8").variant == "int8"
