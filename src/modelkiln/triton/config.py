@@ -1,0 +1,184 @@
+"""``config.pbtxt`` for the four models, built from small dataclasses and rendered as protobuf
+text format (Triton's ``ModelConfig`` message; the tests parse it with Triton's own schema)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from ..manifest import Manifest
+from . import names
+
+MODEL_BACKENDS = ("onnxruntime", "tensorrt", "python")
+KINDS = ("cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # Triton's DataType enum name: TYPE_INT64, TYPE_FP32, TYPE_STRING...
+    dims: tuple[int, ...]  # without the batch axis (max_batch_size > 0); -1 = variable
+    optional: bool = False
+    ragged: bool = False  # allow_ragged_batch: the batcher may join requests of different widths
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ensemble step: ``input_map``/``output_map`` are model tensor → ensemble tensor."""
+
+    model_name: str
+    input_map: dict[str, str]
+    output_map: dict[str, str]
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    max_batch_size: int
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    platform: str | None = None  # "onnxruntime_onnx", "tensorrt_plan", "ensemble"
+    backend: str | None = None  # "python"
+    default_model_filename: str | None = None
+    preferred_batch_sizes: list[int] | None = None  # None: no dynamic batching
+    max_queue_delay_us: int = 0
+    instances: int | None = None  # None: no instance_group (ensembles have none)
+    kind: str = "cpu"
+    parameters: dict[str, str] = field(default_factory=dict)
+    steps: list[Step] = field(default_factory=list)
+
+    def to_pbtxt(self) -> str:
+        lines = [f'name: "{self.name}"']
+        if self.platform:
+            lines.append(f'platform: "{self.platform}"')
+        if self.backend:
+            lines.append(f'backend: "{self.backend}"')
+        if self.default_model_filename:
+            lines.append(f'default_model_filename: "{self.default_model_filename}"')
+        lines.append(f"max_batch_size: {self.max_batch_size}")
+        lines += _tensors("input", self.inputs) + _tensors("output", self.outputs)
+        if self.preferred_batch_sizes is not None:
+            lines += [
+                "dynamic_batching {",
+                f"  preferred_batch_size: [ {', '.join(map(str, self.preferred_batch_sizes))} ]",
+                f"  max_queue_delay_microseconds: {self.max_queue_delay_us}",
+                "}",
+            ]
+        if self.instances is not None:
+            kind = "KIND_GPU" if self.kind == "gpu" else "KIND_CPU"
+            lines.append(f"instance_group [ {{ count: {self.instances} kind: {kind} }} ]")
+        for key, value in self.parameters.items():
+            lines.append(f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}')
+        if self.steps:
+            lines.append("ensemble_scheduling {\n  step [")
+            blocks = []
+            for step in self.steps:
+                block = ["    {", f'      model_name: "{step.model_name}"', "      model_version: -1"]
+                block += [f'      input_map {{ key: "{k}" value: "{v}" }}' for k, v in step.input_map.items()]
+                block += [f'      output_map {{ key: "{k}" value: "{v}" }}' for k, v in step.output_map.items()]
+                blocks.append("\n".join(block) + "\n    }")
+            lines.append(",\n".join(blocks))
+            lines.append("  ]\n}")
+        return "\n".join(lines) + "\n"
+
+
+def _tensors(kind: str, specs: Sequence[TensorSpec]) -> list[str]:
+    if not specs:
+        return []
+    rendered = []
+    for s in specs:
+        flags = (" optional: true" if s.optional else "") + (" allow_ragged_batch: true" if s.ragged else "")
+        rendered.append(f'  {{ name: "{s.name}" data_type: {s.data_type} dims: [ {", ".join(map(str, s.dims))} ]{flags} }}')
+    return [f"{kind} ["] + [",\n".join(rendered)] + ["]"]
+
+
+# --- the four models ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Options:
+    """What ``kiln triton`` lets you choose (see its --help)."""
+
+    model_backend: str = "onnxruntime"
+    max_batch_size: int = 32
+    max_queue_delay_us: int = 500
+    instances: int = 1
+    kind: str = "cpu"
+    threads: int = 0  # onnxruntime intra-op threads per instance; 0 = onnxruntime's default
+
+
+def text_inputs(manifest: Manifest) -> list[TensorSpec]:
+    required, optional = names.TASK_INPUTS[manifest.task]
+    return [TensorSpec(n, "TYPE_STRING", (1,)) for n in required] + [
+        TensorSpec(n, "TYPE_STRING", (1,), optional=True) for n in optional
+    ]
+
+
+def answer_outputs(manifest: Manifest, hidden_size: int) -> list[TensorSpec]:
+    if manifest.task == "text-classification":
+        return [TensorSpec(names.LABEL, "TYPE_STRING", (1,)), TensorSpec(names.SCORES, "TYPE_FP32", (len(manifest.labels or []),))]
+    if manifest.task == "sentence-embeddings":
+        return [TensorSpec(names.EMBEDDING, "TYPE_FP32", (hidden_size,))]
+    if manifest.task == "token-classification":
+        return [TensorSpec(names.ENTITIES, "TYPE_STRING", (1,))]
+    return [
+        TensorSpec(names.ANSWER, "TYPE_STRING", (1,)),
+        TensorSpec(names.START, "TYPE_INT64", (1,)),
+        TensorSpec(names.END, "TYPE_INT64", (1,)),
+        TensorSpec(names.SCORE, "TYPE_FP32", (1,)),
+    ]
+
+
+def preferred_sizes(max_batch_size: int) -> list[int]:
+    """Half and full batch: lets the batcher send early under moderate load, full under heavy."""
+    return sorted({max(1, max_batch_size // 2), max_batch_size})
+
+
+def ragged(opts: Options) -> bool:
+    """Only the python-backend model can take a batch of requests with different widths (it pads
+    them itself, as `kiln serve` pads a batch to its longest text). The onnxruntime and TensorRT
+    backends need equal shapes, so for them the tokenize model pads to power-of-two buckets."""
+    return opts.model_backend == "python"
+
+
+def tokenize_config(manifest: Manifest, opts: Options, model_inputs: Sequence[TensorSpec]) -> ModelConfig:
+    # No dynamic batching: tokenizing is per request and cheap; batching happens at the model.
+    return ModelConfig(f"{manifest.name}_tokenize", opts.max_batch_size, text_inputs(manifest), list(model_inputs),
+                       backend="python", instances=opts.instances, kind="cpu",
+                       parameters={"pad_to_buckets": "false" if ragged(opts) else "true"})
+
+
+def model_config(manifest: Manifest, opts: Options, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> ModelConfig:
+    if ragged(opts):
+        inputs = [replace(t, ragged=True) for t in inputs]
+    cfg = ModelConfig(f"{manifest.name}_model", opts.max_batch_size, list(inputs), list(outputs),
+                      preferred_batch_sizes=preferred_sizes(opts.max_batch_size), max_queue_delay_us=opts.max_queue_delay_us,
+                      instances=opts.instances, kind=opts.kind)
+    if opts.model_backend == "onnxruntime":
+        cfg.platform, cfg.default_model_filename = "onnxruntime_onnx", "model.onnx"
+    elif opts.model_backend == "tensorrt":
+        cfg.platform, cfg.default_model_filename = "tensorrt_plan", "model.plan"
+    else:
+        cfg.backend = "python"
+    if opts.threads and opts.model_backend != "tensorrt":
+        # The onnxruntime backend's own parameter name; the python model reads the same key.
+        cfg.parameters["intra_op_thread_count"] = str(opts.threads)
+    return cfg
+
+
+def postprocess_config(manifest: Manifest, opts: Options, model_outputs: Sequence[TensorSpec], hidden_size: int) -> ModelConfig:
+    return ModelConfig(f"{manifest.name}_postprocess", opts.max_batch_size, text_inputs(manifest) + list(model_outputs),
+                       answer_outputs(manifest, hidden_size), backend="python", instances=opts.instances, kind="cpu")
+
+
+def ensemble_config(manifest: Manifest, opts: Options, tokenize: ModelConfig, model: ModelConfig,
+                    postprocess: ModelConfig) -> ModelConfig:
+    texts = {t.name: t.name for t in text_inputs(manifest)}
+    model_inputs = {t.name: t.name for t in model.inputs}
+    model_outputs = {t.name: t.name for t in model.outputs}
+    answers = {t.name: t.name for t in postprocess.outputs}
+    steps = [
+        Step(tokenize.name, texts, model_inputs),
+        Step(model.name, model_inputs, model_outputs),
+        Step(postprocess.name, {**texts, **model_outputs}, answers),
+    ]
+    return ModelConfig(manifest.name, opts.max_batch_size, text_inputs(manifest), list(postprocess.outputs),
+                       platform="ensemble", steps=steps)

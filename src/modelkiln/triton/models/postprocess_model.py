@@ -1,0 +1,50 @@
+"""Triton python model ``<name>_postprocess``: model outputs (+ the request's texts) in, the task's
+answers out, through the project's own ``Task.postprocess``.
+
+Why the texts come here too and are tokenized again: token classification and QA need the
+tokenizer's ``Encoding`` objects (character offsets, sequence ids, special-token masks).
+Re-tokenizing the same text with the same tokenizer.json gives exactly the encodings the
+tokenize model used, so ``Task.postprocess`` runs unchanged on real encodings. Passing offsets
+as extra tensors instead would need a second, hand-written stand-in for ``Encoding`` here,
+which is the kind of copy that drifts. Tokenizing again costs well under a millisecond."""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # the snapshot this repository was generated with wins over any installed modelkiln
+
+import triton_python_backend_utils as pb_utils  # noqa: E402  (provided by Triton's python backend)
+
+from modelkiln.errors import KilnError  # noqa: E402
+from modelkiln.manifest import Manifest  # noqa: E402
+from modelkiln.runtime.tokenizer import TextEncoder  # noqa: E402
+from modelkiln.tasks import make_task  # noqa: E402
+from modelkiln.triton import names, protocol  # noqa: E402
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.manifest = m = Manifest.load(HERE)
+        self.task = make_task(m)
+        self.encoder = TextEncoder.from_folder(HERE, m.tokenizer, m.input_names, m.max_length)
+        required, optional = names.TASK_INPUTS[m.task]
+        self.text_names = required + optional
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                texts = {}
+                for name in self.text_names:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    texts[name] = tensor.as_numpy() if tensor is not None else None
+                prepared = self.task.prepare(protocol.inputs_from_tensors(self.manifest.task, texts))
+                encodings = self.encoder.tokenize(prepared)
+                outputs = {n: pb_utils.get_input_tensor_by_name(request, n).as_numpy() for n in self.manifest.output_names}
+                answers = self.task.postprocess(outputs, encodings, prepared)
+                tensors = protocol.tensors_from_answers(self.manifest.task, self.manifest.labels or [], answers)
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(n, v) for n, v in tensors.items()]))
+            except (KilnError, KeyError, ValueError) as exc:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(exc).__name__}: {exc}")))
+        return responses

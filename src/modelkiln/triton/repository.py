@@ -1,0 +1,176 @@
+"""Write the Triton model repository for an artifact, atomically (temp folder, then rename):
+
+    OUT/
+      README.md                 how to launch it + the version record
+      <name>/config.pbtxt       ensemble: texts in, answers out
+      <name>_tokenize/          python: texts → model inputs
+      <name>_model/             onnxruntime_onnx | tensorrt_plan | python (onnxruntime inside)
+      <name>_postprocess/       python: model outputs → answers
+
+Each python model's version folder holds model.py, the artifact files it needs (kiln.json,
+tokenizer.json, model.onnx) and a snapshot of the modelkiln modules it imports, copied from the
+installed package now, so the repository runs the exact code that generated it."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..atomic import atomic_folder  # the same atomic write `kiln convert` uses
+from ..errors import ArtifactError, KilnError
+from ..manifest import Manifest, Variant
+from . import config as cfg
+from .config import ModelConfig, Options, TensorSpec
+
+MODELS_DIR = Path(__file__).parent / "models"
+
+_ONNX_TYPES = {
+    "tensor(int64)": "TYPE_INT64",
+    "tensor(int32)": "TYPE_INT32",
+    "tensor(float)": "TYPE_FP32",
+    "tensor(float16)": "TYPE_FP16",
+}
+
+# The modules the generated models import (and what those import): tokenizers + numpy only,
+# plus onnxruntime for runtime/onnx.py, which only the python-backend model loads.
+SNAPSHOT_FILES = (
+    "__init__.py", "errors.py", "manifest.py",
+    "tasks/__init__.py", "tasks/base.py", "tasks/classification.py", "tasks/embeddings.py",
+    "tasks/question_answering.py", "tasks/token_classification.py",
+    "runtime/__init__.py", "runtime/engine.py", "runtime/onnx.py", "runtime/tokenizer.py",
+    "triton/__init__.py", "triton/names.py", "triton/protocol.py", "triton/batching.py",
+)
+
+
+class TritonOptionError(KilnError):
+    status_code = 400
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+def model_name(manifest: Manifest) -> str:
+    """Triton model names: letters, digits, '-' and '_' are safe everywhere (paths, URLs)."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", manifest.name).strip("_") or "model"
+
+
+def onnx_io(path: Path) -> ModelIO:
+    """Input/output names, types and dims (batch axis dropped) as the ONNX file declares them."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def specs(args: list) -> list[TensorSpec]:
+        out = []
+        for a in args:
+            if a.type not in _ONNX_TYPES:
+                raise ArtifactError(f"{path.name}: tensor '{a.name}' has type {a.type}, which Triton configs here do not map")
+            dims = tuple(d if isinstance(d, int) and d > 0 else -1 for d in a.shape[1:])
+            out.append(TensorSpec(a.name, _ONNX_TYPES[a.type], dims))
+        return out
+
+    return ModelIO(specs(session.get_inputs()), specs(session.get_outputs()))
+
+
+def check_options(opts: Options) -> None:
+    if opts.model_backend not in cfg.MODEL_BACKENDS:
+        raise TritonOptionError(f"--model-backend must be one of {', '.join(cfg.MODEL_BACKENDS)}, got '{opts.model_backend}'")
+    if opts.kind not in cfg.KINDS:
+        raise TritonOptionError(f"--kind must be cpu or gpu, got '{opts.kind}'")
+    if opts.max_batch_size < 1:
+        raise TritonOptionError("--max-batch-size must be at least 1 (Triton batching needs max_batch_size > 0)")
+    if opts.instances < 1:
+        raise TritonOptionError("--instances must be at least 1")
+    if opts.max_queue_delay_us < 0 or opts.threads < 0:
+        raise TritonOptionError("--max-queue-delay-us and --threads cannot be negative")
+    if opts.model_backend == "tensorrt" and opts.kind != "gpu":
+        raise TritonOptionError("--model-backend tensorrt runs on GPUs only: add --kind gpu")
+
+
+def choose_variant(manifest: Manifest, opts: Options, name: str | None) -> Variant:
+    if name:
+        return manifest.variant(name)
+    if opts.kind == "gpu":
+        cuda = [v for v in manifest.kept_variants() if v.device == "cuda" and v.file and v.file.endswith(".onnx")]
+        if cuda:
+            return manifest.fastest_variant("cuda")
+        # int8 (dynamic quantization) is a CPU format; on a GPU the fp32 graph is the safe choice.
+        for fallback in ("optimized", "fp32"):
+            if any(v.name == fallback for v in manifest.kept_variants()):
+                return manifest.variant(fallback)
+    return manifest.fastest_variant("cpu")
+
+
+def write_repository(artifact: Path | str, out: Path | str, opts: Options, variant: str | None = None,
+                     force: bool = False) -> Path:
+    from . import readme
+
+    artifact, out = Path(artifact), Path(out)
+    check_options(opts)
+    manifest = Manifest.load(artifact)
+    chosen = choose_variant(manifest, opts, variant)
+    if not chosen.file:
+        raise ArtifactError(f"variant '{chosen.name}' has no file")
+    io = onnx_io(artifact / chosen.file)
+    missing = [n for n in manifest.input_names if n not in {t.name for t in io.inputs}]
+    if missing:
+        raise ArtifactError(f"{chosen.file} lacks the inputs {missing} that kiln.json lists")
+    engine_version = None
+    if opts.model_backend == "tensorrt":
+        from . import tensorrt
+
+        engine_version = tensorrt.require()  # a one-line error here, before anything is written
+
+    name = model_name(manifest)
+    manifest.name = name  # the generated models read their own names from the copied kiln.json
+    hidden = io.outputs[0].dims[-1] if manifest.task == "sentence-embeddings" else 0
+    tokenize = cfg.tokenize_config(manifest, opts, io.inputs)
+    model = cfg.model_config(manifest, opts, io.inputs, io.outputs)
+    post = cfg.postprocess_config(manifest, opts, io.outputs, hidden)
+    ensemble = cfg.ensemble_config(manifest, opts, tokenize, model, post)
+
+    with atomic_folder(out, force) as tmp:
+        tmp.chmod(0o755)
+        _python_model(tmp, tokenize, "tokenize_model.py", artifact, manifest)
+        _python_model(tmp, post, "postprocess_model.py", artifact, manifest)
+        version_dir = _model_folder(tmp, model)
+        if opts.model_backend == "python":
+            _python_model(tmp, model, "onnx_model.py", artifact, manifest)
+        if opts.model_backend == "tensorrt":
+            from . import tensorrt
+
+            tensorrt.build_plan(artifact / chosen.file, version_dir / "model.plan", manifest, opts)
+        else:
+            shutil.copy2(artifact / chosen.file, version_dir / "model.onnx")
+        _model_folder(tmp, ensemble)
+        (tmp / "README.md").write_text(readme.render(manifest, chosen, opts, [tokenize, model, post, ensemble], engine_version))
+    return out
+
+
+def _model_folder(root: Path, config: ModelConfig) -> Path:
+    folder = root / config.name
+    (folder / "1").mkdir(parents=True, exist_ok=True)  # ensembles need an (empty) version folder too
+    (folder / "config.pbtxt").write_text(config.to_pbtxt())
+    return folder / "1"
+
+
+def _python_model(root: Path, config: ModelConfig, template: str, artifact: Path, manifest: Manifest) -> None:
+    version_dir = _model_folder(root, config)
+    shutil.copy2(MODELS_DIR / template, version_dir / "model.py")
+    manifest.save(version_dir)
+    shutil.copy2(artifact / manifest.tokenizer.file, version_dir / manifest.tokenizer.file)
+    copy_snapshot(version_dir / "modelkiln")
+
+
+def copy_snapshot(dest: Path) -> None:
+    import modelkiln
+
+    package = Path(modelkiln.__file__).parent
+    for rel in SNAPSHOT_FILES:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(package / rel, dest / rel)
