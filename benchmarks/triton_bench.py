@@ -25,7 +25,8 @@ import numpy as np
 from modelkiln.data import sts_sentences
 from modelkiln.manifest import Manifest
 from modelkiln.runtime.pipeline import load_pipeline
-from modelkiln.triton import names, server
+from modelkiln.tasks import tensors as names
+from modelkiln.triton import server
 from modelkiln.triton.config import Options
 from modelkiln.triton.repository import model_name, write_repository
 
@@ -58,7 +59,7 @@ def request_body(sentence: str, output: str) -> str:
 
 def check_answer(url: str, name: str, artifact: str, sentence: str) -> float:
     """One request by hand: the ensemble's embedding vs the pipeline's (max abs difference)."""
-    req = urllib.request.Request(f"http://{url}/v2/models/{name}/infer", data=request_body(sentence, names.EMBEDDING).encode(),
+    req = urllib.request.Request(f"http://{url}/v2/models/{name}/infer", data=request_body(sentence, names.EMBEDDINGS).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         got = np.array(json.loads(r.read())["outputs"][0]["data"], dtype=np.float32)
@@ -107,7 +108,7 @@ def main() -> None:
             startup = time.perf_counter() - started
             diff = check_answer(srv.url, name, args.artifact, sentences[0])
             script = Path(tmp) / "load.lua"
-            bodies = ",".join(lua_string(request_body(s, names.EMBEDDING)) for s in sentences)
+            bodies = ",".join(lua_string(request_body(s, names.EMBEDDINGS)) for s in sentences)
             script.write_text(LUA % (bodies, f"/v2/models/{name}/infer"))
             base = f"http://{srv.url}"
             results = []

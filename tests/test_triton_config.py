@@ -15,7 +15,8 @@ from google.protobuf import text_format  # noqa: E402
 
 from modelkiln.manifest import Manifest  # noqa: E402
 from modelkiln.triton import config as cfg  # noqa: E402
-from modelkiln.triton import names, versions  # noqa: E402
+from modelkiln.tasks import tensors as names  # noqa: E402
+from modelkiln.triton import versions  # noqa: E402
 from modelkiln.triton.repository import model_name, onnx_io, write_repository  # noqa: E402
 
 TASKS = ["text-classification", "sentence-embeddings", "token-classification", "question-answering"]

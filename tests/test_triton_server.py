@@ -17,7 +17,8 @@ pytest.importorskip("pytriton")
 
 from modelkiln.manifest import Manifest  # noqa: E402
 from modelkiln.runtime.pipeline import load_pipeline  # noqa: E402
-from modelkiln.triton import names, protocol, server  # noqa: E402
+from modelkiln.tasks import tensors as protocol  # noqa: E402
+from modelkiln.triton import server  # noqa: E402
 from modelkiln.triton.config import Options  # noqa: E402
 from modelkiln.triton.repository import model_name, write_repository  # noqa: E402
 
@@ -72,11 +73,12 @@ def triton(zoo, tmp_path_factory):
 def infer(client, name: str, task: str, labels: list[str], inputs: list) -> list:
     request = []
     for key, value in protocol.tensors_from_inputs(task, inputs).items():
+        value = value.reshape(-1, 1)  # the ensemble's inputs have dims [1]
         tensor = http.InferInput(key, list(value.shape), "BYTES")
         tensor.set_data_from_numpy(value)
         request.append(tensor)
     result = client.infer(name, request)
-    return protocol.answers_from_tensors(task, labels, {n: result.as_numpy(n) for n in names.TASK_OUTPUTS[task]})
+    return protocol.answers_from_tensors(task, labels, {n: result.as_numpy(n) for n in protocol.TASK_OUTPUTS[task]})
 
 
 def assert_same(task: str, got: list, want: list) -> None:

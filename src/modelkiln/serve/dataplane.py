@@ -15,6 +15,7 @@ import orjson
 
 from .. import __version__
 from ..errors import InvalidInputError, KilnError, ModelNotFoundError, ModelNotReadyError
+from ..tasks import tensors as tensors_protocol
 from . import codec
 from .model import PER_TOKEN_ANSWERS, ServedModel, TokenRow
 from .settings import ServeSettings
@@ -119,42 +120,9 @@ class DataPlane:
     def _infer_inputs(self, model: ServedModel, tensors: Mapping[str, np.ndarray]) -> list[Any]:
         if self._tokenized(tensors):
             return self._token_rows(model, tensors)
-        expected = model.text_inputs()
-        extra = [n for n in tensors if n not in expected]
-        if extra:
-            raise InvalidInputError(
-                f"unexpected input {extra[0]!r}: model '{model.name}' takes BYTES {' + '.join(expected)} "
-                f"or INT64 {', '.join(model.manifest.input_names)}")
-        columns = {n: self._text_column(n, a) for n, a in tensors.items()}
-        if model.task.name == "question-answering":
-            if "QUESTION" not in columns or "CONTEXT" not in columns:
-                raise InvalidInputError("question answering needs BYTES inputs QUESTION and CONTEXT")
-            texts: list[Any] = self._zip(columns["QUESTION"], columns["CONTEXT"], "QUESTION", "CONTEXT")
-        elif "TEXT" not in columns:
-            raise InvalidInputError(f"missing input 'TEXT' (BYTES, shape [n]) for model '{model.name}'")
-        elif "TEXT_PAIR" in columns:
-            texts = self._zip(columns["TEXT"], columns["TEXT_PAIR"], "TEXT", "TEXT_PAIR")
-        else:
-            texts = columns["TEXT"]
+        texts = tensors_protocol.inputs_from_tensors(model.task.name, tensors)
         self._check_texts(texts)
         return model.task.prepare(texts)
-
-    @staticmethod
-    def _zip(a: list[str], b: list[str], na: str, nb: str) -> list[tuple[str, str]]:
-        if len(a) != len(b):
-            raise InvalidInputError(f"{na} has {len(a)} elements but {nb} has {len(b)}")
-        return list(zip(a, b))
-
-    @staticmethod
-    def _text_column(name: str, array: np.ndarray) -> list[str]:
-        if array.dtype != object:
-            raise InvalidInputError(f"input '{name}' must be BYTES")
-        if not (array.ndim == 1 or (array.ndim == 2 and array.shape[1] == 1)):
-            raise InvalidInputError(f"input '{name}' must have shape [n] or [n, 1], got {list(array.shape)}")
-        try:
-            return [v.decode("utf-8") for v in array.ravel()]
-        except UnicodeDecodeError:
-            raise InvalidInputError(f"input '{name}' is not valid UTF-8") from None
 
     def _token_rows(self, model: ServedModel, tensors: Mapping[str, np.ndarray]) -> list[TokenRow]:
         names = model.manifest.input_names
@@ -193,29 +161,10 @@ class DataPlane:
                         ) -> dict[str, tuple[str, np.ndarray]]:
         """Task answers → named OIP tensors (the answers themselves come from task.postprocess)."""
         task = model.task.name
-        n = len(answers)
         if answers and isinstance(answers[0], dict) and task in PER_TOKEN_ANSWERS and isinstance(inputs[0], TokenRow):
             return self._raw_tensors(answers)
-        if task == "text-classification":
-            labels = model.manifest.labels or []
-            index = {label: j for j, label in enumerate(labels)}
-            probs = np.zeros((n, len(labels)), dtype=np.float32)
-            for i, answer in enumerate(answers):
-                for entry in answer:
-                    probs[i, index[entry["label"]]] = entry["score"]
-            top = _bytes_array([a[0]["label"] for a in answers])
-            return {"PROBABILITIES": ("FP32", probs), "LABEL": ("BYTES", top),
-                    "SCORE": ("FP32", np.array([a[0]["score"] for a in answers], dtype=np.float32))}
-        if task == "sentence-embeddings":
-            return {"EMBEDDINGS": ("FP32", np.stack(answers).astype(np.float32, copy=False))}
-        if task == "token-classification":
-            return {"ENTITIES": ("BYTES", _bytes_array([orjson.dumps(a) for a in answers]))}
-        return {
-            "ANSWER": ("BYTES", _bytes_array([a["answer"] for a in answers])),
-            "START": ("INT64", np.array([a["start"] for a in answers], dtype=np.int64)),
-            "END": ("INT64", np.array([a["end"] for a in answers], dtype=np.int64)),
-            "SCORE": ("FP32", np.array([a["score"] for a in answers], dtype=np.float32)),
-        }
+        tensors = tensors_protocol.tensors_from_answers(task, model.manifest.labels or [], answers)
+        return {name: (tensors_protocol.datatype(array), array) for name, array in tensors.items()}
 
     @staticmethod
     def _raw_tensors(rows: list[dict[str, np.ndarray]]) -> dict[str, tuple[str, np.ndarray]]:
@@ -300,12 +249,6 @@ def _pair(x: Any) -> Any:
     if isinstance(x, dict) and "text" in x:
         return (x.get("text"), x.get("text_pair")) if "text_pair" in x else x.get("text")
     return x
-
-
-def _bytes_array(values: list[Any]) -> np.ndarray:
-    array = np.empty(len(values), dtype=object)
-    array[:] = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
-    return array
 
 
 __all__ = ["DataPlane", "KilnError"]

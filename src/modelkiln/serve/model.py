@@ -19,7 +19,7 @@ from ..errors import InvalidInputError, KilnError, RequestTimeoutError
 from ..manifest import Manifest
 from ..runtime.pipeline import load_encoder, load_variant
 from ..samples import SAMPLE_QA, SAMPLE_TEXTS
-from ..tasks import make_task
+from ..tasks import make_task, tensors
 from .batcher import Batcher, BatchHooks, Item, Job, wait_for
 from .metrics import Metrics
 from .settings import ModelSpec, ServeSettings
@@ -191,21 +191,19 @@ class ServedModel(BatchHooks):
 
     # -- protocol description ------------------------------------------------------------------
     def text_inputs(self) -> list[str]:
-        if self.task.name == "question-answering":
-            return ["QUESTION", "CONTEXT"]
-        if self.task.name == "text-classification":
-            return ["TEXT", "TEXT_PAIR"]
-        return ["TEXT"]
+        required, optional = tensors.TASK_INPUTS[self.task.name]
+        return [*required, *optional]
 
     def output_specs(self) -> list[tuple[str, str, list[int]]]:
         """(name, datatype, shape) of the outputs of a text request."""
         task = self.task.name
         if task == "text-classification":
-            return [("PROBABILITIES", "FP32", [-1, len(self.manifest.labels or [])]), ("LABEL", "BYTES", [-1]),
-                    ("SCORE", "FP32", [-1])]
+            return [(tensors.LABEL, "BYTES", [-1]), (tensors.PROBABILITIES, "FP32", [-1, len(self.manifest.labels or [])]),
+                    (tensors.SCORE, "FP32", [-1])]
         if task == "sentence-embeddings":
             dim = self.engine.session.get_outputs()[0].shape[-1] if hasattr(self, "engine") else -1
-            return [("EMBEDDINGS", "FP32", [-1, dim if isinstance(dim, int) else -1])]
+            return [(tensors.EMBEDDINGS, "FP32", [-1, dim if isinstance(dim, int) else -1])]
         if task == "token-classification":
-            return [("ENTITIES", "BYTES", [-1])]
-        return [("ANSWER", "BYTES", [-1]), ("START", "INT64", [-1]), ("END", "INT64", [-1]), ("SCORE", "FP32", [-1])]
+            return [(tensors.ENTITIES, "BYTES", [-1])]
+        return [(tensors.ANSWER, "BYTES", [-1]), (tensors.START, "INT64", [-1]), (tensors.END, "INT64", [-1]),
+                (tensors.SCORE, "FP32", [-1])]

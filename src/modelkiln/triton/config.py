@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..manifest import Manifest
-from . import names
+from ..tasks import tensors as names
 
 MODEL_BACKENDS = ("onnxruntime", "tensorrt", "python")
 KINDS = ("cpu", "gpu")
@@ -114,9 +114,11 @@ def text_inputs(manifest: Manifest) -> list[TensorSpec]:
 
 def answer_outputs(manifest: Manifest, hidden_size: int) -> list[TensorSpec]:
     if manifest.task == "text-classification":
-        return [TensorSpec(names.LABEL, "TYPE_STRING", (1,)), TensorSpec(names.SCORES, "TYPE_FP32", (len(manifest.labels or []),))]
+        return [TensorSpec(names.LABEL, "TYPE_STRING", (1,)),
+                TensorSpec(names.PROBABILITIES, "TYPE_FP32", (len(manifest.labels or []),)),
+                TensorSpec(names.SCORE, "TYPE_FP32", (1,))]
     if manifest.task == "sentence-embeddings":
-        return [TensorSpec(names.EMBEDDING, "TYPE_FP32", (hidden_size,))]
+        return [TensorSpec(names.EMBEDDINGS, "TYPE_FP32", (hidden_size,))]
     if manifest.task == "token-classification":
         return [TensorSpec(names.ENTITIES, "TYPE_STRING", (1,))]
     return [

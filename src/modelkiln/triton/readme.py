@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..manifest import Manifest, Variant
-from . import names, versions
+from ..tasks import tensors as names
+from . import versions
 from .config import ModelConfig, Options
 
 

@@ -38,9 +38,9 @@ _ONNX_TYPES = {
 SNAPSHOT_FILES = (
     "__init__.py", "errors.py", "manifest.py",
     "tasks/__init__.py", "tasks/base.py", "tasks/classification.py", "tasks/embeddings.py",
-    "tasks/question_answering.py", "tasks/token_classification.py",
+    "tasks/question_answering.py", "tasks/token_classification.py", "tasks/tensors.py",
     "runtime/__init__.py", "runtime/engine.py", "runtime/onnx.py", "runtime/tokenizer.py",
-    "triton/__init__.py", "triton/names.py", "triton/protocol.py", "triton/batching.py",
+    "triton/__init__.py", "triton/batching.py",
 )
 
 

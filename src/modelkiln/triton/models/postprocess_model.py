@@ -20,7 +20,7 @@ from modelkiln.errors import KilnError  # noqa: E402
 from modelkiln.manifest import Manifest  # noqa: E402
 from modelkiln.runtime.tokenizer import TextEncoder  # noqa: E402
 from modelkiln.tasks import make_task  # noqa: E402
-from modelkiln.triton import names, protocol  # noqa: E402
+from modelkiln.tasks import tensors as protocol  # noqa: E402
 
 
 class TritonPythonModel:
@@ -28,7 +28,7 @@ class TritonPythonModel:
         self.manifest = m = Manifest.load(HERE)
         self.task = make_task(m)
         self.encoder = TextEncoder.from_folder(HERE, m.tokenizer, m.input_names, m.max_length)
-        required, optional = names.TASK_INPUTS[m.task]
+        required, optional = protocol.TASK_INPUTS[m.task]
         self.text_names = required + optional
 
     def execute(self, requests):
@@ -44,7 +44,9 @@ class TritonPythonModel:
                 outputs = {n: pb_utils.get_input_tensor_by_name(request, n).as_numpy() for n in self.manifest.output_names}
                 answers = self.task.postprocess(outputs, encodings, prepared)
                 tensors = protocol.tensors_from_answers(self.manifest.task, self.manifest.labels or [], answers)
-                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(n, v) for n, v in tensors.items()]))
+                # Triton's configs give per-example values dims [1]: [n] → [n, 1].
+                out = [pb_utils.Tensor(n, v.reshape(len(answers), 1) if v.ndim == 1 else v) for n, v in tensors.items()]
+                responses.append(pb_utils.InferenceResponse(out))
             except (KilnError, KeyError, ValueError) as exc:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(exc).__name__}: {exc}")))
         return responses

@@ -16,7 +16,7 @@ from modelkiln.errors import KilnError  # noqa: E402
 from modelkiln.manifest import Manifest  # noqa: E402
 from modelkiln.runtime.tokenizer import TextEncoder  # noqa: E402
 from modelkiln.tasks import make_task  # noqa: E402
-from modelkiln.triton import names, protocol  # noqa: E402
+from modelkiln.tasks import tensors as protocol  # noqa: E402
 from modelkiln.triton.batching import bucket_width  # noqa: E402
 
 
@@ -26,7 +26,7 @@ class TritonPythonModel:
         self.task = make_task(self.manifest)
         m = self.manifest
         self.encoder = TextEncoder.from_folder(HERE, m.tokenizer, m.input_names, m.max_length)
-        required, optional = names.TASK_INPUTS[m.task]
+        required, optional = protocol.TASK_INPUTS[m.task]
         self.input_names = required + optional
         # Bucket widths let the onnxruntime/TensorRT backends batch requests of similar length;
         # the python-backend model batches any widths, so there each request keeps its own
