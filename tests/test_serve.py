@@ -355,7 +355,7 @@ def test_sigterm_finishes_accepted_requests(artifacts):
     started.wait()
     deadline = time.monotonic() + 10  # SIGTERM once every request is in flight (accepted)
     while time.monotonic() < deadline:
-        metrics = subprocess.run(["curl", "-s", srv.url + "/metrics"], capture_output=True, text=True).stdout
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
         line = next((ln for ln in metrics.splitlines() if ln.startswith("kiln_requests_in_flight")), "0 0")
         if float(line.split()[-1]) >= 13:  # 12 + the metrics request itself
             break

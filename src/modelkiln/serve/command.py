@@ -59,14 +59,17 @@ def serve(
     warmup: Optional[bool] = typer.Option(None, "--warmup/--no-warmup", help="Run warm-up batches at load (env KILN_WARMUP)."),
     log_level: Optional[str] = typer.Option(None, help="debug, info, warning (env KILN_LOG_LEVEL)."),
     access_log: Optional[bool] = typer.Option(None, "--access-log/--no-access-log", help="Log every request with its id (env KILN_ACCESS_LOG)."),
+    config: Optional[Path] = typer.Option(None, help="JSON settings file (e.g. written by `kiln tune`); env vars and flags override it."),
 ) -> None:
     """Serve artifacts over HTTP: KServe v2 / Open Inference Protocol (Triton-compatible),
     /v2/models/{m}/predict, and OpenAI /v1/embeddings, with dynamic batching."""
     import logging
 
+    from ..tune.config import read_serve_config
     from .settings import ServeSettings, parse_model_arg
 
     settings = ServeSettings.from_env(
+        config=read_serve_config(config) if config else None,
         host=host, port=port, variant=variant, device=device, threads=threads, instances=instances, api_key=api_key,
         max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, max_queue_delay_ms=max_queue_delay_ms,
         max_queue_size=max_queue_size, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,

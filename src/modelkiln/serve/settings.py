@@ -56,10 +56,12 @@ class ServeSettings:
         return instances, threads
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> ServeSettings:
-        """Defaults ← ``KILN_<FIELD>`` env vars ← explicit overrides (None means "not given")."""
+    def from_env(cls, environ: dict[str, str] | None = None, config: dict[str, Any] | None = None,
+                 **overrides: Any) -> ServeSettings:
+        """Defaults ← a config file's values (``kiln serve --config``, written by ``kiln tune``) ←
+        ``KILN_<FIELD>`` env vars ← explicit overrides (None means "not given")."""
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = dict(config or {})
         for f in fields(cls):
             if f.name == "models":
                 continue
