@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -25,28 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from modelkiln.data import sts_sentences
-
-LUA = r"""
-local bodies = {%s}
-local i = 0
-local path = "%s"
-init = function(args) i = math.random(#bodies) end
-request = function()
-  i = i %% #bodies + 1
-  return wrk.format("POST", path, {["Content-Type"] = "application/json"}, bodies[i])
-end
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("RESULT %%d %%d %%d %%d %%d %%d %%f %%f %%f %%f\n", summary.requests, summary.duration,
-    e.connect + e.read + e.write + e.timeout, e.status, e.timeout, 0,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.mean))
-end
-"""
-
-
-def lua_string(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
+from wrk_load import run_wrk, write_script
 
 def in_process_latency(artifact: str, sentences: list[str], threads: int | None, seconds: float) -> float:
     """Median ms of the full pipeline (tokenize + model + postprocess) at batch 1, in this process."""
@@ -85,19 +63,6 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
     raise SystemExit("server not ready")
 
 
-def run_wrk(url: str, script: Path, connections: int, seconds: int, threads: int) -> dict:
-    out = subprocess.run(["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{seconds}s", "--latency",
-                          "-s", str(script), url], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"RESULT (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+)", out)
-    if not m:
-        raise SystemExit(f"cannot parse wrk output:\n{out}")
-    requests, duration_us, socket_errors, status_errors, timeouts = (int(m.group(i)) for i in range(1, 6))
-    p50, p90, p99, mean = (float(m.group(i)) / 1000 for i in range(7, 11))
-    return {"concurrency": connections, "requests": requests, "seconds": duration_us / 1e6,
-            "rps": requests / (duration_us / 1e6), "errors": socket_errors + status_errors,
-            "p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "mean_ms": mean}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", required=True, help="artifact folder (e.g. a converted all-MiniLM-L6-v2)")
@@ -122,8 +87,7 @@ def main() -> None:
         path = f"/v2/models/{name}/infer"
         bodies = [json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1], "data": [s]}]})
                   for s in sentences]
-    script = Path(tempfile.mkdtemp()) / "sts.lua"
-    script.write_text(LUA % (",".join(lua_string(b) for b in bodies), path))
+    script = write_script(Path(tempfile.mkdtemp()), path, bodies)
 
     from modelkiln.serve.settings import ServeSettings
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import tempfile
 import time
 import urllib.request
@@ -29,28 +27,7 @@ from modelkiln.tasks import tensors as names
 from modelkiln.triton import server
 from modelkiln.triton.config import Options
 from modelkiln.triton.repository import model_name, write_repository
-
-LUA = r"""
-local bodies = {%s}
-local i = 0
-local path = "%s"
-init = function(args) i = math.random(#bodies) end
-request = function()
-  i = i %% #bodies + 1
-  return wrk.format("POST", path, {["Content-Type"] = "application/json"}, bodies[i])
-end
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("RESULT %%d %%d %%d %%d %%f %%f %%f %%f\n", summary.requests, summary.duration,
-    e.connect + e.read + e.write + e.timeout, e.status,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.mean))
-end
-"""
-
-
-def lua_string(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
+from wrk_load import run_wrk, write_script
 
 def request_body(sentence: str, output: str) -> str:
     return json.dumps({"inputs": [{"name": names.TEXT, "shape": [1, 1], "datatype": "BYTES", "data": [sentence]}],
@@ -65,19 +42,6 @@ def check_answer(url: str, name: str, artifact: str, sentence: str) -> float:
         got = np.array(json.loads(r.read())["outputs"][0]["data"], dtype=np.float32)
     want = load_pipeline(artifact, threads=1)([sentence])[0]
     return float(np.abs(got - want).max())
-
-
-def run_wrk(url: str, script: Path, connections: int, seconds: int, threads: int) -> dict:
-    out = subprocess.run(["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{seconds}s", "--latency",
-                          "-s", str(script), url], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"RESULT (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+)", out)
-    if not m:
-        raise SystemExit(f"cannot parse wrk output:\n{out}")
-    requests, duration_us, socket_errors, status_errors = (int(m.group(i)) for i in range(1, 5))
-    p50, p90, p99, mean = (float(m.group(i)) / 1000 for i in range(5, 9))
-    return {"concurrency": connections, "requests": requests, "seconds": duration_us / 1e6,
-            "rps": requests / (duration_us / 1e6), "errors": socket_errors + status_errors,
-            "p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "mean_ms": mean}
 
 
 def main() -> None:
@@ -107,9 +71,8 @@ def main() -> None:
         with server.start(repo) as srv:
             startup = time.perf_counter() - started
             diff = check_answer(srv.url, name, args.artifact, sentences[0])
-            script = Path(tmp) / "load.lua"
-            bodies = ",".join(lua_string(request_body(s, names.EMBEDDINGS)) for s in sentences)
-            script.write_text(LUA % (bodies, f"/v2/models/{name}/infer"))
+            script = write_script(Path(tmp), f"/v2/models/{name}/infer",
+                                  [request_body(s, names.EMBEDDINGS) for s in sentences])
             base = f"http://{srv.url}"
             results = []
             for c in (int(x) for x in args.concurrency.split(",")):

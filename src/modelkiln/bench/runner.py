@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import tempfile
+from functools import partial
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,9 +169,9 @@ def run_bench(target: str, cfg: BenchConfig, steps: Steps) -> BenchResult:
                 engine = factory()
             for (b, s), f in feeds.items():
                 with steps(f"{label}: batch {b} × seq {s}"):
-                    stats = measure(lambda: engine.run(f), cfg.warmup, cfg.min_iters, cfg.min_seconds)
+                    stats = measure(partial(engine.run, f), cfg.warmup, cfg.min_iters, cfg.min_seconds)
                 cells.append(Cell(label, device, b, s, stats))
-            del engine
+            del engine  # free it before the next backend loads
     baseline = {(c.batch, c.seq): c.stats.median for c in cells if c.backend == "pytorch fp32"}
     for c in cells:
         if (c.batch, c.seq) in baseline:

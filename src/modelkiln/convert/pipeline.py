@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
