@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel; any unpinned torch would pull several GB of CUDA packages.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[convert,serve,test,demo]'
+	$(PY) -m pip install -q -e '.[convert,serve,loadtest,test,demo]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -150,6 +150,12 @@ from .serve.command import serve as _serve; app.command("serve")(_serve)  # noqa
 from .triton.command import triton as _triton; app.command("triton")(_triton)  # noqa: E402,E702
 
 
+from .loadtest.command import loadtest as _loadtest; app.command("loadtest")(_loadtest)  # noqa: E402,E702
+
+
+from .tune.command import tune as _tune; app.command("tune")(_tune)  # noqa: E402,E702
+
+
 # --- entry point ------------------------------------------------------------------------------
 
 

@@ -65,7 +65,7 @@ def serve(
     /v2/models/{m}/predict, and OpenAI /v1/embeddings, with dynamic batching."""
     import logging
 
-    from ..tune.config import read_serve_config
+    from .config_file import read_serve_config
     from .settings import ServeSettings, parse_model_arg
 
     settings = ServeSettings.from_env(

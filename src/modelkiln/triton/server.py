@@ -130,9 +130,10 @@ def server_env(dist: Distribution) -> dict[str, str]:
 
 
 def start(repository: Path | str | Sequence[Path | str], timeout: float = 120.0, extra_args: tuple[str, ...] = (),
-          keep_log: bool = False) -> TritonServer:
+          keep_log: bool = False, metrics: bool = False) -> TritonServer:
     """Start tritonserver on ``repository`` (one folder, or several served together; free ports, own process group) and wait until every
-    model is ready. Raises TritonServerError with the log's tail if it exits or times out."""
+    model is ready. Raises TritonServerError with the log's tail if it exits or times out.
+    ``metrics``: serve Prometheus metrics on ``metrics_port`` (queue/compute times for `kiln loadtest`)."""
     dist = find_distribution()
     workdir = Path(tempfile.mkdtemp(prefix="kiln-triton-"))
     ports = [free_port() for _ in range(3)]
@@ -144,7 +145,8 @@ def start(repository: Path | str | Sequence[Path | str], timeout: float = 120.0,
         f"--http-port={ports[0]}", f"--grpc-port={ports[1]}", f"--metrics-port={ports[2]}",
         # Triton waits up to exit-timeout for clients to close keep-alive connections on SIGTERM;
         # a local test/bench server should go down promptly.
-        "--allow-metrics=false", "--exit-on-error=true", "--exit-timeout-secs=3", *extra_args,
+        f"--allow-metrics={str(metrics).lower()}", "--allow-cpu-metrics=false",
+        "--exit-on-error=true", "--exit-timeout-secs=3", *extra_args,
     ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(dist),

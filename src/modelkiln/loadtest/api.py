@@ -1,0 +1,102 @@
+"""``run_loadtest``: everything ``kiln loadtest`` does short of printing, for the CLI and ``kiln tune``."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from ..errors import KilnError
+from . import inputs as text_inputs
+from .client import parse_url, render_request, run_async
+from .protocols import InputLayout, PreparedRequest, make_protocol
+from .runner import Load, RunConfig, RunResult, StepResult, model_metadata, run_step
+
+MAX_BODIES = 4096  # distinct request bodies pre-built per run (cycled); bounds memory for big files
+
+
+@dataclass(frozen=True)
+class LoadtestOptions:
+    url: str
+    model: str
+    loads: tuple[Load, ...]
+    protocol: str = "oip-json"
+    inputs: str | None = None  # samples | sts | squad | FILE
+    length: str = "all"
+    batch: int = 1
+    max_inputs: int | None = None
+    warmup_s: float = 1.0
+    window_s: float = 2.0
+    stability: float = 0.10
+    stable_windows: int = 3
+    max_windows: int = 10
+    timeout_s: float = 30.0
+    max_connections: int = 256
+    seed: int = 0
+    metrics_url: str | None = "auto"  # auto: URL/metrics; None: none
+    headers: tuple[tuple[str, str], ...] = ()
+    label: str | None = None
+    stop_p99_ms: float | None = None  # stop the sweep after the first step above this p99
+
+
+def parse_header(value: str) -> tuple[str, str]:
+    name, sep, val = value.partition(":")
+    if not sep or not name.strip():
+        raise KilnError(f"--header takes 'Name: value', got '{value}'")
+    return name.strip(), val.strip()
+
+
+def run_loadtest(opts: LoadtestOptions, on_step: Callable[[StepResult], None] | None = None,
+                 on_window: Callable[[Load, int, float, float], None] | None = None) -> RunResult:
+    return run_async(lambda: _run(opts, on_step, on_window))
+
+
+async def prepare(opts: LoadtestOptions) -> tuple[list[PreparedRequest], int]:
+    """The request bodies a run cycles through (also used by benchmarks/loadtest_compare.py to
+    feed wrk and hey the very same bytes) and the number of texts they came from."""
+    host, port, prefix = parse_url(opts.url)
+    base = f"http://{host}:{port}{prefix}"
+    metadata = await model_metadata(base, opts.model, opts.headers)
+    if metadata is None:
+        print(f"warning: no metadata for model '{opts.model}' at {base}; sending TEXT with shape [n]",
+              file=sys.stderr)
+        layout = InputLayout()
+    else:
+        layout = InputLayout.from_metadata(metadata)
+    items = text_inputs.select(text_inputs.load_items(opts.inputs, question_answering=layout.question_answering),
+                               opts.length, opts.max_inputs)
+    protocol = make_protocol(opts.protocol, opts.model, layout)
+    count = max(1, min(MAX_BODIES, math.ceil(len(items) / opts.batch)))
+    return [protocol.build(b) for b in text_inputs.batches(items, opts.batch, count)], len(items)
+
+
+async def _run(opts: LoadtestOptions, on_step: Callable[[StepResult], None] | None,
+               on_window: Callable[[Load, int, float, float], None] | None) -> RunResult:
+    host, port, prefix = parse_url(opts.url)
+    base = f"http://{host}:{port}{prefix}"
+    prepared, texts = await prepare(opts)
+    raws = [render_request("POST", host, port, prefix + p.path, p.body, (*p.headers, *opts.headers)) for p in prepared]
+    metrics_url = (f"{base}/metrics" if opts.metrics_url == "auto" else
+                   None if opts.metrics_url in (None, "", "none") else opts.metrics_url)
+    cfg = RunConfig(url=base, model=opts.model, warmup_s=opts.warmup_s, window_s=opts.window_s,
+                    stability=opts.stability, stable_windows=opts.stable_windows, max_windows=opts.max_windows,
+                    timeout_s=opts.timeout_s, max_connections=opts.max_connections, seed=opts.seed,
+                    metrics_url=metrics_url, route="predict" if opts.protocol == "task" else "infer",
+                    headers=opts.headers)
+    source = opts.inputs or "samples"
+    result = RunResult(label=opts.label or f"{opts.model}@{host}:{port}", url=base, model=opts.model,
+                       protocol=opts.protocol, inputs=f"{source}, {opts.length}, {texts} texts",
+                       batch=opts.batch, started=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    for load in opts.loads:
+        window_cb = (lambda i, t, p, load=load: on_window(load, i, t, p)) if on_window else None
+        step = await run_step(cfg, load, raws, opts.batch, window_cb)
+        result.steps.append(step)
+        if on_step is not None:
+            on_step(step)
+        if step.requests == 0 and sum(step.errors.values()) > 0 and not step.answered.get("200"):
+            break  # nothing succeeds: more load will not help
+        if opts.stop_p99_ms is not None and step.latency is not None and step.latency.p99 > opts.stop_p99_ms:
+            break
+    return result

@@ -1,0 +1,79 @@
+"""``kiln loadtest``: the command function; cli.py registers it. Heavy imports stay inside."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def loadtest(
+    url: str = typer.Argument(..., help="Server base URL, e.g. http://127.0.0.1:8000 (kiln serve, Triton, MLServer...)."),
+    model: str = typer.Option(..., "--model", "-m", help="Model name on the server."),
+    protocol: str = typer.Option("oip-json", help="oip-json | oip-binary (binary tensor extension) | task (kiln serve /predict)."),
+    concurrency: Optional[str] = typer.Option(None, help="Closed loop: N, N,M,... or START:STOP:xF (default 1:16:x2 unless --rate)."),
+    rate: Optional[str] = typer.Option(None, help="Open loop: requests/s with Poisson arrivals; same forms as --concurrency."),
+    inputs: str = typer.Option("samples", help="samples (built-in) | sts (STS-B sentences) | squad (SQuAD paragraphs) | a text file."),
+    length: str = typer.Option("all", help="all | short (shorter half of the texts) | long (longer half)."),
+    batch: int = typer.Option(1, help="Inputs per request."),
+    max_inputs: Optional[int] = typer.Option(None, help="Use only the first N texts."),
+    warmup: float = typer.Option(1.0, help="Seconds of load before measuring, per step (discarded)."),
+    window: float = typer.Option(2.0, help="Seconds per measurement window."),
+    stability: float = typer.Option(0.10, help="Windows agree when max/min of throughput and p95 is within 1+this."),
+    stable_windows: int = typer.Option(3, help="How many consecutive windows must agree."),
+    max_windows: int = typer.Option(10, help="Give up on stability after this many windows (marked unstable)."),
+    timeout: float = typer.Option(30.0, help="Seconds per request before it counts as a timeout."),
+    max_connections: int = typer.Option(256, help="Open loop: most requests outstanding at once."),
+    seed: int = typer.Option(0, help="Seed of the Poisson arrivals."),
+    metrics_url: str = typer.Option("auto", help="Prometheus endpoint for the server breakdown: auto (URL/metrics), none, or a URL (Triton: http://host:8002/metrics)."),
+    header: Optional[list[str]] = typer.Option(None, help="Extra header 'Name: value' (e.g. Authorization), repeatable."),
+    label: Optional[str] = typer.Option(None, help="Name of this run in tables and plots."),
+    stop_p99_ms: Optional[float] = typer.Option(None, help="Stop the sweep after a step whose p99 exceeds this."),
+    csv_path: Optional[Path] = typer.Option(None, "--csv", help="Write one row per step."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the whole run (readable by --compare)."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write latency vs throughput as PNG."),
+    compare: Optional[list[Path]] = typer.Option(None, help="Earlier --json results to draw on the same plot, repeatable."),
+    plot_percentile: str = typer.Option("p95", help="Latency percentile on the plot: p50, p90, p95, p99."),
+) -> None:
+    """Load-test an inference server: closed-loop concurrency or open-loop Poisson rate sweeps,
+    stable measurement windows, latency percentiles, errors by status, server-side breakdown."""
+    from rich.console import Console
+
+    from ..errors import KilnError
+    from .api import LoadtestOptions, parse_header, run_loadtest
+    from .report import print_table, read_json, write_csv, write_json
+    from .runner import Load, parse_levels
+
+    if concurrency and rate:
+        raise KilnError("give --concurrency (closed loop) or --rate (open loop), not both")
+    loads = tuple(Load("rate", v) for v in parse_levels(rate, "--rate")) if rate else tuple(
+        Load("concurrency", float(int(v))) for v in parse_levels(concurrency or "1:16:x2", "--concurrency"))
+    earlier = [read_json(p) for p in compare or []]  # fail before the run, not after it
+    opts = LoadtestOptions(
+        url=url, model=model, loads=loads, protocol=protocol, inputs=inputs, length=length, batch=batch,
+        max_inputs=max_inputs, warmup_s=warmup, window_s=window, stability=stability, stable_windows=stable_windows,
+        max_windows=max_windows, timeout_s=timeout, max_connections=max_connections, seed=seed,
+        metrics_url=metrics_url, headers=tuple(parse_header(h) for h in header or []), label=label,
+        stop_p99_ms=stop_p99_ms)
+    err = Console(stderr=True)
+    out = Console(width=None if __import__("sys").stdout.isatty() else 160)
+
+    def on_step(step) -> None:  # type: ignore[no-untyped-def]
+        p95 = f"{step.latency.p95:.2f} ms" if step.latency else "-"
+        err.print(f"[green]✓[/] {step.load.label}: {step.throughput:.1f} req/s, p95 {p95}, "
+                  f"errors {sum(step.errors.values())}{'' if step.stable else ' [yellow](unstable)[/]'}")
+
+    result = run_loadtest(opts, on_step=on_step)
+    print_table(out, result)
+    if csv_path:
+        write_csv(csv_path, result)
+        out.print(f"Wrote {csv_path}")
+    if json_path:
+        write_json(json_path, result)
+        out.print(f"Wrote {json_path}")
+    if plot_path:
+        from .plot import plot
+
+        plot([result, *earlier], plot_path, plot_percentile)
+        out.print(f"Wrote {plot_path}")

@@ -1,0 +1,394 @@
+"""The load loops, measurement windows and the stability rule.
+
+- Closed loop (``concurrency=N``): N workers, each with its own keep-alive connection, send
+  back to back. Throughput is what the server sustains at N outstanding requests.
+- Open loop (``rate=R``): arrivals at Poisson times (exponential gaps, seeded) are taken in order
+  by whichever worker is free (up to ``max_connections``). When every connection is busy an
+  arrival waits, and its latency counts from its *scheduled* time, so a slow server cannot
+  hide its queueing by slowing the client down (coordinated omission). When the worker was idle,
+  latency counts from the actual send: the ≤1 ms timer jitter of the event loop is the client's,
+  not the server's.
+
+A step runs warm-up (discarded), then windows of ``window_s`` until the last ``stable_windows``
+agree (max/min of throughput and of p95 within ``1 + stability``, perf_analyzer's rule) or
+``max_windows`` is reached (reported as unstable). The server's /metrics are scraped around the
+measured windows (breakdown) and around the whole step while idle (exact request counts)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import random
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import KilnError
+from . import server_metrics
+from .client import Connection, fetch, parse_url
+
+CONNECT_ERROR = 0  # status code recorded for requests that got no HTTP answer
+TIMEOUT = -1
+
+
+def status_name(code: int) -> str:
+    return {CONNECT_ERROR: "connection", TIMEOUT: "timeout"}.get(code, str(code))
+
+
+@dataclass(frozen=True)
+class Load:
+    mode: str  # "concurrency" (closed loop) | "rate" (open loop, requests/s)
+    value: float
+
+    @property
+    def label(self) -> str:
+        return f"c={int(self.value)}" if self.mode == "concurrency" else f"rate={self.value:g}/s"
+
+
+def parse_levels(spec: str, option: str) -> list[float]:
+    """``4`` | ``1,2,8`` | ``1:64:x2`` (geometric) | ``10:100:+30`` (arithmetic; the end included)."""
+    spec = spec.strip()
+    try:
+        m = re.fullmatch(r"([\d.]+):([\d.]+)(?::([x*+])([\d.]+))?", spec)
+        if m:
+            start, stop = float(m.group(1)), float(m.group(2))
+            op, step = m.group(3) or "x", float(m.group(4) or 2)
+            if start <= 0 or stop < start or (op in "x*" and step <= 1) or (op == "+" and step <= 0):
+                raise ValueError
+            values, v = [], start
+            while v <= stop * (1 + 1e-9):
+                values.append(v)
+                v = v * step if op in "x*" else v + step
+            return values
+        values = [float(v) for v in spec.split(",") if v.strip()]
+        if not values or any(v <= 0 for v in values):
+            raise ValueError
+        return values
+    except ValueError:
+        raise KilnError(f"{option} takes N, N,M,..., START:STOP:xF or START:STOP:+D with positive numbers; "
+                        f"got '{spec}'") from None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    url: str
+    model: str
+    warmup_s: float = 1.0
+    window_s: float = 2.0
+    stability: float = 0.10
+    stable_windows: int = 3
+    max_windows: int = 10
+    timeout_s: float = 30.0
+    max_connections: int = 256  # open loop: the most requests outstanding at once
+    seed: int = 0
+    metrics_url: str | None = None  # None: no server breakdown
+    route: str | None = None  # kiln serve route label to count (infer | predict)
+    headers: tuple[tuple[str, str], ...] = ()  # sent with metadata and /metrics requests too
+
+
+@dataclass
+class Latency:
+    """Milliseconds, of successful requests."""
+
+    mean: float
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, seconds: np.ndarray) -> Latency | None:
+        if seconds.size == 0:
+            return None
+        ms = seconds * 1e3
+        p50, p90, p95, p99 = np.percentile(ms, [50, 90, 95, 99])
+        return cls(float(ms.mean()), float(p50), float(p90), float(p95), float(p99), float(ms.max()))
+
+
+@dataclass
+class StepResult:
+    mode: str
+    value: float
+    throughput: float  # successful requests/s over the measured windows
+    inputs_per_s: float  # throughput × inputs per request
+    requests: int  # successful requests in the measured windows
+    latency: Latency | None
+    errors: dict[str, int]  # measured windows: failed requests by HTTP status / connection / timeout
+    windows: int  # windows run (warm-up excluded)
+    stable: bool
+    measured_s: float
+    sent: int  # whole step (warm-up and drain included): requests sent ...
+    answered: dict[str, int]  # ... and their outcomes by status; compare with the server's counters
+    late_fraction: float | None = None  # open loop: arrivals sent >1 ms late because every connection was busy
+    server: server_metrics.ServerBreakdown | None = None  # measured windows
+    server_total: server_metrics.ServerBreakdown | None = None  # whole step, scraped while idle
+
+    @property
+    def load(self) -> Load:
+        return Load(self.mode, self.value)
+
+
+@dataclass
+class RunResult:
+    label: str
+    url: str
+    model: str
+    protocol: str
+    inputs: str
+    batch: int
+    started: str
+    steps: list[StepResult] = field(default_factory=list)
+
+
+class _State:
+    """Shared by the workers of one step. Appends only: the event loop is single-threaded."""
+
+    def __init__(self, requests: Sequence[bytes], rate: float | None, seed: int):
+        self.requests = requests
+        self.index = 0
+        self.stop = False
+        self.ends: list[float] = []
+        self.latencies: list[float] = []
+        self.codes: list[int] = []
+        self.lags: list[float] = []
+        self.sent = 0
+        self.rate = rate
+        self.rng = random.Random(seed)
+        self.next_t = 0.0
+
+    def next_request(self) -> bytes:
+        raw = self.requests[self.index]
+        self.index = (self.index + 1) % len(self.requests)
+        return raw
+
+    def next_arrival(self) -> float:
+        assert self.rate is not None
+        self.next_t += self.rng.expovariate(self.rate)
+        return self.next_t
+
+    def record(self, start: float, end: float, code: int) -> None:
+        self.ends.append(end)
+        self.latencies.append(end - start)
+        self.codes.append(code)
+
+
+async def _send(state: _State, conn: Connection | None, host: str, port: int, timeout: float
+                ) -> tuple[Connection | None, int, float]:
+    """One request on ``conn`` (opened if needed) → (connection to reuse, status code, end time)."""
+    raw = state.next_request()
+    try:
+        if conn is None or conn.closed:
+            conn = await asyncio.wait_for(Connection.open(host, port), timeout)
+        state.sent += 1
+        response = await conn.request(raw, timeout)
+        return conn, response.status, time.perf_counter()
+    except TimeoutError:
+        code = TIMEOUT
+    except (ConnectionError, OSError, asyncio.TimeoutError):
+        code = CONNECT_ERROR
+    if conn is not None:
+        conn.abort()  # its response may still come: never reuse it
+    return None, code, time.perf_counter()
+
+
+async def _closed_worker(state: _State, host: str, port: int, timeout: float) -> None:
+    conn = None
+    while not state.stop:
+        start = time.perf_counter()
+        conn, code, end = await _send(state, conn, host, port, timeout)
+        state.record(start, end, code)
+        if code == CONNECT_ERROR:
+            await asyncio.sleep(0.01)  # a dead server must not turn the loop into a busy spin
+    if conn is not None:
+        conn.abort()
+
+
+class _Pool:
+    """Keep-alive connections for the open loop, reused last-in first-out so a low rate keeps
+    reusing one warm connection instead of opening a cold one per request."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.opened = 0
+        self.idle: list[Connection | None] = []  # None: a slot whose connection must be (re)opened
+        self.waiters: collections.deque[asyncio.Future[Connection | None]] = collections.deque()
+
+    async def acquire(self) -> Connection | None:
+        if self.idle:
+            return self.idle.pop()
+        if self.opened < self.limit:
+            self.opened += 1
+            return None
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        return await waiter
+
+    def release(self, conn: Connection | None) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        self.idle.append(conn)
+
+    def close(self) -> None:
+        for conn in self.idle:
+            if conn is not None:
+                conn.abort()
+
+
+async def _open_loop(state: _State, host: str, port: int, timeout: float, limit: int,
+                     in_flight: set[asyncio.Task[None]]) -> None:
+    """Fire arrivals at their Poisson times, each on a free connection (its own task)."""
+    pool = _Pool(limit)
+
+    async def one(conn: Connection | None, start: float) -> None:
+        conn, code, end = await _send(state, conn, host, port, timeout)
+        state.record(start, end, code)
+        pool.release(conn)
+
+    try:
+        while not state.stop:
+            scheduled = state.next_arrival()
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            conn = await pool.acquire()
+            if state.stop:
+                pool.release(conn)
+                break
+            now = time.perf_counter()
+            late = now - scheduled
+            if delay > 0 and late < 2e-3:
+                start = now  # on time up to the event loop's timer resolution: that jitter is ours
+                state.lags.append(0.0)
+            else:
+                start = scheduled  # every connection was busy: the wait is part of the latency
+                state.lags.append(late)
+            task = asyncio.create_task(one(conn, start))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+    finally:
+        if in_flight:
+            await asyncio.wait(list(in_flight), timeout=timeout + 5)
+        pool.close()
+
+
+async def _scrape(url: str | None, headers: Sequence[tuple[str, str]] = ()) -> server_metrics.Snapshot | None:
+    if url is None:
+        return None
+    try:
+        status, body = await fetch(url, timeout=10.0, headers=headers)
+    except KilnError:
+        return None
+    return server_metrics.parse(body.decode("utf-8", "replace")) if status == 200 else None
+
+
+def _stable(tputs: list[float], p95s: list[float], tolerance: float) -> bool:
+    def close(values: list[float]) -> bool:
+        return min(values) > 0 and max(values) / min(values) <= 1 + tolerance
+
+    return close(tputs) and close(p95s)
+
+
+async def run_step(cfg: RunConfig, load: Load, requests: Sequence[bytes], inputs_per_request: int,
+                   on_window: Callable[[int, float, float], None] | None = None) -> StepResult:
+    host, port, _ = parse_url(cfg.url)
+    rate = load.value if load.mode == "rate" else None
+    state = _State(requests, rate, cfg.seed)
+    idle_before = await _scrape(cfg.metrics_url, cfg.headers)
+    if rate is None:
+        workers = [asyncio.create_task(_closed_worker(state, host, port, cfg.timeout_s))
+                   for _ in range(int(load.value))]
+    else:
+        state.next_t = time.perf_counter()
+        in_flight: set[asyncio.Task[None]] = set()
+        workers = [asyncio.create_task(_open_loop(state, host, port, cfg.timeout_s, cfg.max_connections, in_flight))]
+    try:
+        await asyncio.sleep(cfg.warmup_s)
+        measure_before = await _scrape(cfg.metrics_url, cfg.headers)
+        marks = [(time.perf_counter(), len(state.codes), len(state.lags))]
+        tputs: list[float] = []
+        p95s: list[float] = []
+        stable = False
+        while len(marks) - 1 < cfg.max_windows:
+            await asyncio.sleep(cfg.window_s)
+            marks.append((time.perf_counter(), len(state.codes), len(state.lags)))
+            (t0, i0, _), (t1, i1, _) = marks[-2], marks[-1]
+            codes = np.asarray(state.codes[i0:i1])
+            ok = np.asarray(state.latencies[i0:i1])[(codes >= 200) & (codes < 300)]
+            tputs.append(ok.size / (t1 - t0))
+            p95s.append(float(np.percentile(ok, 95)) if ok.size else math.inf)
+            if on_window is not None:
+                on_window(len(tputs), tputs[-1], p95s[-1] * 1e3)
+            if len(tputs) >= cfg.stable_windows and _stable(tputs[-cfg.stable_windows:], p95s[-cfg.stable_windows:],
+                                                            cfg.stability):
+                stable = True
+                break
+        measure_after = await _scrape(cfg.metrics_url, cfg.headers)
+    finally:
+        state.stop = True
+        if rate is not None:
+            workers[0].cancel()  # the dispatcher: asleep until its next arrival, or waiting for a connection
+        done, pending = await asyncio.wait(workers, timeout=cfg.timeout_s + 5)
+        for task in pending:  # only a server that ignores its own timeouts gets here
+            task.cancel()
+    idle_after = await _scrape(cfg.metrics_url, cfg.headers)
+
+    k = min(cfg.stable_windows, len(marks) - 1)
+    (t0, i0, l0), (t1, i1, l1) = marks[-1 - k], marks[-1]
+    codes = np.asarray(state.codes[i0:i1], dtype=np.int64)
+    success = (codes >= 200) & (codes < 300)
+    latencies = np.asarray(state.latencies[i0:i1])[success]
+    errors = Counter(status_name(int(c)) for c in codes[~success])
+    lags = np.asarray(state.lags[l0:l1])
+    measured = t1 - t0
+    requests_ok = int(success.sum())
+    route = cfg.route
+    return StepResult(
+        mode=load.mode, value=load.value, throughput=requests_ok / measured,
+        inputs_per_s=requests_ok * inputs_per_request / measured, requests=requests_ok,
+        latency=Latency.of(latencies), errors=dict(errors), windows=len(marks) - 1, stable=stable,
+        measured_s=measured, sent=state.sent, answered=dict(Counter(status_name(c) for c in state.codes)),
+        late_fraction=float((lags > 1e-3).mean()) if rate is not None and lags.size else None,
+        server=(server_metrics.breakdown(measure_before, measure_after, cfg.model, route)
+                if measure_before is not None and measure_after is not None else None),
+        server_total=(server_metrics.breakdown(idle_before, idle_after, cfg.model, route)
+                      if idle_before is not None and idle_after is not None else None),
+    )
+
+
+async def model_metadata(url: str, model: str, headers: Sequence[tuple[str, str]] = ()) -> dict | None:
+    """``GET /v2/models/{model}`` as a dict, or None when the server has no such route."""
+    import json
+
+    status, body = await fetch(f"{url.rstrip('/')}/v2/models/{model}", headers=headers)
+    if status == 200:
+        try:
+            data = json.loads(body)
+            return data if isinstance(data, dict) else None
+        except ValueError:
+            return None
+    if status in (401, 403):
+        raise KilnError(f"{url} refused the metadata request ({status}): pass --header 'Authorization: Bearer KEY'")
+    return None
+
+
+async def wait_ready(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status, _ = await fetch(f"{url.rstrip('/')}/v2/health/ready", timeout=2.0)
+            if status == 200:
+                return
+        except KilnError:
+            pass
+        if time.monotonic() > deadline:
+            raise KilnError(f"{url} is not ready (GET /v2/health/ready) after {timeout:g}s")
+        await asyncio.sleep(0.1)

@@ -1,0 +1,106 @@
+"""``kiln tune``: the command function; cli.py registers it. Heavy imports stay inside."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def _ints(value: str, option: str) -> list[int]:
+    from ..errors import KilnError
+
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise KilnError(f"{option} takes comma-separated whole numbers, got '{value}'") from None
+
+
+def _floats(value: str, option: str) -> list[float]:
+    from ..errors import KilnError
+
+    try:
+        return [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise KilnError(f"{option} takes comma-separated numbers, got '{value}'") from None
+
+
+def tune(
+    artifact: Path = typer.Argument(..., help="An artifact folder written by `kiln convert`."),
+    p99_ms: Optional[float] = typer.Option(None, "--p99-ms", help="Latency budget: rank by the best throughput whose p99 stays below this."),
+    out: Path = typer.Option(Path("kiln-serve.json"), "--out", "-o", help="Config file to write (for `kiln serve --config`)."),
+    variants: Optional[str] = typer.Option(None, help="Variants to try (default: every kept CPU variant)."),
+    instances: str = typer.Option("1,2", help="Engine instances per model to try (kiln serve --instances); 0 = the server's default."),
+    threads: str = typer.Option("0", help="Intra-op threads per instance to try; 0 = the server's default (cores / instances)."),
+    max_batch_size: str = typer.Option("32", help="Max batch sizes to try."),
+    max_batch_tokens: str = typer.Option("8192", help="Token budgets per batch to try."),
+    max_queue_delay_ms: str = typer.Option("0,2", help="Queue delays (ms) to try."),
+    concurrency: str = typer.Option("1:32:x2", help="Closed-loop load per combination (stops once p99 exceeds the budget)."),
+    protocol: str = typer.Option("oip-json", help="oip-json | oip-binary | task."),
+    inputs: str = typer.Option("samples", help="samples | sts | squad | a text file."),
+    length: str = typer.Option("all", help="all | short | long."),
+    batch: int = typer.Option(1, help="Inputs per request."),
+    warmup: float = typer.Option(0.5, help="Warm-up seconds per load step."),
+    window: float = typer.Option(1.0, help="Seconds per measurement window."),
+    max_windows: int = typer.Option(5, help="Windows per step at most."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every trial's results."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Latency vs throughput, one curve per combination."),
+) -> None:
+    """Start `kiln serve` with each combination of settings, load-test each, rank them against a
+    p99 budget (throughput, p99, memory) and write the best as a `kiln serve --config` file."""
+    from rich.console import Console
+
+    from ..errors import KilnError
+    from ..loadtest.api import LoadtestOptions
+    from ..loadtest.runner import Load, parse_levels
+    from ..manifest import Manifest, is_artifact
+    from .report import print_ranking, write_best, write_json
+    from .sweep import Grid, run_sweep
+
+    if not is_artifact(artifact):
+        raise KilnError(f"{artifact} is not an artifact folder (run `kiln convert` first)")
+    manifest = Manifest.load(artifact)
+    kept = [v.name for v in manifest.kept_variants() if v.device == "cpu"]
+    chosen = [v.strip() for v in variants.split(",") if v.strip()] if variants else kept
+    for v in chosen:
+        manifest.variant(v)  # fails early, listing the kept ones
+    grid = Grid(variants=tuple(chosen), instances=tuple(i or None for i in _ints(instances, "--instances")),
+                threads=tuple(t or None for t in _ints(threads, "--threads")),
+                max_batch_size=tuple(_ints(max_batch_size, "--max-batch-size")),
+                max_batch_tokens=tuple(_ints(max_batch_tokens, "--max-batch-tokens")),
+                max_queue_delay_ms=tuple(_floats(max_queue_delay_ms, "--max-queue-delay-ms")))
+    loads = tuple(Load("concurrency", float(int(v))) for v in parse_levels(concurrency, "--concurrency"))
+    load = LoadtestOptions(url="", model=manifest.name, loads=loads, protocol=protocol, inputs=inputs, length=length,
+                           batch=batch, warmup_s=warmup, window_s=window, max_windows=max_windows)
+    err = Console(stderr=True)
+    out_console = Console(width=None if __import__("sys").stdout.isatty() else 160)
+    total = len(grid.combinations())
+    err.print(f"tuning {manifest.name}: {total} combinations × up to {len(loads)} load steps")
+
+    def on_trial(i, n, trial) -> None:  # type: ignore[no-untyped-def]
+        settings = ", ".join(f"{k}={v}" for k, v in trial.settings.items())
+        if trial.error:
+            err.print(f"[red]✗[/] {i}/{n} {settings}: {trial.error}")
+        else:
+            p99 = f"{trial.p99_ms:.1f} ms" if trial.p99_ms is not None else "-"
+            err.print(f"[green]✓[/] {i}/{n} {settings}: {trial.throughput:.1f} req/s at p99 {p99}"
+                      f"{'' if trial.within_budget else ' [yellow](over budget)[/]'}")
+
+    result = run_sweep(artifact, grid, load, p99_ms, on_trial=on_trial)
+    print_ranking(out_console, result)
+    best = result.best()
+    if json_path:
+        write_json(json_path, result)
+        out_console.print(f"Wrote {json_path}")
+    if plot_path:
+        from ..loadtest.plot import plot
+
+        plot([t.run for t in result.ranked() if t.run is not None], plot_path, "p99",
+             title=f"kiln tune {manifest.name}: p99 latency vs throughput")
+        out_console.print(f"Wrote {plot_path}")
+    if best is None:
+        raise KilnError("no combination served successfully; nothing written")
+    write_best(out, result, best)
+    note = "" if best.within_budget else " [yellow](no combination met the p99 budget: this is the lowest-p99 one)[/]"
+    out_console.print(f"Wrote [bold]{out}[/]: kiln serve {artifact} --config {out}{note}")

@@ -1,0 +1,194 @@
+"""The sweep: one ``kiln serve`` process per combination of settings, a short closed-loop load test
+on each, and a ranking against a p99 budget (Model Analyzer's way: the best throughput whose
+p99 stays within budget; a combination that never meets it ranks below every one that does).
+
+Each combination runs in a fresh server process, so one setting's thread pools, arena growth or
+queue state cannot leak into the next measurement; the server's peak resident memory (VmHWM)
+is read from /proc before it is stopped."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import KilnError
+from ..loadtest.api import LoadtestOptions, run_loadtest
+from ..loadtest.runner import RunResult, StepResult
+
+# The settings swept, as ServeSettings field names → the `kiln serve` flag that sets each.
+FLAGS = {"variant": "--variant", "instances": "--instances", "threads": "--threads", "max_batch_size": "--max-batch-size",
+         "max_batch_tokens": "--max-batch-tokens", "max_queue_delay_ms": "--max-queue-delay-ms"}
+
+
+@dataclass(frozen=True)
+class Grid:
+    variants: tuple[str, ...]
+    instances: tuple[int | None, ...]  # engine sessions per model; None: the server's default
+    threads: tuple[int | None, ...]  # intra-op threads per instance; None: the server's default (cores / instances)
+    max_batch_size: tuple[int, ...]
+    max_batch_tokens: tuple[int, ...]
+    max_queue_delay_ms: tuple[float, ...]
+
+    def combinations(self) -> list[dict[str, Any]]:
+        keys = ("variant", "instances", "threads", "max_batch_size", "max_batch_tokens", "max_queue_delay_ms")
+        values = (self.variants, self.instances, self.threads, self.max_batch_size, self.max_batch_tokens, self.max_queue_delay_ms)
+        return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+
+
+@dataclass
+class Trial:
+    settings: dict[str, Any]
+    run: RunResult | None = None
+    best: StepResult | None = None  # the highest-throughput step within budget (or the lowest p99 if none)
+    within_budget: bool = False
+    peak_rss_mb: float | None = None
+    error: str | None = None  # the server did not start, or the load test failed
+
+    @property
+    def throughput(self) -> float:
+        return self.best.throughput if self.best else 0.0
+
+    @property
+    def p99_ms(self) -> float | None:
+        return self.best.latency.p99 if self.best and self.best.latency else None
+
+
+@dataclass
+class TuneResult:
+    artifact: str
+    model: str
+    p99_budget_ms: float | None
+    trials: list[Trial] = field(default_factory=list)
+
+    def ranked(self) -> list[Trial]:
+        def key(t: Trial) -> tuple:
+            return (t.error is not None, not t.within_budget, -t.throughput, t.p99_ms or float("inf"))
+
+        return sorted(self.trials, key=key)
+
+    def best(self) -> Trial | None:
+        ranked = [t for t in self.ranked() if t.error is None and t.best is not None]
+        return ranked[0] if ranked else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServeProcess:
+    """``python -m modelkiln serve NAME=ARTIFACT`` with the given settings on a free loopback port."""
+
+    def __init__(self, artifact: Path, name: str, settings: dict[str, Any], timeout: float = 120.0,
+                 extra_args: Sequence[str] = ()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [f"{name}={artifact}", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        for key, value in settings.items():
+            if value is not None:
+                args += [FLAGS[key], str(value)]
+        self.log = tempfile.NamedTemporaryFile(prefix="kiln-tune-serve-", suffix=".log", delete=False)
+        # KILN_* from the caller's environment would silently change what is measured: clear them
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k in ("KILN_CACHE_DIR", "KILN_DATA_DIR")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "modelkiln", "serve", *args, *extra_args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise KilnError(f"kiln serve exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise KilnError(f"kiln serve was not ready after {timeout:.0f}s: {self.log_tail()}")
+            time.sleep(0.1)
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return Path(self.log.name).read_text(errors="replace")[-chars:].strip()
+        except OSError:
+            return ""
+
+    def peak_rss_mb(self) -> float | None:
+        """Peak resident memory of the server process (Linux), in MiB."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+        except OSError:
+            pass
+        return None
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+        return self.proc.returncode
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def pick_best_step(run: RunResult, budget_ms: float | None) -> tuple[StepResult | None, bool]:
+    """Highest throughput among error-free steps within the p99 budget; else the lowest-p99 step."""
+    steps = [s for s in run.steps if s.latency is not None]
+    clean = [s for s in steps if not s.errors]
+    within = [s for s in clean if budget_ms is None or s.latency.p99 <= budget_ms]  # type: ignore[union-attr]
+    if within:
+        return max(within, key=lambda s: s.throughput), True
+    pool = clean or steps
+    return (min(pool, key=lambda s: s.latency.p99) if pool else None), False  # type: ignore[union-attr]
+
+
+def run_sweep(artifact: Path, grid: Grid, load: LoadtestOptions, budget_ms: float | None,
+              on_trial: Callable[[int, int, Trial], None] | None = None, start_timeout: float = 120.0) -> TuneResult:
+    """``load`` is the load test to run on each server (its url is replaced; model must be set)."""
+    result = TuneResult(str(artifact), load.model, budget_ms)
+    combos = grid.combinations()
+    for i, settings in enumerate(combos, 1):
+        trial = Trial(settings)
+        label = ", ".join(f"{k}={v}" for k, v in settings.items())
+        try:
+            with ServeProcess(artifact, load.model, settings, timeout=start_timeout) as server:
+                trial.run = run_loadtest(replace(load, url=server.url, label=label,
+                                                 stop_p99_ms=budget_ms if budget_ms is not None else load.stop_p99_ms))
+                trial.peak_rss_mb = server.peak_rss_mb()
+            trial.best, trial.within_budget = pick_best_step(trial.run, budget_ms)
+            if trial.best is None:
+                trial.error = "no successful requests"
+        except KilnError as exc:
+            trial.error = str(exc)
+        result.trials.append(trial)
+        if on_trial is not None:
+            on_trial(i, len(combos), trial)
+    return result
