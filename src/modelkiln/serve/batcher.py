@@ -171,7 +171,10 @@ class Batcher:
                 live = [it for it in pending if not (it.job.done or it.job.cancelled)]
                 self._release(len(pending) - len(live))
                 if live:
-                    batch, pending = self._select(live)
+                    # Idle instances share the queue: two requests on two idle single-threaded
+                    # instances run side by side rather than as one batch of two on one of them.
+                    idle = 1 + self._free.qsize()
+                    batch, pending = self._select(live, max_rows=-(-len(live) // idle))
                     self._release(len(batch))
                     self._inbox[instance].put(batch)
                     dispatched = True
@@ -221,14 +224,15 @@ class Batcher:
                 kept.append(item)
         return kept
 
-    def _select(self, items: list[Item]) -> tuple[list[Item], list[Item]]:
-        """The oldest input plus its nearest neighbours by length, within the budgets.
-        Returns (batch, rest). Oldest-first anchoring means nothing waits forever."""
+    def _select(self, items: list[Item], max_rows: int | None = None) -> tuple[list[Item], list[Item]]:
+        """The oldest input plus its nearest neighbours by length, within the budgets (and at most
+        ``max_rows``). Returns (batch, rest). Oldest-first anchoring means nothing waits forever."""
+        rows = min(self.max_batch_size, max_rows or self.max_batch_size)
         items.sort(key=lambda it: it.length)
         anchor = min(range(len(items)), key=lambda k: items[k].job.enqueued)
         lo = hi = anchor
         width = items[anchor].length
-        while hi - lo + 1 < self.max_batch_size:
+        while hi - lo + 1 < rows:
             count = hi - lo + 1
             left_cost = width - items[lo - 1].length if lo > 0 else None  # shorter: only its own padding
             right_cost = None
