@@ -12,13 +12,18 @@ from pathlib import Path
 from .errors import OutputNotWritableError
 
 
+def check_output(out: Path, force: bool) -> None:
+    """Fail early (before any slow work) when ``out`` exists and may not be replaced."""
+    if out.resolve().exists() and not force:
+        raise OutputNotWritableError(f"{out.resolve()} already exists (pass --force to replace it)")
+
+
 @contextlib.contextmanager
 def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it replaces ``out`` by rename, on any
     failure (including Ctrl-C) it is deleted, so ``out`` is never half-written."""
     out = out.resolve()
-    if out.exists() and not force:
-        raise OutputNotWritableError(f"{out} already exists (pass --force to replace it)")
+    check_output(out, force)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

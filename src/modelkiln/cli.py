@@ -31,9 +31,12 @@ out = Console(width=None if sys.stdout.isatty() else 160)
 def step(description: str) -> Iterator[None]:
     """A spinner while a step runs, then a ✓ line with its duration."""
     started = time.perf_counter()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
-        progress.add_task(description)
+    if console.is_terminal:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                      transient=True) as progress:
+            progress.add_task(description)
+            yield
+    else:  # logs and pipes get the ✓ lines only
         yield
     console.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - started:.1f}s)[/]")
 

@@ -14,7 +14,7 @@ from typing import ContextManager
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..atomic import atomic_folder
+from ..atomic import atomic_folder, check_output
 from ..bench.timing import measure_interleaved
 from ..errors import ConversionError, ValidationFailedError
 from ..manifest import Manifest, TokenizerSpec, Variant
@@ -150,6 +150,7 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
         raise ConversionError(f"unknown precision {unknown} (choose from {', '.join(PRECISIONS)}, or all)")
     if cfg.task != "auto":
         task_class(cfg.task)  # fail fast on a typo, before loading anything
+    check_output(Path(cfg.out), cfg.force)
 
     with steps("Loading model and tokenizer"):
         source = src.load_source(cfg.model)

@@ -5,7 +5,9 @@ gate's and the latency measurement's job (convert/pipeline.py), not theirs."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,20 +42,34 @@ def optimize(src: Path, dst: Path, config: Any) -> dict[str, int]:
     return {k: v for k, v in model.get_fused_operator_statistics().items() if v}
 
 
+@contextlib.contextmanager
+def _root_logger_at(level: int) -> Iterator[None]:
+    root = logging.getLogger()
+    previous = root.level
+    root.setLevel(level)
+    try:
+        yield
+    finally:
+        root.setLevel(previous)
+
+
 def quantize_int8(src: Path, dst: Path, per_channel: bool) -> None:
     """Dynamic int8 quantization of MatMul/Attention weights (activations quantized at run time)."""
     from onnx import TensorProto
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(
-        str(src),
-        str(dst),
-        weight_type=QuantType.QInt8,
-        per_channel=per_channel,
-        use_external_data_format=has_external_data(src),
-        # Fused contrib ops (Attention, BiasGelu) defeat shape inference; their outputs are float.
-        extra_options={"DefaultTensorType": TensorProto.FLOAT},
-    )
+    # The quantizer logs advice about static-quantization pre-processing on the root logger at
+    # WARNING on every call; it does not apply to dynamic quantization, so keep it off the terminal.
+    with _root_logger_at(logging.ERROR):
+        quantize_dynamic(
+            str(src),
+            str(dst),
+            weight_type=QuantType.QInt8,
+            per_channel=per_channel,
+            use_external_data_format=has_external_data(src),
+            # Fused contrib ops (Attention, BiasGelu) defeat shape inference; their outputs are float.
+            extra_options={"DefaultTensorType": TensorProto.FLOAT},
+        )
 
 
 def to_fp16(src: Path, dst: Path) -> None:
