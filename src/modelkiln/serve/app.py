@@ -108,6 +108,7 @@ class Gate:
     def _done(self, path: str, status: int, started: float, request_id: str, scope: dict) -> None:
         seconds = time.perf_counter() - started
         model, route = route_of(path)
+        model = scope["state"].get("model") or model
         self.metrics.requests.labels(model, route, str(status)).inc()
         if route in ("infer", "predict", "embeddings"):
             self.metrics.request_seconds.labels(model, route).observe(seconds)
@@ -215,7 +216,8 @@ def create_app(plane: DataPlane, metrics: Metrics, *, on_shutdown: Callable[[], 
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        return Response(await plane.embeddings(await read_body(request, limit)), media_type=JSON)
+        # The model is named in the body, not the path: the data plane records it for the metrics.
+        return Response(await plane.embeddings(await read_body(request, limit), request.scope["state"]), media_type=JSON)
 
     @app.get("/v1/models")
     async def openai_models() -> Response:

@@ -204,11 +204,14 @@ class DataPlane:
         return orjson.dumps(answers[0] if single else answers, option=orjson.OPT_SERIALIZE_NUMPY)
 
     # -- OpenAI /v1/embeddings ------------------------------------------------------------------
-    async def embeddings(self, body: bytes) -> bytes:
+    async def embeddings(self, body: bytes, labels: dict | None = None) -> bytes:
+        """OpenAI ``/v1/embeddings``. ``labels`` receives the resolved model name (for metrics)."""
         payload = codec.loads(body)
         if not isinstance(payload, dict):
             raise InvalidInputError("the body must be a JSON object")
         model = self._embedding_model(payload.get("model"))
+        if labels is not None:
+            labels["model"] = model.name
         raw = payload.get("input")
         texts = [raw] if isinstance(raw, str) else raw
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
