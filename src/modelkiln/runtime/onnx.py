@@ -29,10 +29,6 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     # threads only competes with the intra-op pool on small machines.
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # The CPU arena keeps its high-water mark forever: one burst of long, wide batches left a
-    # server at 1 GB resident. Without it, all-MiniLM-L6-v2 int8 stays at 144 MB after 32×256-token
-    # batches (536 MB with it) at the same batch-1 latency (measured on the 2-core dev machine).
-    options.enable_cpu_mem_arena = False
     return options
 
 
