@@ -52,6 +52,11 @@ def test_bench_rejects_a_bad_grid(zoo):
     assert res.returncode == 2 and "error:" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_bench_rejects_an_unknown_variant(zoo):
+    res = kiln("bench", str(zoo.artifact("bert", "sentence-embeddings")), "--variants", "nope", "--no-reference")
+    assert res.returncode == 2 and "variant 'nope' is not in artifact" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_sts_eval_fp32_matches_pytorch(zoo):
     scores = evaluate_sts(zoo.artifact("bert", "sentence-embeddings"), None, threads=1, reference=True)
     by_name = {s.backend: s for s in scores}

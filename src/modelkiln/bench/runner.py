@@ -159,6 +159,8 @@ def run_bench(target: str, cfg: BenchConfig, steps: Steps) -> BenchResult:
         raise KilnError("--variants is empty")
     with _artifact_for(target, steps) as folder:
         manifest = Manifest.load(folder)
+        for name in cfg.variants or []:
+            manifest.variant(name)  # an unknown name fails here, listing the kept ones
         max_positions = manifest.source.get("max_positions") or manifest.max_length
         skipped: list[str] = []
         cells: list[Cell] = []
