@@ -20,7 +20,7 @@ def cuda_available() -> bool:
     return "CUDAExecutionProvider" in ort.get_available_providers()
 
 
-def session_options(threads: int | None) -> ort.SessionOptions:
+def session_options(threads: int | None, memory_arena: bool = True) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
@@ -29,6 +29,9 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     # threads only competes with the intra-op pool on small machines.
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # The CPU arena keeps its high-water mark for the life of the session. A long-running server
+    # turns it off (see serve/model.py); short-lived processes (bench, convert) keep the default.
+    options.enable_cpu_mem_arena = memory_arena
     return options
 
 
@@ -40,6 +43,7 @@ class OnnxEngine:
         threads: int | None = None,
         label: str = "",
         provider_options: dict | None = None,
+        memory_arena: bool = True,
     ):
         if device not in _PROVIDERS:
             raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(_PROVIDERS)})")
@@ -47,7 +51,7 @@ class OnnxEngine:
         if provider_options:
             providers[0] = (providers[0], provider_options)
         try:
-            self.session = ort.InferenceSession(str(path), session_options(threads), providers=providers)
+            self.session = ort.InferenceSession(str(path), session_options(threads, memory_arena), providers=providers)
         except Exception as exc:  # onnxruntime raises its own untyped errors for bad files
             raise ArtifactError(f"cannot load {path}: {exc}") from exc
         self.name = label or f"onnxruntime-{device}"

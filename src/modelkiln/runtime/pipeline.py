@@ -31,9 +31,11 @@ def load_encoder(folder: Path | str, manifest: Manifest) -> TextEncoder:
     return TextEncoder.from_folder(folder, manifest.tokenizer, manifest.input_names, manifest.max_length)
 
 
-def load_variant(folder: Path | str, manifest: Manifest, variant: Variant, threads: int | None = None) -> OnnxEngine:
+def load_variant(folder: Path | str, manifest: Manifest, variant: Variant, threads: int | None = None,
+                 memory_arena: bool = True) -> OnnxEngine:
     assert variant.file is not None
-    return OnnxEngine(Path(folder) / variant.file, device=variant.device, threads=threads, label=variant.name)
+    return OnnxEngine(Path(folder) / variant.file, device=variant.device, threads=threads, label=variant.name,
+                      memory_arena=memory_arena)
 
 
 def load_pipeline(
