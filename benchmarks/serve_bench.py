@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from modelkiln.data import sts_sentences
-from wrk_load import run_wrk, write_script
+from wrk_load import print_table, run_wrk, write_script
 
 def in_process_latency(artifact: str, sentences: list[str], threads: int | None, seconds: float) -> float:
     """Median ms of the full pipeline (tokenize + model + postprocess) at batch 1, in this process."""
@@ -120,11 +120,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nin-process batch-1 latency: {baseline:.2f} ms; server RSS {rss_mb:.0f} MB\n")
-    print("| concurrency | requests/s | p50 ms | p90 ms | p99 ms | errors |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        print(f"| {r['concurrency']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | {r['p99_ms']:.2f} "
-              f"| {r['errors']} |")
+    print_table(results)
 
 
 if __name__ == "__main__":

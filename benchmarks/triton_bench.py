@@ -27,7 +27,7 @@ from modelkiln.tasks import tensors as names
 from modelkiln.triton import server
 from modelkiln.triton.config import Options
 from modelkiln.triton.repository import model_name, write_repository
-from wrk_load import run_wrk, write_script
+from wrk_load import print_table, run_wrk, write_script
 
 def request_body(sentence: str, output: str) -> str:
     return json.dumps({"inputs": [{"name": names.TEXT, "shape": [1, 1], "datatype": "BYTES", "data": [sentence]}],
@@ -91,10 +91,8 @@ def main() -> None:
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print("\n| server | concurrency | req/s | p50 ms | p90 ms | p99 ms | errors |\n|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| Triton (python backend) | {r['concurrency']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} "
-              f"| {r['p99_ms']:.2f} | {r['errors']} |")
+    print()
+    print_table(results, server="Triton (python backend)")
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ from ..errors import KilnError
 from . import inputs as text_inputs
 from .client import parse_url, render_request, run_async
 from .protocols import InputLayout, PreparedRequest, make_protocol
-from .runner import Load, RunConfig, RunResult, StepResult, model_metadata, run_step
+from .runner import Load, Measurement, RunConfig, RunResult, StepResult, model_metadata, run_step
 
 MAX_BODIES = 4096  # distinct request bodies pre-built per run (cycled); bounds memory for big files
 
 
-@dataclass(frozen=True)
-class LoadtestOptions:
+@dataclass(frozen=True, kw_only=True)
+class LoadtestOptions(Measurement):
     url: str
     model: str
     loads: tuple[Load, ...]
@@ -27,16 +27,7 @@ class LoadtestOptions:
     length: str = "all"
     batch: int = 1
     max_inputs: int | None = None
-    warmup_s: float = 1.0
-    window_s: float = 2.0
-    stability: float = 0.10
-    stable_windows: int = 3
-    max_windows: int = 10
-    timeout_s: float = 30.0
-    max_connections: int = 256
-    seed: int = 0
     metrics_url: str | None = "auto"  # auto: URL/metrics; None: none
-    headers: tuple[tuple[str, str], ...] = ()
     label: str | None = None
     stop_p99_ms: float | None = None  # stop the sweep after the first step above this p99
 
@@ -80,11 +71,8 @@ async def _run(opts: LoadtestOptions, on_step: Callable[[StepResult], None] | No
     raws = [render_request("POST", host, port, prefix + p.path, p.body, (*p.headers, *opts.headers)) for p in prepared]
     metrics_url = (f"{base}/metrics" if opts.metrics_url == "auto" else
                    None if opts.metrics_url in (None, "", "none") else opts.metrics_url)
-    cfg = RunConfig(url=base, model=opts.model, warmup_s=opts.warmup_s, window_s=opts.window_s,
-                    stability=opts.stability, stable_windows=opts.stable_windows, max_windows=opts.max_windows,
-                    timeout_s=opts.timeout_s, max_connections=opts.max_connections, seed=opts.seed,
-                    metrics_url=metrics_url, route="predict" if opts.protocol == "task" else "infer",
-                    headers=opts.headers)
+    cfg = RunConfig(**opts.measurement(), url=base, model=opts.model, metrics_url=metrics_url,
+                    route="predict" if opts.protocol == "task" else "infer")
     source = opts.inputs or "samples"
     result = RunResult(label=opts.label or f"{opts.model}@{host}:{port}", url=base, model=opts.model,
                        protocol=opts.protocol, inputs=f"{source}, {opts.length}, {texts} texts",

@@ -24,7 +24,8 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -74,10 +75,10 @@ def parse_levels(spec: str, option: str) -> list[float]:
                         f"got '{spec}'") from None
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    url: str
-    model: str
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """How each load step is measured: declared once, for RunConfig and for LoadtestOptions."""
+
     warmup_s: float = 1.0
     window_s: float = 2.0
     stability: float = 0.10
@@ -86,9 +87,19 @@ class RunConfig:
     timeout_s: float = 30.0
     max_connections: int = 256  # open loop: the most requests outstanding at once
     seed: int = 0
+    headers: tuple[tuple[str, str], ...] = ()  # sent with metadata and /metrics requests too
+
+    def measurement(self) -> dict[str, Any]:
+        """These settings alone, to build another Measurement subclass from."""
+        return {f.name: getattr(self, f.name) for f in fields(Measurement)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(Measurement):
+    url: str
+    model: str
     metrics_url: str | None = None  # None: no server breakdown
     route: str | None = None  # kiln serve route label to count (infer | predict)
-    headers: tuple[tuple[str, str], ...] = ()  # sent with metadata and /metrics requests too
 
 
 @dataclass

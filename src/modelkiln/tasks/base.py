@@ -81,8 +81,3 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
-
-
-def valid_length(encoding: Encoding) -> int:
-    """Number of real (unpadded) tokens of an encoding."""
-    return len(encoding.ids)
