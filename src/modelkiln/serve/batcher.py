@@ -1,24 +1,25 @@
-"""Dynamic batching: a bounded queue owned by one worker thread.
+"""Dynamic batching: one bounded queue, served by the engine instances' own threads.
 
-The event loop only *submits* (a lock, an append, a notify) and awaits a future. The worker
-thread tokenizes whatever has arrived in one fast batch call, picks a batch around the oldest
-waiting input (bounded by a padded-token budget and a row count, preferring similar lengths to
-cut padding), runs it, and hands the answers back to the loop with one thread-safe call per
-batch. There is no sleep on this path: the worker blocks on a condition and wakes as soon as
-work arrives, so a lone request on an idle server runs at once, and under load requests pile up
-while the model is busy and naturally form the next batch. ``max_queue_delay`` (off by default)
-additionally holds a batch open until it fills or the oldest input has waited that long.
+The event loop only *submits* (a lock, an append, a notify) and awaits a future. Each engine
+instance (an onnxruntime session, like one of Triton's instance-group members) has one thread
+that, whenever it is free, takes what has arrived, tokenizes it in one fast batch call, picks a
+batch around the oldest waiting input (bounded by a padded-token budget and a row count,
+preferring similar lengths to cut padding), runs it and hands the answers back to the loop with
+one thread-safe call per batch. The thread that runs a batch is the one that formed it: no hand-
+off between a batching thread and an engine thread sits on the path of any request.
 
-With ``instances`` > 1 (several single-threaded engine sessions, like Triton's instance groups)
-the worker forms a batch only when an instance is free and hands it to that instance's thread:
-on small machines this keeps every core busy without onnxruntime's spinning thread pools
-competing with the event loop."""
+There is no sleep either: free threads block on a condition and wake as soon as work arrives, so a
+lone request on an idle server runs at once, and under load requests pile up while the engines
+are busy and naturally form the next batches. ``max_queue_delay`` (off by default) additionally
+holds a batch open until it fills or the oldest input has waited that long. Idle instances share
+what is queued (two requests, two idle single-threaded instances: they run side by side), and a
+batch that finds every other instance idle and nothing else waiting is run ``alone``, which lets
+the model use a session with every core for it (see model.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -33,15 +34,15 @@ log = logging.getLogger("modelkiln.serve")
 
 @dataclass(eq=False)
 class Job:
-    """One request: ``n`` inputs whose answers the worker fills in, then one future resolved."""
+    """One request: ``n`` inputs whose answers the engine threads fill in, then one future resolved."""
 
     n: int
     future: asyncio.Future
     enqueued: float = field(default_factory=time.perf_counter)
     results: list[Any] = field(default_factory=list)
     tokens: int = 0  # real (unpadded) tokens, for usage reporting
-    remaining: int = 0  # touched by the worker thread only
-    done: bool = False  # worker side: answered (or failed)
+    remaining: int = 0  # engine side, under the batcher's done-lock
+    done: bool = False  # engine side: answered (or failed)
     cancelled: bool = False  # loop side: the client is no longer waiting (timeout)
     deadline: float = float("inf")  # perf_counter time after which the answer is useless
     timeout_error: BaseException | None = None  # what to answer when the deadline passed in the queue
@@ -63,12 +64,13 @@ class Item:
 
 
 class BatchHooks:
-    """What the batcher calls (model.py implements it). Runs on the worker thread."""
+    """What the batcher calls (model.py implements it), on an engine instance's thread."""
 
     def tokenize(self, items: Sequence[Item]) -> list[KilnError | None]:  # pragma: no cover
         raise NotImplementedError
 
-    def execute(self, batch: Sequence[Item], instance: int = 0) -> list[Any]:  # pragma: no cover
+    def execute(self, batch: Sequence[Item], instance: int = 0, alone: bool = False) -> list[Any]:  # pragma: no cover
+        """Run a batch on ``instance``. ``alone``: every other instance is idle and nothing else waits."""
         raise NotImplementedError
 
     def observe(self, batch: Sequence[Item], queue_s: list[float], compute_s: float) -> None:
@@ -77,31 +79,30 @@ class BatchHooks:
 
 class Batcher:
     def __init__(self, hooks: BatchHooks, max_batch_size: int, max_batch_tokens: int, max_queue_size: int,
-                 max_queue_delay_s: float = 0.0, name: str = "model", instances: int = 1):
+                 max_queue_delay_s: float = 0.0, name: str = "model", instances: int = 1,
+                 max_padding: float = float("inf")):
         self.hooks = hooks
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_queue_size = max_queue_size
         self.max_queue_delay_s = max_queue_delay_s
-        self._queue: deque[Item] = deque()
+        self.max_padding = 1.0 + max_padding  # padded tokens per real token a batch may have
+        self.instances = instances
+        self._queue: deque[Item] = deque()  # submitted, not yet tokenized
+        self._pending: list[Item] = []  # tokenized, waiting for a batch
         self._queued = 0  # inputs submitted and not yet taken into a batch
+        self._idle = 0  # instance threads waiting for work
         self._cond = threading.Condition()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
         self._done_lock = threading.Lock()  # job bookkeeping: batches of one job may run in parallel
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # idle engine instances
-        self._inbox: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(instances)]
-        self._runners = [threading.Thread(target=self._runner, args=(k,), name=f"engine-{name}-{k}", daemon=True)
+        self._threads = [threading.Thread(target=self._serve, args=(k,), name=f"engine-{name}-{k}", daemon=True)
                          for k in range(instances)]
-        for k in range(instances):
-            self._free.put(k)
 
     # -- event loop side -------------------------------------------------------------------
     def start(self) -> None:
-        for t in self._runners:
+        for t in self._threads:
             t.start()
-        self._thread.start()
 
     @property
     def queued(self) -> int:
@@ -121,28 +122,46 @@ class Batcher:
             self._cond.notify()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finish everything already queued, then end the worker."""
+        """Finish everything already queued, then end the engine threads."""
         with self._cond:
             self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout)
-        for box in self._inbox:
-            box.put(None)
-        for t in self._runners:
+            self._cond.notify_all()
+        for t in self._threads:
             t.join(timeout)
 
-    # -- worker thread ---------------------------------------------------------------------
-    def _take(self, pending: list[Item]) -> list[Item] | None:
-        """Block until there is work; return newly queued items ([] if only ``pending``), None to exit."""
+    # -- engine threads --------------------------------------------------------------------
+    def _serve(self, instance: int) -> None:
+        while True:
+            new = self._take()
+            if new is None:
+                return
+            finished: list[Job] = []
+            try:
+                tokenized = self._tokenize(new, finished) if new else []
+                batch, alone = self._form_batch(tokenized, finished)
+                if batch:
+                    self._execute(batch, finished, instance, alone)
+            except Exception:  # a bug: never let an engine thread die and strand every later request
+                log.exception("engine thread error")
+            if finished:
+                self._resolve(finished)
+
+    def _take(self) -> list[Item] | None:
+        """Block until there is work; return the newly queued items ([] when only tokenized ones
+        wait), or None to exit (stopping, and nothing left)."""
         with self._cond:
-            while not self._queue and not pending:
+            self._idle += 1
+            while not self._queue and not self._pending:
                 if self._stopping:
+                    self._idle -= 1
+                    self._cond.notify_all()  # the other threads exit too
                     return None
                 self._cond.wait()
+            self._idle -= 1
             if self.max_queue_delay_s > 0:
-                oldest = pending[0].job.enqueued if pending else self._queue[0].job.enqueued
-                deadline = oldest + self.max_queue_delay_s
-                while len(self._queue) + len(pending) < self.max_batch_size and not self._stopping:
+                first = self._pending[0] if self._pending else self._queue[0]
+                deadline = first.job.enqueued + self.max_queue_delay_s
+                while len(self._queue) + len(self._pending) < self.max_batch_size and not self._stopping:
                     left = deadline - time.perf_counter()
                     if left <= 0:
                         break
@@ -151,110 +170,79 @@ class Batcher:
             self._queue.clear()
             return new
 
-    def _run(self) -> None:
-        pending: list[Item] = []
-        while True:
-            instance = self._free.get()  # form a batch only when an engine can run it at once
-            new = self._take(pending)
-            if new is None:
-                self._free.put(instance)
-                return
-            finished: list[Job] = []
-            dispatched = False
-            try:
-                if new:
-                    pending.extend(self._tokenize(new, finished))
-                now = time.perf_counter()
-                for it in pending:  # expired in the queue: answer 503 now, don't spend compute on it
-                    if it.job.deadline < now and not it.job.done:
-                        self._fail(it.job, it.job.timeout_error or TimeoutError("deadline passed"), finished)
-                live = [it for it in pending if not (it.job.done or it.job.cancelled)]
-                self._release(len(pending) - len(live))
-                if live:
-                    # Idle instances share the queue: two requests on two idle single-threaded
-                    # instances run side by side rather than as one batch of two on one of them.
-                    idle = 1 + self._free.qsize()
-                    batch, pending = self._select(live, max_rows=-(-len(live) // idle))
-                    self._release(len(batch))
-                    self._inbox[instance].put(batch)
-                    dispatched = True
-                else:
-                    pending = []
-            except Exception:  # a bug: never let the worker die and strand every later request
-                log.exception("batcher worker error")
-            if not dispatched:
-                self._free.put(instance)
-            if finished:
-                self._resolve(finished)
-
-    def _runner(self, instance: int) -> None:
-        """One engine instance's thread: run batches handed to it, answer, report itself free."""
-        while True:
-            batch = self._inbox[instance].get()
-            if batch is None:
-                return
-            finished: list[Job] = []
-            try:
-                self._execute(batch, finished, instance)
-            except Exception:
-                log.exception("engine thread error")
-            self._free.put(instance)
-            if finished:
-                self._resolve(finished)
-
-    def _release(self, n: int) -> None:
-        if n:
-            with self._cond:
-                self._queued -= n
+    def _form_batch(self, tokenized: list[Item], finished: list[Job]) -> tuple[list[Item], bool]:
+        """Add freshly tokenized inputs to the waiting ones and take this thread's batch:
+        its share of what waits when other instances are idle, else up to the budgets."""
+        with self._cond:
+            waiting = self._pending + tokenized
+            now = time.perf_counter()
+            for it in waiting:  # expired in the queue: answer 503 now, don't spend compute on it
+                if it.job.deadline < now and not it.job.done:
+                    self._fail(it.job, it.job.timeout_error or TimeoutError("deadline passed"), finished)
+            live = [it for it in waiting if not (it.job.done or it.job.cancelled)]
+            self._queued -= len(waiting) - len(live)
+            if not live:
+                self._pending = []
+                return [], False
+            share = -(-len(live) // (1 + self._idle))
+            batch, self._pending = self._select(live, max_rows=share)
+            self._queued -= len(batch)
+            alone = not self._pending and not self._queue and self._idle == self.instances - 1
+            if self._pending and self._idle:
+                self._cond.notify()  # an idle instance takes the rest
+            return batch, alone
 
     def _tokenize(self, new: list[Item], finished: list[Job]) -> list[Item]:
         live = [it for it in new if not (it.job.done or it.job.cancelled)]
-        self._release(len(new) - len(live))
         try:
             errors = self.hooks.tokenize(live)
         except Exception as exc:
             errors = [exc] * len(live)  # type: ignore[list-item]
-        kept = []
         for item, error in zip(live, errors):
             if error is not None:
                 self._fail(item.job, error, finished)
-            if item.job.done:
-                self._release(1)
-            else:
-                kept.append(item)
-        return kept
+        # dropped inputs (cancelled, failed) are subtracted from the queue count in _form_batch
+        return new
 
     def _select(self, items: list[Item], max_rows: int | None = None) -> tuple[list[Item], list[Item]]:
-        """The oldest input plus its nearest neighbours by length, within the budgets (and at most
-        ``max_rows``). Returns (batch, rest). Oldest-first anchoring means nothing waits forever."""
+        """The oldest input plus its nearest neighbours by length, within the budgets (rows,
+        padded tokens, padding) and at most ``max_rows``. Returns (batch, rest). Oldest-first
+        anchoring means nothing waits forever; an input too far in length from the oldest waits
+        for a batch of its own (on CPU a padded token costs as much as a real one, and batching
+        gains little: see ServeSettings.max_padding)."""
         rows = min(self.max_batch_size, max_rows or self.max_batch_size)
         items.sort(key=lambda it: it.length)
         anchor = min(range(len(items)), key=lambda k: items[k].job.enqueued)
         lo = hi = anchor
-        width = items[anchor].length
+        width = real = items[anchor].length
+
+        def fits(new_width: int, new_rows: int, new_real: int) -> bool:
+            padded = new_width * new_rows
+            return padded <= self.max_batch_tokens and padded <= new_real * self.max_padding
+
         while hi - lo + 1 < rows:
             count = hi - lo + 1
-            left_cost = width - items[lo - 1].length if lo > 0 else None  # shorter: only its own padding
-            right_cost = None
-            if hi + 1 < len(items):
-                new_width = items[hi + 1].length
-                right_cost = (new_width - width) * count if new_width * (count + 1) <= self.max_batch_tokens else None
-            if left_cost is not None and width * (count + 1) > self.max_batch_tokens:
-                left_cost = None
+            left_cost = right_cost = None  # padded tokens each candidate would add
+            if lo > 0 and fits(width, count + 1, real + items[lo - 1].length):
+                left_cost = width - items[lo - 1].length  # shorter: only its own padding
+            if hi + 1 < len(items) and fits(items[hi + 1].length, count + 1, real + items[hi + 1].length):
+                right_cost = (items[hi + 1].length - width) * count  # longer: pads every row so far
             if left_cost is None and right_cost is None:
                 break
             if right_cost is None or (left_cost is not None and left_cost <= right_cost):
                 lo -= 1
+                real += items[lo].length
             else:
                 hi += 1
                 width = items[hi].length
+                real += width
         return items[lo : hi + 1], items[:lo] + items[hi + 1 :]
 
-    def _execute(self, batch: list[Item], finished: list[Job], instance: int = 0) -> None:
+    def _execute(self, batch: list[Item], finished: list[Job], instance: int, alone: bool) -> None:
         started = time.perf_counter()
         queue_s = [started - it.job.enqueued for it in batch]
         try:
-            results = self.hooks.execute(batch, instance)
+            results = self.hooks.execute(batch, instance, alone)
         except Exception as exc:
             for item in batch:
                 self._fail(item.job, exc, finished)

@@ -1,7 +1,7 @@
 """A served model: manifest + task + tokenizer + ONNX engine + its own batcher.
 
 The stages are the runtime's and the task's (``task.prepare`` / ``TextEncoder`` /
-``task.postprocess``); this module only splits them across the batcher's worker thread."""
+``task.postprocess``); this module only runs them on the batcher's engine threads."""
 
 from __future__ import annotations
 
@@ -73,9 +73,10 @@ class ServedModel(BatchHooks):
         self.metrics = metrics
         self.stats = Stats()
         self.ready = False
-        self.instances, self.threads = settings.engine_layout()
+        self.instances, self.threads, self.alone_threads = settings.engine_layout()
         self.batcher = Batcher(self, settings.max_batch_size, settings.max_batch_tokens, settings.max_queue_size,
-                               settings.max_queue_delay_ms / 1000.0, name=self.name, instances=self.instances)
+                               settings.max_queue_delay_ms / 1000.0, name=self.name, instances=self.instances,
+                               max_padding=settings.padding_limit())
         self._observe_lock = threading.Lock()
         self._queue_hist = metrics.queue_seconds.labels(self.name)
         self._compute_hist = metrics.compute_seconds.labels(self.name)
@@ -95,28 +96,34 @@ class ServedModel(BatchHooks):
         self.engines = [load_variant(self.folder, self.manifest, self.variant, self.threads, memory_arena=False)
                         for _ in range(self.instances)]
         self.engine = self.engines[0]
+        # The session for a batch that has the machine to itself (see Batcher: ``alone``).
+        self.alone_engine = (load_variant(self.folder, self.manifest, self.variant, self.alone_threads,
+                                          memory_arena=False) if self.alone_threads else None)
         if self.settings.warmup:
             for k in range(self.instances):
                 self._warm_up(k)
+            if self.alone_engine is not None:
+                self._warm_up(0, alone=True)
         self.batcher.start()
         self.ready = True
-        log.info("loaded model %s (%s, variant %s, %d instance(s) x %d thread(s)) in %.1fs", self.name,
-                 self.task.name, self.variant.name, self.instances, self.threads, time.perf_counter() - started)
+        log.info("loaded model %s (%s, variant %s, %d instance(s) x %d thread(s), alone: %d thread(s)) in %.1fs",
+                 self.name, self.task.name, self.variant.name, self.instances, self.threads, self.alone_threads,
+                 time.perf_counter() - started)
 
-    def _warm_up(self, instance: int) -> None:
+    def _warm_up(self, instance: int, alone: bool = False) -> None:
         """Run a short and a full-size batch so first requests don't pay for arena growth."""
         samples: list[Any] = list(SAMPLE_QA) if self.task.name == "question-answering" else list(SAMPLE_TEXTS)
         for n in (1, min(len(samples), self.settings.max_batch_size)):
             job = Job(n=n, future=None)  # type: ignore[arg-type]
             items = [Item(job, i, text) for i, text in enumerate(self.task.prepare(samples[:n]))]
             self.tokenize(items)
-            self.execute(items, instance)
+            self.execute(items, instance, alone)
 
     def stop(self) -> None:
         self.ready = False
         self.batcher.stop()
 
-    # -- what the batcher's worker thread calls ---------------------------------------------
+    # -- what the batcher calls, on an engine instance's thread ----------------------------------
     def tokenize(self, items: Sequence[Item]) -> list[KilnError | None]:
         errors: list[KilnError | None] = [None] * len(items)
         texts = [(k, it.text) for k, it in enumerate(items) if it.text is not None]
@@ -134,9 +141,10 @@ class ServedModel(BatchHooks):
                 it.length = len(it.encoding.ids)
         return errors
 
-    def execute(self, batch: Sequence[Item], instance: int = 0) -> list[Any]:
+    def execute(self, batch: Sequence[Item], instance: int = 0, alone: bool = False) -> list[Any]:
         encodings = [it.encoding for it in batch]
-        outputs = self.engines[instance].run(self.encoder.collate(encodings))
+        engine = self.alone_engine if alone and self.alone_engine is not None else self.engines[instance]
+        outputs = engine.run(self.encoder.collate(encodings))
         raw_rows = [k for k, it in enumerate(batch) if it.text is None and self.task.name in PER_TOKEN_ANSWERS]
         if not raw_rows:
             return self.task.postprocess(outputs, encodings, [it.text for it in batch])

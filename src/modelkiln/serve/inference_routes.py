@@ -1,0 +1,111 @@
+"""The inference routes as a bare ASGI handler: the hot path of every request under load.
+
+FastAPI serves the management routes (health, metadata, stats, metrics). The three inference
+routes skip it: its middleware stack (error, telemetry, body-limit, exception and exit-stack
+layers, then routing and the endpoint wrappers) cost about four times the event-loop time of
+our own work per request, and on a 2-core machine every microsecond the event loop holds the
+GIL delays an engine thread that wants it back. Here a request is: match the path, read the
+body (bounded), call the data plane, send one response."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ..errors import PayloadTooLargeError
+from . import codec
+from .dataplane import DataPlane
+from .errors import error_response
+
+JSON = b"application/json"
+BINARY = b"application/octet-stream"
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its body arrived: nothing to answer."""
+
+
+def match(method: str, path: str) -> tuple[str, str | None, str] | None:
+    """(model, version, route) for an inference route, else None (FastAPI takes the request).
+
+    ``/v2/models/{m}[/versions/{v}]/infer|predict`` and ``/v1/embeddings``, POST only: other
+    methods on these paths fall through to FastAPI, which answers 405."""
+    if method != "POST":
+        return None
+    if path == "/v1/embeddings":
+        return "", None, "embeddings"
+    parts = path.split("/")  # ['', 'v2', 'models', m, ('versions', v,) route]
+    if len(parts) == 5 and parts[1] == "v2" and parts[2] == "models" and parts[4] in ("infer", "predict") and parts[3]:
+        return parts[3], None, parts[4]
+    if (len(parts) == 7 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "versions"
+            and parts[6] in ("infer", "predict") and parts[3] and parts[5]):
+        return parts[3], parts[5], parts[6]
+    return None
+
+
+async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int) -> bytes:
+    """The request body, refusing (413) more than ``limit`` bytes before reading them all."""
+    length = headers.get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLargeError(f"request body of {int(length)} bytes exceeds the limit of {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    encoding = headers.get(b"content-encoding")
+    return codec.decompress(body, encoding.decode("latin-1") if encoding else None, limit)
+
+
+async def send_response(send: Send, status: int, body: bytes, content_type: bytes, request_id: bytes,
+                        extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+               (b"x-request-id", request_id)]
+    if extra:
+        headers += extra
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def handle(plane: DataPlane, route: tuple[str, str | None, str], scope: dict[str, Any],
+                 headers: dict[bytes, bytes], receive: Receive, send: Send, request_id: str) -> int:
+    """Answer one inference request; returns the status sent (499, nginx's "client closed
+    request", when the client went away before its body arrived: nothing is sent then)."""
+    name, version, kind = route
+    rid = request_id.encode()
+    try:
+        body = await read_body(receive, headers, plane.settings.max_body_bytes)
+        if kind == "predict":
+            await send_response(send, 200, await plane.predict(name, version, body), JSON, rid)
+        elif kind == "embeddings":
+            # The model is named in the body, not the path: the data plane records it for the metrics.
+            await send_response(send, 200, await plane.embeddings(body, scope["state"]), JSON, rid)
+        else:
+            header_length = headers.get(codec.HEADER_LENGTH.encode())
+            content, json_length = await plane.infer(
+                name, version, body, header_length.decode("latin-1") if header_length is not None else None)
+            if json_length is None:
+                await send_response(send, 200, content, JSON, rid)
+            else:
+                await send_response(send, 200, content, BINARY, rid,
+                                    [(b"inference-header-content-length", str(json_length).encode())])
+        return 200
+    except ClientGone:
+        return 499
+    except Exception as exc:  # typed errors → their status; anything else is a bug → 500 (logged)
+        status, payload, extra = error_response(exc, request_id)
+        await send_response(send, status, payload, JSON, rid,
+                            [(k.encode(), v.encode()) for k, v in extra.items()])
+        return status
