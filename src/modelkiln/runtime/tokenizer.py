@@ -51,7 +51,11 @@ class TextEncoder:
 
     # -- tokenizing ------------------------------------------------------------------------
     def tokenize(self, texts: Sequence[TextInput]) -> list[Encoding]:
-        """Tokenize a batch (Rust, parallel, releases the GIL); truncated to ``max_length``."""
+        """Tokenize a batch (Rust, parallel, releases the GIL); truncated to ``max_length``.
+        One text is encoded directly: a batch call wakes the tokenizer's thread pool for nothing."""
+        if len(texts) == 1:
+            text = texts[0]
+            return [self._tokenizer.encode(*text) if isinstance(text, tuple) else self._tokenizer.encode(text)]
         return self._tokenizer.encode_batch(list(texts))
 
     def token_count(self, text: str) -> int:

@@ -136,15 +136,21 @@ class Batcher:
             if new is None:
                 return
             finished: list[Job] = []
+            timing = None
             try:
                 tokenized = self._tokenize(new, finished) if new else []
                 batch, alone = self._form_batch(tokenized, finished)
                 if batch:
-                    self._execute(batch, finished, instance, alone)
+                    timing = self._execute(batch, finished, instance, alone)
             except Exception:  # a bug: never let an engine thread die and strand every later request
                 log.exception("engine thread error")
             if finished:
                 self._resolve(finished)
+            if timing is not None:  # after the answers are on their way: metrics cost no latency
+                try:
+                    self.hooks.observe(batch, *timing)
+                except Exception:
+                    log.exception("metrics hook failed")
 
     def _take(self) -> list[Item] | None:
         """Block until there is work; return the newly queued items ([] when only tokenized ones
@@ -238,7 +244,9 @@ class Batcher:
                 real += width
         return items[lo : hi + 1], items[:lo] + items[hi + 1 :]
 
-    def _execute(self, batch: list[Item], finished: list[Job], instance: int, alone: bool) -> None:
+    def _execute(self, batch: list[Item], finished: list[Job], instance: int, alone: bool
+                 ) -> tuple[list[float], float] | None:
+        """Run a batch and file its answers; returns (queue seconds per input, compute seconds)."""
         started = time.perf_counter()
         queue_s = [started - it.job.enqueued for it in batch]
         try:
@@ -246,7 +254,7 @@ class Batcher:
         except Exception as exc:
             for item in batch:
                 self._fail(item.job, exc, finished)
-            return
+            return None
         compute_s = time.perf_counter() - started
         with self._done_lock:
             for item, result in zip(batch, results):
@@ -259,10 +267,7 @@ class Batcher:
                 if job.remaining == 0:
                     job.done = True
                     finished.append(job)
-        try:
-            self.hooks.observe(batch, queue_s, compute_s)
-        except Exception:
-            log.exception("metrics hook failed")
+        return queue_s, compute_s
 
     def _fail(self, job: Job, error: BaseException, finished: list[Job]) -> None:
         with self._done_lock:
