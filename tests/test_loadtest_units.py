@@ -38,7 +38,12 @@ def test_text_sources_and_length_selection():
     assert sum(map(len, squad)) / len(squad) > sum(map(len, sts)) / len(sts) * 5  # paragraphs vs sentences
     qa = inputs.load_items("squad", question_answering=True)
     assert all(isinstance(q, tuple) and len(q) == 2 for q in qa)
-    assert inputs.select(items, "all", limit=3) == items[:3]
+    three = inputs.select(items, "all", limit=3)
+    assert len(three) == 3 and set(three) <= set(items)
+    assert inputs.select(items, "all", limit=3) == three  # seeded: the same sequence every run
+    everything = inputs.select(sts, "all")
+    assert sorted(everything) == sorted(sts) and everything != sts  # shuffled, nothing lost
+    assert inputs.select(sts, "all", seed=1) != everything
     assert inputs.batches(["a", "b", "c"], 2, 3) == [["a", "b"], ["c", "a"], ["b", "c"]]
     with pytest.raises(KilnError, match="--inputs"):
         inputs.load_items("/no/such/file.txt")

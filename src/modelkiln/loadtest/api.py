@@ -57,7 +57,7 @@ async def prepare(opts: LoadtestOptions) -> tuple[list[PreparedRequest], int]:
     else:
         layout = InputLayout.from_metadata(metadata)
     items = text_inputs.select(text_inputs.load_items(opts.inputs, question_answering=layout.question_answering),
-                               opts.length, opts.max_inputs)
+                               opts.length, opts.max_inputs, opts.seed)
     protocol = make_protocol(opts.protocol, opts.model, layout)
     count = max(1, min(MAX_BODIES, math.ceil(len(items) / opts.batch)))
     return [protocol.build(b) for b in text_inputs.batches(items, opts.batch, count)], len(items)

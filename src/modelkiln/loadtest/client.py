@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import KilnError
@@ -48,16 +48,22 @@ class _Response:
         self.body = body
 
 
+Outcome = _Response | BaseException
+
+
 class Connection(asyncio.Protocol):
-    """One keep-alive connection; one request at a time (no pipelining, like a real client)."""
+    """One keep-alive connection; one request at a time (no pipelining, like a real client).
+
+    ``send`` is callback-driven (the closed loop chains requests from the callback, as wrk does:
+    no future, task or timer per request); ``request`` wraps it for code that awaits."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
-        self.waiter: asyncio.Future[_Response] | None = None
         self.closed = False
         self.keep_body = False
         self.until_close: tuple[int, int] | None = None  # (status, body start) of a body read to EOF
+        self._done: Callable[[Outcome], None] | None = None  # set while a request is in flight
 
     @classmethod
     async def open(cls, host: str, port: int) -> Connection:
@@ -65,32 +71,37 @@ class Connection(asyncio.Protocol):
         _, conn = await loop.create_connection(cls, host, port)  # asyncio/uvloop set TCP_NODELAY
         return conn
 
+    @property
+    def busy(self) -> bool:
+        return self._done is not None
+
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        waiter = self.waiter
-        if waiter is None or waiter.done():
+        if self._done is None:
             return
         try:
             response = self._parse()
         except Exception as exc:  # a malformed response: fail the request, drop the connection
-            waiter.set_exception(ConnectionError(f"bad HTTP response: {exc}"))
             self.abort()
+            self._finish(ConnectionError(f"bad HTTP response: {exc}"))
             return
         if response is not None:
-            waiter.set_result(response)
+            if response.close:
+                self.abort()
+            self._finish(response)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.waiter is not None and not self.waiter.done():
+        if self._done is not None:
             if self.until_close is not None and exc is None:
                 status, start = self.until_close
-                self.waiter.set_result(_Response(status, True, bytes(self.buf[start:])))
+                self._finish(_Response(status, True, bytes(self.buf[start:])))
             else:
-                self.waiter.set_exception(ConnectionError("connection closed by the server"))
+                self._finish(ConnectionError("connection closed by the server"))
 
     # -- parsing -------------------------------------------------------------------------------
     def _parse(self) -> _Response | None:
@@ -138,33 +149,48 @@ class Connection(asyncio.Protocol):
         return None
 
     # -- use -------------------------------------------------------------------------------------
+    def send(self, raw: bytes, done: Callable[[Outcome], None]) -> None:
+        """Send pre-rendered bytes; ``done`` is called once, on the event loop, with the whole
+        response or the exception that ended the request (the connection is then unusable)."""
+        if self.closed or self.transport is None:
+            done(ConnectionError("connection is closed"))
+            return
+        self._done = done
+        self.transport.write(raw)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the request in flight with ``exc`` (a client-side timeout) and drop the connection."""
+        self.abort()
+        self._finish(exc)
+
+    def _finish(self, outcome: Outcome) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done(outcome)
+
     async def request(self, raw: bytes, timeout: float) -> _Response:
         """Send pre-rendered bytes, wait for the whole response. Raises ConnectionError/TimeoutError."""
-        if self.closed or self.transport is None:
-            raise ConnectionError("connection is closed")
         loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        self.waiter = waiter
-        self.transport.write(raw)
-        handle = loop.call_later(timeout, _expire, waiter)
+        waiter: asyncio.Future[_Response] = loop.create_future()
+
+        def done(outcome: Outcome) -> None:
+            if not waiter.done():
+                if isinstance(outcome, BaseException):
+                    waiter.set_exception(outcome)
+                else:
+                    waiter.set_result(outcome)
+
+        self.send(raw, done)
+        handle = loop.call_later(timeout, self.fail, TimeoutError("no response in time"))
         try:
-            response = await waiter
+            return await waiter
         finally:
             handle.cancel()
-            self.waiter = None
-        if response.close:
-            self.abort()
-        return response
 
     def abort(self) -> None:
         self.closed = True
         if self.transport is not None:
             self.transport.close()
-
-
-def _expire(waiter: asyncio.Future[Any]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError("no response in time"))
 
 
 async def fetch(url: str, timeout: float = 10.0, method: str = "GET", body: bytes = b"",
