@@ -8,7 +8,9 @@ the same request bodies, interleaved, and print throughput and latency side by s
 - kiln vs wrk: every request body (wrk cycles them with a Lua script, as kiln does);
 - kiln vs hey: hey sends one body, so kiln runs again with ``--max-inputs 1`` for that pair.
 Rounds alternate the tools so background load on the machine hits them alike; the median round
-is reported. The claim the README makes: kiln's throughput and p50 within 10% of wrk/hey.
+is reported, and the median of the per-round ratios (each kiln run against the other tool's run
+right after it: on a shared VM throughput drifts by 10-20% between minutes, and pairing takes
+the drift out). The claim the README makes: kiln's throughput and p50 within 10% of wrk/hey.
 On a small machine the client and the server share the cores: a client that burns more CPU
 per request steals it from the server, which is exactly what this comparison exposes."""
 
@@ -126,7 +128,8 @@ def main() -> None:
     (tmp / "body.bin").write_bytes(prepared_one[0].body)
 
     results = []
-    print(f"{'c':>4} {'pair':<10} {'tool':<6} {'req/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'err':>4}  {'Δ req/s':>8} {'Δ p50':>7}")
+    print(f"{'c':>4} {'pair':<10} {'tool':<6} {'req/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'err':>4}  "
+          f"{'Δ req/s':>8} {'Δ p50':>7}  {'paired Δ req/s':>14} {'paired Δ p50':>12}")
     for c in [int(x) for x in args.concurrency.split(",")]:
         runs: dict[str, list[dict]] = {k: [] for k in ("kiln-all", "wrk", "kiln-one", "hey")}
         for _ in range(args.rounds):
@@ -140,12 +143,17 @@ def main() -> None:
             if not runs[other]:
                 continue
             k, o = median_of(runs[kiln_key]), median_of(runs[other])
+            paired = {m: statistics.median(a[m] / b[m] - 1 for a, b in zip(runs[kiln_key], runs[other]))
+                      for m in ("rps", "p50")}
             pair = "all bodies" if other == "wrk" else "one body"
             for tool, r in (("kiln", k), (other, o)):
-                delta = ("", "") if tool == other else (f"{(k['rps'] / o['rps'] - 1):+.1%}", f"{(k['p50'] / o['p50'] - 1):+.1%}")
+                delta = ("", "", "", "") if tool == other else (
+                    f"{(k['rps'] / o['rps'] - 1):+.1%}", f"{(k['p50'] / o['p50'] - 1):+.1%}",
+                    f"{paired['rps']:+.1%}", f"{paired['p50']:+.1%}")
                 print(f"{c:>4} {pair:<10} {tool:<6} {r['rps']:>9.1f} {r['p50']:>8.2f} {r['p95']:>8.2f} {r['p99']:>8.2f} "
-                      f"{int(r['errors']):>4}  {delta[0]:>8} {delta[1]:>7}")
-            results.append({"concurrency": c, "pair": pair, "kiln": k, other: o, "rounds": runs[kiln_key] + runs[other]})
+                      f"{int(r['errors']):>4}  {delta[0]:>8} {delta[1]:>7}  {delta[2]:>14} {delta[3]:>12}")
+            results.append({"concurrency": c, "pair": pair, "kiln": k, other: o, "paired_delta": paired,
+                            "rounds": runs[kiln_key] + runs[other]})
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     shutil.rmtree(tmp, ignore_errors=True)
