@@ -49,7 +49,7 @@ def serve(
     alone_threads: Optional[int] = typer.Option(None, help="Threads for a lone request on an idle server, in a session of its own (env KILN_ALONE_THREADS; default all cores; 0 = off)."),
     api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on every route but health (env KILN_API_KEY)."),
     max_batch_size: Optional[int] = typer.Option(None, help="Inputs per model batch (env KILN_MAX_BATCH_SIZE, 32)."),
-    max_batch_tokens: Optional[int] = typer.Option(None, help="Padded tokens per model batch (env KILN_MAX_BATCH_TOKENS, 8192)."),
+    max_batch_tokens: Optional[int] = typer.Option(None, help="Padded tokens per model batch (env KILN_MAX_BATCH_TOKENS; default 1024 on CPU, 8192 on GPU)."),
     max_padding: Optional[float] = typer.Option(None, help="Padding a batch may add, as a fraction of its real tokens (env KILN_MAX_PADDING; default 0.15 on CPU, 1.0 on GPU)."),
     max_queue_delay_ms: Optional[float] = typer.Option(None, help="Extra wait for a fuller batch, ms (env KILN_MAX_QUEUE_DELAY_MS, 0)."),
     max_queue_size: Optional[int] = typer.Option(None, help="Inputs waiting before 503s (env KILN_MAX_QUEUE_SIZE, 1024)."),

@@ -74,7 +74,7 @@ class ServedModel(BatchHooks):
         self.stats = Stats()
         self.ready = False
         self.instances, self.threads, self.alone_threads = settings.engine_layout()
-        self.batcher = Batcher(self, settings.max_batch_size, settings.max_batch_tokens, settings.max_queue_size,
+        self.batcher = Batcher(self, settings.max_batch_size, settings.token_budget(), settings.max_queue_size,
                                settings.max_queue_delay_ms / 1000.0, name=self.name, instances=self.instances,
                                max_padding=settings.padding_limit())
         self._observe_lock = threading.Lock()

@@ -34,7 +34,7 @@ def tune(
     instances: str = typer.Option("1,2", help="Engine instances per model to try (kiln serve --instances); 0 = the server's default."),
     threads: str = typer.Option("0", help="Intra-op threads per instance to try; 0 = the server's default (cores / instances)."),
     max_batch_size: str = typer.Option("32", help="Max batch sizes to try."),
-    max_batch_tokens: str = typer.Option("8192", help="Token budgets per batch to try."),
+    max_batch_tokens: str = typer.Option("0", help="Token budgets per batch to try; 0 = the server's default."),
     max_queue_delay_ms: str = typer.Option("0,2", help="Queue delays (ms) to try."),
     concurrency: str = typer.Option("1:32:x2", help="Closed-loop load per combination (stops once p99 exceeds the budget)."),
     protocol: str = typer.Option("oip-json", help="oip-json | oip-binary | task."),
@@ -68,7 +68,7 @@ def tune(
     grid = Grid(variants=tuple(chosen), instances=tuple(i or None for i in _ints(instances, "--instances")),
                 threads=tuple(t or None for t in _ints(threads, "--threads")),
                 max_batch_size=tuple(_ints(max_batch_size, "--max-batch-size")),
-                max_batch_tokens=tuple(_ints(max_batch_tokens, "--max-batch-tokens")),
+                max_batch_tokens=tuple(b or None for b in _ints(max_batch_tokens, "--max-batch-tokens")),
                 max_queue_delay_ms=tuple(_floats(max_queue_delay_ms, "--max-queue-delay-ms")))
     loads = tuple(Load("concurrency", float(int(v))) for v in parse_levels(concurrency, "--concurrency"))
     load = LoadtestOptions(url="", model=manifest.name, loads=loads, protocol=protocol, inputs=inputs, length=length,

@@ -28,7 +28,7 @@ def print_ranking(console: Any, result: TuneResult) -> None:
         b = t.best
         status = t.error[:40] if t.error else ("ok" if t.within_budget else "over")
         table.add_row(str(rank), str(s["variant"]), str(s["instances"] or "auto"), str(s["threads"] or "auto"), str(s["max_batch_size"]),
-                      str(s["max_batch_tokens"]), f"{s['max_queue_delay_ms']:g}", b.load.label if b else "-",
+                      str(s["max_batch_tokens"] or "auto"), f"{s['max_queue_delay_ms']:g}", b.load.label if b else "-",
                       _f(b.throughput if b else None), _f(b.inputs_per_s if b else None),
                       _f(b.latency.p50 if b and b.latency else None, 2), _f(t.p99_ms, 2),
                       _f(b.server.batch_size if b and b.server else None), _f(t.peak_rss_mb, 0), status)

@@ -36,7 +36,7 @@ class Grid:
     instances: tuple[int | None, ...]  # engine sessions per model; None: the server's default
     threads: tuple[int | None, ...]  # intra-op threads per instance; None: the server's default (cores / instances)
     max_batch_size: tuple[int, ...]
-    max_batch_tokens: tuple[int, ...]
+    max_batch_tokens: tuple[int | None, ...]  # None: the server's default
     max_queue_delay_ms: tuple[float, ...]
 
     def combinations(self) -> list[dict[str, Any]]:
