@@ -18,17 +18,13 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from modelkiln.data import sts_sentences
+from modelkiln.tune.sweep import ServeProcess
 from wrk_load import print_table, run_wrk, write_script
 
 def in_process_latency(artifact: str, sentences: list[str], threads: int | None, seconds: float) -> float:
@@ -47,27 +43,6 @@ def in_process_latency(artifact: str, sentences: list[str], threads: int | None,
     return statistics.median(times) * 1000
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/v2/health/ready", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("server not ready")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", required=True, help="artifact folder (e.g. a converted all-MiniLM-L6-v2)")
@@ -75,7 +50,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--duration", type=int, default=20, help="seconds per wrk run")
     ap.add_argument("--warmup", type=int, default=3, help="seconds of load before measuring")
-    ap.add_argument("--threads", type=int, default=None, help="server onnxruntime threads (KILN_THREADS)")
+    ap.add_argument("--threads", type=int, default=None, help="server onnxruntime threads per instance (kiln serve --threads)")
     ap.add_argument("--baseline-threads", type=int, default=None,
                     help="in-process baseline threads (default: every core, as kiln bench)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved baseline + fresh-server rounds")
@@ -121,26 +96,15 @@ def main() -> None:
 
 def serve_round(args: argparse.Namespace, name: str, script: Path) -> tuple[list[dict], float, int]:
     """Start a fresh server, warm it, run wrk at each concurrency; returns (runs, RSS MB, exit code)."""
-    port = free_port()
-    env = dict(os.environ)
-    if args.threads:
-        env["KILN_THREADS"] = str(args.threads)
-    cmd = [sys.executable, "-m", "modelkiln", "serve", f"{name}={args.artifact}", "--port", str(port),
-           "--log-level", "warning", *args.server_args.split()]
-    proc = subprocess.Popen(cmd, env=env)
-    url = f"http://127.0.0.1:{port}"
-    runs = []
+    srv = ServeProcess(Path(args.artifact), name, {"threads": args.threads}, extra_args=args.server_args.split())
     try:
-        wait_ready(url, proc)
         if args.warmup:
-            run_wrk(url, script, 16, args.warmup, 1)
-        for c in (int(x) for x in args.concurrency.split(",")):
-            runs.append(run_wrk(url, script, c, args.duration, threads=1 if c == 1 else 2))
-        rss_mb = int(next(ln for ln in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-                          if ln.startswith("VmRSS")).split()[1]) / 1024
+            run_wrk(srv.url, script, 16, args.warmup, 1)
+        runs = [run_wrk(srv.url, script, c, args.duration, threads=1 if c == 1 else 2)
+                for c in (int(x) for x in args.concurrency.split(","))]
+        rss_mb = srv.memory_mb("VmRSS") or 0.0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
+        code = srv.stop(60)
     return runs, rss_mb, code
 
 

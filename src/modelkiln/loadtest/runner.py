@@ -37,6 +37,12 @@ CONNECT_ERROR = 0  # status code recorded for requests that got no HTTP answer
 TIMEOUT = -1
 
 
+def error_code(exc: BaseException) -> int:
+    """The code recorded for a request that got no HTTP answer: TIMEOUT if none came in time,
+    CONNECT_ERROR otherwise (refused, reset, closed, malformed)."""
+    return TIMEOUT if isinstance(exc, TimeoutError) else CONNECT_ERROR
+
+
 def status_name(code: int) -> str:
     return {CONNECT_ERROR: "connection", TIMEOUT: "timeout"}.get(code, str(code))
 
@@ -199,10 +205,8 @@ async def _send(state: _State, conn: Connection | None, host: str, port: int, ti
         state.sent += 1
         response = await conn.request(raw, timeout)
         return conn, response.status, time.perf_counter()
-    except TimeoutError:
-        code = TIMEOUT
-    except (ConnectionError, OSError, asyncio.TimeoutError):
-        code = CONNECT_ERROR
+    except (TimeoutError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
+        code = error_code(exc)
     if conn is not None:
         conn.abort()  # its response may still come: never reuse it
     return None, code, time.perf_counter()
@@ -256,7 +260,7 @@ class _ClosedLoop:
         end = time.perf_counter()
         assert self.conn is not None
         if isinstance(outcome, BaseException):
-            self.last_code = TIMEOUT if isinstance(outcome, TimeoutError) else CONNECT_ERROR
+            self.last_code = error_code(outcome)
             self.conn.abort()  # its response may still come: never reuse it
         else:
             self.last_code = outcome.status

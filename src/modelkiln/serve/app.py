@@ -86,23 +86,12 @@ class Gate:
         if self.api_key is not None and not path.startswith(PUBLIC_PREFIX):
             token = headers.get(b"authorization", b"")
             if not (token.startswith(b"Bearer ") and hmac.compare_digest(token[7:].strip(), self.api_key)):
-                status, body, extra = error_response(UnauthorizedError("missing or wrong bearer token"), request_id)
-                extra["www-authenticate"] = "Bearer"
-                await inference_routes.send_response(send, status, body, JSON.encode(), request_id.encode(),
-                                                     [(k.encode(), v.encode()) for k, v in extra.items()])
+                status = await inference_routes.send_error(send, UnauthorizedError("missing or wrong bearer token"),
+                                                           request_id, {"www-authenticate": "Bearer"})
                 self._done(path, status, started, request_id, scope)
                 return
         route = inference_routes.match(scope["method"], path)
-        if route is not None:
-            self.metrics.in_flight.inc()
-            status = 500
-            try:
-                status = await inference_routes.handle(self.plane, route, scope, headers, receive, send, request_id)
-            finally:
-                self.metrics.in_flight.dec()
-                self._done(path, status, started, request_id, scope)
-            return
-        status_box = [500]
+        status_box = [500]  # what was answered, for the metrics
 
         async def send_wrapper(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -112,7 +101,11 @@ class Gate:
 
         self.metrics.in_flight.inc()
         try:
-            await self.app(scope, receive, send_wrapper)
+            if route is not None:  # the hot path, without FastAPI
+                status_box[0] = await inference_routes.handle(self.plane, route, scope, headers, receive, send,
+                                                              request_id)
+            else:
+                await self.app(scope, receive, send_wrapper)
         finally:
             self.metrics.in_flight.dec()
             self._done(path, status_box[0], started, request_id, scope)

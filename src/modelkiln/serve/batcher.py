@@ -90,7 +90,6 @@ class Batcher:
         self.max_queue_size = max_queue_size
         self.max_queue_delay_s = max_queue_delay_s
         self.max_padding = 1.0 + max_padding  # padded tokens per real token a batch may have
-        self.instances = instances
         self._queue: deque[Item] = deque()  # submitted, not yet tokenized
         self._pending: list[Item] = []  # tokenized, waiting for a batch
         self._queued = 0  # inputs submitted and not yet taken into a batch

@@ -79,6 +79,16 @@ async def send_response(send: Send, status: int, body: bytes, content_type: byte
     await send({"type": "http.response.body", "body": body})
 
 
+async def send_error(send: Send, exc: BaseException, request_id: str,
+                     extra_headers: dict[str, str] | None = None) -> int:
+    """Answer ``exc`` as ``{"error": ...}`` with its status (``errors.error_response``); returns the status."""
+    status, payload, headers = error_response(exc, request_id)
+    headers.update(extra_headers or {})
+    await send_response(send, status, payload, JSON, request_id.encode(),
+                        [(k.encode(), v.encode()) for k, v in headers.items()])
+    return status
+
+
 async def handle(plane: DataPlane, route: tuple[str, str | None, str], scope: dict[str, Any],
                  headers: dict[bytes, bytes], receive: Receive, send: Send, request_id: str) -> int:
     """Answer one inference request; returns the status sent (499, nginx's "client closed
@@ -105,7 +115,4 @@ async def handle(plane: DataPlane, route: tuple[str, str | None, str], scope: di
     except ClientGone:
         return 499
     except Exception as exc:  # typed errors → their status; anything else is a bug → 500 (logged)
-        status, payload, extra = error_response(exc, request_id)
-        await send_response(send, status, payload, JSON, rid,
-                            [(k.encode(), v.encode()) for k, v in extra.items()])
-        return status
+        return await send_error(send, exc, request_id)

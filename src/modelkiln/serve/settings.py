@@ -30,8 +30,8 @@ class ServeSettings:
     variant: str | None = None  # default variant for models given without one
     threads: int | None = None  # onnxruntime intra-op threads per instance (None: cores / instances)
     instances: int | None = None  # engine sessions per model run in parallel (None: 2 on CPU, 1 on GPU)
-    # threads of the session that runs a batch finding every other instance idle and nothing else
-    # waiting (a lone request): None = every core, 0 = no such session
+    # threads of the session that runs a lone request on an idle server (see Batcher: ``alone``):
+    # None = every core, 0 = no such session
     alone_threads: int | None = None
     # batching
     max_batch_size: int = 32  # inputs per model batch

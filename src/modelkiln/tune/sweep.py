@@ -132,9 +132,13 @@ class ServeProcess:
 
     def peak_rss_mb(self) -> float | None:
         """Peak resident memory of the server process (Linux), in MiB."""
+        return self.memory_mb("VmHWM")
+
+    def memory_mb(self, field: str) -> float | None:
+        """A memory figure of the server process from /proc (Linux: VmRSS now, VmHWM peak), in MiB."""
         try:
             for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024.0
         except OSError:
             pass
