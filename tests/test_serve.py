@@ -267,6 +267,9 @@ def test_error_table(server):
         assert r.headers["x-request-id"]
     r = httpx.get(server.url + "/v2/nothing/here")
     assert r.status_code == 404 and "error" in r.json()
+    for path in ("/v2/models/emb/infer", "/v2/models/emb/versions/1/predict", "/v1/embeddings"):
+        r = httpx.get(server.url + path)  # an inference route asked with the wrong method
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and "use POST" in r.json()["error"], (path, r.text)
     r = httpx.post(server.url + "/v2/models/emb/predict", content=b'{"inputs":"x"}', headers={"x-request-id": "rid-7"})
     assert r.headers["x-request-id"] == "rid-7"
 

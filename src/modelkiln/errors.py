@@ -75,6 +75,12 @@ class UnauthorizedError(KilnError):
     status_code = 401
 
 
+class MethodNotAllowedError(KilnError):
+    """A route asked with the wrong HTTP method (the inference routes take POST only)."""
+
+    status_code = 405
+
+
 class PayloadTooLargeError(KilnError):
     status_code = 413
 

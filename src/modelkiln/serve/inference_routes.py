@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..errors import PayloadTooLargeError
+from ..errors import MethodNotAllowedError, PayloadTooLargeError
 from . import codec
 from .dataplane import DataPlane
 from .errors import error_response
@@ -28,13 +28,9 @@ class ClientGone(Exception):
     """The client disconnected before its body arrived: nothing to answer."""
 
 
-def match(method: str, path: str) -> tuple[str, str | None, str] | None:
-    """(model, version, route) for an inference route, else None (FastAPI takes the request).
-
-    ``/v2/models/{m}[/versions/{v}]/infer|predict`` and ``/v1/embeddings``, POST only: other
-    methods on these paths fall through to FastAPI, which answers 405."""
-    if method != "POST":
-        return None
+def match(path: str) -> tuple[str, str | None, str] | None:
+    """(model, version, route) for an inference route, else None (FastAPI takes the request):
+    ``/v2/models/{m}[/versions/{v}]/infer|predict`` and ``/v1/embeddings``."""
     if path == "/v1/embeddings":
         return "", None, "embeddings"
     parts = path.split("/")  # ['', 'v2', 'models', m, ('versions', v,) route]
@@ -95,6 +91,9 @@ async def handle(plane: DataPlane, route: tuple[str, str | None, str], scope: di
     request", when the client went away before its body arrived: nothing is sent then)."""
     name, version, kind = route
     rid = request_id.encode()
+    if scope["method"] != "POST":
+        return await send_error(send, MethodNotAllowedError(f"{scope['method']} is not allowed here: use POST"),
+                                request_id, {"allow": "POST"})
     try:
         body = await read_body(receive, headers, plane.settings.max_body_bytes)
         if kind == "predict":
