@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,17 +17,12 @@ import httpx
 import numpy as np
 import pytest
 
+from modelkiln.net import free_port
 from modelkiln.runtime.pipeline import load_pipeline
 from modelkiln.samples import SAMPLE_QA, SAMPLE_TEXTS
 
 TASKS = {"cls": "text-classification", "emb": "sentence-embeddings", "ner": "token-classification",
          "qa": "question-answering"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KilnError
+from ..net import free_port
 
 
 class TritonServerError(KilnError):
@@ -59,12 +59,6 @@ def find_distribution() -> Distribution:
         if not path.exists():
             raise TritonServerError(f"the nvidia-pytriton install lacks {path} (python {version} not supported?)")
     return dist
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

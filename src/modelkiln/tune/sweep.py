@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KilnError
+from ..net import free_port
 from ..loadtest.api import LoadtestOptions, run_loadtest
 from ..loadtest.runner import RunResult, StepResult
 
@@ -79,12 +79,6 @@ class TuneResult:
     def best(self) -> Trial | None:
         ranked = [t for t in self.ranked() if t.error is None and t.best is not None]
         return ranked[0] if ranked else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServeProcess:
