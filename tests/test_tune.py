@@ -33,12 +33,23 @@ def test_read_serve_config_validates(tmp_path):
         read_serve_config(tmp_path / "missing.json")
 
 
+def test_option_lists():
+    from modelkiln.option_lists import number_list
+
+    assert number_list("1, 2,4", "--x") == [1, 2, 4]
+    assert number_list("auto,0,0.5", "--x", float, auto=True) == [None, 0.0, 0.5]
+    with pytest.raises(KilnError, match="--x takes comma-separated whole numbers or auto"):
+        number_list("auto,two", "--x", auto=True)
+    with pytest.raises(KilnError, match="whole numbers, got 'auto'"):
+        number_list("auto", "--x")  # only where the option allows it
+
+
 @pytest.fixture(scope="module")
 def tuned(zoo, tmp_path_factory):
     artifact = zoo.artifact("bert", "text-classification")
     out = tmp_path_factory.mktemp("tune")
     r = kiln("tune", str(artifact), "--variants", "fp32,int8", "--instances", "1", "--threads", "1", "--max-batch-size", "2",
-             "--max-queue-delay-ms", "0", "--concurrency", "1,2", "--warmup", "0.2", "--window", "0.3",
+             "--max-queue-delay-ms", "0", "--max-padding", "0.5", "--alone-threads", "0", "--concurrency", "1,2", "--warmup", "0.2", "--window", "0.3",
              "--max-windows", "2", "--p99-ms", "500", "-o", str(out / "best.json"), "--json", str(out / "all.json"),
              timeout=240)
     assert r.returncode == 0, r.stderr
@@ -50,7 +61,7 @@ def test_tune_ranks_and_writes_config(tuned):
     assert "best first" in r.stdout and "fp32" in r.stdout and "int8" in r.stdout
     settings = read_serve_config(out / "best.json")
     assert settings["variant"] in ("fp32", "int8") and settings["threads"] == 1 and settings["max_batch_size"] == 2
-    assert settings["instances"] == 1
+    assert settings["instances"] == 1 and settings["max_padding"] == 0.5 and settings["alone_threads"] == 0
     notes = json.loads((out / "best.json").read_text())
     assert notes["_within_budget"] is True and notes["_measured"]["throughput_rps"] > 0
     trials = json.loads((out / "all.json").read_text())["trials"]

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from .errors import KilnError
+from .option_lists import number_list, split_list
 
 app = typer.Typer(
     help="Turn a Hugging Face transformer into validated fast ONNX variants, benchmark them, and serve them.",
@@ -39,17 +40,6 @@ def step(description: str) -> Iterator[None]:
     else:  # logs and pipes get the ✓ lines only
         yield
     console.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - started:.1f}s)[/]")
-
-
-def split_list(value: str | None) -> list[str] | None:
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
-
-
-def int_list(value: str, option: str) -> list[int]:
-    try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise KilnError(f"{option} takes comma-separated whole numbers, got '{value}'") from None
 
 
 # --- convert ----------------------------------------------------------------------------------
@@ -120,7 +110,7 @@ def bench(
     from .bench.report import print_table, write_json
     from .bench.runner import BenchConfig, run_bench
 
-    cfg = BenchConfig(batches=int_list(batch, "--batch"), seqs=int_list(seq, "--seq"), threads=threads,
+    cfg = BenchConfig(batches=number_list(batch, "--batch"), seqs=number_list(seq, "--seq"), threads=threads,
                       variants=split_list(variants), reference=reference, warmup=warmup, min_iters=min_iters,
                       min_seconds=min_seconds)
     result = run_bench(target, cfg, steps=step)

@@ -8,24 +8,6 @@ from typing import Optional
 import typer
 
 
-def _ints(value: str, option: str) -> list[int]:
-    from ..errors import KilnError
-
-    try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise KilnError(f"{option} takes comma-separated whole numbers, got '{value}'") from None
-
-
-def _floats(value: str, option: str) -> list[float]:
-    from ..errors import KilnError
-
-    try:
-        return [float(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise KilnError(f"{option} takes comma-separated numbers, got '{value}'") from None
-
-
 def tune(
     artifact: Path = typer.Argument(..., help="An artifact folder written by `kiln convert`."),
     p99_ms: Optional[float] = typer.Option(None, "--p99-ms", help="Latency budget: rank by the best throughput whose p99 stays below this."),
@@ -36,6 +18,8 @@ def tune(
     max_batch_size: str = typer.Option("32", help="Max batch sizes to try."),
     max_batch_tokens: str = typer.Option("0", help="Token budgets per batch to try; 0 = the server's default."),
     max_queue_delay_ms: str = typer.Option("0,2", help="Queue delays (ms) to try."),
+    max_padding: str = typer.Option("auto", help="Padding limits to try (kiln serve --max-padding); auto = the server's default."),
+    alone_threads: str = typer.Option("auto", help="Threads for a lone request to try (kiln serve --alone-threads; 0 = off); auto = the server's default."),
     concurrency: str = typer.Option("1:32:x2", help="Closed-loop load per combination (stops once p99 exceeds the budget)."),
     protocol: str = typer.Option("oip-json", help="oip-json | oip-binary | task."),
     inputs: str = typer.Option("samples", help="samples | sts | squad | a text file."),
@@ -55,6 +39,7 @@ def tune(
     from ..loadtest.api import LoadtestOptions
     from ..loadtest.runner import Load, parse_levels
     from ..manifest import Manifest, is_artifact
+    from ..option_lists import number_list
     from .report import print_ranking, write_best, write_json
     from .sweep import Grid, run_sweep
 
@@ -65,21 +50,26 @@ def tune(
     chosen = [v.strip() for v in variants.split(",") if v.strip()] if variants else kept
     for v in chosen:
         manifest.variant(v)  # fails early, listing the kept ones
-    grid = Grid(variants=tuple(chosen), instances=tuple(i or None for i in _ints(instances, "--instances")),
-                threads=tuple(t or None for t in _ints(threads, "--threads")),
-                max_batch_size=tuple(_ints(max_batch_size, "--max-batch-size")),
-                max_batch_tokens=tuple(b or None for b in _ints(max_batch_tokens, "--max-batch-tokens")),
-                max_queue_delay_ms=tuple(_floats(max_queue_delay_ms, "--max-queue-delay-ms")))
+    grid = Grid(variants=tuple(chosen), instances=tuple(i or None for i in number_list(instances, "--instances")),
+                threads=tuple(t or None for t in number_list(threads, "--threads")),
+                max_batch_size=tuple(number_list(max_batch_size, "--max-batch-size")),
+                max_batch_tokens=tuple(b or None for b in number_list(max_batch_tokens, "--max-batch-tokens")),
+                max_queue_delay_ms=tuple(number_list(max_queue_delay_ms, "--max-queue-delay-ms", float)),
+                max_padding=tuple(number_list(max_padding, "--max-padding", float, auto=True)),
+                alone_threads=tuple(number_list(alone_threads, "--alone-threads", int, auto=True)))
     loads = tuple(Load("concurrency", float(int(v))) for v in parse_levels(concurrency, "--concurrency"))
     load = LoadtestOptions(url="", model=manifest.name, loads=loads, protocol=protocol, inputs=inputs, length=length,
                            batch=batch, warmup_s=warmup, window_s=window, max_windows=max_windows)
-    err = Console(stderr=True)
-    out_console = Console(width=None if __import__("sys").stdout.isatty() else 160)
+    import sys
+
+    # Wide enough for the ranking table when the output goes to a file or a pipe.
+    err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+    out_console = Console(width=None if sys.stdout.isatty() else 200)
     total = len(grid.combinations())
     err.print(f"tuning {manifest.name}: {total} combinations × up to {len(loads)} load steps")
 
     def on_trial(i, n, trial) -> None:  # type: ignore[no-untyped-def]
-        settings = ", ".join(f"{k}={v}" for k, v in trial.settings.items())
+        settings = ", ".join(f"{k}={v}" for k, v in trial.settings.items() if v is not None)  # None: the default
         if trial.error:
             err.print(f"[red]✗[/] {i}/{n} {settings}: {trial.error}")
         else:

@@ -27,7 +27,8 @@ from ..loadtest.runner import RunResult, StepResult
 
 # The settings swept, as ServeSettings field names → the `kiln serve` flag that sets each.
 FLAGS = {"variant": "--variant", "instances": "--instances", "threads": "--threads", "max_batch_size": "--max-batch-size",
-         "max_batch_tokens": "--max-batch-tokens", "max_queue_delay_ms": "--max-queue-delay-ms"}
+         "max_batch_tokens": "--max-batch-tokens", "max_queue_delay_ms": "--max-queue-delay-ms",
+         "max_padding": "--max-padding", "alone_threads": "--alone-threads"}
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,14 @@ class Grid:
     max_batch_size: tuple[int, ...]
     max_batch_tokens: tuple[int | None, ...]  # None: the server's default
     max_queue_delay_ms: tuple[float, ...]
+    max_padding: tuple[float | None, ...] = (None,)  # None: the server's default (0.15 on CPU)
+    alone_threads: tuple[int | None, ...] = (None,)  # None: the server's default (every core); 0: off
 
     def combinations(self) -> list[dict[str, Any]]:
-        keys = ("variant", "instances", "threads", "max_batch_size", "max_batch_tokens", "max_queue_delay_ms")
-        values = (self.variants, self.instances, self.threads, self.max_batch_size, self.max_batch_tokens, self.max_queue_delay_ms)
+        keys = ("variant", "instances", "threads", "max_batch_size", "max_batch_tokens", "max_queue_delay_ms",
+                "max_padding", "alone_threads")
+        values = (self.variants, self.instances, self.threads, self.max_batch_size, self.max_batch_tokens,
+                  self.max_queue_delay_ms, self.max_padding, self.alone_threads)
         return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
 
 
