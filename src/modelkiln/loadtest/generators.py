@@ -1,0 +1,224 @@
+"""The two load generators of a step, and the codes they record for requests with no HTTP answer.
+
+- Closed loop (``concurrency=N``): N clients, each with its own keep-alive connection, send
+  back to back. Throughput is what the server sustains at N outstanding requests.
+- Open loop (``rate=R``): arrivals at Poisson times (exponential gaps, seeded) are taken in order
+  by whichever connection is free (up to ``max_connections``). When every connection is busy an
+  arrival waits, and its latency counts from its *scheduled* time, so a slow server cannot
+  hide its queueing by slowing the client down (coordinated omission). When a connection was
+  idle, latency counts from the actual send: the ≤1 ms timer jitter of the event loop is the
+  client's, not the server's.
+
+Both record into one ``StepState``; ``runner.run_step`` reads it window by window."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import time
+from collections.abc import Sequence
+
+from .client import Connection, Outcome
+
+CONNECT_ERROR = 0  # status code recorded for requests that got no HTTP answer
+TIMEOUT = -1
+
+
+def error_code(exc: BaseException) -> int:
+    """The code recorded for a request that got no HTTP answer: TIMEOUT if none came in time,
+    CONNECT_ERROR otherwise (refused, reset, closed, malformed)."""
+    return TIMEOUT if isinstance(exc, TimeoutError) else CONNECT_ERROR
+
+
+def status_name(code: int) -> str:
+    return {CONNECT_ERROR: "connection", TIMEOUT: "timeout"}.get(code, str(code))
+
+
+class StepState:
+    """What one step sends and records, shared by its generators. Appends only: the event loop is
+    single-threaded."""
+
+    def __init__(self, requests: Sequence[bytes], rate: float | None, seed: int):
+        self.requests = requests
+        self.index = 0
+        self.stop = False
+        self.ends: list[float] = []
+        self.latencies: list[float] = []
+        self.codes: list[int] = []
+        self.lags: list[float] = []
+        self.sent = 0
+        self.rate = rate
+        self.rng = random.Random(seed)
+        self.next_t = 0.0
+
+    def next_request(self) -> bytes:
+        raw = self.requests[self.index]
+        self.index = (self.index + 1) % len(self.requests)
+        return raw
+
+    def next_arrival(self) -> float:
+        assert self.rate is not None
+        self.next_t += self.rng.expovariate(self.rate)
+        return self.next_t
+
+    def record(self, start: float, end: float, code: int) -> None:
+        self.ends.append(end)
+        self.latencies.append(end - start)
+        self.codes.append(code)
+
+
+async def send_one(state: StepState, conn: Connection | None, host: str, port: int, timeout: float
+                ) -> tuple[Connection | None, int, float]:
+    """One request on ``conn`` (opened if needed) → (connection to reuse, status code, end time)."""
+    raw = state.next_request()
+    try:
+        if conn is None or conn.closed:
+            conn = await asyncio.wait_for(Connection.open(host, port), timeout)
+        state.sent += 1
+        response = await conn.request(raw, timeout)
+        return conn, response.status, time.perf_counter()
+    except (TimeoutError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
+        code = error_code(exc)
+    if conn is not None:
+        conn.abort()  # its response may still come: never reuse it
+    return None, code, time.perf_counter()
+
+
+class ClosedLoop:
+    """One closed-loop client on one keep-alive connection. Each response sends the next request
+    from the connection's own callback, as wrk does: no task, future or timer per request, so the
+    client's CPU per request is parsing one response and writing the next request. (On a small
+    machine every microsecond the client spends is taken from the server it measures.)"""
+
+    def __init__(self, state: StepState, host: str, port: int, timeout: float):
+        self.state = state
+        self.host, self.port, self.timeout = host, port, timeout
+        self.conn: Connection | None = None
+        self.started = 0.0
+        self.last_code = 0
+        self._chain: asyncio.Future[None] | None = None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.state.stop:
+            if self.conn is None or self.conn.closed:
+                start = time.perf_counter()
+                try:
+                    self.conn = await asyncio.wait_for(Connection.open(self.host, self.port), self.timeout)
+                except (OSError, asyncio.TimeoutError):
+                    self.state.record(start, time.perf_counter(), CONNECT_ERROR)
+                    await asyncio.sleep(0.01)  # a dead server must not turn the loop into a busy spin
+                    continue
+            self._chain = loop.create_future()
+            self._fire()
+            await self._chain  # until the chain of requests ends: stop, an error, or a closed connection
+            if self.last_code == CONNECT_ERROR:
+                await asyncio.sleep(0.01)
+        if self.conn is not None:
+            self.conn.abort()
+
+    def expire(self, now: float) -> None:
+        """The step's watchdog: fail the request in flight if it is overdue."""
+        if self.conn is not None and self.conn.busy and now - self.started > self.timeout:
+            self.conn.fail(TimeoutError("no response in time"))
+
+    def _fire(self) -> None:
+        assert self.conn is not None
+        self.state.sent += 1
+        self.started = time.perf_counter()
+        self.conn.send(self.state.next_request(), self._done)
+
+    def _done(self, outcome: Outcome) -> None:
+        end = time.perf_counter()
+        assert self.conn is not None
+        if isinstance(outcome, BaseException):
+            self.last_code = error_code(outcome)
+            self.conn.abort()  # its response may still come: never reuse it
+        else:
+            self.last_code = outcome.status
+        self.state.record(self.started, end, self.last_code)
+        if not (self.state.stop or self.conn.closed):
+            self._fire()
+        elif self._chain is not None and not self._chain.done():
+            self._chain.set_result(None)
+
+
+async def watchdog(loops: Sequence[ClosedLoop], timeout: float) -> None:
+    """One timer for all closed-loop connections instead of one per request."""
+    while True:
+        await asyncio.sleep(min(0.1, timeout / 10))
+        now = time.perf_counter()
+        for c in loops:
+            c.expire(now)
+
+
+class Pool:
+    """Keep-alive connections for the open loop, reused last-in first-out so a low rate keeps
+    reusing one warm connection instead of opening a cold one per request."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.opened = 0
+        self.idle: list[Connection | None] = []  # None: a slot whose connection must be (re)opened
+        self.waiters: collections.deque[asyncio.Future[Connection | None]] = collections.deque()
+
+    async def acquire(self) -> Connection | None:
+        if self.idle:
+            return self.idle.pop()
+        if self.opened < self.limit:
+            self.opened += 1
+            return None
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        return await waiter
+
+    def release(self, conn: Connection | None) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        self.idle.append(conn)
+
+    def close(self) -> None:
+        for conn in self.idle:
+            if conn is not None:
+                conn.abort()
+
+
+async def open_loop(state: StepState, host: str, port: int, timeout: float, limit: int,
+                     in_flight: set[asyncio.Task[None]]) -> None:
+    """Fire arrivals at their Poisson times, each on a free connection (its own task)."""
+    pool = Pool(limit)
+
+    async def one(conn: Connection | None, start: float) -> None:
+        conn, code, end = await send_one(state, conn, host, port, timeout)
+        state.record(start, end, code)
+        pool.release(conn)
+
+    try:
+        while not state.stop:
+            scheduled = state.next_arrival()
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            conn = await pool.acquire()
+            if state.stop:
+                pool.release(conn)
+                break
+            now = time.perf_counter()
+            late = now - scheduled
+            if delay > 0 and late < 2e-3:
+                start = now  # on time up to the event loop's timer resolution: that jitter is ours
+                state.lags.append(0.0)
+            else:
+                start = scheduled  # every connection was busy: the wait is part of the latency
+                state.lags.append(late)
+            task = asyncio.create_task(one(conn, start))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+    finally:
+        if in_flight:
+            await asyncio.wait(list(in_flight), timeout=timeout + 5)
+        pool.close()
