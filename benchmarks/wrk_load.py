@@ -36,11 +36,13 @@ def write_script(folder: Path, path: str, bodies: list[str]) -> Path:
     return script
 
 
-def print_table(results: list[dict], server: str | None = None) -> None:
-    """wrk results as the Markdown table the README quotes (a server column when comparing)."""
+def print_table(results: list[dict], server: str | None = None, header: bool = True) -> None:
+    """wrk results as the Markdown table the README quotes (a server column when comparing;
+    ``header=False`` continues the previous table with another server's rows)."""
     lead = "| server " if server else ""
-    print(f"{lead}| concurrency | requests/s | p50 ms | p90 ms | p99 ms | errors |")
-    print(("|---" if server else "") + "|---:|---:|---:|---:|---:|---:|")
+    if header:
+        print(f"{lead}| concurrency | requests/s | p50 ms | p90 ms | p99 ms | errors |")
+        print(("|---" if server else "") + "|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"{f'| {server} ' if server else ''}| {r['concurrency']} | {r['rps']:.0f} | {r['p50_ms']:.2f} "
               f"| {r['p90_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |")
