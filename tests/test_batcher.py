@@ -80,3 +80,34 @@ def test_lone_requests_run_alone_and_a_burst_does_not():
         asyncio.run(scenario())
     finally:
         batcher.stop(5)
+
+
+def test_work_wakes_the_most_recently_idle_instance():
+    """One client at a time: the thread that answered the last request takes the next one (its
+    caches are warm), instead of the idle instances taking turns."""
+    instances_used: list[int] = []
+
+    class Recorder(FakeModel):
+        def execute(self, batch, instance=0, alone=False):
+            instances_used.append(instance)
+            return super().execute(batch, instance, alone)
+
+    batcher = Batcher(Recorder(), max_batch_size=4, max_batch_tokens=8192, max_queue_size=16, instances=3)
+    batcher.start()
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        for k in range(8):
+            deadline = time.monotonic() + 5
+            while len(batcher._idle) < 3:  # every thread back waiting: the order is then the test's subject
+                assert time.monotonic() < deadline, "engine threads did not go idle"
+                await asyncio.sleep(0.001)
+            job = Job(n=1, future=loop.create_future())
+            batcher.submit([Item(job, 0, f"request {k}")])
+            assert await job.future == [f"request {k}"]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        batcher.stop(5)
+    assert len(instances_used) == 8 and len(set(instances_used[1:])) == 1, instances_used

@@ -8,8 +8,8 @@ preferring similar lengths to cut padding), runs it and hands the answers back t
 one thread-safe call per batch. The thread that runs a batch is the one that formed it: no hand-
 off between a batching thread and an engine thread sits on the path of any request.
 
-There is no sleep either: free threads block on a condition and wake as soon as work arrives, so a
-lone request on an idle server runs at once, and under load requests pile up while the engines
+There is no sleep either: free threads block on a condition each and wake as soon as work arrives
+(the most recently idle thread first), so a lone request on an idle server runs at once, and under load requests pile up while the engines
 are busy and naturally form the next batches. ``max_queue_delay`` (off by default) additionally
 holds a batch open until it fills or the oldest input has waited that long. Idle instances share
 what is queued (two requests, two idle single-threaded instances: they run side by side), and a
@@ -93,12 +93,18 @@ class Batcher:
         self._queue: deque[Item] = deque()  # submitted, not yet tokenized
         self._pending: list[Item] = []  # tokenized, waiting for a batch
         self._queued = 0  # inputs submitted and not yet taken into a batch
-        self._idle = 0  # instance threads waiting for work
         self._running = 0  # batches being executed now
         # Moving average of the work an arriving request finds in the server (queued inputs +
         # running batches): 0 for one client at a time, about 1 for two, more under load.
         self._load = 0.0
-        self._cond = threading.Condition()
+        # One lock; each instance thread waits on a condition of its own, so that new work wakes
+        # the thread that went idle *last* (its caches are warm; the shared ORT session's pool saw
+        # it last). One shared condition wakes the longest-idle one, and at one client the two
+        # threads then take turns: c=1 p99 13.2-15.9 ms vs 9.1-10.8 ms this way (A/B, 4 rounds).
+        self._lock = threading.Lock()
+        self._wake = [threading.Condition(self._lock) for _ in range(instances)]
+        self._idle: list[int] = []  # instances waiting for work, the most recently idle last
+        self._delaying: set[int] = set()  # instances holding a batch open for max_queue_delay
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done_lock = threading.Lock()  # job bookkeeping: batches of one job may run in parallel
@@ -118,7 +124,7 @@ class Batcher:
         """Queue a job's inputs, or raise OverloadedError at once when the queue is full."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        with self._cond:
+        with self._lock:
             if self._stopping:
                 raise OverloadedError("the server is shutting down")
             if self._queued + len(items) > self.max_queue_size:
@@ -126,20 +132,32 @@ class Batcher:
             self._load += LOAD_SMOOTHING * (self._queued + self._running - self._load)
             self._queued += len(items)
             self._queue.extend(items)
-            self._cond.notify()
+            self._wake_one()
+            if self._delaying and len(self._queue) + len(self._pending) >= self.max_batch_size:
+                for k in self._delaying:  # a batch held open is full: run it now
+                    self._wake[k].notify()
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish everything already queued, then end the engine threads."""
-        with self._cond:
+        with self._lock:
             self._stopping = True
-            self._cond.notify_all()
+            self._wake_all()
         for t in self._threads:
             t.join(timeout)
+
+    def _wake_one(self) -> None:
+        """(Lock held.) Wake the most recently idle instance, if any is idle."""
+        if self._idle:
+            self._wake[self._idle.pop()].notify()
+
+    def _wake_all(self) -> None:
+        for cond in self._wake:
+            cond.notify_all()
 
     # -- engine threads --------------------------------------------------------------------
     def _serve(self, instance: int) -> None:
         while True:
-            new = self._take()
+            new = self._take(instance)
             if new is None:
                 return
             finished: list[Job] = []
@@ -151,7 +169,7 @@ class Batcher:
                     try:
                         timing = self._execute(batch, finished, instance, alone)
                     finally:
-                        with self._cond:
+                        with self._lock:
                             self._running -= 1
             except Exception:  # a bug: never let an engine thread die and strand every later request
                 log.exception("engine thread error")
@@ -163,26 +181,29 @@ class Batcher:
                 except Exception:
                     log.exception("metrics hook failed")
 
-    def _take(self) -> list[Item] | None:
+    def _take(self, instance: int) -> list[Item] | None:
         """Block until there is work; return the newly queued items ([] when only tokenized ones
         wait), or None to exit (stopping, and nothing left)."""
-        with self._cond:
-            self._idle += 1
+        wake = self._wake[instance]
+        with self._lock:
             while not self._queue and not self._pending:
                 if self._stopping:
-                    self._idle -= 1
-                    self._cond.notify_all()  # the other threads exit too
+                    self._wake_all()  # the other threads exit too
                     return None
-                self._cond.wait()
-            self._idle -= 1
+                self._idle.append(instance)
+                wake.wait()
+                if instance in self._idle:  # woken by stop, not by work
+                    self._idle.remove(instance)
             if self.max_queue_delay_s > 0:
                 first = self._pending[0] if self._pending else self._queue[0]
                 deadline = first.job.enqueued + self.max_queue_delay_s
+                self._delaying.add(instance)
                 while len(self._queue) + len(self._pending) < self.max_batch_size and not self._stopping:
                     left = deadline - time.perf_counter()
                     if left <= 0:
                         break
-                    self._cond.wait(left)
+                    wake.wait(left)
+                self._delaying.discard(instance)
             new = list(self._queue)
             self._queue.clear()
             return new
@@ -190,7 +211,7 @@ class Batcher:
     def _form_batch(self, tokenized: list[Item], finished: list[Job]) -> tuple[list[Item], bool]:
         """Add freshly tokenized inputs to the waiting ones and take this thread's batch:
         its share of what waits when other instances are idle, else up to the budgets."""
-        with self._cond:
+        with self._lock:
             waiting = self._pending + tokenized
             now = time.perf_counter()
             for it in waiting:  # expired in the queue: answer 503 now, don't spend compute on it
@@ -201,7 +222,7 @@ class Batcher:
             if not live:
                 self._pending = []
                 return [], False
-            share = -(-len(live) // (1 + self._idle))
+            share = -(-len(live) // (1 + len(self._idle)))
             batch, self._pending = self._select(live, max_rows=share)
             self._queued -= len(batch)
             # Alone: nothing else runs or waits now (a thread still filing its last batch's metrics
@@ -212,8 +233,8 @@ class Batcher:
             alone = (not self._pending and not self._queue and self._running == 0
                      and self._load < ALONE_BELOW)
             self._running += 1
-            if self._pending and self._idle:
-                self._cond.notify()  # an idle instance takes the rest
+            if self._pending:
+                self._wake_one()  # an idle instance takes the rest
             return batch, alone
 
     def _tokenize(self, new: list[Item], finished: list[Job]) -> list[Item]:
