@@ -9,8 +9,8 @@ one thread-safe call per batch. The thread that runs a batch is the one that for
 off between a batching thread and an engine thread sits on the path of any request.
 
 There is no sleep either: free threads block on a condition each and wake as soon as work arrives
-(the most recently idle thread first), so a lone request on an idle server runs at once, and under load requests pile up while the engines
-are busy and naturally form the next batches. ``max_queue_delay`` (off by default) additionally
+(the most recently idle thread first), so a lone request on an idle server runs at once, and under
+load requests pile up while the engines are busy and naturally form the next batches. ``max_queue_delay`` (off by default) additionally
 holds a batch open until it fills or the oldest input has waited that long. Idle instances share
 what is queued (two requests, two idle single-threaded instances: they run side by side), and a
 batch that finds no other batch running and nothing else waiting is run ``alone``, which lets
