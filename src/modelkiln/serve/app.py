@@ -91,24 +91,30 @@ class Gate:
                 self._done(path, status, started, request_id, scope)
                 return
         route = inference_routes.match(path)
-        status_box = [500]  # what was answered, for the metrics
-
-        async def send_wrapper(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status_box[0] = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
-            await send(message)
-
+        status = 500  # unless an answer is sent: for the metrics
         self.metrics.in_flight.inc()
         try:
             if route is not None:  # the hot path, without FastAPI
-                status_box[0] = await inference_routes.handle(self.plane, route, scope, headers, receive, send,
-                                                              request_id)
+                status = await inference_routes.handle(self.plane, route, scope, headers, receive, send, request_id)
             else:
-                await self.app(scope, receive, send_wrapper)
+                status = await self._fastapi(scope, receive, send, request_id)
         finally:
             self.metrics.in_flight.dec()
-            self._done(path, status_box[0], started, request_id, scope)
+            self._done(path, status, started, request_id, scope)
+
+    async def _fastapi(self, scope: dict, receive: Callable, send: Callable, request_id: str) -> int:
+        """The other routes, through FastAPI, with the request id added to the answer; returns the
+        status answered."""
+        status = [500]
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+        return status[0]
 
     def _done(self, path: str, status: int, started: float, request_id: str, scope: dict) -> None:
         seconds = time.perf_counter() - started
