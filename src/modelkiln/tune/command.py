@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -39,7 +40,7 @@ def tune(
     from ..loadtest.api import LoadtestOptions
     from ..loadtest.runner import Load, parse_levels
     from ..manifest import Manifest, is_artifact
-    from ..option_lists import number_list
+    from ..option_lists import number_list, split_list
     from .report import print_ranking, write_best, write_json
     from .sweep import Grid, run_sweep
 
@@ -47,7 +48,7 @@ def tune(
         raise KilnError(f"{artifact} is not an artifact folder (run `kiln convert` first)")
     manifest = Manifest.load(artifact)
     kept = [v.name for v in manifest.kept_variants() if v.device == "cpu"]
-    chosen = [v.strip() for v in variants.split(",") if v.strip()] if variants else kept
+    chosen = split_list(variants) if variants else kept
     for v in chosen:
         manifest.variant(v)  # fails early, listing the kept ones
     grid = Grid(variants=tuple(chosen), instances=tuple(i or None for i in number_list(instances, "--instances")),
@@ -60,8 +61,6 @@ def tune(
     loads = tuple(Load("concurrency", float(int(v))) for v in parse_levels(concurrency, "--concurrency"))
     load = LoadtestOptions(url="", model=manifest.name, loads=loads, protocol=protocol, inputs=inputs, length=length,
                            batch=batch, warmup_s=warmup, window_s=window, max_windows=max_windows)
-    import sys
-
     # Wide enough for the ranking table when the output goes to a file or a pipe.
     err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
     out_console = Console(width=None if sys.stdout.isatty() else 200)

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KilnError
-from ..net import free_port
 from ..loadtest.api import LoadtestOptions, run_loadtest
 from ..loadtest.runner import RunResult, StepResult
+from ..net import free_port
 
 # The settings swept, as ServeSettings field names → the `kiln serve` flag that sets each.
 FLAGS = {"variant": "--variant", "instances": "--instances", "threads": "--threads", "max_batch_size": "--max-batch-size",
