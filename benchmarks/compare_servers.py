@@ -39,8 +39,8 @@ import numpy as np
 
 from modelkiln.data import sts_sentences
 from modelkiln.net import free_port
-from modelkiln.tune.sweep import ServeProcess
-from wrk_load import print_table, run_wrk, write_script
+from modelkiln.tune.sweep import ServeProcess, process_memory_mb
+from wrk_load import median_runs, print_table, run_wrk, write_script
 
 CHECK_SENTENCES = 16
 
@@ -81,11 +81,8 @@ class OtherServer:
                     raise SystemExit(f"{command[0]} did not become ready; log: {self.log.name}")
                 time.sleep(0.5)
 
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
+    def memory_mb(self, field: str) -> float | None:
+        return process_memory_mb(self.proc.pid, field)
 
     def stop(self) -> int:
         self.proc.terminate()
@@ -168,7 +165,7 @@ def main() -> None:
                 run_wrk(url, scripts[server], 16, args.warmup, 1)
                 row[server] = [run_wrk(url, scripts[server], c, args.duration, threads=1 if c == 1 else 2)
                                for c in levels]
-                row[f"{server}_rss_mb"] = srv.memory_mb("VmRSS") if server == "kiln" else srv.rss_mb()
+                row[f"{server}_rss_mb"] = srv.memory_mb("VmRSS") or 0.0
             finally:
                 srv.stop()
         if r == 0:
@@ -184,9 +181,7 @@ def main() -> None:
 
     median = {}
     for server in ("kiln", other):
-        median[server] = [{"concurrency": c, **{k: statistics.median(rd[server][i][k] for rd in rounds)
-                                               for k in ("rps", "p50_ms", "p90_ms", "p99_ms")},
-                           "errors": sum(rd[server][i]["errors"] for rd in rounds)} for i, c in enumerate(levels)]
+        median[server] = median_runs([rd[server] for rd in rounds])
         median[f"{server}_rss_mb"] = statistics.median(rd[f"{server}_rss_mb"] for rd in rounds)
     report = {"artifact": args.artifact, "against": other, "rounds": rounds, "median": median, "cpus": os.cpu_count()}
     if args.json:

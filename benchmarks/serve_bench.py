@@ -29,7 +29,7 @@ from pathlib import Path
 
 from modelkiln.data import sts_sentences
 from modelkiln.tune.sweep import ServeProcess
-from wrk_load import print_table, run_wrk, write_script
+from wrk_load import median_runs, print_table, run_wrk, write_script
 
 class InProcess:
     """The full pipeline (tokenize + model + postprocess) at batch 1, in this process."""
@@ -149,11 +149,7 @@ def serve_round(args: argparse.Namespace, name: str, script: Path, sentences: li
 
 def summarize(rounds: list[dict]) -> dict:
     """Per concurrency, the median of each figure over the rounds (errors: the sum)."""
-    runs = []
-    for k, first in enumerate(rounds[0]["runs"]):
-        same = [r["runs"][k] for r in rounds]
-        row = {key: statistics.median(x[key] for x in same) for key in first if key not in ("concurrency", "errors")}
-        runs.append({"concurrency": first["concurrency"], **row, "errors": sum(x["errors"] for x in same)})
+    runs = median_runs([r["runs"] for r in rounds])
     out = {"in_process_batch1_ms": statistics.median(r["in_process_batch1_ms"] for r in rounds),
            "server_rss_mb": statistics.median(r["server_rss_mb"] for r in rounds), "runs": runs}
     pairs = [p for r in rounds for p in r.get("pairs", [])]

@@ -4,6 +4,7 @@ rotated per request by a Lua script; the script prints one parseable RESULT line
 from __future__ import annotations
 
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -59,3 +60,14 @@ def run_wrk(url: str, script: Path, connections: int, seconds: int, threads: int
     return {"concurrency": connections, "requests": requests, "seconds": duration_us / 1e6,
             "rps": requests / (duration_us / 1e6), "errors": socket_errors + status_errors,
             "p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "mean_ms": mean}
+
+
+def median_runs(rounds: list[list[dict]]) -> list[dict]:
+    """Rounds of ``run_wrk`` results (the same concurrencies in each) → per concurrency, the median
+    of every figure over the rounds (errors: the sum)."""
+    out = []
+    for k, first in enumerate(rounds[0]):
+        same = [runs[k] for runs in rounds]
+        row = {key: statistics.median(x[key] for x in same) for key in first if key not in ("concurrency", "errors")}
+        out.append({"concurrency": first["concurrency"], **row, "errors": sum(x["errors"] for x in same)})
+    return out

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from modelkiln.data import sts_sentences
+from modelkiln.tune.sweep import process_memory_mb
 from test_serve import Server
 
 pytestmark = pytest.mark.slow
@@ -57,9 +58,8 @@ def test_default_model_memory_and_sts_load(minilm):
         got = np.array([v for _, v in answers[:50]])
         # int8 dynamic quantization depends on the batch: compare by cosine, not bit for bit
         assert float(np.min(np.sum(expected * got, axis=1))) > 0.98
-        rss_kb = int(next(ln for ln in Path(f"/proc/{srv.proc.pid}/status").read_text().splitlines()
-                          if ln.startswith("VmRSS")).split()[1])
-        assert rss_kb < 400 * 1024, f"server RSS {rss_kb / 1024:.0f} MB"
+        rss_mb = process_memory_mb(srv.proc.pid, "VmRSS")
+        assert rss_mb is not None and rss_mb < 400, f"server RSS {rss_mb} MB"
     finally:
         code, err = srv.stop()
     assert code == 0, err[-2000:]

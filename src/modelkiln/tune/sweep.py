@@ -86,6 +86,17 @@ class TuneResult:
         return ranked[0] if ranked else None
 
 
+def process_memory_mb(pid: int, field: str) -> float | None:
+    """A memory figure of a process from /proc (Linux: VmRSS now, VmHWM peak), in MiB; None if unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
 class ServeProcess:
     """``python -m modelkiln serve NAME=ARTIFACT`` with the given settings on a free loopback port."""
 
@@ -134,14 +145,7 @@ class ServeProcess:
         return self.memory_mb("VmHWM")
 
     def memory_mb(self, field: str) -> float | None:
-        """A memory figure of the server process from /proc (Linux: VmRSS now, VmHWM peak), in MiB."""
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024.0
-        except OSError:
-            pass
-        return None
+        return process_memory_mb(self.proc.pid, field)
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
