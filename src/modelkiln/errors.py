@@ -1,12 +1,30 @@
-"""Typed errors. Each one carries the HTTP status it maps to, so the server and the CLI
-translate errors in exactly one place (``serve`` reads ``status_code``; the CLI prints ``str(err)``)."""
+"""Typed errors. Each one carries an ``ErrorKind``; every transport maps kinds to its own
+status codes in exactly one place (HTTP in ``serve/errors.py``, gRPC in ``serve/grpc``), and the
+CLI prints ``str(err)``. ``status_code`` is the HTTP status, kept for callers outside the server."""
 
 from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorKind(str, Enum):
+    """What went wrong, independent of the transport that reports it."""
+
+    INVALID_INPUT = "invalid_input"  # HTTP 400, gRPC INVALID_ARGUMENT
+    NOT_FOUND = "not_found"  # 404, NOT_FOUND
+    NOT_READY = "not_ready"  # 503, UNAVAILABLE
+    OVERLOADED = "overloaded"  # 503 + Retry-After, RESOURCE_EXHAUSTED
+    TIMED_OUT = "timed_out"  # 503 + Retry-After, DEADLINE_EXCEEDED
+    TOO_LARGE = "too_large"  # 413, RESOURCE_EXHAUSTED
+    UNAUTHENTICATED = "unauthenticated"  # 401, UNAUTHENTICATED
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # 405 (HTTP only), UNIMPLEMENTED
+    INTERNAL = "internal"  # 500, INTERNAL
 
 
 class KilnError(Exception):
     """Base class: an expected failure with a one-line, user-facing message."""
 
+    kind: ErrorKind = ErrorKind.INTERNAL
     status_code: int = 500
 
 
@@ -18,26 +36,31 @@ class ConversionError(KilnError):
 
 
 class UnknownTaskError(ConversionError):
+    kind = ErrorKind.INVALID_INPUT
     status_code = 400
 
 
 class TaskNotSupportedError(ConversionError):
     """The model's architecture cannot do the requested task (e.g. a classifier asked for QA)."""
 
+    kind = ErrorKind.INVALID_INPUT
     status_code = 400
 
 
 class UnsupportedArchitectureError(ConversionError):
+    kind = ErrorKind.INVALID_INPUT
     status_code = 400
 
 
 class ModelLoadError(ConversionError):
     """Model or tokenizer files are missing or corrupt."""
 
+    kind = ErrorKind.INVALID_INPUT
     status_code = 400
 
 
 class OutputNotWritableError(ConversionError):
+    kind = ErrorKind.INVALID_INPUT
     status_code = 400
 
 
@@ -51,10 +74,12 @@ class ValidationFailedError(ConversionError):
 class ArtifactError(KilnError):
     """An artifact folder is missing, incomplete or from an incompatible version."""
 
+    kind = ErrorKind.INVALID_INPUT
     status_code = 400
 
 
 class VariantNotFoundError(ArtifactError):
+    kind = ErrorKind.NOT_FOUND
     status_code = 404
 
 
@@ -64,38 +89,46 @@ class VariantNotFoundError(ArtifactError):
 class InvalidInputError(KilnError):
     """The request is malformed or does not fit the model (400)."""
 
+    kind = ErrorKind.INVALID_INPUT
     status_code = 400
 
 
 class ModelNotFoundError(KilnError):
+    kind = ErrorKind.NOT_FOUND
     status_code = 404
 
 
 class UnauthorizedError(KilnError):
+    kind = ErrorKind.UNAUTHENTICATED
     status_code = 401
 
 
 class MethodNotAllowedError(KilnError):
     """A route asked with the wrong HTTP method (the inference routes take POST only)."""
 
+    kind = ErrorKind.METHOD_NOT_ALLOWED
     status_code = 405
 
 
 class PayloadTooLargeError(KilnError):
+    kind = ErrorKind.TOO_LARGE
     status_code = 413
 
 
 class OverloadedError(KilnError):
     """The queue is full: try again later (503 with Retry-After)."""
 
+    kind = ErrorKind.OVERLOADED
     status_code = 503
 
 
 class RequestTimeoutError(KilnError):
     """The request waited longer than its deadline (503, as Triton answers)."""
 
+    kind = ErrorKind.TIMED_OUT
     status_code = 503
 
 
 class ModelNotReadyError(KilnError):
+    kind = ErrorKind.NOT_READY
     status_code = 503

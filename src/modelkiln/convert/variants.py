@@ -6,8 +6,11 @@ gate's and the latency measurement's job (convert/pipeline.py), not theirs."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator
+import os
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,26 @@ _BERT_LIKE = {"bert", "roberta", "distilbert", "electra", "xlm-roberta", "camemb
 FP16_KEEP_FP32 = ["LayerNormalization", "SimplifiedLayerNormalization", "Softmax", "ReduceMean", "Pow", "Sqrt", "Erf"]
 
 
+def in_scratch_directory(builder: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an ONNX Runtime tool with a throw-away working directory. ORT's symbolic shape
+    inference (called by its optimizer and quantizers) saves ``sym_shape_infer_temp.onnx`` and an
+    external-data file with a uuid1 name into the *current* directory when inference is
+    incomplete; that is how an 86 MiB ``<uuid>.data`` of MiniLM weights once got committed. Paths
+    given to builders are absolute (the artifact's staging folder), so changing directory is safe."""
+
+    @functools.wraps(builder)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        previous = os.getcwd()
+        with tempfile.TemporaryDirectory(prefix="kiln-ort-") as scratch:
+            os.chdir(scratch)
+            try:
+                return builder(*args, **kwargs)
+            finally:
+                os.chdir(previous)
+
+    return run
+
+
 def attention_shape(config: Any) -> tuple[int, int]:
     """(num_heads, hidden_size): the optimizer cannot always infer them from the graph."""
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None) or 0
@@ -29,6 +52,7 @@ def attention_shape(config: Any) -> tuple[int, int]:
     return int(heads), int(hidden)
 
 
+@in_scratch_directory
 def optimize(src: Path, dst: Path, config: Any) -> dict[str, int]:
     """ONNX Runtime transformer fusions (Attention, SkipLayerNorm, BiasGelu, EmbedLayerNorm).
     Returns the fused-operator counts; raises ValueError for model types it does not handle."""
@@ -53,6 +77,7 @@ def _root_logger_at(level: int) -> Iterator[None]:
         root.setLevel(previous)
 
 
+@in_scratch_directory
 def quantize_int8(src: Path, dst: Path, per_channel: bool) -> None:
     """Dynamic int8 quantization of MatMul/Attention weights (activations quantized at run time)."""
     from onnx import TensorProto
@@ -72,6 +97,7 @@ def quantize_int8(src: Path, dst: Path, per_channel: bool) -> None:
         )
 
 
+@in_scratch_directory
 def to_fp16(src: Path, dst: Path) -> None:
     """fp16 weights and activations for CUDA, keeping inputs/outputs and reduction ops in fp32."""
     import onnx

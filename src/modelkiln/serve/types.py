@@ -1,0 +1,125 @@
+"""The data plane's typed requests and responses, shared by every transport.
+
+A transport edge (the REST codec, the gRPC servicer, a Ray deployment) decodes its wire format
+into these objects, calls ``DataPlane``, and encodes what comes back. Nothing here knows HTTP,
+protobuf or a task: tensors are named numpy arrays (BYTES as object arrays of ``bytes``) with the
+Open Inference Protocol's datatype names, and per-request facts the edges need afterwards (the
+model that answered, for metrics and statistics) travel in the response, not in a side channel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+Parameters = dict[str, Any]  # OIP parameters: str / int / float / bool values
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a model as metadata shows it (shape -1 = any size)."""
+
+    name: str
+    datatype: str  # OIP datatype: BYTES, FP32, INT64, ...
+    shape: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass
+class RequestedOutput:
+    name: str
+    parameters: Parameters = field(default_factory=dict)  # e.g. {"binary_data": True} (REST only)
+
+
+@dataclass
+class InferRequest:
+    model_name: str
+    model_version: str | None
+    inputs: dict[str, np.ndarray]  # name → array; BYTES tensors are object arrays of bytes
+    outputs: list[RequestedOutput] | None = None  # None: every output of the model
+    id: str | None = None
+    parameters: Parameters = field(default_factory=dict)
+
+
+@dataclass
+class OutputTensor:
+    name: str
+    datatype: str
+    data: np.ndarray
+    parameters: Parameters = field(default_factory=dict)
+
+
+@dataclass
+class InferResponse:
+    model_name: str
+    model_version: str
+    outputs: list[OutputTensor]
+    id: str | None = None
+    parameters: Parameters = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerMetadata:
+    name: str
+    version: str
+    extensions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    name: str
+    versions: tuple[str, ...]
+    platform: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    parameters: Parameters = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RepositoryModel:
+    """One entry of the model repository index (Triton's repository extension)."""
+
+    name: str
+    version: str
+    state: str  # READY, UNAVAILABLE, LOADING, UNLOADING
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+
+@dataclass(frozen=True)
+class ModelStatistics:
+    """Triton's per-model statistics (``/v2/models/{m}/stats``, gRPC ModelStatistics)."""
+
+    name: str
+    version: str
+    last_inference_ms: int
+    inference_count: int  # inputs run
+    execution_count: int  # batches run
+    success: Duration
+    fail: Duration
+    queue: Duration
+    compute_infer: Duration
+
+
+class InferenceService(Protocol):
+    """What a transport edge may call. ``DataPlane`` implements it; the REST routes, the gRPC
+    servicer and a Ray deployment call nothing else. Errors are ``KilnError`` subclasses whose
+    ``kind`` each transport maps once to its own status codes."""
+
+    def live(self) -> bool: ...
+    def ready(self) -> bool: ...
+    def model_ready(self, name: str, version: str | None = None) -> bool: ...  # NOT_FOUND if unknown
+    def server_metadata(self) -> ServerMetadata: ...
+    def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata: ...
+    async def infer(self, request: InferRequest) -> InferResponse: ...
+    def model_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]: ...
+    # Triton's model repository extension
+    def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]: ...
+    async def load_model(self, name: str) -> None: ...
+    async def unload_model(self, name: str) -> None: ...
