@@ -67,7 +67,7 @@ def test_oip_bodies_decode_with_kiln_serve_codec(name):
     headers = dict(req.headers)
     decoded = codec.decode_request(req.body, headers.get("Inference-Header-Content-Length"))
     assert [v.decode() for v in decoded.inputs["TEXT"]] == texts
-    assert decoded.binary_default == (name == "oip-binary")
+    assert codec.binary_default(decoded) == (name == "oip-binary")
     qa = make_protocol(name, "qa", InputLayout.from_metadata(
         {"inputs": [{"name": "QUESTION", "shape": [-1]}, {"name": "CONTEXT", "shape": [-1]}]})).build(list(SAMPLE_QA[:2]))
     d = codec.decode_request(qa.body, dict(qa.headers).get("Inference-Header-Content-Length"))

@@ -234,6 +234,12 @@ def test_openai_client_embeddings(server, reference):
 # --- the error table ------------------------------------------------------------------------------
 
 
+def error_message(r: httpx.Response) -> str:
+    """OIP routes answer ``{"error": "..."}``; OpenAI's (/v1/...) ``{"error": {"message": ...}}``."""
+    error = r.json()["error"]
+    return error["message"] if isinstance(error, dict) else error
+
+
 def test_error_table(server):
     cases = [
         ("/v2/models/emb/infer", b"{not json", 400, "malformed JSON"),
@@ -257,13 +263,13 @@ def test_error_table(server):
     for path, body, status, message in cases:
         r = post(server, path, body)
         assert r.status_code == status, (path, body[:80], r.status_code, r.text)
-        assert message in r.json()["error"], (path, r.json())
+        assert message in error_message(r), (path, r.json())
         assert r.headers["x-request-id"]
     r = httpx.get(server.url + "/v2/nothing/here")
     assert r.status_code == 404 and "error" in r.json()
     for path in ("/v2/models/emb/infer", "/v2/models/emb/versions/1/predict", "/v1/embeddings"):
         r = httpx.get(server.url + path)  # an inference route asked with the wrong method
-        assert r.status_code == 405 and r.headers["allow"] == "POST" and "use POST" in r.json()["error"], (path, r.text)
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and "use POST" in error_message(r), (path, r.text)
     r = httpx.post(server.url + "/v2/models/emb/predict", content=b'{"inputs":"x"}', headers={"x-request-id": "rid-7"})
     assert r.headers["x-request-id"] == "rid-7"
 

@@ -1,6 +1,7 @@
 """Typed errors. Each one carries an ``ErrorKind``; every transport maps kinds to its own
 status codes in exactly one place (HTTP in ``serve/errors.py``, gRPC in ``serve/grpc``), and the
-CLI prints ``str(err)``. ``status_code`` is the HTTP status, kept for callers outside the server."""
+CLI prints ``str(err)``. ``status_code`` is the HTTP status, derived from the kind (the table is
+``serve/errors.py``'s), kept for callers outside the server."""
 
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ class KilnError(Exception):
     """Base class: an expected failure with a one-line, user-facing message."""
 
     kind: ErrorKind = ErrorKind.INTERNAL
-    status_code: int = 500
+
+    @property
+    def status_code(self) -> int:
+        from .serve.errors import HTTP_STATUS  # the one kind → HTTP table (numpy-free, cheap)
+
+        return HTTP_STATUS[self.kind]
 
 
 # --- conversion -------------------------------------------------------------------------------
@@ -37,31 +43,26 @@ class ConversionError(KilnError):
 
 class UnknownTaskError(ConversionError):
     kind = ErrorKind.INVALID_INPUT
-    status_code = 400
 
 
 class TaskNotSupportedError(ConversionError):
     """The model's architecture cannot do the requested task (e.g. a classifier asked for QA)."""
 
     kind = ErrorKind.INVALID_INPUT
-    status_code = 400
 
 
 class UnsupportedArchitectureError(ConversionError):
     kind = ErrorKind.INVALID_INPUT
-    status_code = 400
 
 
 class ModelLoadError(ConversionError):
     """Model or tokenizer files are missing or corrupt."""
 
     kind = ErrorKind.INVALID_INPUT
-    status_code = 400
 
 
 class OutputNotWritableError(ConversionError):
     kind = ErrorKind.INVALID_INPUT
-    status_code = 400
 
 
 class ValidationFailedError(ConversionError):
@@ -75,12 +76,10 @@ class ArtifactError(KilnError):
     """An artifact folder is missing, incomplete or from an incompatible version."""
 
     kind = ErrorKind.INVALID_INPUT
-    status_code = 400
 
 
 class VariantNotFoundError(ArtifactError):
     kind = ErrorKind.NOT_FOUND
-    status_code = 404
 
 
 # --- requests (serving) -----------------------------------------------------------------------
@@ -90,45 +89,47 @@ class InvalidInputError(KilnError):
     """The request is malformed or does not fit the model (400)."""
 
     kind = ErrorKind.INVALID_INPUT
-    status_code = 400
 
 
 class ModelNotFoundError(KilnError):
     kind = ErrorKind.NOT_FOUND
-    status_code = 404
+
+
+class RouteNotFoundError(KilnError):
+    kind = ErrorKind.NOT_FOUND
 
 
 class UnauthorizedError(KilnError):
     kind = ErrorKind.UNAUTHENTICATED
-    status_code = 401
 
 
 class MethodNotAllowedError(KilnError):
     """A route asked with the wrong HTTP method (the inference routes take POST only)."""
 
     kind = ErrorKind.METHOD_NOT_ALLOWED
-    status_code = 405
 
 
 class PayloadTooLargeError(KilnError):
     kind = ErrorKind.TOO_LARGE
-    status_code = 413
 
 
 class OverloadedError(KilnError):
     """The queue is full: try again later (503 with Retry-After)."""
 
     kind = ErrorKind.OVERLOADED
-    status_code = 503
 
 
 class RequestTimeoutError(KilnError):
     """The request waited longer than its deadline (503, as Triton answers)."""
 
     kind = ErrorKind.TIMED_OUT
-    status_code = 503
 
 
 class ModelNotReadyError(KilnError):
     kind = ErrorKind.NOT_READY
-    status_code = 503
+
+
+class ModelControlError(KilnError):
+    """A model repository operation (load, unload) this server does not allow."""
+
+    kind = ErrorKind.METHOD_NOT_ALLOWED

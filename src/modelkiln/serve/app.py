@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from typing import Any
 
 import orjson
@@ -23,21 +24,44 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from ..errors import KilnError, UnauthorizedError
+from ..errors import (InvalidInputError, KilnError, MethodNotAllowedError, RouteNotFoundError,
+                      UnauthorizedError)
 from . import inference_routes
 from .dataplane import DataPlane
 from .errors import error_response
 from .metrics import Metrics
+from .types import Duration, ModelMetadata, ModelStatistics, TensorSpec
 
 log = logging.getLogger("modelkiln.serve")
 access = logging.getLogger("modelkiln.serve.access")
 
 JSON = "application/json"
 PUBLIC_PREFIX = "/v2/health/"  # the only routes that need no API key (probes)
+OPENAI_PREFIX = "/v1/"  # errors in OpenAI's shape
 
 
 def json_response(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type=JSON)
+
+
+def metadata_json(m: ModelMetadata) -> dict[str, Any]:
+    def tensor(t: TensorSpec) -> dict[str, Any]:
+        return {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+
+    return {"name": m.name, "versions": list(m.versions), "platform": m.platform,
+            "inputs": [tensor(t) for t in m.inputs], "outputs": [tensor(t) for t in m.outputs],
+            "parameters": m.parameters}
+
+
+def stats_json(s: ModelStatistics) -> dict[str, Any]:
+    """Triton's JSON for one model's statistics."""
+    def duration(d: Duration) -> dict[str, int]:
+        return {"count": d.count, "ns": d.ns}
+
+    return {"name": s.name, "version": s.version, "last_inference": s.last_inference_ms,
+            "inference_count": s.inference_count, "execution_count": s.execution_count,
+            "inference_stats": {"success": duration(s.success), "fail": duration(s.fail),
+                                "queue": duration(s.queue), "compute_infer": duration(s.compute_infer)}}
 
 
 def route_of(path: str) -> tuple[str, str]:
@@ -85,22 +109,26 @@ class Gate:
         path: str = scope["path"]
         if self.api_key is not None and not path.startswith(PUBLIC_PREFIX):
             token = headers.get(b"authorization", b"")
-            if not (token.startswith(b"Bearer ") and hmac.compare_digest(token[7:].strip(), self.api_key)):
+            scheme, _, key = token.partition(b" ")
+            # HTTP auth schemes are case-insensitive (RFC 9110 §11.1): "bearer KEY" is as good
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key)):
                 status = await inference_routes.send_error(send, UnauthorizedError("missing or wrong bearer token"),
-                                                           request_id, {"www-authenticate": "Bearer"})
-                self._done(path, status, started, request_id, scope)
+                                                           request_id, {"www-authenticate": "Bearer"},
+                                                           openai=path.startswith(OPENAI_PREFIX))
+                self._done(path, status, started, request_id, scope, "")
                 return
         route = inference_routes.match(path)
-        status = 500  # unless an answer is sent: for the metrics
+        status, model = 500, ""  # unless an answer is sent: for the metrics
         self.metrics.in_flight.inc()
         try:
             if route is not None:  # the hot path, without FastAPI
-                status = await inference_routes.handle(self.plane, route, scope, headers, receive, send, request_id)
+                status, model = await inference_routes.handle(self.plane, route, scope, headers, receive, send,
+                                                              request_id)
             else:
                 status = await self._fastapi(scope, receive, send, request_id)
         finally:
             self.metrics.in_flight.dec()
-            self._done(path, status, started, request_id, scope)
+            self._done(path, status, started, request_id, scope, model)
 
     async def _fastapi(self, scope: dict, receive: Callable, send: Callable, request_id: str) -> int:
         """The other routes, through FastAPI, with the request id added to the answer; returns the
@@ -116,35 +144,37 @@ class Gate:
         await self.app(scope, receive, send_wrapper)
         return status[0]
 
-    def _done(self, path: str, status: int, started: float, request_id: str, scope: dict) -> None:
+    def _done(self, path: str, status: int, started: float, request_id: str, scope: dict, answered_by: str) -> None:
+        """``answered_by``: the model the data plane resolved (embeddings name it in the body)."""
         seconds = time.perf_counter() - started
         model, route = route_of(path)
-        model = scope["state"].get("model") or model
+        model = answered_by or model
         self.metrics.requests.labels(model, route, str(status)).inc()
         if route in ("infer", "predict", "embeddings"):
             self.metrics.request_seconds.labels(model, route).observe(seconds)
-            served = self.plane.models.get(model)
-            if served is not None:
-                served.record(status == 200, seconds)
         if self.access_log:
             access.info("%s %s %s %d %.1fms", request_id, scope["method"], path, status, seconds * 1000)
 
 
-def create_app(plane: DataPlane, metrics: Metrics, *, on_shutdown: Callable[[], None] | None = None) -> Any:
+def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown: Callable[[], None] | None = None
+               ) -> Any:
+    """The HTTP front-end over a data plane (``build_dataplane``). ``on_shutdown`` runs once uvicorn
+    has answered every accepted request (default: drain and stop the models)."""
     settings = plane.settings
+    metrics = metrics or plane.metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
         yield
         # uvicorn has stopped accepting and every accepted request has been answered by now;
         # the batchers drain whatever is still queued, then their threads end.
-        if on_shutdown is not None:
-            on_shutdown()
+        (on_shutdown or plane.stop)()
 
     app = FastAPI(title="modelkiln", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     def fail(request: Request, exc: BaseException) -> Response:
-        status, body, headers = error_response(exc, request.scope.get("state", {}).get("request_id"))
+        status, body, headers = error_response(exc, request.scope.get("state", {}).get("request_id"),
+                                               openai=request.url.path.startswith(OPENAI_PREFIX))
         return Response(body, status_code=status, media_type=JSON, headers=headers)
 
     @app.exception_handler(KilnError)
@@ -153,11 +183,14 @@ def create_app(plane: DataPlane, metrics: Metrics, *, on_shutdown: Callable[[], 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = {404: RouteNotFoundError, 405: MethodNotAllowedError}.get(exc.status_code)
+        if kind is not None:
+            return fail(request, kind(str(exc.detail)))
         return Response(orjson.dumps({"error": str(exc.detail)}), status_code=exc.status_code, media_type=JSON)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return Response(orjson.dumps({"error": str(exc)}), status_code=400, media_type=JSON)
+        return fail(request, InvalidInputError(str(exc)))
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> Response:
@@ -174,24 +207,23 @@ def create_app(plane: DataPlane, metrics: Metrics, *, on_shutdown: Callable[[], 
 
     @app.get("/v2")
     async def server_metadata() -> Response:
-        return json_response(plane.server_metadata())
+        return json_response(asdict(plane.server_metadata()))
 
     @app.get("/v2/models/stats")
     @app.get("/v2/models/{name}/stats")
     @app.get("/v2/models/{name}/versions/{version}/stats")
     async def model_stats(name: str | None = None, version: str | None = None) -> Response:
-        return json_response(plane.model_stats(name, version))
+        return json_response({"model_stats": [stats_json(s) for s in plane.model_statistics(name, version)]})
 
     @app.get("/v2/models/{name}")
     @app.get("/v2/models/{name}/versions/{version}")
     async def model_metadata(name: str, version: str | None = None) -> Response:
-        return json_response(plane.model_metadata(name, version))
+        return json_response(metadata_json(plane.model_metadata(name, version)))
 
     @app.get("/v2/models/{name}/ready")
     @app.get("/v2/models/{name}/versions/{version}/ready")
     async def model_ready(name: str, version: str | None = None) -> Response:
-        model = plane.model(name, version, need_ready=False)
-        return Response(status_code=200 if model.ready else 503)
+        return Response(status_code=200 if plane.model_ready(name, version) else 503)
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

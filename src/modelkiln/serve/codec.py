@@ -6,15 +6,16 @@ encoding turns named arrays back into a response body. No model or task knowledg
 from __future__ import annotations
 
 import gzip
+import math
 import struct
 import zlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import orjson
 
 from ..errors import InvalidInputError, PayloadTooLargeError
+from .types import InferRequest, InferResponse, RequestedOutput
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -27,16 +28,8 @@ DTYPES: dict[str, np.dtype] = {
     "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
 }
 DATATYPES = {v: k for k, v in DTYPES.items()}
-
-
-@dataclass
-class InferRequest:
-    id: str | None
-    inputs: dict[str, np.ndarray]
-    outputs: list[str] | None  # requested output names, None = all
-    binary_outputs: set[str] = field(default_factory=set)  # outputs to return as binary data
-    binary_default: bool = False  # request-level ``binary_data_output``
-    parameters: dict[str, Any] = field(default_factory=dict)
+# No tensor dimension can be larger than a body could fill (it also keeps numpy's shapes in range).
+MAX_DIMENSION = 2**31 - 1
 
 
 def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -65,8 +58,11 @@ def loads(data: bytes | str) -> Any:
         raise InvalidInputError(f"malformed JSON: {exc}") from None
 
 
-def decode_request(body: bytes, header_length: str | None) -> InferRequest:
-    """Parse an infer request; ``header_length`` is the Inference-Header-Content-Length header."""
+def decode_request(body: bytes, header_length: str | None, model_name: str = "", model_version: str | None = None
+                   ) -> InferRequest:
+    """Parse an infer request; ``header_length`` is the Inference-Header-Content-Length header.
+    The binary-data choices (``binary_data_output``, ``outputs[].parameters.binary_data``) stay in
+    the request's parameters for ``encode_response``."""
     if header_length is not None:
         try:
             n = int(header_length)
@@ -95,11 +91,8 @@ def decode_request(body: bytes, header_length: str | None) -> InferRequest:
     if offset != len(binary):
         raise InvalidInputError(f"{len(binary) - offset} bytes of binary data are not claimed by any input")
 
-    params = header.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InvalidInputError("'parameters' must be an object")
-    outputs: list[str] | None = None
-    binary_outputs: set[str] = set()
+    params = _parameters(header, "the request")
+    outputs: list[RequestedOutput] | None = None
     if header.get("outputs") is not None:
         if not isinstance(header["outputs"], list):
             raise InvalidInputError("'outputs' must be a list")
@@ -107,14 +100,20 @@ def decode_request(body: bytes, header_length: str | None) -> InferRequest:
         for out in header["outputs"]:
             if not isinstance(out, dict) or not isinstance(out.get("name"), str):
                 raise InvalidInputError("each requested output needs a 'name'")
-            outputs.append(out["name"])
-            if (out.get("parameters") or {}).get("binary_data"):
-                binary_outputs.add(out["name"])
+            outputs.append(RequestedOutput(out["name"], _parameters(out, f"output '{out['name']}'")))
     request_id = header.get("id")
-    return InferRequest(
-        id=str(request_id) if request_id is not None else None, inputs=inputs, outputs=outputs,
-        binary_outputs=binary_outputs, binary_default=bool(params.get("binary_data_output")), parameters=params,
-    )
+    return InferRequest(model_name=model_name, model_version=model_version, inputs=inputs, outputs=outputs,
+                        id=str(request_id) if request_id is not None else None, parameters=params)
+
+
+def _parameters(obj: dict, what: str) -> dict[str, Any]:
+    """An object's ``parameters``: absent/null → {}, an object → itself, anything else → 400."""
+    params = obj.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise InvalidInputError(f"'parameters' of {what} must be an object")
+    return params
 
 
 def _decode_tensor(tensor: dict, binary: memoryview, offset: int) -> tuple[str, np.ndarray, int]:
@@ -123,12 +122,16 @@ def _decode_tensor(tensor: dict, binary: memoryview, offset: int) -> tuple[str, 
         raise InvalidInputError("every input needs a string 'name'")
     if datatype != "BYTES" and datatype not in DTYPES:
         raise InvalidInputError(f"input '{name}': unsupported datatype {datatype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
         raise InvalidInputError(f"input '{name}': 'shape' must be a list of non-negative integers")
-    count = int(np.prod(shape)) if shape else 1
-    size = (tensor.get("parameters") or {}).get("binary_data_size")
+    # Python integers: np.prod wraps around (shape [2**32, 2**32] gave 0 elements, then a 500)
+    count = math.prod(shape)
+    if any(d > MAX_DIMENSION for d in shape):
+        raise InvalidInputError(f"input '{name}': shape {shape} has a dimension over {MAX_DIMENSION}")
+    size = _parameters(tensor, f"input '{name}'").get("binary_data_size")
     if size is not None:  # binary tensor extension: the bytes follow the JSON header
-        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
             raise InvalidInputError(f"input '{name}': binary_data_size {size} exceeds the binary data")
         chunk = binary[offset : offset + size]
         if datatype == "BYTES":
@@ -162,14 +165,20 @@ def _decode_tensor(tensor: dict, binary: memoryview, offset: int) -> tuple[str, 
 
 
 def _flatten(data: Any) -> list:
+    """Nested JSON lists → one flat list, row-major (iterative: nesting depth is the client's)."""
     if not isinstance(data, list):
         return [data]
-    if data and isinstance(data[0], list):
-        out: list = []
-        for item in data:
-            out.extend(_flatten(item))
-        return out
-    return data
+    out: list = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
 
 
 def _decode_bytes_elements(name: str, chunk: memoryview, count: int) -> np.ndarray:
@@ -201,27 +210,42 @@ def _encode_bytes_elements(values: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
-def encode_response(
-    model: str, version: str, request_id: str | None, outputs: dict[str, tuple[str, np.ndarray]], binary: set[str]
-) -> tuple[bytes, int | None]:
-    """``outputs``: name → (OIP datatype, array). Returns (body, json header length or None)."""
+def binary_default(request: InferRequest) -> bool:
+    """The request-level choice: every output as binary data unless an output says otherwise."""
+    return bool(request.parameters.get("binary_data_output"))
+
+
+def encode_response(request: InferRequest, response: InferResponse) -> tuple[bytes, int | None]:
+    """A response as JSON, with the outputs the request asked for as binary data (request-level
+    ``binary_data_output``, or ``binary_data`` on a requested output) after the JSON header.
+    Returns (body, JSON header length, or None when nothing is binary)."""
+    default = binary_default(request)
+    asked = {o.name: o.parameters.get("binary_data") for o in request.outputs or ()}
     tensors = []
     chunks: list[bytes] = []
-    for name, (datatype, array) in outputs.items():
-        tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
-        if name in binary:
+    for out in response.outputs:
+        datatype, array = out.datatype, out.data
+        tensor: dict[str, Any] = {"name": out.name, "datatype": datatype, "shape": list(array.shape)}
+        binary = asked.get(out.name)
+        if binary if binary is not None else default:
             data = _encode_bytes_elements(array) if datatype == "BYTES" else np.ascontiguousarray(
                 array, dtype=DTYPES[datatype].newbyteorder("<")).tobytes()
-            tensor["parameters"] = {"binary_data_size": len(data)}
+            tensor["parameters"] = {**out.parameters, "binary_data_size": len(data)}
             chunks.append(data)
-        elif datatype == "BYTES":
-            tensor["data"] = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.ravel()]
         else:
-            tensor["data"] = array.ravel()
+            if out.parameters:
+                tensor["parameters"] = out.parameters
+            if datatype == "BYTES":
+                tensor["data"] = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.ravel()]
+            else:
+                tensor["data"] = array.ravel()
         tensors.append(tensor)
-    header: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": tensors}
-    if request_id is not None:
-        header["id"] = request_id
+    header: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version,
+                              "outputs": tensors}
+    if response.id is not None:
+        header["id"] = response.id
+    if response.parameters:
+        header["parameters"] = response.parameters
     head = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:
         return head, None

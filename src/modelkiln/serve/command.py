@@ -95,28 +95,12 @@ def run_server(settings: object) -> None:
     import uvicorn
 
     from .app import create_app
-    from .dataplane import DataPlane
-    from .metrics import Metrics
-    from .model import ServedModel
+    from .dataplane import build_dataplane
     from .settings import ServeSettings
 
     assert isinstance(settings, ServeSettings)
-    metrics = Metrics()
-    models: dict[str, ServedModel] = {}
-    for spec in settings.models:  # checked and loaded before binding: a bad artifact fails fast
-        model = ServedModel(spec, settings, metrics)
-        if model.name in models:
-            raise KilnError(f"two models are named '{model.name}': use NAME=PATH")
-        models[model.name] = model
-    for model in models.values():
-        model.load()
-    plane = DataPlane(models, settings)
-
-    def drain() -> None:
-        for m in models.values():
-            m.stop()
-
-    app = create_app(plane, metrics, on_shutdown=drain)
+    plane = build_dataplane(settings)  # every model checked and loaded before binding: a bad one fails fast
+    app = create_app(plane)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:

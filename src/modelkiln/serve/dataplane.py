@@ -1,36 +1,72 @@
-"""The data plane: the logic behind every model route (OIP infer, /predict, OpenAI embeddings).
+"""The data plane: the logic behind every model route, whatever the transport.
 
-Routes parse nothing themselves; they hand the raw body here. Everything runs on the event loop
-and is cheap: decoding, ``task.prepare`` (validation), queueing, and shaping answers. Tokenizing
-and the model run on the model's batcher thread."""
+It implements ``types.InferenceService``: typed requests in, typed responses out (OIP infer,
+metadata, statistics), plus the two JSON APIs' typed calls (``json_api``: /predict and OpenAI
+embeddings). Transport edges (the REST codec in ``inference_routes``, the gRPC servicer) decode
+their wire format and call nothing else. Everything here runs on the event loop and is cheap:
+checks, ``task.prepare`` (validation), queueing, shaping answers; tokenizing and the model run on
+the model's batcher threads. Per-request facts the edges need afterwards (the model that
+answered) travel back in the responses."""
 
 from __future__ import annotations
 
-import base64
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import orjson
 
 from .. import __version__
-from ..errors import InvalidInputError, KilnError, ModelNotFoundError, ModelNotReadyError
+from ..errors import (InvalidInputError, KilnError, ModelControlError, ModelNotFoundError, ModelNotReadyError)
 from ..tasks import tensors as tensors_protocol
-from . import codec
+from .json_api import EmbeddingsRequest, EmbeddingsResponse, PredictRequest, PredictResponse
+from .metrics import Metrics
 from .model import PER_TOKEN_ANSWERS, ServedModel, TokenRow
 from .settings import ServeSettings
+from .types import (Duration, InferRequest, InferResponse, ModelMetadata, ModelStatistics, OutputTensor,
+                    RepositoryModel, ServerMetadata, TensorSpec)
 
 _TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+EXTENSIONS = ("binary_tensor_data", "statistics", "model_repository")
+
+
+def build_dataplane(settings: ServeSettings, metrics: Metrics | None = None) -> DataPlane:
+    """Load every model of ``settings`` (checked before any is loaded: a bad artifact fails fast)
+    and return the data plane over them. Blocking; any front-end (uvicorn, gRPC, Ray) calls it."""
+    metrics = metrics or Metrics()
+    models: dict[str, ServedModel] = {}
+    for spec in settings.models:
+        model = ServedModel(spec, settings, metrics)
+        if model.name in models:
+            raise KilnError(f"two models are named '{model.name}': use NAME=PATH")
+        models[model.name] = model
+    for model in models.values():
+        model.load()
+    return DataPlane(models, settings, metrics)
 
 
 class DataPlane:
-    def __init__(self, models: Mapping[str, ServedModel], settings: ServeSettings):
+    """Implements ``types.InferenceService`` over the models given (``build_dataplane`` loads them)."""
+
+    def __init__(self, models: Mapping[str, ServedModel], settings: ServeSettings, metrics: Metrics | None = None):
         self.models = dict(models)
         self.settings = settings
+        self.metrics = metrics or Metrics()
 
-    # -- registry ------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Drain every model's queue, then end its engine threads (at shutdown)."""
+        for model in self.models.values():
+            model.stop()
+
+    # -- health and registry ---------------------------------------------------------------------
+    def live(self) -> bool:
+        return True
+
     def ready(self) -> bool:
         return bool(self.models) and all(m.ready for m in self.models.values())
+
+    def model_ready(self, name: str, version: str | None = None) -> bool:
+        return self.model(name, version, need_ready=False).ready
 
     def model(self, name: str, version: str | None = None, need_ready: bool = True) -> ServedModel:
         model = self.models.get(name)
@@ -42,37 +78,41 @@ class DataPlane:
             raise ModelNotReadyError(f"model '{name}' is not ready")
         return model
 
-    def server_metadata(self) -> dict[str, Any]:
-        return {"name": "modelkiln", "version": __version__, "extensions": ["binary_tensor_data", "statistics"]}
+    def server_metadata(self) -> ServerMetadata:
+        return ServerMetadata("modelkiln", __version__, EXTENSIONS)
 
-    def model_metadata(self, name: str, version: str | None) -> dict[str, Any]:
+    def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
         m = self.model(name, version, need_ready=False)
-        return {
-            "name": m.name,
-            "versions": [m.version],
-            "platform": "onnxruntime_onnx",
-            "inputs": [{"name": n, "datatype": "BYTES", "shape": [-1]} for n in m.text_inputs()],
-            "outputs": [{"name": n, "datatype": d, "shape": s} for n, d, s in m.output_specs()],
-            "parameters": {"task": m.task.name, "variant": m.variant.name, "max_length": m.manifest.max_length,
-                           "tokenized_inputs": list(m.manifest.input_names)},
-        }
+        return ModelMetadata(
+            name=m.name, versions=(m.version,), platform="onnxruntime_onnx",
+            inputs=tuple(TensorSpec(n, "BYTES", (-1,)) for n in m.text_inputs()),
+            outputs=tuple(TensorSpec(n, d, tuple(s)) for n, d, s in m.output_specs()),
+            parameters={"task": m.task.name, "variant": m.variant.name, "max_length": m.manifest.max_length,
+                        "tokenized_inputs": list(m.manifest.input_names)})
 
-    def model_stats(self, name: str | None, version: str | None) -> dict[str, Any]:
+    def model_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
         models = [self.model(name, version, need_ready=False)] if name else list(self.models.values())
         out = []
         for m in models:
             s = m.stats
-            out.append({
-                "name": m.name, "version": m.version, "last_inference": s.last_inference_ms,
-                "inference_count": s.inference_count, "execution_count": s.execution_count,
-                "inference_stats": {
-                    "success": {"count": s.success_count, "ns": s.success_ns},
-                    "fail": {"count": s.fail_count, "ns": s.fail_ns},
-                    "queue": {"count": s.queue_count, "ns": s.queue_ns},
-                    "compute_infer": {"count": s.compute_count, "ns": s.compute_ns},
-                },
-            })
-        return {"model_stats": out}
+            out.append(ModelStatistics(
+                name=m.name, version=m.version, last_inference_ms=s.last_inference_ms,
+                inference_count=s.inference_count, execution_count=s.execution_count,
+                success=Duration(s.success_count, s.success_ns), fail=Duration(s.fail_count, s.fail_ns),
+                queue=Duration(s.queue_count, s.queue_ns), compute_infer=Duration(s.compute_count, s.compute_ns)))
+        return out
+
+    # -- Triton's model repository extension --------------------------------------------------------
+    def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
+        index = [RepositoryModel(m.name, m.version, "READY" if m.ready else "UNAVAILABLE",
+                                 "" if m.ready else "not loaded yet") for m in self.models.values()]
+        return [e for e in index if e.state == "READY"] if ready_only else index
+
+    async def load_model(self, name: str) -> None:
+        raise ModelControlError(f"cannot load '{name}': this server's models are fixed at start (model control mode none)")
+
+    async def unload_model(self, name: str) -> None:
+        raise ModelControlError(f"cannot unload '{name}': this server's models are fixed at start (model control mode none)")
 
     # -- shared checks --------------------------------------------------------------------------
     def _check_texts(self, texts: list[Any]) -> None:
@@ -93,27 +133,31 @@ class DataPlane:
         return timeout
 
     # -- OIP infer ------------------------------------------------------------------------------
-    async def infer(self, name: str, version: str | None, body: bytes, header_length: str | None
-                    ) -> tuple[bytes, int | None]:
-        model = self.model(name, version)
-        request = codec.decode_request(body, header_length)
-        available = self._output_names(model, request)
-        wanted = request.outputs if request.outputs is not None else available
-        unknown = [n for n in wanted if n not in available]
-        if unknown:
-            raise InvalidInputError(f"unknown output {unknown[0]!r} for model '{name}' (outputs: {', '.join(available)})")
-        inputs = self._infer_inputs(model, request.inputs)
-        answers, _ = await model.run(inputs, self._timeout(request.parameters))
-        tensors = self._answer_tensors(model, answers, inputs)
-        outputs = {n: tensors[n] for n in wanted}
-        binary = set(wanted) if request.binary_default else request.binary_outputs
-        return codec.encode_response(model.name, model.version, request.id, outputs, binary)
+    async def infer(self, request: InferRequest) -> InferResponse:
+        model = self.model(request.model_name, request.model_version)
+        started = time.perf_counter()
+        try:
+            available = self._output_names(model, request.inputs)
+            wanted = [o.name for o in request.outputs] if request.outputs is not None else available
+            unknown = [n for n in wanted if n not in available]
+            if unknown:
+                raise InvalidInputError(f"unknown output {unknown[0]!r} for model '{model.name}' "
+                                        f"(outputs: {', '.join(available)})")
+            inputs = self._infer_inputs(model, request.inputs)
+            answers, _ = await model.run(inputs, self._timeout(request.parameters))
+            tensors = self._answer_tensors(model, answers, inputs)
+            outputs = [OutputTensor(n, *tensors[n]) for n in wanted]
+        except BaseException:
+            model.record(False, time.perf_counter() - started)
+            raise
+        model.record(True, time.perf_counter() - started)
+        return InferResponse(model.name, model.version, outputs, id=request.id)
 
     def _tokenized(self, request_inputs: Mapping[str, np.ndarray]) -> bool:
         return "input_ids" in request_inputs
 
-    def _output_names(self, model: ServedModel, request: codec.InferRequest) -> list[str]:
-        if self._tokenized(request.inputs) and model.task.name in PER_TOKEN_ANSWERS:
+    def _output_names(self, model: ServedModel, inputs: Mapping[str, np.ndarray]) -> list[str]:
+        if self._tokenized(inputs) and model.task.name in PER_TOKEN_ANSWERS:
             return list(model.engine.output_names)
         return [n for n, _, _ in model.output_specs()]
 
@@ -180,58 +224,41 @@ class DataPlane:
         return out
 
     # -- /predict --------------------------------------------------------------------------------
-    async def predict(self, name: str, version: str | None, body: bytes) -> bytes:
-        """``{"inputs": x | [x, ...], "parameters": {...}}`` → the task's answer(s) as JSON.
-        One input (a string, a QA/pair object) gives one answer; a list gives a list."""
-        model = self.model(name, version)
-        payload = codec.loads(body)
-        if not isinstance(payload, dict) or "inputs" not in payload:
-            raise InvalidInputError('the body must be a JSON object with "inputs"')
-        raw = payload["inputs"]
-        single = not isinstance(raw, list)
-        items = [raw] if single else raw
-        items = [_pair(x) for x in items]
-        self._check_texts(items)
-        params = payload.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise InvalidInputError("'parameters' must be an object")
-        answers, _ = await model.run(model.task.prepare(items), self._timeout(params))
-        top_k = params.get("top_k")
-        if top_k is not None and model.task.name == "text-classification":
-            if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-                raise InvalidInputError("top_k must be a positive integer")
-            answers = [a[:top_k] for a in answers]
-        return orjson.dumps(answers[0] if single else answers, option=orjson.OPT_SERIALIZE_NUMPY)
+    async def predict(self, request: PredictRequest) -> PredictResponse:
+        """The task's own answers (``task.postprocess``), one per input."""
+        model = self.model(request.model_name, request.model_version)
+        started = time.perf_counter()
+        try:
+            self._check_texts(request.inputs)
+            params = request.parameters
+            top_k = params.get("top_k")
+            answers, _ = await model.run(model.task.prepare(request.inputs), self._timeout(params))
+            if top_k is not None and model.task.name == "text-classification":
+                if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+                    raise InvalidInputError("top_k must be a positive integer")
+                answers = [a[:top_k] for a in answers]
+        except BaseException:
+            model.record(False, time.perf_counter() - started)
+            raise
+        model.record(True, time.perf_counter() - started)
+        return PredictResponse(model.name, answers, request.single)
 
     # -- OpenAI /v1/embeddings ------------------------------------------------------------------
-    async def embeddings(self, body: bytes, labels: dict | None = None) -> bytes:
-        """OpenAI ``/v1/embeddings``. ``labels`` receives the resolved model name (for metrics)."""
-        payload = codec.loads(body)
-        if not isinstance(payload, dict):
-            raise InvalidInputError("the body must be a JSON object")
-        model = self._embedding_model(payload.get("model"))
-        if labels is not None:
-            labels["model"] = model.name
-        raw = payload.get("input")
-        texts = [raw] if isinstance(raw, str) else raw
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            raise InvalidInputError("'input' must be a string or a non-empty list of strings (token arrays are not supported)")
-        fmt = payload.get("encoding_format") or "float"
-        if fmt not in ("float", "base64"):
-            raise InvalidInputError("encoding_format must be 'float' or 'base64'")
-        self._check_texts(texts)
-        vectors, tokens = await model.run(model.task.prepare(texts), self.settings.request_timeout_s)
-        dims = payload.get("dimensions")
-        if dims is not None and dims != len(vectors[0]):
-            raise InvalidInputError(f"model '{model.name}' has {len(vectors[0])} dimensions, not {dims}")
-        data = []
-        for i, v in enumerate(vectors):
-            v = np.asarray(v, dtype=np.float32)
-            emb: Any = base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v
-            data.append({"object": "embedding", "index": i, "embedding": emb})
-        return orjson.dumps({"object": "list", "data": data, "model": model.name,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                            option=orjson.OPT_SERIALIZE_NUMPY)
+    async def embeddings(self, request: EmbeddingsRequest) -> EmbeddingsResponse:
+        """OpenAI embeddings; the response names the model that answered (for the edge's metrics)."""
+        model = self._embedding_model(request.model)
+        started = time.perf_counter()
+        try:
+            self._check_texts(request.inputs)
+            vectors, tokens = await model.run(model.task.prepare(request.inputs), self.settings.request_timeout_s)
+            if request.dimensions is not None and request.dimensions != len(vectors[0]):
+                raise InvalidInputError(f"model '{model.name}' has {len(vectors[0])} dimensions, not {request.dimensions}")
+        except BaseException:
+            model.record(False, time.perf_counter() - started)
+            raise
+        model.record(True, time.perf_counter() - started)
+        return EmbeddingsResponse(model.name, [np.asarray(v, dtype=np.float32) for v in vectors], tokens,
+                                  request.encoding_format)
 
     def _embedding_model(self, name: Any) -> ServedModel:
         if isinstance(name, str) and name in self.models:
@@ -247,11 +274,4 @@ class DataPlane:
         return model
 
 
-def _pair(x: Any) -> Any:
-    """``{"text", "text_pair"}`` → a (text, pair) tuple; everything else is left to task.prepare."""
-    if isinstance(x, dict) and "text" in x:
-        return (x.get("text"), x.get("text_pair")) if "text_pair" in x else x.get("text")
-    return x
-
-
-__all__ = ["DataPlane", "KilnError"]
+__all__ = ["DataPlane", "build_dataplane"]

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import MethodNotAllowedError, PayloadTooLargeError
-from . import codec
+from . import codec, json_api
 from .dataplane import DataPlane
 from .errors import error_response
 
@@ -76,9 +76,10 @@ async def send_response(send: Send, status: int, body: bytes, content_type: byte
 
 
 async def send_error(send: Send, exc: BaseException, request_id: str,
-                     extra_headers: dict[str, str] | None = None) -> int:
-    """Answer ``exc`` as ``{"error": ...}`` with its status (``errors.error_response``); returns the status."""
-    status, payload, headers = error_response(exc, request_id)
+                     extra_headers: dict[str, str] | None = None, openai: bool = False) -> int:
+    """Answer ``exc`` with its status (``errors.error_response``: ``{"error": ...}``, or OpenAI's
+    error object when ``openai``); returns the status."""
+    status, payload, headers = error_response(exc, request_id, openai)
     headers.update(extra_headers or {})
     await send_response(send, status, payload, JSON, request_id.encode(),
                         [(k.encode(), v.encode()) for k, v in headers.items()])
@@ -86,32 +87,40 @@ async def send_error(send: Send, exc: BaseException, request_id: str,
 
 
 async def handle(plane: DataPlane, route: tuple[str, str | None, str], scope: dict[str, Any],
-                 headers: dict[bytes, bytes], receive: Receive, send: Send, request_id: str) -> int:
-    """Answer one inference request; returns the status sent (499, nginx's "client closed
-    request", when the client went away before its body arrived: nothing is sent then)."""
+                 headers: dict[bytes, bytes], receive: Receive, send: Send, request_id: str) -> tuple[int, str]:
+    """Answer one inference request; returns (the status sent, the model that answered: for an
+    embeddings request it is named in the body, not the path; "" when none was resolved).
+    The status is 499, nginx's "client closed request", when the client went away before its
+    body arrived: nothing is sent then."""
     name, version, kind = route
     rid = request_id.encode()
+    openai = kind == "embeddings"
     if scope["method"] != "POST":
         return await send_error(send, MethodNotAllowedError(f"{scope['method']} is not allowed here: use POST"),
-                                request_id, {"allow": "POST"})
+                                request_id, {"allow": "POST"}, openai), name
     try:
         body = await read_body(receive, headers, plane.settings.max_body_bytes)
+        if kind != "embeddings":
+            plane.model(name, version)  # an unknown model is a 404 whatever the body holds
         if kind == "predict":
-            await send_response(send, 200, await plane.predict(name, version, body), JSON, rid)
+            answer = await plane.predict(json_api.decode_predict(body, name, version))
+            await send_response(send, 200, json_api.encode_predict(answer), JSON, rid)
         elif kind == "embeddings":
-            # The model is named in the body, not the path: the data plane records it for the metrics.
-            await send_response(send, 200, await plane.embeddings(body, scope["state"]), JSON, rid)
+            vectors = await plane.embeddings(json_api.decode_embeddings(body))
+            name = vectors.model_name
+            await send_response(send, 200, json_api.encode_embeddings(vectors), JSON, rid)
         else:
             header_length = headers.get(codec.HEADER_LENGTH.encode())
-            content, json_length = await plane.infer(
-                name, version, body, header_length.decode("latin-1") if header_length is not None else None)
+            request = codec.decode_request(body, header_length.decode("latin-1") if header_length is not None else None,
+                                           name, version)
+            content, json_length = codec.encode_response(request, await plane.infer(request))
             if json_length is None:
                 await send_response(send, 200, content, JSON, rid)
             else:
                 await send_response(send, 200, content, BINARY, rid,
                                     [(b"inference-header-content-length", str(json_length).encode())])
-        return 200
+        return 200, name
     except ClientGone:
-        return 499
+        return 499, name
     except Exception as exc:  # typed errors → their status; anything else is a bug → 500 (logged)
-        return await send_error(send, exc, request_id)
+        return await send_error(send, exc, request_id, openai=openai), name

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..atomic import atomic_folder  # the same atomic write `kiln convert` uses
-from ..errors import ArtifactError, KilnError
+from ..errors import ArtifactError, ErrorKind, KilnError
 from ..manifest import Manifest, Variant
 from . import config as cfg
 from .config import ModelConfig, Options, TensorSpec
@@ -45,7 +45,7 @@ SNAPSHOT_FILES = (
 
 
 class TritonOptionError(KilnError):
-    status_code = 400
+    kind = ErrorKind.INVALID_INPUT
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import KilnError
+from ..errors import ErrorKind, KilnError
 from ..manifest import Manifest
 from .config import Options
 
 
 class TensorRTUnavailableError(KilnError):
-    status_code = 400
+    kind = ErrorKind.INVALID_INPUT
 
 
 def require() -> str:
