@@ -41,10 +41,11 @@ def sts_spearman(pipeline: Pipeline, pairs: list) -> float:
 def evaluate_sts(artifact: Path, sts: Path | None, threads: int | None, reference: bool,
                  steps: Callable[[str], ContextManager[None]] = lambda d: contextlib.nullcontext()) -> list[Score]:
     manifest = Manifest.load(artifact)
-    if manifest.task != "sentence-embeddings":
+    task = make_task(manifest)
+    if not task.embeds:
         raise KilnError(f"STS evaluation needs a sentence-embeddings artifact; '{manifest.name}' is {manifest.task}")
     pairs = read_sts(sts)
-    task, encoder = make_task(manifest), load_encoder(artifact, manifest)
+    encoder = load_encoder(artifact, manifest)
     engines: list[tuple[str, Callable[[], Engine]]] = []
     if reference:
         from ..convert.reference import reference_engine

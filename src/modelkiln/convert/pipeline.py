@@ -20,7 +20,7 @@ from ..errors import ConversionError, ValidationFailedError
 from ..manifest import Manifest, TokenizerSpec, Variant
 from ..runtime.onnx import OnnxEngine, cuda_available
 from ..runtime.tokenizer import TextEncoder
-from ..samples import SAMPLE_PAIRS, SAMPLE_QA, SAMPLE_TEXTS
+from ..samples import SAMPLE_TEXTS
 from ..tasks import Task, TextInput, make_task, task_class
 from . import source as src
 from . import variants as build
@@ -60,11 +60,7 @@ def default_precisions(device: str) -> tuple[str, ...]:
 
 
 def default_texts(task: str) -> list[TextInput]:
-    if task == "question-answering":
-        return list(SAMPLE_QA)
-    if task == "text-classification":
-        return [*SAMPLE_TEXTS, *SAMPLE_PAIRS]
-    return list(SAMPLE_TEXTS)
+    return list(task_class(task).sample_inputs)
 
 
 # --- the conversion ---------------------------------------------------------------------------
@@ -98,7 +94,7 @@ def check_tokenizer_parity(source: src.SourceModel, encoder: TextEncoder, texts:
 def timing_feeds(encoder: TextEncoder, task: str, seq: int) -> dict[str, np.ndarray]:
     """Batch 1 × ``seq`` real tokens: a long sample text (a QA context), truncated to length."""
     long_text = " ".join(SAMPLE_TEXTS[18:21] * 4)
-    item: TextInput = (SAMPLE_QA[0][0], long_text) if task == "question-answering" else long_text
+    item: TextInput = task_class(task).input_around(long_text)
     enc = encoder.tokenize([item])[0]
     feeds = encoder.collate([enc])
     return {k: np.ascontiguousarray(v[:, :seq]) for k, v in feeds.items()}
@@ -171,7 +167,7 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
         variants=[],
         labels=src.labels_of(source, task_name),
         problem_type=getattr(source.config, "problem_type", None),
-        pooling=src.read_pooling(source) if task_name == "sentence-embeddings" else None,
+        pooling=src.read_pooling(source) if info.pooled else None,
         source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture,
                 "max_positions": src.max_positions(source)},
         versions=versions(),

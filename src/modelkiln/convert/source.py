@@ -105,7 +105,7 @@ def check_task_fits(source: SourceModel, task: str) -> None:
     task_class(task)  # unknown task names fail here first
     arch = source.architecture
     trained_for = next((t for s, t in _HEAD_SUFFIXES.items() if arch.endswith(s)), None)
-    if task == "sentence-embeddings":
+    if task_class(task).info.pooled:
         return  # every encoder has hidden states to pool
     if trained_for != task:
         what = f"was trained for {trained_for}" if trained_for else "has no task head"
@@ -179,7 +179,7 @@ def load_torch_model(source: SourceModel, task: str) -> Any:
 
 
 def labels_of(source: SourceModel, task: str) -> list[str] | None:
-    if task not in ("text-classification", "token-classification"):
+    if not task_class(task).info.labelled:
         return None
     id2label = getattr(source.config, "id2label", None) or {}
     return [str(id2label.get(i, f"LABEL_{i}")) for i in range(source.config.num_labels)]

@@ -58,6 +58,14 @@ class TextEncoder:
             return [self._tokenizer.encode(*text) if isinstance(text, tuple) else self._tokenizer.encode(text)]
         return self._tokenizer.encode_batch(list(texts))
 
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def max_type_id(self) -> int:
+        """The largest token type id this tokenizer produces (1 for BERT's pairs, 0 for RoBERTa)."""
+        return max(self._tokenizer.encode("a", "b").type_ids)
+
     def token_count(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
 

@@ -21,12 +21,12 @@ from ..errors import (InvalidInputError, KilnError, ModelControlError, ModelNotF
 from ..tasks import tensors as tensors_protocol
 from .json_api import EmbeddingsRequest, EmbeddingsResponse, PredictRequest, PredictResponse
 from .metrics import Metrics
-from .model import PER_TOKEN_ANSWERS, ServedModel, TokenRow
+from .model import ServedModel
+from .tokenized import TokenRow, is_tokenized, raw_tensors, token_rows
 from .settings import ServeSettings
 from .types import (Duration, InferRequest, InferResponse, ModelMetadata, ModelStatistics, OutputTensor,
                     RepositoryModel, ServerMetadata, TensorSpec)
 
-_TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EXTENSIONS = ("binary_tensor_data", "statistics", "model_repository")
 
 
@@ -85,8 +85,7 @@ class DataPlane:
         m = self.model(name, version, need_ready=False)
         return ModelMetadata(
             name=m.name, versions=(m.version,), platform="onnxruntime_onnx",
-            inputs=tuple(TensorSpec(n, "BYTES", (-1,)) for n in m.text_inputs()),
-            outputs=tuple(TensorSpec(n, d, tuple(s)) for n, d, s in m.output_specs()),
+            inputs=m.input_specs(), outputs=m.output_specs(),
             parameters={"task": m.task.name, "variant": m.variant.name, "max_length": m.manifest.max_length,
                         "tokenized_inputs": list(m.manifest.input_names)})
 
@@ -153,75 +152,27 @@ class DataPlane:
         model.record(True, time.perf_counter() - started)
         return InferResponse(model.name, model.version, outputs, id=request.id)
 
-    def _tokenized(self, request_inputs: Mapping[str, np.ndarray]) -> bool:
-        return "input_ids" in request_inputs
-
     def _output_names(self, model: ServedModel, inputs: Mapping[str, np.ndarray]) -> list[str]:
-        if self._tokenized(inputs) and model.task.name in PER_TOKEN_ANSWERS:
-            return list(model.engine.output_names)
-        return [n for n, _, _ in model.output_specs()]
+        if is_tokenized(inputs) and model.task.answers_need_text:
+            return model.raw_output_names()
+        return [spec.name for spec in model.output_specs()]
 
     def _infer_inputs(self, model: ServedModel, tensors: Mapping[str, np.ndarray]) -> list[Any]:
-        if self._tokenized(tensors):
-            return self._token_rows(model, tensors)
-        texts = tensors_protocol.inputs_from_tensors(model.task.name, tensors)
+        if is_tokenized(tensors):
+            return token_rows(tensors, model.token_limits, model.name)
+        texts = model.task.inputs_from_tensors(tensors)
         self._check_texts(texts)
         return model.task.prepare(texts)
 
-    def _token_rows(self, model: ServedModel, tensors: Mapping[str, np.ndarray]) -> list[TokenRow]:
-        names = model.manifest.input_names
-        extra = [n for n in tensors if n not in names]
-        if extra:
-            raise InvalidInputError(f"unexpected input {extra[0]!r}: model '{model.name}' takes {', '.join(names)}")
-        ids = tensors["input_ids"]
-        if ids.ndim != 2 or ids.dtype.kind not in "iu":
-            raise InvalidInputError("input_ids must be an integer tensor of shape [n, seq]")
-        arrays = {}
-        for n in _TOKEN_INPUTS:
-            a = tensors.get(n)
-            if a is None:
-                a = np.ones_like(ids) if n == "attention_mask" else np.zeros_like(ids)
-            if a.shape != ids.shape or a.dtype.kind not in "iu":
-                raise InvalidInputError(f"{n} must be an integer tensor shaped like input_ids {list(ids.shape)}")
-            arrays[n] = a.astype(np.int64, copy=False)
-        if ids.shape[0] > self.settings.max_inputs_per_request:
-            raise InvalidInputError(
-                f"{ids.shape[0]} inputs in one request; the limit is {self.settings.max_inputs_per_request}")
-        rows = []
-        limit = model.manifest.max_length
-        for r in range(ids.shape[0]):
-            n = int(arrays["attention_mask"][r].sum())  # right padding: real tokens come first
-            if n == 0:
-                raise InvalidInputError(f"input {r} has no tokens (attention_mask is all zero)")
-            if n > limit:
-                if not self.settings.truncate:
-                    raise InvalidInputError(f"input {r} has {n} tokens; model '{model.name}' takes at most {limit}")
-                n = limit
-            rows.append(TokenRow(arrays["input_ids"][r, :n], arrays["attention_mask"][r, :n],
-                                 arrays["token_type_ids"][r, :n]))
-        return rows
-
-    def _answer_tensors(self, model: ServedModel, answers: list[Any], inputs: list[Any]
-                        ) -> dict[str, tuple[str, np.ndarray]]:
-        """Task answers → named OIP tensors (the answers themselves come from task.postprocess)."""
-        task = model.task.name
-        if answers and isinstance(answers[0], dict) and task in PER_TOKEN_ANSWERS and isinstance(inputs[0], TokenRow):
-            return self._raw_tensors(answers)
-        tensors = tensors_protocol.tensors_from_answers(task, model.manifest.labels or [], answers)
-        return {name: (tensors_protocol.datatype(array), array) for name, array in tensors.items()}
-
     @staticmethod
-    def _raw_tensors(rows: list[dict[str, np.ndarray]]) -> dict[str, tuple[str, np.ndarray]]:
-        """Per-row raw model outputs (trimmed to each row's tokens) → padded [n, seq, ...] FP32."""
-        out = {}
-        width = max(next(iter(r.values())).shape[0] for r in rows)
-        for name in rows[0]:
-            first = rows[0][name]
-            array = np.zeros((len(rows), width, *first.shape[1:]), dtype=np.float32)
-            for i, r in enumerate(rows):
-                array[i, : r[name].shape[0]] = r[name]
-            out[name] = ("FP32", array)
-        return out
+    def _answer_tensors(model: ServedModel, answers: list[Any], inputs: list[Any]) -> dict[str, tuple[str, np.ndarray]]:
+        """Task answers → named OIP tensors (the answers themselves come from task.postprocess);
+        pre-tokenized rows of a task whose answers need text come back as the model's outputs."""
+        if model.task.answers_need_text and isinstance(inputs[0], TokenRow):
+            tensors = raw_tensors(answers)
+        else:
+            tensors = model.task.answer_tensors(answers)
+        return {name: (tensors_protocol.datatype(array), array) for name, array in tensors.items()}
 
     # -- /predict --------------------------------------------------------------------------------
     async def predict(self, request: PredictRequest) -> PredictResponse:
@@ -230,13 +181,8 @@ class DataPlane:
         started = time.perf_counter()
         try:
             self._check_texts(request.inputs)
-            params = request.parameters
-            top_k = params.get("top_k")
-            answers, _ = await model.run(model.task.prepare(request.inputs), self._timeout(params))
-            if top_k is not None and model.task.name == "text-classification":
-                if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-                    raise InvalidInputError("top_k must be a positive integer")
-                answers = [a[:top_k] for a in answers]
+            answers, _ = await model.run(model.task.prepare(request.inputs), self._timeout(request.parameters))
+            answers = model.task.apply_parameters(answers, request.parameters)
         except BaseException:
             model.record(False, time.perf_counter() - started)
             raise
@@ -264,12 +210,12 @@ class DataPlane:
         if isinstance(name, str) and name in self.models:
             model = self.model(name)
         else:
-            candidates = [m for m in self.models.values() if m.task.name == "sentence-embeddings"]
+            candidates = [m for m in self.models.values() if m.task.embeds]
             if name is not None or len(candidates) != 1:
                 raise ModelNotFoundError(
                     f"unknown embedding model {name!r} (serving: {', '.join(m.name for m in candidates) or 'none'})")
             model = self.model(candidates[0].name)
-        if model.task.name != "sentence-embeddings":
+        if not model.task.embeds:
             raise InvalidInputError(f"model '{model.name}' is a {model.task.name} model, not an embedding model")
         return model
 

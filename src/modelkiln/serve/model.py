@@ -18,27 +18,14 @@ import numpy as np
 from ..errors import InvalidInputError, KilnError, RequestTimeoutError
 from ..manifest import Manifest
 from ..runtime.pipeline import load_encoder, load_variant
-from ..samples import SAMPLE_QA, SAMPLE_TEXTS
-from ..tasks import make_task, tensors
+from ..tasks import make_task
 from .batcher import Batcher, BatchHooks, Item, Job, wait_for
 from .metrics import Metrics
 from .settings import ModelSpec, ServeSettings
+from .tokenized import TokenLimits, TokenRow
+from .types import TensorSpec
 
 log = logging.getLogger("modelkiln.serve")
-
-# Per-token tasks need character offsets to answer; pre-tokenized rows have none, so those
-# requests get the model's raw outputs instead.
-PER_TOKEN_ANSWERS = ("token-classification", "question-answering")
-
-
-@dataclass(slots=True)
-class TokenRow:
-    """A pre-tokenized input row, shaped like ``tokenizers.Encoding`` for ``TextEncoder.collate``."""
-
-    ids: np.ndarray
-    attention_mask: np.ndarray
-    type_ids: np.ndarray
-
 
 @dataclass
 class Stats:
@@ -89,6 +76,9 @@ class ServedModel(BatchHooks):
         """Tokenizer + ONNX session, a warm-up, then start the batcher. Blocking."""
         started = time.perf_counter()
         self.encoder = load_encoder(self.folder, self.manifest)
+        self.token_limits = TokenLimits(self.manifest.input_names, self.encoder.vocab_size,
+                                        self.encoder.max_type_id(), self.manifest.max_length,
+                                        self.settings.max_inputs_per_request, self.settings.truncate)
         # No memory arena: it keeps the peak of the widest batch ever run (a burst of long inputs
         # left a server at 1.0 GB). Measured on all-MiniLM-L6-v2 int8, one thread, interleaved:
         # the same latency from batch 1 × 16 to 32 × 16 and 8 × 128 tokens, 536 → 144 MB after
@@ -112,7 +102,7 @@ class ServedModel(BatchHooks):
 
     def _warm_up(self, instance: int, alone: bool = False) -> None:
         """Run a short and a full-size batch so first requests don't pay for arena growth."""
-        samples: list[Any] = list(SAMPLE_QA) if self.task.name == "question-answering" else list(SAMPLE_TEXTS)
+        samples: list[Any] = list(self.task.sample_inputs)
         for n in (1, min(len(samples), self.settings.max_batch_size)):
             job = Job(n=n, future=None)  # type: ignore[arg-type]
             items = [Item(job, i, text) for i, text in enumerate(self.task.prepare(samples[:n]))]
@@ -145,7 +135,7 @@ class ServedModel(BatchHooks):
         encodings = [it.encoding for it in batch]
         engine = self.alone_engine if alone and self.alone_engine is not None else self.engines[instance]
         outputs = engine.run(self.encoder.collate(encodings))
-        raw_rows = [k for k, it in enumerate(batch) if it.text is None and self.task.name in PER_TOKEN_ANSWERS]
+        raw_rows = [k for k, it in enumerate(batch) if it.text is None and self.task.answers_need_text]
         if not raw_rows:
             return self.task.postprocess(outputs, encodings, [it.text for it in batch])
         results: list[Any] = [None] * len(batch)
@@ -202,20 +192,18 @@ class ServedModel(BatchHooks):
             self.stats.fail_ns += int(seconds * 1e9)
 
     # -- protocol description ------------------------------------------------------------------
-    def text_inputs(self) -> list[str]:
-        required, optional = tensors.TASK_INPUTS[self.task.name]
-        return [*required, *optional]
+    def input_specs(self) -> tuple[TensorSpec, ...]:
+        return self.task.input_specs()
 
-    def output_specs(self) -> list[tuple[str, str, list[int]]]:
-        """(name, datatype, shape) of the outputs of a text request."""
-        task = self.task.name
-        if task == "text-classification":
-            return [(tensors.LABEL, "BYTES", [-1]), (tensors.PROBABILITIES, "FP32", [-1, len(self.manifest.labels or [])]),
-                    (tensors.SCORE, "FP32", [-1])]
-        if task == "sentence-embeddings":
-            dim = self.engine.session.get_outputs()[0].shape[-1] if hasattr(self, "engine") else -1
-            return [(tensors.EMBEDDINGS, "FP32", [-1, dim if isinstance(dim, int) else -1])]
-        if task == "token-classification":
-            return [(tensors.ENTITIES, "BYTES", [-1])]
-        return [(tensors.ANSWER, "BYTES", [-1]), (tensors.START, "INT64", [-1]), (tensors.END, "INT64", [-1]),
-                (tensors.SCORE, "FP32", [-1])]
+    def output_specs(self) -> tuple[TensorSpec, ...]:
+        """The answer tensors of a text request (the task's, sized by the model's outputs)."""
+        shapes = {}
+        if hasattr(self, "engine"):
+            shapes = {o.name: tuple(d if isinstance(d, int) else -1 for d in o.shape)
+                      for o in self.engine.session.get_outputs()}
+        return self.task.output_specs(shapes)
+
+    def raw_output_names(self) -> list[str]:
+        """The model's own outputs: a pre-tokenized request to a task whose answers need the text
+        gets these (its rows have no characters to point into)."""
+        return list(self.engine.output_names)

@@ -3,12 +3,15 @@ as sentence-transformers configures it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from tokenizers import Encoding
 
 from ..manifest import Pooling
+from ..serve.types import TensorSpec
+from . import tensors as t
 from .base import Task, TaskInfo, TextInput
 
 
@@ -35,7 +38,25 @@ def pool(hidden: np.ndarray, mask: np.ndarray, pooling: Pooling) -> np.ndarray:
 
 
 class SentenceEmbeddings(Task):
-    info = TaskInfo("sentence-embeddings", ("last_hidden_state",), truncation="longest_first", per_token=True)
+    info = TaskInfo("sentence-embeddings", ("last_hidden_state",), truncation="longest_first", per_token=True,
+                    pooled=True)
+    outputs = (t.EMBEDDINGS,)
+    embeds = True
+
+    # -- protocol ----------------------------------------------------------------------------
+    def output_specs(self, model_outputs: Mapping[str, Sequence[int]]) -> tuple[TensorSpec, ...]:
+        hidden = model_outputs.get("last_hidden_state", (-1,))
+        return (TensorSpec(t.EMBEDDINGS, "FP32", (-1, hidden[-1] if hidden else -1)),)
+
+    @classmethod
+    def tensors_from_answers(cls, labels: Sequence[str], answers: Sequence[Any]) -> dict[str, np.ndarray]:
+        return {t.EMBEDDINGS: np.stack(answers).astype(np.float32, copy=False)}
+
+    @classmethod
+    def answers_from_tensors(cls, labels: Sequence[str], tensors: Mapping[str, np.ndarray]) -> list[Any]:
+        return list(np.asarray(tensors[t.EMBEDDINGS], dtype=np.float32))
+
+    # -- answers -----------------------------------------------------------------------------
 
     @property
     def pooling(self) -> Pooling:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from tokenizers import Encoding
 
 from ..errors import InvalidInputError
+from ..samples import SAMPLE_QA
+from ..serve.types import TensorSpec
+from . import tensors as t
 from .base import Task, TaskInfo, TextInput, softmax
 
 MAX_ANSWER_TOKENS = 30
@@ -17,6 +20,52 @@ MAX_ANSWER_TOKENS = 30
 class QuestionAnswering(Task):
     # The context is the second sequence: truncate it, never the question.
     info = TaskInfo("question-answering", ("start_logits", "end_logits"), truncation="only_second", per_token=True)
+    inputs = (t.QUESTION, t.CONTEXT)
+    outputs = (t.ANSWER, t.START, t.END, t.SCORE)
+    answers_need_text = True  # the answer is a span of the context's characters
+    sample_inputs = SAMPLE_QA
+
+    @classmethod
+    def input_around(cls, text: str) -> Any:
+        return (SAMPLE_QA[0][0], text)
+
+    # -- protocol ----------------------------------------------------------------------------
+    def output_specs(self, model_outputs: Mapping[str, Sequence[int]]) -> tuple[TensorSpec, ...]:
+        return (TensorSpec(t.ANSWER, "BYTES", (-1,)), TensorSpec(t.START, "INT64", (-1,)),
+                TensorSpec(t.END, "INT64", (-1,)), TensorSpec(t.SCORE, "FP32", (-1,)))
+
+    @classmethod
+    def inputs_from_tensors(cls, tensors: Mapping[str, np.ndarray | None]) -> list[Any]:
+        columns = t.text_columns(cls.info.name, cls.inputs, cls.optional_inputs, tensors)
+        return t.zip_columns(columns[t.QUESTION], columns[t.CONTEXT], t.QUESTION, t.CONTEXT)
+
+    @classmethod
+    def tensors_from_inputs(cls, inputs: Sequence[Any]) -> dict[str, np.ndarray]:
+        pairs = [(i["question"], i["context"]) if isinstance(i, dict) else i for i in inputs]
+        return {t.QUESTION: t.bytes_tensor([q for q, _ in pairs]), t.CONTEXT: t.bytes_tensor([c for _, c in pairs])}
+
+    @classmethod
+    def tensors_from_answers(cls, labels: Sequence[str], answers: Sequence[Any]) -> dict[str, np.ndarray]:
+        return {
+            t.ANSWER: t.bytes_tensor([a["answer"] for a in answers]),
+            t.START: np.array([a["start"] for a in answers], dtype=np.int64),
+            t.END: np.array([a["end"] for a in answers], dtype=np.int64),
+            t.SCORE: np.array([a["score"] for a in answers], dtype=np.float32),
+        }
+
+    @classmethod
+    def answers_from_tensors(cls, labels: Sequence[str], tensors: Mapping[str, np.ndarray]) -> list[Any]:
+        return [
+            {"answer": a, "score": float(s), "start": int(b), "end": int(e)}
+            for a, s, b, e in zip(
+                t.text_column(t.ANSWER, tensors[t.ANSWER]),
+                np.asarray(tensors[t.SCORE]).reshape(-1),
+                np.asarray(tensors[t.START]).reshape(-1),
+                np.asarray(tensors[t.END]).reshape(-1),
+            )
+        ]
+
+    # -- inputs and answers --------------------------------------------------------------------
 
     def prepare(self, inputs: Sequence[Any]) -> list[TextInput]:
         if not inputs:

@@ -4,7 +4,9 @@
 ``kiln loadtest``) all use these names and conversions, so one client works with both servers.
 Per-example values (a label, a score) are 1-D tensors [n]; Triton's configs give them dims [1],
 so the Triton models reshape them to [n, 1] and ``answers_from_tensors`` accepts either.
-Only numpy is imported: the Triton python models load this module too."""
+Only numpy is imported here. Which tensors a task takes and gives, and how its inputs and answers
+map onto them, is the task class's (``Task.input_specs``, ``tensors_from_answers``...); the
+functions at the end look a task class up by name, for clients that have no artifact."""
 
 from __future__ import annotations
 
@@ -32,21 +34,6 @@ ANSWER = "ANSWER"  # BYTES [n]
 START = "START"  # INT64 [n]: character offset in CONTEXT
 END = "END"  # INT64 [n]
 
-# task → (required inputs, optional inputs)
-TASK_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "text-classification": ((TEXT,), (TEXT_PAIR,)),
-    "sentence-embeddings": ((TEXT,), ()),
-    "token-classification": ((TEXT,), ()),
-    "question-answering": ((QUESTION, CONTEXT), ()),
-}
-
-TASK_OUTPUTS: dict[str, tuple[str, ...]] = {
-    "text-classification": (LABEL, PROBABILITIES, SCORE),
-    "sentence-embeddings": (EMBEDDINGS,),
-    "token-classification": (ENTITIES,),
-    "question-answering": (ANSWER, START, END, SCORE),
-}
-
 # Protocol datatype of each numpy dtype kind we produce.
 _DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(object): "BYTES"}
 
@@ -69,92 +56,67 @@ def text_column(name: str, array: np.ndarray) -> list[str]:
         raise InvalidInputError(f"input '{name}' is not valid UTF-8") from None
 
 
-def _zip(a: list[str], b: list[str], na: str, nb: str) -> list[tuple[str, str]]:
+def zip_columns(a: list[str], b: list[str], na: str, nb: str) -> list[tuple[str, str]]:
     if len(a) != len(b):
         raise InvalidInputError(f"{na} has {len(a)} elements but {nb} has {len(b)}")
     return list(zip(a, b))
 
 
-def inputs_from_tensors(task: str, tensors: Mapping[str, np.ndarray | None]) -> list[Any]:
-    """The request's text tensors → what ``task.prepare`` takes (strings, pairs, (q, c) pairs)."""
-    required, optional = TASK_INPUTS[task]
+def text_columns(task: str, required: Sequence[str], optional: Sequence[str],
+                 tensors: Mapping[str, np.ndarray | None]) -> dict[str, list[str]]:
+    """A task's text tensors, checked (no unexpected or missing ones) and decoded to strings."""
     given = {n: a for n, a in tensors.items() if a is not None}
     extra = sorted(set(given) - set(required) - set(optional))
     if extra:
-        raise InvalidInputError(f"unexpected input '{extra[0]}': {task} takes BYTES {' + '.join(required + optional)}")
+        raise InvalidInputError(f"unexpected input '{extra[0]}': {task} takes BYTES {' + '.join([*required, *optional])}")
     missing = [n for n in required if n not in given]
     if missing:
         raise InvalidInputError(f"missing input '{missing[0]}' (BYTES, shape [n]) for {task}")
-    columns = {n: text_column(n, a) for n, a in given.items()}
-    if task == "question-answering":
-        return _zip(columns[QUESTION], columns[CONTEXT], QUESTION, CONTEXT)
-    if TEXT_PAIR in columns:
-        return _zip(columns[TEXT], columns[TEXT_PAIR], TEXT, TEXT_PAIR)
-    return columns[TEXT]
+    return {n: text_column(n, a) for n, a in given.items()}
+
+
+def bytes_tensor(values: Sequence[str | bytes]) -> np.ndarray:
+    """Strings → a BYTES tensor [n] (an object array of UTF-8 bytes)."""
+    array = np.empty(len(values), dtype=object)
+    array[:] = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+    return array
+
+
+# --- by task name: for code that has a name but no artifact (clients, tests, benchmarks) ----------
+# Each task class owns its conversions (``modelkiln.tasks``); these look the class up by name.
+def inputs_from_tensors(task: str, tensors: Mapping[str, np.ndarray | None]) -> list[Any]:
+    """The request's text tensors → what ``task.prepare`` takes (strings, pairs, (q, c) pairs)."""
+    return _task(task).inputs_from_tensors(tensors)
 
 
 def tensors_from_inputs(task: str, inputs: Sequence[Any]) -> dict[str, np.ndarray]:
     """Client side: inputs as the pipeline takes them → request tensors."""
-    if task == "question-answering":
-        pairs = [(i["question"], i["context"]) if isinstance(i, dict) else i for i in inputs]
-        return {QUESTION: _bytes([q for q, _ in pairs]), CONTEXT: _bytes([c for _, c in pairs])}
-    if task == "text-classification" and inputs and not isinstance(inputs[0], str):
-        return {TEXT: _bytes([a for a, _ in inputs]), TEXT_PAIR: _bytes([b for _, b in inputs])}
-    return {TEXT: _bytes(list(inputs))}
+    return _task(task).tensors_from_inputs(inputs)
 
 
-def _bytes(values: Sequence[str]) -> np.ndarray:
-    return np.array([v.encode("utf-8") if isinstance(v, str) else v for v in values], dtype=object)
-
-
-# --- answers -------------------------------------------------------------------------------------
 def tensors_from_answers(task: str, labels: Sequence[str], answers: Sequence[Any]) -> dict[str, np.ndarray]:
     """``task.postprocess`` answers → the output tensors."""
-    if task == "text-classification":
-        index = {label: j for j, label in enumerate(labels)}
-        probabilities = np.zeros((len(answers), len(labels)), dtype=np.float32)
-        for row, ranked in enumerate(answers):
-            for item in ranked:
-                probabilities[row, index[item["label"]]] = item["score"]
-        return {
-            LABEL: _bytes([ranked[0]["label"] for ranked in answers]),
-            PROBABILITIES: probabilities,
-            SCORE: np.array([ranked[0]["score"] for ranked in answers], dtype=np.float32),
-        }
-    if task == "sentence-embeddings":
-        return {EMBEDDINGS: np.stack(answers).astype(np.float32, copy=False)}
-    if task == "token-classification":
-        return {ENTITIES: _bytes([json.dumps(entities) for entities in answers])}
-    if task == "question-answering":
-        return {
-            ANSWER: _bytes([a["answer"] for a in answers]),
-            START: np.array([a["start"] for a in answers], dtype=np.int64),
-            END: np.array([a["end"] for a in answers], dtype=np.int64),
-            SCORE: np.array([a["score"] for a in answers], dtype=np.float32),
-        }
-    raise ValueError(f"unknown task '{task}'")
+    return _task(task).tensors_from_answers(labels, answers)
 
 
 def answers_from_tensors(task: str, labels: Sequence[str], tensors: Mapping[str, np.ndarray]) -> list[Any]:
     """Client side: output tensors → answers shaped like the pipeline's."""
-    if task == "text-classification":
-        answers = []
-        for row in np.asarray(tensors[PROBABILITIES], dtype=np.float32):
-            order = np.argsort(-row, kind="stable")  # the order TextClassification.postprocess uses
-            answers.append([{"label": labels[j], "score": float(row[j])} for j in order])
-        return answers
-    if task == "sentence-embeddings":
-        return list(np.asarray(tensors[EMBEDDINGS], dtype=np.float32))
-    if task == "token-classification":
-        return [json.loads(t) for t in text_column(ENTITIES, tensors[ENTITIES])]
-    if task == "question-answering":
-        return [
-            {"answer": a, "score": float(s), "start": int(b), "end": int(e)}
-            for a, s, b, e in zip(
-                text_column(ANSWER, tensors[ANSWER]),
-                np.asarray(tensors[SCORE]).reshape(-1),
-                np.asarray(tensors[START]).reshape(-1),
-                np.asarray(tensors[END]).reshape(-1),
-            )
-        ]
-    raise ValueError(f"unknown task '{task}'")
+    return _task(task).answers_from_tensors(labels, tensors)
+
+
+def _task(name: str) -> Any:
+    from . import task_class  # the registry imports this module: look it up when called
+
+    return task_class(name)
+
+
+def __getattr__(name: str) -> Any:
+    """``TASK_INPUTS`` (task → (required, optional) input names) and ``TASK_OUTPUTS`` (task →
+    output names), derived from the task classes."""
+    from . import TASKS
+
+    if name == "TASK_INPUTS":
+        return {n: (cls.inputs, cls.optional_inputs) for n, cls in TASKS.items()}
+    if name == "TASK_OUTPUTS":
+        return {n: cls.outputs for n, cls in TASKS.items()}
+    raise AttributeError(name)

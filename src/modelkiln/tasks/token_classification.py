@@ -3,11 +3,15 @@ offsets, like the Hugging Face pipeline's "simple" aggregation."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from tokenizers import Encoding
 
+from ..serve.types import TensorSpec
+from . import tensors as t
 from .base import Task, TaskInfo, TextInput, softmax
 
 
@@ -21,7 +25,23 @@ def split_tag(label: str) -> tuple[str, str]:
 
 
 class TokenClassification(Task):
-    info = TaskInfo("token-classification", ("logits",), truncation="longest_first", per_token=True)
+    info = TaskInfo("token-classification", ("logits",), truncation="longest_first", per_token=True, labelled=True)
+    outputs = (t.ENTITIES,)
+    answers_need_text = True  # entities carry character offsets and words
+
+    # -- protocol ----------------------------------------------------------------------------
+    def output_specs(self, model_outputs: Mapping[str, Sequence[int]]) -> tuple[TensorSpec, ...]:
+        return (TensorSpec(t.ENTITIES, "BYTES", (-1,)),)  # one JSON list of entities per input
+
+    @classmethod
+    def tensors_from_answers(cls, labels: Sequence[str], answers: Sequence[Any]) -> dict[str, np.ndarray]:
+        return {t.ENTITIES: t.bytes_tensor([json.dumps(entities) for entities in answers])}
+
+    @classmethod
+    def answers_from_tensors(cls, labels: Sequence[str], tensors: Mapping[str, np.ndarray]) -> list[Any]:
+        return [json.loads(e) for e in t.text_column(t.ENTITIES, tensors[t.ENTITIES])]
+
+    # -- answers -----------------------------------------------------------------------------
 
     @property
     def labels(self) -> list[str]:

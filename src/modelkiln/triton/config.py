@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..manifest import Manifest
-from ..tasks import tensors as names
+from ..serve.types import TensorSpec as OipSpec
+from ..tasks import make_task
 
 MODEL_BACKENDS = ("onnxruntime", "tensorrt", "python")
 KINDS = ("cpu", "gpu")
@@ -105,28 +106,26 @@ class Options:
     threads: int = 0  # onnxruntime intra-op threads per instance; 0 = onnxruntime's default
 
 
+# OIP datatype → Triton's config DataType.
+_TRITON_TYPES = {"BYTES": "TYPE_STRING", "FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "INT64": "TYPE_INT64",
+                 "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
+
+
+def _triton_spec(spec: OipSpec) -> TensorSpec:
+    """A task's tensor spec (batch axis first) → a config tensor: batch axis dropped, and
+    per-example values ([n]) given dims [1], as Triton's batching needs."""
+    return TensorSpec(spec.name, _TRITON_TYPES[spec.datatype], tuple(spec.shape[1:]) or (1,), optional=spec.optional)
+
+
 def text_inputs(manifest: Manifest) -> list[TensorSpec]:
-    required, optional = names.TASK_INPUTS[manifest.task]
-    return [TensorSpec(n, "TYPE_STRING", (1,)) for n in required] + [
-        TensorSpec(n, "TYPE_STRING", (1,), optional=True) for n in optional
-    ]
+    return [_triton_spec(s) for s in make_task(manifest).input_specs()]
 
 
-def answer_outputs(manifest: Manifest, hidden_size: int) -> list[TensorSpec]:
-    if manifest.task == "text-classification":
-        return [TensorSpec(names.LABEL, "TYPE_STRING", (1,)),
-                TensorSpec(names.PROBABILITIES, "TYPE_FP32", (len(manifest.labels or []),)),
-                TensorSpec(names.SCORE, "TYPE_FP32", (1,))]
-    if manifest.task == "sentence-embeddings":
-        return [TensorSpec(names.EMBEDDINGS, "TYPE_FP32", (hidden_size,))]
-    if manifest.task == "token-classification":
-        return [TensorSpec(names.ENTITIES, "TYPE_STRING", (1,))]
-    return [
-        TensorSpec(names.ANSWER, "TYPE_STRING", (1,)),
-        TensorSpec(names.START, "TYPE_INT64", (1,)),
-        TensorSpec(names.END, "TYPE_INT64", (1,)),
-        TensorSpec(names.SCORE, "TYPE_FP32", (1,)),
-    ]
+def answer_outputs(manifest: Manifest, model_outputs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """The task's answer tensors; ``model_outputs`` (the ONNX model's, batch axis dropped) give
+    the sizes only the model knows."""
+    shapes = {t.name: (-1, *t.dims) for t in model_outputs}
+    return [_triton_spec(s) for s in make_task(manifest).output_specs(shapes)]
 
 
 def preferred_sizes(max_batch_size: int) -> list[int]:
@@ -166,9 +165,9 @@ def model_config(manifest: Manifest, opts: Options, inputs: Sequence[TensorSpec]
     return cfg
 
 
-def postprocess_config(manifest: Manifest, opts: Options, model_outputs: Sequence[TensorSpec], hidden_size: int) -> ModelConfig:
+def postprocess_config(manifest: Manifest, opts: Options, model_outputs: Sequence[TensorSpec]) -> ModelConfig:
     return ModelConfig(f"{manifest.name}_postprocess", opts.max_batch_size, text_inputs(manifest) + list(model_outputs),
-                       answer_outputs(manifest, hidden_size), backend="python", instances=opts.instances, kind="cpu")
+                       answer_outputs(manifest, model_outputs), backend="python", instances=opts.instances, kind="cpu")
 
 
 def ensemble_config(manifest: Manifest, opts: Options, tokenize: ModelConfig, model: ModelConfig,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..manifest import Manifest, Variant
-from ..tasks import tensors as names
+from ..tasks import make_task
 from . import versions
 from .config import ModelConfig, Options
 
@@ -13,7 +13,8 @@ from .config import ModelConfig, Options
 def render(manifest: Manifest, variant: Variant, opts: Options, configs: Sequence[ModelConfig], engine_version: str | None) -> str:
     name = manifest.name
     ort = manifest.versions.get("onnxruntime", "unknown")
-    required, optional = names.TASK_INPUTS[manifest.task]
+    task = make_task(manifest)
+    text_names = [spec.name for spec in task.input_specs()]
     release = "24.10"
     if opts.model_backend == "tensorrt" and engine_version:
         release = (versions.matching(versions.TENSORRT, engine_version) or ["<release with TensorRT " + engine_version + ">"])[-1]
@@ -32,7 +33,7 @@ def render(manifest: Manifest, variant: Variant, opts: Options, configs: Sequenc
         "",
         "| model | what it does |",
         "|---|---|",
-        f"| `{name}` | ensemble: {', '.join(required + optional)} in → {', '.join(names.TASK_OUTPUTS[manifest.task])} out |",
+        f"| `{name}` | ensemble: {', '.join(text_names)} in → {', '.join(task.outputs)} out |",
         f"| `{name}_tokenize` | python backend: text → {', '.join(manifest.input_names)} (tokenizers + numpy) |",
         f"| `{name}_model` | {backend_line} |",
         f"| `{name}_postprocess` | python backend: {', '.join(manifest.output_names)} → answers (the same code `kiln serve` runs) |",
@@ -57,8 +58,8 @@ def render(manifest: Manifest, variant: Variant, opts: Options, configs: Sequenc
         "```python",
         "import numpy as np, tritonclient.http as http",
         "c = http.InferenceServerClient('localhost:8000')",
-        f"x = http.InferInput('{required[0]}', [1, 1], 'BYTES'); x.set_data_from_numpy(np.array([[b'some text']], dtype=object))",
-        f"print(c.infer('{name}', [x]).as_numpy('{names.TASK_OUTPUTS[manifest.task][0]}'))",
+        f"x = http.InferInput('{task.inputs[0]}', [1, 1], 'BYTES'); x.set_data_from_numpy(np.array([[b'some text']], dtype=object))",
+        f"print(c.infer('{name}', [x]).as_numpy('{task.outputs[0]}'))",
         "```",
         "",
         "## Versions",

@@ -36,7 +36,7 @@ _ONNX_TYPES = {
 # The modules the generated models import (and what those import): tokenizers + numpy only,
 # plus onnxruntime for runtime/onnx.py, which only the python-backend model loads.
 SNAPSHOT_FILES = (
-    "__init__.py", "errors.py", "manifest.py",
+    "__init__.py", "errors.py", "manifest.py", "samples.py", "serve/__init__.py", "serve/types.py",
     "tasks/__init__.py", "tasks/base.py", "tasks/classification.py", "tasks/embeddings.py",
     "tasks/question_answering.py", "tasks/token_classification.py", "tasks/tensors.py",
     "runtime/__init__.py", "runtime/engine.py", "runtime/onnx.py", "runtime/tokenizer.py",
@@ -128,10 +128,9 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
 
     name = model_name(manifest)
     manifest.name = name  # the generated models read their own names from the copied kiln.json
-    hidden = io.outputs[0].dims[-1] if manifest.task == "sentence-embeddings" else 0
     tokenize = cfg.tokenize_config(manifest, opts, io.inputs)
     model = cfg.model_config(manifest, opts, io.inputs, io.outputs)
-    post = cfg.postprocess_config(manifest, opts, io.outputs, hidden)
+    post = cfg.postprocess_config(manifest, opts, io.outputs)
     ensemble = cfg.ensemble_config(manifest, opts, tokenize, model, post)
 
     with atomic_folder(out, force) as tmp:

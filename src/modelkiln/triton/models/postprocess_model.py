@@ -20,7 +20,6 @@ from modelkiln.errors import KilnError  # noqa: E402
 from modelkiln.manifest import Manifest  # noqa: E402
 from modelkiln.runtime.tokenizer import TextEncoder  # noqa: E402
 from modelkiln.tasks import make_task  # noqa: E402
-from modelkiln.tasks import tensors as protocol  # noqa: E402
 
 
 class TritonPythonModel:
@@ -28,8 +27,7 @@ class TritonPythonModel:
         self.manifest = m = Manifest.load(HERE)
         self.task = make_task(m)
         self.encoder = TextEncoder.from_folder(HERE, m.tokenizer, m.input_names, m.max_length)
-        required, optional = protocol.TASK_INPUTS[m.task]
-        self.text_names = required + optional
+        self.text_names = [spec.name for spec in self.task.input_specs()]
 
     def execute(self, requests):
         responses = []
@@ -39,11 +37,11 @@ class TritonPythonModel:
                 for name in self.text_names:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     texts[name] = tensor.as_numpy() if tensor is not None else None
-                prepared = self.task.prepare(protocol.inputs_from_tensors(self.manifest.task, texts))
+                prepared = self.task.prepare(self.task.inputs_from_tensors(texts))
                 encodings = self.encoder.tokenize(prepared)
                 outputs = {n: pb_utils.get_input_tensor_by_name(request, n).as_numpy() for n in self.manifest.output_names}
                 answers = self.task.postprocess(outputs, encodings, prepared)
-                tensors = protocol.tensors_from_answers(self.manifest.task, self.manifest.labels or [], answers)
+                tensors = self.task.answer_tensors(answers)
                 # Triton's configs give per-example values dims [1]: [n] → [n, 1].
                 out = [pb_utils.Tensor(n, v.reshape(len(answers), 1) if v.ndim == 1 else v) for n, v in tensors.items()]
                 responses.append(pb_utils.InferenceResponse(out))

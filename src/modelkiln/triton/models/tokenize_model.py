@@ -16,7 +16,6 @@ from modelkiln.errors import KilnError  # noqa: E402
 from modelkiln.manifest import Manifest  # noqa: E402
 from modelkiln.runtime.tokenizer import TextEncoder  # noqa: E402
 from modelkiln.tasks import make_task  # noqa: E402
-from modelkiln.tasks import tensors as protocol  # noqa: E402
 from modelkiln.triton.batching import bucket_width  # noqa: E402
 
 
@@ -26,8 +25,7 @@ class TritonPythonModel:
         self.task = make_task(self.manifest)
         m = self.manifest
         self.encoder = TextEncoder.from_folder(HERE, m.tokenizer, m.input_names, m.max_length)
-        required, optional = protocol.TASK_INPUTS[m.task]
-        self.input_names = required + optional
+        self.input_names = [spec.name for spec in self.task.input_specs()]
         # Bucket widths let the onnxruntime/TensorRT backends batch requests of similar length;
         # the python-backend model batches any widths, so there each request keeps its own
         # (the pipeline's padding, hence the pipeline's exact numbers, int8 included).
@@ -42,7 +40,7 @@ class TritonPythonModel:
                 for name in self.input_names:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     tensors[name] = tensor.as_numpy() if tensor is not None else None
-                prepared = self.task.prepare(protocol.inputs_from_tensors(self.manifest.task, tensors))
+                prepared = self.task.prepare(self.task.inputs_from_tensors(tensors))
                 encodings = self.encoder.tokenize(prepared)
                 longest = max(len(e.ids) for e in encodings)
                 feeds = self.encoder.collate(encodings, pad_to=bucket_width(longest, self.manifest.max_length) if self.buckets else None)
