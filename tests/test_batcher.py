@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from modelkiln.serve.batcher import ALONE_BELOW, Batcher, BatchHooks, Item, Job
+from modelkiln.serve.batcher import ALONE_BELOW, Batcher, BatchHooks, Item, Job, wait_for
 
 
 class FakeModel(BatchHooks):
@@ -111,3 +111,72 @@ def test_work_wakes_the_most_recently_idle_instance():
     finally:
         batcher.stop(5)
     assert len(instances_used) == 8 and len(set(instances_used[1:])) == 1, instances_used
+
+
+class Recording(FakeModel):
+    """Records the texts of every batch it runs; a text "poison" makes the whole batch fail, as
+    an input onnxruntime cannot run fails every row of its batch."""
+
+    def __init__(self, seconds: float = 0.0):
+        super().__init__(seconds)
+        self.texts: list[list[str]] = []
+
+    def execute(self, batch, instance=0, alone=False):
+        self.texts.append([it.text for it in batch])
+        if any(it.text == "poison" for it in batch):
+            raise ValueError("the engine cannot run this batch")
+        return super().execute(batch, instance, alone)
+
+
+def test_a_failing_request_does_not_fail_its_batch_neighbours():
+    model = Recording(seconds=0.05)
+    batcher = Batcher(model, max_batch_size=8, max_batch_tokens=8192, max_queue_size=64, instances=1)
+    batcher.start()
+
+    async def scenario() -> list:
+        loop = asyncio.get_running_loop()
+        jobs = {t: Job(n=1, future=loop.create_future()) for t in ("busy", "good", "poison", "also")}
+        batcher.submit([Item(jobs["busy"], 0, "busy")])  # holds the engine while the rest queue up
+        await asyncio.sleep(0.01)
+        for text in ("good", "poison", "also"):
+            batcher.submit([Item(jobs[text], 0, text)])
+        return await asyncio.gather(*(j.future for j in jobs.values()), return_exceptions=True)
+
+    try:
+        busy, good, poison, also = asyncio.run(scenario())
+    finally:
+        batcher.stop(5)
+    assert (busy, good, also) == (["busy"], ["good"], ["also"])
+    assert isinstance(poison, ValueError)
+    assert sorted(model.texts[1]) == ["also", "good", "poison"]  # they were batched together, then split
+
+
+def test_requests_whose_client_is_gone_are_dropped_before_they_run():
+    """A handler cancelled while its request waits in the queue (the client disconnected):
+    the batcher skips the request's inputs instead of computing answers nobody reads."""
+    model = Recording(seconds=0.1)
+    batcher = Batcher(model, max_batch_size=4, max_batch_tokens=8192, max_queue_size=64, instances=1)
+    batcher.start()
+
+    async def one(text: str, n: int = 1) -> list:
+        job = Job(n=n, future=asyncio.get_running_loop().create_future())
+        batcher.submit([Item(job, i, f"{text}{i}") for i in range(n)])
+        return await wait_for(job, 10, lambda: TimeoutError())
+
+    async def scenario() -> None:
+        busy = asyncio.ensure_future(one("busy"))
+        await asyncio.sleep(0.02)  # the engine is running "busy" now
+        gone = asyncio.ensure_future(one("gone", n=6))
+        kept = asyncio.ensure_future(one("kept"))
+        await asyncio.sleep(0.01)
+        gone.cancel()  # what a disconnect does to the request's handler
+        assert await kept == ["kept0"] and await busy == ["busy0"]
+        assert gone.cancelled()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        batcher.stop(5)
+    ran = [t for batch in model.texts for t in batch]
+    assert "kept0" in ran and not [t for t in ran if t.startswith("gone")], model.texts
+    assert batcher.queued == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +18,8 @@ import httpx
 import numpy as np
 import pytest
 
+from error_cases import CASES, HTTP_STATUS
+from modelkiln.errors import ErrorKind
 from modelkiln.net import free_port
 from modelkiln.runtime.pipeline import load_pipeline
 from modelkiln.samples import SAMPLE_QA, SAMPLE_TEXTS
@@ -68,7 +71,7 @@ def artifacts(zoo) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(artifacts):
     srv = Server([f"{n}={p}" for n, p in artifacts.items()] + ["--variant", "fp32", "--max-inputs-per-request", "64",
-                                                               "--max-body-bytes", "200000"])
+                                                               "--max-body-bytes", "200000", "--body-read-timeout", "1"])
     yield srv
     code, err = srv.stop()
     assert code == 0, err[-2000:]
@@ -240,31 +243,21 @@ def error_message(r: httpx.Response) -> str:
     return error["message"] if isinstance(error, dict) else error
 
 
-def test_error_table(server):
-    cases = [
-        ("/v2/models/emb/infer", b"{not json", 400, "malformed JSON"),
-        ("/v2/models/emb/predict", b"[1,", 400, "malformed JSON"),
-        ("/v1/embeddings", b"{", 400, "malformed JSON"),
-        ("/v2/models/nope/infer", b"{}", 404, "unknown model"),
-        ("/v2/models/emb/versions/7/infer", b"{}", 404, "unknown version"),
-        ("/v2/models/emb/infer", json.dumps({"inputs": []}), 400, "inputs"),
-        ("/v2/models/emb/infer", json.dumps({"inputs": [{"name": "WRONG", "datatype": "BYTES", "shape": [1],
-                                                          "data": ["x"]}]}), 400, "unexpected input"),
-        ("/v2/models/emb/infer", json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [3],
-                                                          "data": ["x"]}]}), 400, "do not fill"),
-        ("/v2/models/emb/infer", json.dumps({"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1],
-                                                          "data": ["x"]}], "outputs": [{"name": "NOPE"}]}), 400,
-         "unknown output"),
-        ("/v2/models/qa/predict", json.dumps({"inputs": "no context"}), 400, "pair"),
-        ("/v2/models/emb/predict", json.dumps({"inputs": ["x"] * 65}), 400, "limit is 64"),
-        ("/v2/models/emb/predict", json.dumps({"inputs": "x" * 300_000}), 413, "exceeds"),
-        ("/v2/models/emb/predict", json.dumps({"inputs": "x", "parameters": {"timeout": 1}}), 503, "timed out"),
-    ]
-    for path, body, status, message in cases:
-        r = post(server, path, body)
-        assert r.status_code == status, (path, body[:80], r.status_code, r.text)
-        assert message in error_message(r), (path, r.json())
-        assert r.headers["x-request-id"]
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_error_table(server, case):
+    """Every bad request of tests/error_cases.py gets its kind's status and a clear message."""
+    r = post(server, case.path, case.content())
+    assert r.status_code == HTTP_STATUS[case.kind], (case.id, r.status_code, r.text)
+    assert case.message in error_message(r), (case.id, r.json())
+    assert r.headers["x-request-id"]
+    if case.kind in (ErrorKind.TIMED_OUT, ErrorKind.OVERLOADED):
+        assert r.headers["retry-after"] == "1"
+    if case.route == "embeddings":  # OpenAI's error object, which its clients parse
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.json()["error"]["code"] == case.kind.value
+
+
+def test_error_routes_methods_and_request_ids(server):
     r = httpx.get(server.url + "/v2/nothing/here")
     assert r.status_code == 404 and "error" in r.json()
     for path in ("/v2/models/emb/infer", "/v2/models/emb/versions/1/predict", "/v1/embeddings"):
@@ -272,6 +265,46 @@ def test_error_table(server):
         assert r.status_code == 405 and r.headers["allow"] == "POST" and "use POST" in error_message(r), (path, r.text)
     r = httpx.post(server.url + "/v2/models/emb/predict", content=b'{"inputs":"x"}', headers={"x-request-id": "rid-7"})
     assert r.headers["x-request-id"] == "rid-7"
+
+
+def test_a_stalled_body_is_answered_408_in_bounded_time(server):
+    """A client that announces a body and stops sending (issue 15: open, unanswered, after 40 s)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v2/models/emb/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 150000\r\n\r\n{\"inputs\": ")
+        started = time.monotonic()
+        answer = sock.recv(65536)
+        waited = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"not received within 1s" in answer and b"connection: close" in answer.lower()
+        assert waited < 5, waited  # --body-read-timeout 1
+        while sock.recv(65536):  # then the server closes the connection
+            pass
+
+
+def test_bad_pretokenized_clients_do_not_fail_their_neighbours(server, reference):
+    """Issue 15: out-of-vocabulary ids reached onnxruntime and failed every request batched with
+    them. Now they are refused (400) before batching; good requests at the same time all succeed."""
+    feeds, _ = reference["emb"].encoder.encode(list(SAMPLE_TEXTS[:2]))
+    good = {"inputs": [{"name": n, "datatype": "INT64", "shape": list(a.shape), "data": a.ravel().tolist()}
+                       for n, a in feeds.items()]}
+    bad_ids = feeds["input_ids"].copy()
+    bad_ids[0, 1] = 999999999
+    bad = {"inputs": [{"name": n, "datatype": "INT64", "shape": list(a.shape), "data": a.ravel().tolist()}
+                      for n, a in {**feeds, "input_ids": bad_ids}.items()]}
+
+    def call(i: int) -> tuple[bool, int]:
+        is_bad = i % 8 == 0
+        with httpx.Client(timeout=30) as c:
+            codes = [c.post(f"{server.url}/v2/models/emb/infer", json=bad if is_bad else good).status_code
+                     for _ in range(10)]
+            codes += [c.post(f"{server.url}/v2/models/emb/predict", json={"inputs": ["a text", "b"]}).status_code]
+        return is_bad, codes
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(call, range(16)))
+    for is_bad, codes in results:
+        assert codes == ([400] * 10 if is_bad else [200] * 10) + [200], (is_bad, codes)
 
 
 def test_tritonclient_error_surface(server):
@@ -323,6 +356,10 @@ def test_api_key_queue_full_and_no_truncate(artifacts):
         assert httpx.get(srv.url + "/metrics").status_code == 401
         assert httpx.get(srv.url + f"/v2/models/{name}", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(srv.url + f"/v2/models/{name}", headers=auth).status_code == 200
+        for scheme in ("bearer", "BEARER", "bEaReR"):  # HTTP auth schemes are case-insensitive
+            assert httpx.get(srv.url + f"/v2/models/{name}", headers={"Authorization": f"{scheme} s3cret"}).status_code == 200
+        assert httpx.get(srv.url + f"/v2/models/{name}", headers={"Authorization": "Basic s3cret"}).status_code == 401
+        assert httpx.get(srv.url + f"/v2/models/{name}", headers={"Authorization": "bearers3cret"}).status_code == 401
         r = httpx.post(srv.url + f"/v2/models/{name}/predict", json={"inputs": "word " * 400}, headers=auth)
         assert r.status_code == 400 and "longer than" in r.json()["error"]
 
@@ -336,6 +373,39 @@ def test_api_key_queue_full_and_no_truncate(artifacts):
         assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
         full = next(r for r in responses if r.status_code == 503)
         assert full.headers["retry-after"] == "1" and "queue full" in full.json()["error"]
+    finally:
+        code, err = srv.stop()
+    assert code == 0, err[-2000:]
+
+
+def test_work_of_clients_that_left_is_not_computed(artifacts):
+    """Issue 15: of 200 requests whose clients closed the socket right after sending, 70 ran to
+    completion. Clients here send 30 requests of 64 inputs (one input per batch: 1,920 batches
+    of work) and hang up at once; the server must drop most of it, then be idle again."""
+    srv = Server([f"emb={artifacts['emb']}", "--max-batch-size", "1", "--max-queue-size", "4096"],
+                 env={"KILN_INSTANCES": "1", "KILN_ALONE_THREADS": "0"})
+    try:
+        body = json.dumps({"inputs": [f"{SAMPLE_TEXTS[19]} {i}" for i in range(64)]}).encode()
+        request = (b"POST /v2/models/emb/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(30)]
+        for sock in socks:
+            sock.sendall(request)
+        for sock in socks:
+            sock.close()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until nothing is queued or in flight
+            metrics = httpx.get(srv.url + "/metrics").text
+            values = {ln.split()[0]: float(ln.split()[-1]) for ln in metrics.splitlines()
+                      if ln.startswith(("kiln_requests_in_flight", "kiln_queue_inputs"))}
+            if values.get('kiln_queue_inputs{model="emb"}') == 0 and values["kiln_requests_in_flight"] == 1:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the server did not go idle: {values}")
+        computed = httpx.get(srv.url + "/v2/models/emb/stats").json()["model_stats"][0]["inference_count"]
+        assert computed < 30 * 64 / 4, computed  # measured: 0 of 1,920 (1,920 without the disconnect watch)
+        assert 'route="predict",status="499"' in metrics
     finally:
         code, err = srv.stop()
     assert code == 0, err[-2000:]

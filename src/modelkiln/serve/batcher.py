@@ -289,25 +289,50 @@ class Batcher:
         """Run a batch and file its answers; returns (queue seconds per input, compute seconds)."""
         started = time.perf_counter()
         queue_s = [started - it.job.enqueued for it in batch]
-        try:
-            results = self.hooks.execute(batch, instance, alone)
-        except Exception as exc:
-            for item in batch:
-                self._fail(item.job, exc, finished)
-            return None
+        parts = self._run(batch, instance, alone)
         compute_s = time.perf_counter() - started
-        with self._done_lock:
-            for item, result in zip(batch, results):
-                job = item.job
-                if job.done:
-                    continue
-                job.results[item.index] = result
-                job.tokens += item.length
-                job.remaining -= 1
-                if job.remaining == 0:
-                    job.done = True
-                    finished.append(job)
+        for items, results in parts:
+            if isinstance(results, BaseException):
+                for item in items:
+                    self._fail(item.job, results, finished)
+                continue
+            with self._done_lock:
+                for item, result in zip(items, results):
+                    job = item.job
+                    if job.done:
+                        continue
+                    job.results[item.index] = result
+                    job.tokens += item.length
+                    job.remaining -= 1
+                    if job.remaining == 0:
+                        job.done = True
+                        finished.append(job)
+        if all(isinstance(results, BaseException) for _, results in parts):
+            return None
         return queue_s, compute_s
+
+    def _run(self, batch: list[Item], instance: int, alone: bool) -> list[tuple[list[Item], list[Any] | BaseException]]:
+        """Execute a batch: [(items, their results or the error that failed them)]. If the batch
+        fails and holds several requests, each request runs again on its own, so one request the
+        engine cannot run (inputs the checks before batching did not catch) fails alone instead
+        of failing its neighbours (issue 15)."""
+        try:
+            return [(batch, self.hooks.execute(batch, instance, alone))]
+        except Exception as exc:
+            by_job: dict[int, list[Item]] = {}
+            for item in batch:
+                by_job.setdefault(id(item.job), []).append(item)
+            if len(by_job) == 1:
+                return [(batch, exc)]
+            log.warning("a batch of %d requests failed (%s); running each alone to keep the others' answers",
+                        len(by_job), type(exc).__name__)
+        parts: list[tuple[list[Item], list[Any] | BaseException]] = []
+        for items in by_job.values():
+            try:
+                parts.append((items, self.hooks.execute(items, instance, False)))
+            except Exception as exc:
+                parts.append((items, exc))
+        return parts
 
     def _fail(self, job: Job, error: BaseException, finished: list[Job]) -> None:
         with self._done_lock:

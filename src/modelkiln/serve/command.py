@@ -55,6 +55,7 @@ def serve(
     max_queue_size: Optional[int] = typer.Option(None, help="Inputs waiting before 503s (env KILN_MAX_QUEUE_SIZE, 1024)."),
     request_timeout_s: Optional[float] = typer.Option(None, "--request-timeout", help="Seconds per request (env KILN_REQUEST_TIMEOUT_S, 30)."),
     max_body_bytes: Optional[int] = typer.Option(None, help="Largest request body (env KILN_MAX_BODY_BYTES, 8 MiB)."),
+    body_read_timeout_s: Optional[float] = typer.Option(None, "--body-read-timeout", help="Seconds to receive a request body, else 408 (env KILN_BODY_READ_TIMEOUT_S, 10)."),
     max_inputs_per_request: Optional[int] = typer.Option(None, help="Inputs per request (env KILN_MAX_INPUTS_PER_REQUEST, 256)."),
     max_input_chars: Optional[int] = typer.Option(None, help="Characters per input (env KILN_MAX_INPUT_CHARS, 100000)."),
     truncate: Optional[bool] = typer.Option(None, "--truncate/--no-truncate", help="Cut inputs longer than the model's max length, or reject them (env KILN_TRUNCATE, truncate)."),
@@ -77,6 +78,7 @@ def serve(
         max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, max_padding=max_padding,
         max_queue_delay_ms=max_queue_delay_ms,
         max_queue_size=max_queue_size, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
+        body_read_timeout_s=body_read_timeout_s,
         max_inputs_per_request=max_inputs_per_request, max_input_chars=max_input_chars, truncate=truncate,
         warmup=warmup, log_level=log_level, access_log=access_log,
     )

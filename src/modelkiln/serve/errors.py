@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import orjson
 
@@ -45,8 +46,9 @@ class TracebackThrottle:
     """Log a bug's traceback once per ``every_s`` per (exception type, file:line where it was
     raised); in between, count the repeats and report the count with the next traceback."""
 
-    def __init__(self, every_s: float = TRACEBACK_EVERY_S):
+    def __init__(self, every_s: float = TRACEBACK_EVERY_S, clock: Callable[[], float] = time.monotonic):
         self.every_s = every_s
+        self.clock = clock
         self._last: dict[tuple[str, str], float] = {}
         self._skipped: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()  # the gRPC servicer may report from other threads
@@ -54,7 +56,7 @@ class TracebackThrottle:
     def should_log(self, exc: BaseException) -> tuple[bool, int]:
         """(log this one's traceback?, repeats not logged since the last one)."""
         key = (type(exc).__qualname__, _where(exc))
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             if now - self._last.get(key, -float("inf")) < self.every_s:
                 self._skipped[key] = self._skipped.get(key, 0) + 1

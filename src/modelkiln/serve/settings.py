@@ -50,6 +50,7 @@ class ServeSettings:
     # limits
     request_timeout_s: float = 30.0
     max_body_bytes: int = 8 * 1024 * 1024
+    body_read_timeout_s: float = 10.0  # a body not fully received by then is answered 408 (stalled clients)
     max_inputs_per_request: int = 256
     max_input_chars: int = 100_000  # checked before tokenizing (bounds tokenizer work)
     truncate: bool = True  # inputs longer than the model's max_length: truncate, or reject (400)
