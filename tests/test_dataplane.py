@@ -23,7 +23,7 @@ def test_a_bug_logs_its_traceback_at_most_once_a_minute_per_place(caplog):
 
     import orjson
 
-    from modelkiln.serve.errors import TracebackThrottle, error_response
+    from modelkiln.serve.errors import LogThrottle, bug_key, error_response
 
     def bug(kind: type[Exception]) -> Exception:
         try:
@@ -40,8 +40,8 @@ def test_a_bug_logs_its_traceback_at_most_once_a_minute_per_place(caplog):
     assert [r.exc_info[0] for r in tracebacks] == [ValueError, KeyError]
 
     clock = [0.0]
-    throttle = TracebackThrottle(every_s=60, clock=lambda: clock[0])
-    assert throttle.should_log(bug(ValueError)) == (True, 0)
-    assert throttle.should_log(bug(ValueError)) == (False, 0)
+    throttle = LogThrottle(every_s=60, clock=lambda: clock[0])
+    assert throttle.should_log(bug_key(bug(ValueError))) == (True, 0)
+    assert throttle.should_log(bug_key(bug(ValueError))) == (False, 0)
     clock[0] = 61.0  # a minute later: logged again, with the count of the ones skipped
-    assert throttle.should_log(bug(ValueError)) == (True, 1)
+    assert throttle.should_log(bug_key(bug(ValueError))) == (True, 1)

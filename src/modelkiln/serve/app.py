@@ -30,6 +30,7 @@ from . import inference_routes
 from .dataplane import DataPlane
 from .errors import error_response
 from .metrics import Metrics
+from .request_watch import RequestWatch
 from .types import Duration, ModelMetadata, ModelStatistics, TensorSpec
 
 log = logging.getLogger("modelkiln.serve")
@@ -97,6 +98,7 @@ class Gate:
         self.plane = plane
         self.access_log = access_log
         self.ids = RequestIds()
+        self.watch = RequestWatch(plane.settings.body_read_timeout_s)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -123,7 +125,7 @@ class Gate:
         try:
             if route is not None:  # the hot path, without FastAPI
                 status, model = await inference_routes.handle(self.plane, route, scope, headers, receive, send,
-                                                              request_id)
+                                                              request_id, self.watch)
             else:
                 status = await self._fastapi(scope, receive, send, request_id)
         finally:

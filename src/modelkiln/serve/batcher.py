@@ -121,6 +121,11 @@ class Batcher:
     def queued(self) -> int:
         return self._queued
 
+    @property
+    def full(self) -> bool:
+        """No input fits in the queue now (a check without the lock: ``submit`` decides)."""
+        return self._queued >= self.max_queue_size
+
     def submit(self, items: list[Item]) -> None:
         """Queue a job's inputs, or raise OverloadedError at once when the queue is full."""
         if self._loop is None:

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from ..errors import (InvalidInputError, KilnError, ModelControlError, ModelNotFoundError, ModelNotReadyError)
+from ..errors import (InvalidInputError, KilnError, ModelControlError, ModelNotFoundError, ModelNotReadyError,
+                      OverloadedError)
 from ..tasks import tensors as tensors_protocol
 from .json_api import EmbeddingsRequest, EmbeddingsResponse, PredictRequest, PredictResponse
 from .metrics import Metrics
@@ -78,6 +79,15 @@ class DataPlane:
             raise ModelNotReadyError(f"model '{name}' is not ready")
         return model
 
+    def admit(self, name: str, version: str | None = None) -> ServedModel:
+        """The model, if it can take a request now: unknown → NOT_FOUND, not ready → NOT_READY, its
+        queue full → OVERLOADED, all before the request is decoded or checked, so that a refusal
+        costs the event loop next to nothing (under overload most requests are refusals)."""
+        model = self.model(name, version)
+        if model.batcher.full:
+            raise OverloadedError(f"queue full ({model.batcher.queued} inputs waiting); retry later")
+        return model
+
     def server_metadata(self) -> ServerMetadata:
         return ServerMetadata("modelkiln", __version__, EXTENSIONS)
 
@@ -133,7 +143,7 @@ class DataPlane:
 
     # -- OIP infer ------------------------------------------------------------------------------
     async def infer(self, request: InferRequest) -> InferResponse:
-        model = self.model(request.model_name, request.model_version)
+        model = self.admit(request.model_name, request.model_version)
         started = time.perf_counter()
         try:
             available = self._output_names(model, request.inputs)
@@ -177,7 +187,7 @@ class DataPlane:
     # -- /predict --------------------------------------------------------------------------------
     async def predict(self, request: PredictRequest) -> PredictResponse:
         """The task's own answers (``task.postprocess``), one per input."""
-        model = self.model(request.model_name, request.model_version)
+        model = self.admit(request.model_name, request.model_version)
         started = time.perf_counter()
         try:
             self._check_texts(request.inputs)
@@ -192,7 +202,7 @@ class DataPlane:
     # -- OpenAI /v1/embeddings ------------------------------------------------------------------
     async def embeddings(self, request: EmbeddingsRequest) -> EmbeddingsResponse:
         """OpenAI embeddings; the response names the model that answered (for the edge's metrics)."""
-        model = self._embedding_model(request.model)
+        model = self.admit(self._embedding_model(request.model).name)
         started = time.perf_counter()
         try:
             self._check_texts(request.inputs)

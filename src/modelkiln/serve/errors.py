@@ -5,7 +5,8 @@ unknown model/version, 405, 413, 503 overloaded / timed out / not ready, 500 onl
 ``KilnError.status_code`` reads it. The OIP routes answer ``{"error": "..."}``; OpenAI's routes
 (``/v1/...``) answer OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, which
 its client libraries parse. A bug's traceback is logged at most once per minute per (exception
-type, place), so a client that can trigger one cannot flood the log with them."""
+type, place), and refusals (413, 503) once per minute per kind with a count, so no client can
+flood the log."""
 
 from __future__ import annotations
 
@@ -42,39 +43,41 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404:
 TRACEBACK_EVERY_S = 60.0
 
 
-class TracebackThrottle:
-    """Log a bug's traceback once per ``every_s`` per (exception type, file:line where it was
-    raised); in between, count the repeats and report the count with the next traceback."""
+class LogThrottle:
+    """Log a line once per ``every_s`` per key; in between, count the repeats and report the count
+    with the next line. Keys: (exception type, file:line where it was raised) for bugs, the kind
+    for refusals (an overloaded server refuses thousands of requests a second: issue 15 measured
+    a 503 storm's log lines slowing the event loop that answers them: see ``error_response``)."""
 
     def __init__(self, every_s: float = TRACEBACK_EVERY_S, clock: Callable[[], float] = time.monotonic):
         self.every_s = every_s
         self.clock = clock
-        self._last: dict[tuple[str, str], float] = {}
-        self._skipped: dict[tuple[str, str], int] = {}
+        self._last: dict[tuple[str, ...], float] = {}
+        self._skipped: dict[tuple[str, ...], int] = {}
         self._lock = threading.Lock()  # the gRPC servicer may report from other threads
 
-    def should_log(self, exc: BaseException) -> tuple[bool, int]:
-        """(log this one's traceback?, repeats not logged since the last one)."""
-        key = (type(exc).__qualname__, _where(exc))
+    def should_log(self, key: tuple[str, ...]) -> tuple[bool, int]:
+        """(log this one?, repeats not logged since the last one)."""
         now = self.clock()
         with self._lock:
             if now - self._last.get(key, -float("inf")) < self.every_s:
                 self._skipped[key] = self._skipped.get(key, 0) + 1
                 return False, 0
             self._last[key] = now
-            if len(self._last) > 1024:  # bounded: forget the oldest places
+            if len(self._last) > 1024:  # bounded: forget the oldest keys
                 for old in sorted(self._last, key=self._last.__getitem__)[:512]:
                     self._last.pop(old, None)
                     self._skipped.pop(old, None)
             return True, self._skipped.pop(key, 0)
 
 
-def _where(exc: BaseException) -> str:
+def bug_key(exc: BaseException) -> tuple[str, str]:
+    """(exception type, file:line where it was raised)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+    return type(exc).__qualname__, f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
-throttle = TracebackThrottle()
+throttle = LogThrottle()
 
 
 def kind_of(exc: BaseException) -> ErrorKind:
@@ -86,17 +89,20 @@ def error_response(exc: BaseException, request_id: str | None = None, openai: bo
     """(status, body, extra headers) for any exception a handler raised."""
     kind = kind_of(exc)
     status = HTTP_STATUS[kind]
-    if isinstance(exc, KilnError):
-        message = str(exc)
-    else:  # a bug: say so without leaking internals; log the traceback (throttled) with the request id
+    if not isinstance(exc, KilnError):  # a bug: say so without leaking internals; log the traceback (throttled)
         message = f"internal server error ({type(exc).__name__})"
-        first, repeats = throttle.should_log(exc)
+        first, repeats = throttle.should_log(bug_key(exc))
         if first:
             more = f" (and {repeats} more like it since the last traceback)" if repeats else ""
             log.error("request %s failed: internal error%s", request_id, more, exc_info=exc)
+    else:
+        message = str(exc)
+        if status == 413 or status >= 500:  # refusals worth an operator's eye, once a minute per kind
+            first, repeats = throttle.should_log((kind.value,))
+            if first:
+                more = f" (and {repeats} more since the last such line)" if repeats else ""
+                log.warning("request %s: %d %s%s", request_id, status, message, more)
     headers = {"retry-after": RETRY_AFTER[kind]} if kind in RETRY_AFTER else {}
-    if status == 413 or (status >= 500 and kind != ErrorKind.INTERNAL):
-        log.warning("request %s: %d %s", request_id, status, message)
     if openai:
         body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
                           "param": None, "code": kind.value}}

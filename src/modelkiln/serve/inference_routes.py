@@ -20,6 +20,7 @@ from ..errors import MethodNotAllowedError, PayloadTooLargeError
 from . import codec, json_api
 from .dataplane import DataPlane
 from .errors import error_response
+from .request_watch import RequestWatch
 
 JSON = b"application/json"
 BINARY = b"application/octet-stream"
@@ -46,59 +47,28 @@ def match(path: str) -> tuple[str, str | None, str] | None:
     return None
 
 
-class BodyTimeout(Exception):
-    """The body did not arrive in time (a client that announces a length and stalls)."""
-
-
-async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int, timeout_s: float) -> bytes:
-    """The request body, refusing (413) more than ``limit`` bytes before reading them all, and
-    giving up (BodyTimeout) when it has not all arrived within ``timeout_s``."""
+async def read_body(receive: Receive, headers: dict[bytes, bytes], limit: int) -> bytes:
+    """The request body, refusing (413) more than ``limit`` bytes before reading them all. (Its
+    time is bounded by ``RequestWatch``.)"""
     length = headers.get(b"content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLargeError(f"request body of {int(length)} bytes exceeds the limit of {limit}")
     chunks: list[bytes] = []
     size = 0
-    try:
-        async with asyncio.timeout(timeout_s):  # a timer handle, no task: cheap on the hot path
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone()
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-    except TimeoutError:
-        raise BodyTimeout() from None
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     encoding = headers.get(b"content-encoding")
     return codec.decompress(body, encoding.decode("latin-1") if encoding else None, limit)
-
-
-class DisconnectWatch:
-    """While a request waits for its answer, watch for its client going away; if it does, cancel
-    the handler, which cancels the request's queued work (the batcher skips cancelled jobs: issue
-    15 saw 70 of 200 abandoned requests computed anyway). One small task per request."""
-
-    def __init__(self, receive: Receive):
-        self.gone = False
-        self.waiting = True  # False once the answer is being sent: nothing left to save then
-        self._handler = asyncio.current_task()
-        self._task = asyncio.get_running_loop().create_task(self._watch(receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if self.waiting and self._handler is not None:
-            self.gone = True
-            self._handler.cancel()
-
-    def close(self) -> None:
-        self.waiting = False
-        self._task.cancel()
 
 
 async def send_response(send: Send, status: int, body: bytes, content_type: bytes, request_id: bytes,
@@ -123,38 +93,31 @@ async def send_error(send: Send, exc: BaseException, request_id: str,
 
 
 async def handle(plane: DataPlane, route: tuple[str, str | None, str], scope: dict[str, Any],
-                 headers: dict[bytes, bytes], receive: Receive, send: Send, request_id: str) -> tuple[int, str]:
+                 headers: dict[bytes, bytes], receive: Receive, send: Send, request_id: str,
+                 watch: RequestWatch) -> tuple[int, str]:
     """Answer one inference request; returns (the status sent, the model that answered: for an
     embeddings request it is named in the body, not the path; "" when none was resolved).
-    The status is 499, nginx's "client closed request", when the client went away before its
-    body arrived: nothing is sent then."""
+    499 (nginx's "client closed request"): the client went away before its answer, which is
+    not computed if it was still queued (``RequestWatch``); nothing is sent then."""
     name, version, kind = route
     rid = request_id.encode()
     openai = kind == "embeddings"
     if scope["method"] != "POST":
         return await send_error(send, MethodNotAllowedError(f"{scope['method']} is not allowed here: use POST"),
                                 request_id, {"allow": "POST"}, openai), name
+    watched = watch.enter(receive)
     try:
-        body = await read_body(receive, headers, plane.settings.max_body_bytes, plane.settings.body_read_timeout_s)
-        if kind != "embeddings":
-            plane.model(name, version)  # an unknown model is a 404 whatever the body holds
-    except ClientGone:
-        return 499, name
-    except BodyTimeout:
-        error = orjson.dumps({"error": f"request body not received within {plane.settings.body_read_timeout_s:g}s"})
-        await send_response(send, 408, error, JSON, rid, [(b"connection", b"close")])
-        return 408, name
-    except Exception as exc:
-        return await send_error(send, exc, request_id, openai=openai), name
-    watch = DisconnectWatch(receive)
-    try:
+        body = await read_body(receive, headers, plane.settings.max_body_bytes)
+        watch.body_read(watched, receive)
+        if kind != "embeddings":  # unknown model, not ready, queue full: answered before decoding anything
+            plane.admit(name, version)
         if kind == "predict":
             answer = await plane.predict(json_api.decode_predict(body, name, version))
-            watch.close()
+            watch.answering(watched)
             await send_response(send, 200, json_api.encode_predict(answer), JSON, rid)
         elif kind == "embeddings":
             vectors = await plane.embeddings(json_api.decode_embeddings(body))
-            watch.close()
+            watch.answering(watched)
             name = vectors.model_name
             await send_response(send, 200, json_api.encode_embeddings(vectors), JSON, rid)
         else:
@@ -162,7 +125,7 @@ async def handle(plane: DataPlane, route: tuple[str, str | None, str], scope: di
             request = codec.decode_request(body, header_length.decode("latin-1") if header_length is not None else None,
                                            name, version)
             response = await plane.infer(request)
-            watch.close()
+            watch.answering(watched)
             content, json_length = codec.encode_response(request, response)
             if json_length is None:
                 await send_response(send, 200, content, JSON, rid)
@@ -170,13 +133,19 @@ async def handle(plane: DataPlane, route: tuple[str, str | None, str], scope: di
                 await send_response(send, 200, content, BINARY, rid,
                                     [(b"inference-header-content-length", str(json_length).encode())])
         return 200, name
-    except asyncio.CancelledError:
-        if not watch.gone:
-            raise  # shutdown, not a disconnect
-        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+    except ClientGone:
         return 499, name
+    except asyncio.CancelledError:
+        if not watched.why:
+            raise  # shutdown, not the watch
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        if watched.why == "gone":
+            return 499, name
+        error = orjson.dumps({"error": f"request body not received within {watch.body_timeout_s:g}s"})
+        await send_response(send, 408, error, JSON, rid, [(b"connection", b"close")])
+        return 408, name
     except Exception as exc:  # typed errors → their status; anything else is a bug → 500 (logged)
-        watch.close()
+        watch.answering(watched)
         return await send_error(send, exc, request_id, openai=openai), name
     finally:
-        watch.close()
+        watch.leave(watched)
