@@ -27,10 +27,11 @@ from starlette.responses import Response
 from ..errors import (InvalidInputError, KilnError, MethodNotAllowedError, RouteNotFoundError,
                       UnauthorizedError)
 from . import inference_routes
-from .dataplane import DataPlane
+from .dataplane import DataPlane, build_dataplane
 from .errors import error_response
 from .metrics import Metrics
 from .request_watch import RequestWatch
+from .settings import ServeSettings
 from .types import Duration, ModelMetadata, ModelStatistics, TensorSpec
 
 log = logging.getLogger("modelkiln.serve")
@@ -156,6 +157,11 @@ class Gate:
             self.metrics.request_seconds.labels(model, route).observe(seconds)
         if self.access_log:
             access.info("%s %s %s %d %.1fms", request_id, scope["method"], path, status, seconds * 1000)
+
+
+def build_app(settings: ServeSettings) -> Any:
+    """The HTTP front-end over ``build_dataplane(settings)`` (loads the models: blocking)."""
+    return create_app(build_dataplane(settings))
 
 
 def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown: Callable[[], None] | None = None

@@ -96,13 +96,11 @@ def run_server(settings: object) -> None:
 
     import uvicorn
 
-    from .app import create_app
-    from .dataplane import build_dataplane
+    from .app import build_app
     from .settings import ServeSettings
 
     assert isinstance(settings, ServeSettings)
-    plane = build_dataplane(settings)  # every model checked and loaded before binding: a bad one fails fast
-    app = create_app(plane)
+    app = build_app(settings)  # every model checked and loaded before binding: a bad one fails fast
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:
