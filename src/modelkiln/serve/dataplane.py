@@ -26,9 +26,9 @@ from .model import ServedModel
 from .tokenized import TokenRow, is_tokenized, raw_tensors, token_rows
 from .settings import ServeSettings
 from .types import (Duration, InferRequest, InferResponse, ModelMetadata, ModelStatistics, OutputTensor,
-                    RepositoryModel, ServerMetadata, TensorSpec)
+                    RepositoryModel, ServerMetadata)
 
-EXTENSIONS = ("binary_tensor_data", "statistics", "model_repository")
+EXTENSIONS = ("binary_tensor_data", "statistics")  # + "model_repository" once load/unload land
 
 
 def build_dataplane(settings: ServeSettings, metrics: Metrics | None = None) -> DataPlane:

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..errors import InvalidInputError, KilnError, RequestTimeoutError
 from ..manifest import Manifest
 from ..runtime.pipeline import load_encoder, load_variant

@@ -10,7 +10,6 @@ functions at the end look a task class up by name, for clients that have no arti
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
