@@ -468,3 +468,47 @@ def test_not_ready_with_zero_models_and_settings_from_env():
     assert (s.port, s.truncate, s.max_queue_delay_ms, s.host) == (9, False, 2.5, "0.0.0.0")
     assert ServeSettings().host == "127.0.0.1"
     assert parse_model_arg("m=/x", None).name == "m" and parse_model_arg("/x", "int8").variant == "int8"
+
+
+def test_fuzzed_requests_never_get_a_5xx(server):
+    """Hypothesis against the real server: nearly valid OIP bodies (right names, odd shapes,
+    types, outputs, parameters, binary flags) for every model get an answer or a 4xx, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from test_codec_fuzz import near_valid, parameters
+
+    outputs = st.one_of(st.none(), st.lists(st.fixed_dictionaries(
+        {"name": st.sampled_from(["EMBEDDINGS", "LABEL", "SCORE", "PROBABILITIES", "ENTITIES", "ANSWER", "START",
+                                  "logits", "NOPE"])},
+        optional={"parameters": st.one_of(parameters, st.fixed_dictionaries({"binary_data": st.booleans()}))}),
+        max_size=3))
+    names = {"cls": ["TEXT", "TEXT_PAIR"], "emb": ["TEXT"], "ner": ["TEXT"], "qa": ["QUESTION", "CONTEXT"]}
+
+    @st.composite
+    def valid_inputs(draw: st.DrawFn, model: str) -> list[dict]:
+        n = draw(st.integers(1, 3))
+        columns = names[model][:1] if model == "cls" and draw(st.booleans()) else names[model]
+        return [{"name": c, "datatype": "BYTES", "shape": draw(st.sampled_from([[n], [n, 1]])),
+                 "data": draw(st.lists(st.text(min_size=1, max_size=12), min_size=n, max_size=n))} for c in columns]
+
+    @st.composite
+    def requests(draw: st.DrawFn) -> tuple[str, dict]:
+        model = draw(st.sampled_from(list(TASKS)))
+        inputs = draw(st.one_of(valid_inputs(model), st.lists(near_valid(), min_size=1, max_size=3)))
+        body = draw(st.fixed_dictionaries({}, optional={"outputs": outputs, "parameters": parameters,
+                                                        "id": st.text(max_size=4)}))
+        return model, {"inputs": inputs, **body}
+
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(requests())
+    def check(request: tuple[str, dict]) -> None:
+        model, body = request
+        r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=json.dumps(body), timeout=30)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (model, body, r.text)
+
+    with httpx.Client():
+        check()
+    assert seen.get(200, 0) > 0 and sum(v for k, v in seen.items() if 400 <= k < 500) > 0, seen
