@@ -92,14 +92,14 @@ class Gate:
     """Pure ASGI middleware (no per-request task or body buffering, unlike BaseHTTPMiddleware)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], api_key: str | None, metrics: Metrics,
-                 plane: DataPlane, access_log: bool):
+                 plane: DataPlane, access_log: bool, watch: RequestWatch):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.metrics = metrics
         self.plane = plane
         self.access_log = access_log
         self.ids = RequestIds()
-        self.watch = RequestWatch(plane.settings.body_read_timeout_s)
+        self.watch = watch
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -170,10 +170,12 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
     has answered every accepted request (default: drain and stop the models)."""
     settings = plane.settings
     metrics = metrics or plane.metrics
+    watch = RequestWatch(settings.body_read_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
         yield
+        watch.close()
         # uvicorn has stopped accepting and every accepted request has been answered by now;
         # the batchers drain whatever is still queued, then their threads end.
         (on_shutdown or plane.stop)()
@@ -245,4 +247,4 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
         return json_response({"object": "list", "data": [
             {"id": m.name, "object": "model", "owned_by": "modelkiln", "created": 0} for m in plane.models.values()]})
 
-    return Gate(app, settings.api_key, metrics, plane, settings.access_log)
+    return Gate(app, settings.api_key, metrics, plane, settings.access_log, watch)

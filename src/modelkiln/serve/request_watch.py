@@ -71,6 +71,11 @@ class RequestWatch:
 
     leave = answering
 
+    def close(self) -> None:
+        """Stop the ticker (at shutdown, once every request is answered)."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
