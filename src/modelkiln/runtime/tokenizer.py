@@ -64,7 +64,10 @@ class TextEncoder:
 
     def max_type_id(self) -> int:
         """The largest token type id this tokenizer produces (1 for BERT's pairs, 0 for RoBERTa)."""
-        return max(self._tokenizer.encode("a", "b").type_ids)
+        try:
+            return max(self._tokenizer.encode("a", "b").type_ids)
+        except Exception:  # a tokenizer without a pair template: single texts only, type 0
+            return max(self._tokenizer.encode("a").type_ids, default=0)
 
     def token_count(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
