@@ -80,3 +80,38 @@ def test_spearman_matches_definition():
     assert spearman(a, a * 10) == 1.0
     assert spearman(a, -a) == -1.0
     assert abs(spearman(np.array([1.0, 2.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.0, 4.0])) - 0.9486833) < 1e-6
+
+
+def test_each_task_owns_its_protocol_contract():
+    """Specs, tensors → inputs, answers → tensors and back, with no task name outside the class."""
+    from modelkiln.tasks import TASKS
+    from modelkiln.tasks import tensors as t
+
+    answers = {
+        "text-classification": [[{"label": "POS", "score": 0.75}, {"label": "NEG", "score": 0.25}]],
+        "sentence-embeddings": [np.array([0.6, 0.8], dtype=np.float32)],
+        "token-classification": [[{"entity_group": "PER", "score": 0.5, "word": "Marie", "start": 0, "end": 5}]],
+        "question-answering": [{"answer": "Paris", "score": 0.5, "start": 3, "end": 8}],
+    }
+    inputs = {"text-classification": [("a", "b")], "sentence-embeddings": ["a"], "token-classification": ["a"],
+              "question-answering": [("who?", "Marie")]}
+    for name, cls in TASKS.items():
+        task = cls(manifest(name, labels=["NEG", "POS"]))
+        specs = task.output_specs({"last_hidden_state": (-1, -1, 2)})
+        assert [s.name for s in specs] == list(cls.outputs) and all(s.shape[0] == -1 for s in specs)
+        assert [s.name for s in task.input_specs() if not s.optional] == list(cls.inputs)
+        request = cls.tensors_from_inputs(inputs[name])  # client side ...
+        assert set(request) == {s.name for s in task.input_specs()}
+        assert cls.inputs_from_tensors(request) == inputs[name]  # ... and back, server side
+        tensors = task.answer_tensors(answers[name])
+        assert {n: t.datatype(a) for n, a in tensors.items()} == {s.name: s.datatype for s in specs}
+        back = cls.answers_from_tensors(["NEG", "POS"], tensors)
+        if name == "sentence-embeddings":
+            np.testing.assert_allclose(back[0], answers[name][0])
+        elif name == "text-classification":
+            assert back == [[{"label": "POS", "score": 0.75}, {"label": "NEG", "score": 0.25}]]
+        else:
+            assert back == answers[name]
+    emb = TASKS["sentence-embeddings"](manifest("sentence-embeddings"))
+    assert emb.output_specs({"last_hidden_state": (-1, -1, 384)})[0].shape == (-1, 384)
+    assert TASKS["sentence-embeddings"].embeds and TASKS["question-answering"].answers_need_text
