@@ -13,7 +13,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from modelkiln.errors import ErrorKind
+from modelkiln.errors import ErrorKind, KilnError
+from modelkiln.serve.codec import decode_request
+from modelkiln.serve.types import InferRequest
 
 # What each kind must be over HTTP, written here independently of the server's own table.
 HTTP_STATUS = {ErrorKind.INVALID_INPUT: 400, ErrorKind.NOT_FOUND: 404, ErrorKind.TOO_LARGE: 413,
@@ -41,6 +43,18 @@ class ErrorCase:
 
     def content(self) -> bytes:
         return self.body if isinstance(self.body, bytes) else json.dumps(self.body).encode()
+
+    def infer_request(self) -> InferRequest | None:
+        """The case as the typed request a transport builds (infer cases that are not http_only):
+        named numpy tensors, requested outputs, parameters. None when the request cannot be one
+        (its tensors do not fill their shapes...): the REST codec refuses it, and a gRPC test
+        encodes its JSON tensors into the ModelInferRequest as they are, for the gRPC codec to
+        refuse."""
+        assert self.route == "infer" and not self.http_only, self.id
+        try:
+            return decode_request(self.content(), None, self.model, self.version)
+        except KilnError:
+            return None
 
 
 def text(name: str = "TEXT", shape: list[int] | None = None, data: Any = ("x",), **extra: Any) -> dict:
@@ -76,7 +90,7 @@ CASES: list[ErrorCase] = [
     ErrorCase("embeddings-not-an-embedding-model", "embeddings", "", {"model": "cls", "input": "x"}, INVALID,
               "not an embedding model"),
     # -- the OIP request's shape --
-    ErrorCase("no-inputs", "infer", "emb", {"inputs": []}, INVALID, "inputs"),
+    ErrorCase("no-inputs", "infer", "emb", {"inputs": []}, INVALID, "inputs", http_only=True),
     ErrorCase("unexpected-input", "infer", "emb", {"inputs": [text("WRONG")]}, INVALID, "unexpected input"),
     ErrorCase("missing-input", "infer", "qa", {"inputs": [text("QUESTION")]}, INVALID, "missing input 'CONTEXT'"),
     ErrorCase("shape-not-filled", "infer", "emb", {"inputs": [text(shape=[3])]}, INVALID, "do not fill"),

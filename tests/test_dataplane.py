@@ -45,3 +45,45 @@ def test_a_bug_logs_its_traceback_at_most_once_a_minute_per_place(caplog):
     assert throttle.should_log(bug_key(bug(ValueError))) == (False, 0)
     clock[0] = 61.0  # a minute later: logged again, with the count of the ones skipped
     assert throttle.should_log(bug_key(bug(ValueError))) == (True, 1)
+
+
+def test_every_transport_neutral_error_case_has_a_typed_request():
+    """The cases another transport (gRPC) runs decode into InferRequests it can encode."""
+    from error_cases import CASES
+
+    cases = [c for c in CASES if c.route == "infer" and not c.http_only]
+    requests = {c.id: c.infer_request() for c in cases}
+    assert [i for i, r in requests.items() if r is None] == ["shape-not-filled"]  # a codec-level refusal
+    assert all(r.model_name == c.model and r.inputs for c, r in zip(cases, requests.values()) if r is not None)
+    assert len(cases) >= 15
+
+
+def test_the_data_plane_answers_the_error_table_with_typed_errors(zoo):
+    """No transport at all: the same cases, as InferRequests, raise errors of the expected kind
+    (what the gRPC servicer maps to its status codes)."""
+    import asyncio
+
+    import pytest
+    from error_cases import CASES
+
+    from modelkiln.errors import KilnError
+    from modelkiln.serve.dataplane import build_dataplane
+    from modelkiln.serve.settings import ServeSettings, parse_model_arg
+
+    tasks = {"cls": "text-classification", "emb": "sentence-embeddings", "ner": "token-classification",
+             "qa": "question-answering"}
+    specs = tuple(parse_model_arg(f"{n}={zoo.artifact('bert', t)}", "fp32") for n, t in tasks.items())
+    plane = build_dataplane(ServeSettings(max_inputs_per_request=64, threads=1, warmup=False).with_models(specs))
+
+    async def run_all() -> None:  # one event loop: the batchers answer on the loop that submitted first
+        for case in CASES:
+            if case.route != "infer" or case.http_only or (request := case.infer_request()) is None:
+                continue
+            with pytest.raises(KilnError) as caught:
+                await plane.infer(request)
+            assert caught.value.kind == case.kind and case.message in str(caught.value), (case.id, caught.value)
+
+    try:
+        asyncio.run(run_all())
+    finally:
+        plane.stop()
