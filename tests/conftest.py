@@ -9,6 +9,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers started by tests open no gRPC port unless a test asks for one (--grpc-port): several
+# servers run at once, and gRPC's default port 8001 would collide.
+os.environ.setdefault("KILN_GRPC_PORT", "0")
 
 from tiny_models import make_model  # noqa: E402
 

@@ -33,7 +33,7 @@ def server(zoo):
 def server_count(url: str, model: str, route: str, status: str) -> int:
     """kiln_requests_total for one label set, read with a plain regex (not the code under test)."""
     text = httpx.get(url + "/metrics").text
-    m = re.search(rf'kiln_requests_total{{model="{model}",route="{route}",status="{status}"}} ([0-9.e+]+)', text)
+    m = re.search(rf'kiln_requests_total{{model="{model}",protocol="http",route="{route}",status="{status}"}} ([0-9.e+]+)', text)
     return int(float(m.group(1))) if m else 0
 
 

@@ -231,7 +231,7 @@ def test_openai_client_embeddings(server, reference):
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="cls", input="x")
     metrics = httpx.get(server.url + "/metrics").text  # counted under the model named in the body
-    assert 'kiln_requests_total{model="emb",route="embeddings",status="200"}' in metrics
+    assert 'kiln_requests_total{model="emb",protocol="http",route="embeddings",status="200"}' in metrics
 
 
 # --- the error table ------------------------------------------------------------------------------

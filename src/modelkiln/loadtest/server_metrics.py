@@ -1,7 +1,7 @@
 """What the server says about a step: scrape its Prometheus ``/metrics`` before and after, diff.
 
 Two dialects are understood:
-- kiln serve: ``kiln_requests_total{model,route,status}``, ``kiln_queue_duration_seconds`` (per
+- kiln serve: ``kiln_requests_total{model,route,status,protocol}``, ``kiln_queue_duration_seconds`` (per
   input), ``kiln_batch_compute_seconds`` (per batch), ``kiln_batch_size`` (histograms);
 - Triton: ``nv_inference_request_success|failure``, ``nv_inference_count`` (inferences),
   ``nv_inference_exec_count`` (batches), ``nv_inference_queue_duration_us`` and
@@ -107,8 +107,9 @@ def breakdown(before: Snapshot, after: Snapshot, model: str, route: str | None) 
             batch_size=_ratio(_delta(before, after, "kiln_batch_size_sum", model=model),
                               _delta(before, after, "kiln_batch_size_count", model=model)),
         )
-        return ServerBreakdown("kiln", success=by_status.get("200", 0),
-                               failed=sum(v for k, v in by_status.items() if k != "200"), by_status=by_status,
+        ok = ("200", "OK")  # HTTP status or gRPC status code name
+        return ServerBreakdown("kiln", success=sum(by_status.get(k, 0) for k in ok),
+                               failed=sum(v for k, v in by_status.items() if k not in ok), by_status=by_status,
                                queue_ms=m.queue_ms, compute_ms=m.compute_ms, batch_size=m.batch_size,
                                models={model: m})
     if kind == "triton":

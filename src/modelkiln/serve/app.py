@@ -66,6 +66,13 @@ def stats_json(s: ModelStatistics) -> dict[str, Any]:
                                 "queue": duration(s.queue), "compute_infer": duration(s.compute_infer)}}
 
 
+def bearer_matches(authorization: bytes, api_key: bytes) -> bool:
+    """``Authorization: Bearer KEY`` (HTTP header or gRPC metadata). Auth schemes are
+    case-insensitive (RFC 9110 §11.1): "bearer KEY" is as good; the key compares in constant time."""
+    scheme, _, key = authorization.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), api_key)
+
+
 def route_of(path: str) -> tuple[str, str]:
     """(model, route) labels for metrics, without a regex per request."""
     parts = path.strip("/").split("/")
@@ -111,10 +118,7 @@ class Gate:
         scope.setdefault("state", {})["request_id"] = request_id
         path: str = scope["path"]
         if self.api_key is not None and not path.startswith(PUBLIC_PREFIX):
-            token = headers.get(b"authorization", b"")
-            scheme, _, key = token.partition(b" ")
-            # HTTP auth schemes are case-insensitive (RFC 9110 §11.1): "bearer KEY" is as good
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key)):
+            if not bearer_matches(headers.get(b"authorization", b""), self.api_key):
                 status = await inference_routes.send_error(send, UnauthorizedError("missing or wrong bearer token"),
                                                            request_id, {"www-authenticate": "Bearer"},
                                                            openai=path.startswith(OPENAI_PREFIX))
@@ -152,9 +156,9 @@ class Gate:
         seconds = time.perf_counter() - started
         model, route = route_of(path)
         model = answered_by or model
-        self.metrics.requests.labels(model, route, str(status)).inc()
+        self.metrics.requests.labels(model, route, str(status), "http").inc()
         if route in ("infer", "predict", "embeddings"):
-            self.metrics.request_seconds.labels(model, route).observe(seconds)
+            self.metrics.request_seconds.labels(model, route, "http").observe(seconds)
         if self.access_log:
             access.info("%s %s %s %d %.1fms", request_id, scope["method"], path, status, seconds * 1000)
 
@@ -174,7 +178,14 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        grpc_server = None
+        if settings.grpc_port:  # the same process, loop, models and batchers as HTTP
+            from .grpc.server import start_grpc_server
+
+            grpc_server = await start_grpc_server(plane, settings, metrics)
         yield
+        if grpc_server is not None:  # new calls are refused; accepted ones get the grace period
+            await grpc_server.stop(settings.request_timeout_s)
         watch.close()
         # uvicorn has stopped accepting and every accepted request has been answered by now;
         # the batchers drain whatever is still queued, then their threads end.

@@ -122,26 +122,14 @@ def _decode_tensor(tensor: dict, binary: memoryview, offset: int) -> tuple[str, 
         raise InvalidInputError("every input needs a string 'name'")
     if datatype != "BYTES" and datatype not in DTYPES:
         raise InvalidInputError(f"input '{name}': unsupported datatype {datatype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         raise InvalidInputError(f"input '{name}': 'shape' must be a list of non-negative integers")
-    # Python integers: np.prod wraps around (shape [2**32, 2**32] gave 0 elements, then a 500)
-    count = math.prod(shape)
-    if any(d > MAX_DIMENSION for d in shape):
-        raise InvalidInputError(f"input '{name}': shape {shape} has a dimension over {MAX_DIMENSION}")
+    count = element_count(name, shape)
     size = _parameters(tensor, f"input '{name}'").get("binary_data_size")
     if size is not None:  # binary tensor extension: the bytes follow the JSON header
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
             raise InvalidInputError(f"input '{name}': binary_data_size {size} exceeds the binary data")
-        chunk = binary[offset : offset + size]
-        if datatype == "BYTES":
-            array = _decode_bytes_elements(name, chunk, count)
-        else:
-            dtype = DTYPES[datatype]
-            if size != count * dtype.itemsize:
-                raise InvalidInputError(f"input '{name}': {size} bytes do not hold shape {shape} of {datatype}")
-            array = np.frombuffer(chunk, dtype=dtype.newbyteorder("<")).astype(dtype)
-        return name, array.reshape(shape), size
+        return name, decode_raw(name, datatype, shape, binary[offset : offset + size]), size
     data = tensor.get("data")
     if data is None:
         raise InvalidInputError(f"input '{name}' has neither 'data' nor binary_data_size")
@@ -179,6 +167,37 @@ def _flatten(data: Any) -> list:
         else:
             stack.pop()
     return out
+
+
+def element_count(name: str, shape: list[int]) -> int:
+    """Elements of ``shape``, refusing negative and absurd dimensions (400, not a 500 later)."""
+    if any(d < 0 for d in shape):
+        raise InvalidInputError(f"input '{name}': 'shape' must be a list of non-negative integers")
+    if any(d > MAX_DIMENSION for d in shape):
+        raise InvalidInputError(f"input '{name}': shape {shape} has a dimension over {MAX_DIMENSION}")
+    # Python integers: np.prod wraps around (shape [2**32, 2**32] gave 0 elements, then a 500)
+    return math.prod(shape)
+
+
+def decode_raw(name: str, datatype: str, shape: list[int], chunk: memoryview | bytes) -> np.ndarray:
+    """A tensor in its raw binary form (REST's binary extension, gRPC's ``raw_input_contents``):
+    little-endian elements, BYTES as length-prefixed elements."""
+    count = element_count(name, shape)
+    if datatype == "BYTES":
+        array = _decode_bytes_elements(name, memoryview(chunk), count)
+    else:
+        dtype = DTYPES[datatype]
+        if len(chunk) != count * dtype.itemsize:
+            raise InvalidInputError(f"input '{name}': {len(chunk)} bytes do not hold shape {shape} of {datatype}")
+        array = np.frombuffer(chunk, dtype=dtype.newbyteorder("<")).astype(dtype)
+    return array.reshape(shape)
+
+
+def encode_raw(datatype: str, array: np.ndarray) -> bytes:
+    """The inverse of ``decode_raw``."""
+    if datatype == "BYTES":
+        return _encode_bytes_elements(array)
+    return np.ascontiguousarray(array, dtype=DTYPES[datatype].newbyteorder("<")).tobytes()
 
 
 def _decode_bytes_elements(name: str, chunk: memoryview, count: int) -> np.ndarray:
@@ -228,8 +247,7 @@ def encode_response(request: InferRequest, response: InferResponse) -> tuple[byt
         tensor: dict[str, Any] = {"name": out.name, "datatype": datatype, "shape": list(array.shape)}
         binary = asked.get(out.name)
         if binary if binary is not None else default:
-            data = _encode_bytes_elements(array) if datatype == "BYTES" else np.ascontiguousarray(
-                array, dtype=DTYPES[datatype].newbyteorder("<")).tobytes()
+            data = encode_raw(datatype, array)
             tensor["parameters"] = {**out.parameters, "binary_data_size": len(data)}
             chunks.append(data)
         else:

@@ -42,6 +42,7 @@ def serve(
     artifacts: Optional[list[str]] = typer.Argument(None, help="Artifact folders, or NAME=PATH. None: the default model."),
     host: Optional[str] = typer.Option(None, help="Bind address (env KILN_HOST, default 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, help="Port (env KILN_PORT, default 8000)."),
+    grpc_port: Optional[int] = typer.Option(None, help="KServe v2 gRPC port (env KILN_GRPC_PORT, default 8001; 0 = off)."),
     variant: Optional[str] = typer.Option(None, help="Variant for every model: int8, fp32, ... (env KILN_VARIANT; default: fastest kept for the device)."),
     device: Optional[str] = typer.Option(None, help="cpu or cuda (env KILN_DEVICE)."),
     threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads per instance (env KILN_THREADS; default cores / instances)."),
@@ -73,7 +74,7 @@ def serve(
 
     settings = ServeSettings.from_env(
         config=read_serve_config(config) if config else None,
-        host=host, port=port, variant=variant, device=device, threads=threads, instances=instances,
+        host=host, port=port, grpc_port=grpc_port, variant=variant, device=device, threads=threads, instances=instances,
         alone_threads=alone_threads, api_key=api_key,
         max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, max_padding=max_padding,
         max_queue_delay_ms=max_queue_delay_ms,

@@ -14,10 +14,11 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kiln_requests_total", "Requests answered, by route and outcome (HTTP status).",
-                                ["model", "route", "status"], registry=r)
+        # ``status``: the HTTP status, or the gRPC status code's name; ``protocol``: http or grpc.
+        self.requests = Counter("kiln_requests_total", "Requests answered, by route, outcome and protocol.",
+                                ["model", "route", "status", "protocol"], registry=r)
         self.request_seconds = Histogram("kiln_request_duration_seconds", "Time from request to answer.",
-                                         ["model", "route"], buckets=_LATENCY_BUCKETS, registry=r)
+                                         ["model", "route", "protocol"], buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_seconds = Histogram("kiln_queue_duration_seconds", "Time an input waited before its batch ran.",
                                        ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.compute_seconds = Histogram("kiln_batch_compute_seconds", "Model execution + postprocessing per batch.",

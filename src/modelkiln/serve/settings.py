@@ -25,6 +25,7 @@ class ModelSpec:
 class ServeSettings:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
+    grpc_port: int = 8001  # KServe v2 gRPC port (0 = off)
     api_key: str | None = None  # bearer token required on every route but health
     device: str = "cpu"
     variant: str | None = None  # default variant for models given without one

@@ -1,0 +1,190 @@
+"""``inference.GRPCInferenceService`` over the data plane, served by ``grpc.aio``.
+
+A thin edge, like the REST routes: decode (``codec``), call ``types.InferenceService``, encode.
+It runs on uvicorn's event loop in the same process (started from the HTTP app's lifespan), so
+both transports share the models, batchers, limits and metrics. Errors carry an ``ErrorKind``,
+mapped here once to a gRPC status code (``GRPC_STATUS``), as ``serve/errors.py`` maps it to HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from ...errors import ErrorKind, InvalidInputError, KilnError, UnauthorizedError
+from ..app import bearer_matches
+from ..errors import bug_key, kind_of, throttle
+from ..metrics import Metrics
+from ..settings import ServeSettings
+from ..types import InferenceService
+from . import codec
+from . import kserve_pb2 as pb
+from . import kserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("modelkiln.serve")
+
+GRPC_STATUS: dict[ErrorKind, grpc.StatusCode] = {
+    ErrorKind.INVALID_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.NOT_READY: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorKind.METHOD_NOT_ALLOWED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+# Health methods answer without a key, like HTTP's /v2/health/* (probes carry no credentials).
+HEALTH = ("ServerLive", "ServerReady", "ModelReady")
+# Routes timed in kiln_request_duration_seconds, named as the HTTP routes are.
+_TIMED = {"ModelInfer": "infer"}
+
+
+def _route_name(method: str) -> str:
+    return _TIMED.get(method, method)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, plane: InferenceService, api_key: str | None, metrics: Metrics):
+        self.plane = plane
+        self.api_key = api_key.encode() if api_key else None
+        self.metrics = metrics
+
+    # Every method goes through ``_call``: auth, metrics, and errors → status codes in one place.
+    async def _call(self, method: str, context: grpc.aio.ServicerContext, model: str,
+                    work: Callable[[], Awaitable[Any]]) -> Any:
+        started = time.perf_counter()
+        status = grpc.StatusCode.OK
+        self.metrics.in_flight.inc()
+        try:
+            if self.api_key is not None and method not in HEALTH:
+                metadata = dict(context.invocation_metadata() or ())
+                if not bearer_matches(str(metadata.get("authorization", "")).encode(), self.api_key):
+                    raise UnauthorizedError("missing or wrong bearer token")
+            return await work()
+        except asyncio.CancelledError:  # the client went away: its queued work is dropped (batcher)
+            status = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:  # typed errors → their status; anything else is a bug → INTERNAL
+            status = GRPC_STATUS[kind_of(exc)]
+            await context.abort(status, _message(exc))
+        finally:
+            self.metrics.in_flight.dec()
+            route = _route_name(method)
+            self.metrics.requests.labels(model, route, status.name, "grpc").inc()
+            if method in _TIMED:
+                self.metrics.request_seconds.labels(model, route, "grpc").observe(time.perf_counter() - started)
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return await self._call("ServerLive", context, "", _now(lambda: pb.ServerLiveResponse(live=self.plane.live())))
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return await self._call("ServerReady", context, "",
+                                _now(lambda: pb.ServerReadyResponse(ready=self.plane.ready())))
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        return await self._call("ModelReady", context, request.name, _now(lambda: pb.ModelReadyResponse(
+            ready=self.plane.model_ready(request.name, request.version or None))))
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
+        def answer() -> pb.ServerMetadataResponse:
+            m = self.plane.server_metadata()
+            return pb.ServerMetadataResponse(name=m.name, version=m.version, extensions=list(m.extensions))
+
+        return await self._call("ServerMetadata", context, "", _now(answer))
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        return await self._call("ModelMetadata", context, request.name, _now(lambda: codec.metadata_to_proto(
+            self.plane.model_metadata(request.name, request.version or None))))
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        async def answer() -> pb.ModelInferResponse:
+            typed = codec.request_from_proto(request)
+            remaining = context.time_remaining()
+            if remaining is not None:  # the client's deadline bounds the wait, as Triton's "timeout" (µs) does
+                asked = typed.parameters.get("timeout")
+                deadline_us = max(1, int(remaining * 1e6))
+                typed.parameters["timeout"] = min(asked, deadline_us) if isinstance(asked, int) else deadline_us
+            return codec.response_to_proto(await self.plane.infer(typed))
+
+        return await self._call("ModelInfer", context, request.model_name, answer)
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
+        return await self._call("ModelStatistics", context, request.name, _now(lambda: codec.statistics_to_proto(
+            self.plane.model_statistics(request.name or None, request.version or None))))
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
+        def answer() -> pb.RepositoryIndexResponse:
+            entries = self.plane.repository_index(ready_only=request.ready)
+            return pb.RepositoryIndexResponse(models=[
+                pb.RepositoryIndexResponse.ModelIndex(name=e.name, version=e.version, state=e.state, reason=e.reason)
+                for e in entries])
+
+        return await self._call("RepositoryIndex", context, "", _now(answer))
+
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context: Any
+                                  ) -> pb.RepositoryModelLoadResponse:
+        async def answer() -> pb.RepositoryModelLoadResponse:
+            _no_repository_name(request.repository_name)
+            await self.plane.load_model(request.model_name)
+            return pb.RepositoryModelLoadResponse()
+
+        return await self._call("RepositoryModelLoad", context, request.model_name, answer)
+
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context: Any
+                                    ) -> pb.RepositoryModelUnloadResponse:
+        async def answer() -> pb.RepositoryModelUnloadResponse:
+            _no_repository_name(request.repository_name)
+            await self.plane.unload_model(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+
+        return await self._call("RepositoryModelUnload", context, request.model_name, answer)
+
+
+def _now(answer: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
+    """A synchronous answer in the shape ``_call`` awaits."""
+
+    @functools.wraps(answer)
+    async def run() -> Any:
+        return answer()
+
+    return run
+
+
+def _no_repository_name(name: str) -> None:
+    if name:  # Triton's multi-repository naming; modelkiln serves one repository
+        raise InvalidInputError(f"unknown repository '{name}': leave repository_name empty")
+
+
+def _message(exc: BaseException) -> str:
+    """The status details a client sees: the typed error's message, never a traceback or a path."""
+    if isinstance(exc, KilnError):
+        return str(exc)
+    first, repeats = throttle.should_log(bug_key(exc))
+    if first:
+        more = f" (and {repeats} more like it since the last traceback)" if repeats else ""
+        log.error("gRPC request failed: internal error%s", more, exc_info=exc)
+    return f"internal server error ({type(exc).__name__})"
+
+
+async def start_grpc_server(plane: InferenceService, settings: ServeSettings, metrics: Metrics) -> grpc.aio.Server:
+    """Bind ``settings.host:settings.grpc_port`` and start serving (on the running event loop)."""
+    limit = settings.max_body_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", max(limit, 64 * 1024 * 1024)),
+                                      ("grpc.so_reuseport", 0)])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, settings.api_key, metrics), server)
+    address = f"{settings.host}:{settings.grpc_port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError:
+        raise KilnError(f"cannot listen for gRPC on {address} (in use?): pass --grpc-port PORT, or 0 for none") from None
+    await server.start()
+    log.info("gRPC (KServe v2) listening on %s", address)
+    return server
