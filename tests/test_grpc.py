@@ -227,3 +227,18 @@ def test_committed_grpc_modules_match_the_proto():
         result = subprocess.run([sys.executable, "-c", code, str(ROOT / "src"),
                                  f"{out}/modelkiln/serve/grpc/kserve_pb2.py"], capture_output=True, text=True)
     assert result.stdout.strip() == "True", result.stderr[-2000:]
+
+
+def test_loadtest_measures_grpc(server, tmp_path):
+    out = tmp_path / "run.json"
+    result = subprocess.run([sys.executable, "-m", "modelkiln", "loadtest", server.url, "-m", "emb", "--protocol", "grpc",
+                             "--grpc-url", server.grpc_url, "--concurrency", "2", "--warmup", "0.2", "--window", "0.5",
+                             "--stable-windows", "2", "--max-windows", "3", "--json", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    import json
+
+    step = json.loads(out.read_text())["steps"][0]
+    assert step["requests"] > 0 and not step["errors"], step
+    # the server counted them as gRPC answers of the model (its own counters, not the client's)
+    assert step["server"]["success"] >= step["requests"], step["server"]

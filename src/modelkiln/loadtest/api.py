@@ -23,6 +23,7 @@ class LoadtestOptions(Measurement):
     model: str
     loads: tuple[Load, ...]
     protocol: str = "oip-json"
+    grpc_url: str | None = None  # host:port for --protocol grpc (default: the URL's host, port 8001)
     inputs: str | None = None  # samples | sts | squad | FILE
     length: str = "all"
     batch: int = 1
@@ -68,11 +69,16 @@ async def _run(opts: LoadtestOptions, on_step: Callable[[StepResult], None] | No
     host, port, prefix = parse_url(opts.url)
     base = f"http://{host}:{port}{prefix}"
     prepared, texts = await prepare(opts)
-    raws = [render_request("POST", host, port, prefix + p.path, p.body, (*p.headers, *opts.headers)) for p in prepared]
+    grpc = opts.protocol == "grpc"
+    if grpc:
+        from .grpc_load import grpc_target
+    raws = [p.body if grpc else render_request("POST", host, port, prefix + p.path, p.body,
+                                               (*p.headers, *opts.headers)) for p in prepared]
     metrics_url = (f"{base}/metrics" if opts.metrics_url == "auto" else
                    None if opts.metrics_url in (None, "", "none") else opts.metrics_url)
     cfg = RunConfig(**opts.measurement(), url=base, model=opts.model, metrics_url=metrics_url,
-                    route="predict" if opts.protocol == "task" else "infer")
+                    route="predict" if opts.protocol == "task" else "infer",
+                    grpc_target=grpc_target(opts.url, opts.grpc_url) if grpc else None)
     source = opts.inputs or "samples"
     result = RunResult(label=opts.label or f"{opts.model}@{host}:{port}", url=base, model=opts.model,
                        protocol=opts.protocol, inputs=f"{source}, {opts.length}, {texts} texts",

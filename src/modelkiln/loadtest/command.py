@@ -11,7 +11,8 @@ import typer
 def loadtest(
     url: str = typer.Argument(..., help="Server base URL, e.g. http://127.0.0.1:8000 (kiln serve, Triton, MLServer...)."),
     model: str = typer.Option(..., "--model", "-m", help="Model name on the server."),
-    protocol: str = typer.Option("oip-json", help="oip-json | oip-binary (binary tensor extension) | task (kiln serve /predict)."),
+    protocol: str = typer.Option("oip-json", help="oip-json | oip-binary (binary tensor extension) | task (kiln serve /predict) | grpc (KServe v2 ModelInfer)."),
+    grpc_url: Optional[str] = typer.Option(None, help="host:port of the gRPC endpoint for --protocol grpc (default: URL's host, port 8001)."),
     concurrency: Optional[str] = typer.Option(None, help="Closed loop: N, N,M,... or START:STOP:xF (default 1:16:x2 unless --rate)."),
     rate: Optional[str] = typer.Option(None, help="Open loop: requests/s with Poisson arrivals; same forms as --concurrency."),
     inputs: str = typer.Option("samples", help="samples (built-in) | sts (STS-B sentences) | squad (SQuAD paragraphs) | a text file."),
@@ -51,7 +52,7 @@ def loadtest(
         Load("concurrency", float(int(v))) for v in parse_levels(concurrency or "1:16:x2", "--concurrency"))
     earlier = [read_json(p) for p in compare or []]  # fail before the run, not after it
     opts = LoadtestOptions(
-        url=url, model=model, loads=loads, protocol=protocol, inputs=inputs, length=length, batch=batch,
+        url=url, model=model, loads=loads, protocol=protocol, grpc_url=grpc_url, inputs=inputs, length=length, batch=batch,
         max_inputs=max_inputs, warmup_s=warmup, window_s=window, stability=stability, stable_windows=stable_windows,
         max_windows=max_windows, timeout_s=timeout, max_connections=max_connections, seed=seed,
         metrics_url=metrics_url, headers=tuple(parse_header(h) for h in header or []), label=label,

@@ -2,7 +2,8 @@
 
 - ``oip-json``: Open Inference Protocol ``POST /v2/models/{m}/infer`` with JSON tensors;
 - ``oip-binary``: the same route with the binary tensor data extension (Triton, kiln serve);
-- ``task``: kiln serve's task route ``POST /v2/models/{m}/predict`` with ``{"inputs": [...]}``.
+- ``task``: kiln serve's task route ``POST /v2/models/{m}/predict`` with ``{"inputs": [...]}``;
+- ``grpc``: KServe v2 ``ModelInfer`` over gRPC (``grpc_load``).
 
 Input tensor names follow the Triton ensemble that ``kiln triton`` writes and ``kiln serve``
 shares: BYTES ``TEXT`` (+ optional ``TEXT_PAIR``), or ``QUESTION`` + ``CONTEXT``. Triton's ensemble
@@ -20,7 +21,7 @@ from typing import Any, ClassVar
 from ..errors import KilnError
 from .inputs import Item
 
-PROTOCOLS = ("oip-json", "oip-binary", "task")
+PROTOCOLS = ("oip-json", "oip-binary", "task", "grpc")
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,10 @@ class TaskRoute(Protocol):
 
 
 def make_protocol(name: str, model: str, layout: InputLayout) -> Protocol:
+    if name == "grpc":
+        from .grpc_load import make_grpc_protocol
+
+        return make_grpc_protocol(model, layout)
     for cls in (OipJson, OipBinary, TaskRoute):
         if cls.name == name:
             return cls(model, layout)

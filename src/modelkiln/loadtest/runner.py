@@ -84,6 +84,7 @@ class RunConfig(Measurement):
     model: str
     metrics_url: str | None = None  # None: no server breakdown
     route: str | None = None  # kiln serve route label to count (infer | predict)
+    grpc_target: str | None = None  # host:port: requests are gRPC ModelInfer calls (grpc_load)
 
 
 @dataclass
@@ -165,13 +166,24 @@ async def run_step(cfg: RunConfig, load: Load, requests: Sequence[bytes], inputs
     state = StepState(requests, rate, cfg.seed)
     idle_before = await _scrape(cfg.metrics_url, cfg.headers)
     guard = None
-    if rate is None:
+    if cfg.grpc_target is not None:  # gRPC's own deadlines bound each call: no watchdog
+        from . import grpc_load
+
+        if rate is None:
+            workers = [asyncio.create_task(grpc_load.closed_loop(state, cfg.grpc_target, cfg.headers, cfg.timeout_s))
+                       for _ in range(int(load.value))]
+        else:
+            state.next_t = time.perf_counter()
+            in_flight = set()
+            workers = [asyncio.create_task(grpc_load.open_loop(state, cfg.grpc_target, cfg.headers, cfg.timeout_s,
+                                                               cfg.max_connections, in_flight))]
+    elif rate is None:
         loops = [ClosedLoop(state, host, port, cfg.timeout_s) for _ in range(int(load.value))]
         workers = [asyncio.create_task(c.run()) for c in loops]
         guard = asyncio.create_task(watchdog(loops, cfg.timeout_s))
     else:
         state.next_t = time.perf_counter()
-        in_flight: set[asyncio.Task[None]] = set()
+        in_flight = set()
         workers = [asyncio.create_task(open_loop(state, host, port, cfg.timeout_s, cfg.max_connections, in_flight))]
     try:
         await asyncio.sleep(cfg.warmup_s)

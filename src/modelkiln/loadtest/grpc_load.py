@@ -1,0 +1,139 @@
+"""``--protocol grpc``: KServe v2 ``ModelInfer`` over gRPC, for kiln serve's ``--grpc-port`` and
+Triton's 8001.
+
+Requests are serialized once, before the run, with tritonclient's generated messages (an
+implementation of the protocol independent of the server's), and sent as bytes through
+``grpc.aio`` with no per-request (de)serialization: as the HTTP generators send pre-rendered
+bytes. Each closed-loop client has its own channel, i.e. its own HTTP/2 connection, as each HTTP
+client has its own keep-alive connection. Outcomes are recorded as the HTTP status the server
+would have answered over REST (OK → 200, INVALID_ARGUMENT → 400, ...; DEADLINE_EXCEEDED → the
+timeout code), so reports and error columns read the same for every protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import grpc
+
+from ..errors import KilnError
+from .generators import CONNECT_ERROR, TIMEOUT, StepState
+from .protocols import InputLayout, PreparedRequest, Protocol
+
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+DEFAULT_GRPC_PORT = 8001
+
+_HTTP_EQUIVALENT = {
+    grpc.StatusCode.OK: 200, grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNIMPLEMENTED: 405, grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.DEADLINE_EXCEEDED: TIMEOUT,
+}
+
+
+def grpc_target(http_url: str, grpc_url: str | None) -> str:
+    """``host:port`` of the gRPC endpoint: ``--grpc-url``, else the HTTP URL's host on 8001."""
+    if grpc_url:
+        return grpc_url.removeprefix("grpc://")
+    host = urlsplit(http_url).hostname or "127.0.0.1"
+    return f"{host}:{DEFAULT_GRPC_PORT}"
+
+
+class GrpcInfer(Protocol):
+    """ModelInfer with every input in ``raw_input_contents`` (as tritonclient sends them)."""
+
+    name = "grpc"
+
+    def build(self, batch: Sequence) -> PreparedRequest:  # type: ignore[type-arg]
+        from tritonclient.grpc import service_pb2  # loadtest extra; never imported by the server
+
+        n = len(batch)
+        request = service_pb2.ModelInferRequest(model_name=self.model)
+        for name, values in self.layout.columns(batch).items():
+            request.inputs.add(name=name, datatype="BYTES", shape=self.layout.shape(n))
+            request.raw_input_contents.append(b"".join(len(b).to_bytes(4, "little") + b
+                                                       for b in (v.encode() for v in values)))
+        return PreparedRequest(METHOD, request.SerializeToString(), (), n)
+
+
+def make_grpc_protocol(model: str, layout: InputLayout) -> GrpcInfer:
+    try:
+        import tritonclient.grpc  # noqa: F401
+    except ImportError:
+        raise KilnError("--protocol grpc needs tritonclient: pip install 'modelkiln[loadtest]'") from None
+    return GrpcInfer(model, layout)
+
+
+def _channel(target: str) -> grpc.aio.Channel:
+    # A local subchannel pool: without it every channel to one target shares one connection.
+    return grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1),
+                                                      ("grpc.max_receive_message_length", 256 * 1024 * 1024)])
+
+
+async def _send(call: grpc.aio.UnaryUnaryMultiCallable, state: StepState, metadata: tuple[tuple[str, str], ...],
+                timeout: float) -> int:
+    state.sent += 1
+    try:
+        await call(state.next_request(), timeout=timeout, metadata=metadata or None)
+        return 200
+    except grpc.aio.AioRpcError as exc:
+        return _HTTP_EQUIVALENT.get(exc.code(), CONNECT_ERROR)
+
+
+def _metadata(headers: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    return tuple((k.lower(), v) for k, v in headers if k.lower() not in ("content-type", "content-length"))
+
+
+async def closed_loop(state: StepState, target: str, headers: Sequence[tuple[str, str]], timeout: float) -> None:
+    """One client: its own channel, requests back to back until the step stops."""
+    async with _channel(target) as channel:
+        call = channel.unary_unary(METHOD)  # bytes in, bytes out: no (de)serializer
+        metadata = _metadata(headers)
+        while not state.stop:
+            start = time.perf_counter()
+            code = await _send(call, state, metadata, timeout)
+            state.record(start, time.perf_counter(), code)
+            if code == CONNECT_ERROR:
+                await asyncio.sleep(0.01)  # a dead server must not turn the loop into a busy spin
+
+
+async def open_loop(state: StepState, target: str, headers: Sequence[tuple[str, str]], timeout: float, limit: int,
+                    in_flight: set[asyncio.Task[None]]) -> None:
+    """Poisson arrivals (as ``generators.open_loop``), at most ``limit`` outstanding, multiplexed
+    over a few channels; an arrival that waits for a free slot counts from its scheduled time."""
+    channels = [_channel(target) for _ in range(min(limit, 8))]
+    calls = [c.unary_unary(METHOD) for c in channels]
+    slots = asyncio.Semaphore(limit)
+    metadata = _metadata(headers)
+
+    async def one(k: int, start: float) -> None:
+        try:
+            code = await _send(calls[k % len(calls)], state, metadata, timeout)
+            state.record(start, time.perf_counter(), code)
+        finally:
+            slots.release()
+
+    try:
+        k = 0
+        while not state.stop:
+            scheduled = state.next_arrival()
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await slots.acquire()
+            if state.stop:
+                slots.release()
+                break
+            late = time.perf_counter() - scheduled
+            waited = delay <= 0 or late >= 2e-3
+            state.lags.append(late if waited else 0.0)
+            task = asyncio.create_task(one(k, scheduled if waited else time.perf_counter()))
+            k += 1
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+    finally:
+        if in_flight:
+            await asyncio.wait(list(in_flight), timeout=timeout + 5)
+        for c in channels:
+            await c.close()
