@@ -1,13 +1,18 @@
 """``kiln serve``: parse flags, load the models, run uvicorn. Imports nothing heavy at module
-level (``kiln --help`` must stay fast); fastapi/uvicorn/onnxruntime load inside ``serve``."""
+level (``kiln --help`` must stay fast); fastapi/uvicorn/onnxruntime load inside ``serve``. The
+flags are derived from the ``ServeSettings`` declaration (one per field), so a new setting
+gets its flag, env var and config key by being declared there."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
+import types
+import typing
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -38,31 +43,7 @@ def default_artifact() -> Path:
     return cache
 
 
-def serve(
-    artifacts: Optional[list[str]] = typer.Argument(None, help="Artifact folders, or NAME=PATH. None: the default model."),
-    host: Optional[str] = typer.Option(None, help="Bind address (env KILN_HOST, default 127.0.0.1)."),
-    port: Optional[int] = typer.Option(None, help="Port (env KILN_PORT, default 8000)."),
-    variant: Optional[str] = typer.Option(None, help="Variant for every model: int8, fp32, ... (env KILN_VARIANT; default: fastest kept for the device)."),
-    device: Optional[str] = typer.Option(None, help="cpu or cuda (env KILN_DEVICE)."),
-    threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads per instance (env KILN_THREADS; default cores / instances)."),
-    instances: Optional[int] = typer.Option(None, help="Engine sessions per model running batches in parallel (env KILN_INSTANCES; default 2 on CPU)."),
-    alone_threads: Optional[int] = typer.Option(None, help="Threads for a lone request on an idle server, in a session of its own (env KILN_ALONE_THREADS; default all cores; 0 = off)."),
-    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on every route but health (env KILN_API_KEY)."),
-    max_batch_size: Optional[int] = typer.Option(None, help="Inputs per model batch (env KILN_MAX_BATCH_SIZE, 32)."),
-    max_batch_tokens: Optional[int] = typer.Option(None, help="Padded tokens per model batch (env KILN_MAX_BATCH_TOKENS; default 1024 on CPU, 8192 on GPU)."),
-    max_padding: Optional[float] = typer.Option(None, help="Padding a batch may add, as a fraction of its real tokens (env KILN_MAX_PADDING; default 0.15 on CPU, 1.0 on GPU)."),
-    max_queue_delay_ms: Optional[float] = typer.Option(None, help="Extra wait for a fuller batch, ms (env KILN_MAX_QUEUE_DELAY_MS, 0)."),
-    max_queue_size: Optional[int] = typer.Option(None, help="Inputs waiting before 503s (env KILN_MAX_QUEUE_SIZE, 1024)."),
-    request_timeout_s: Optional[float] = typer.Option(None, "--request-timeout", help="Seconds per request (env KILN_REQUEST_TIMEOUT_S, 30)."),
-    max_body_bytes: Optional[int] = typer.Option(None, help="Largest request body (env KILN_MAX_BODY_BYTES, 8 MiB)."),
-    max_inputs_per_request: Optional[int] = typer.Option(None, help="Inputs per request (env KILN_MAX_INPUTS_PER_REQUEST, 256)."),
-    max_input_chars: Optional[int] = typer.Option(None, help="Characters per input (env KILN_MAX_INPUT_CHARS, 100000)."),
-    truncate: Optional[bool] = typer.Option(None, "--truncate/--no-truncate", help="Cut inputs longer than the model's max length, or reject them (env KILN_TRUNCATE, truncate)."),
-    warmup: Optional[bool] = typer.Option(None, "--warmup/--no-warmup", help="Run warm-up batches at load (env KILN_WARMUP)."),
-    log_level: Optional[str] = typer.Option(None, help="debug, info, warning (env KILN_LOG_LEVEL)."),
-    access_log: Optional[bool] = typer.Option(None, "--access-log/--no-access-log", help="Log every request with its id (env KILN_ACCESS_LOG)."),
-    config: Optional[Path] = typer.Option(None, help="JSON settings file (e.g. written by `kiln tune`); env vars and flags override it."),
-) -> None:
+def serve(artifacts: Optional[list[str]] = None, config: Optional[Path] = None, **flags: Any) -> None:
     """Serve artifacts over HTTP: KServe v2 / Open Inference Protocol (Triton-compatible),
     /v2/models/{m}/predict, and OpenAI /v1/embeddings, with dynamic batching."""
     import logging
@@ -70,23 +51,56 @@ def serve(
     from .config_file import read_serve_config
     from .settings import ServeSettings, parse_model_arg
 
-    settings = ServeSettings.from_env(
-        config=read_serve_config(config) if config else None,
-        host=host, port=port, variant=variant, device=device, threads=threads, instances=instances,
-        alone_threads=alone_threads, api_key=api_key,
-        max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, max_padding=max_padding,
-        max_queue_delay_ms=max_queue_delay_ms,
-        max_queue_size=max_queue_size, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
-        max_inputs_per_request=max_inputs_per_request, max_input_chars=max_input_chars, truncate=truncate,
-        warmup=warmup, log_level=log_level, access_log=access_log,
-    )
+    settings = ServeSettings.from_env(config=read_serve_config(config) if config else None, **flags)
     specs = tuple(parse_model_arg(a, settings.variant) for a in artifacts or [])
-    if not specs:
+    if not specs and not settings.model_repository:  # a repository alone: its folders are the models
         specs = (parse_model_arg(f"{DEFAULT_MODEL_NAME}={default_artifact()}", settings.variant),)
     settings = settings.with_models(specs)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_server(settings)
+
+
+def _setting_option(name: str, annotation: Any) -> tuple[Any, Any]:
+    """(type, typer.Option) for one declared setting: ``--name`` (or its declared flag), the
+    help with its env var and default, ``--x/--no-x`` for booleans; None = not given."""
+    from .settings import cli_flag, help_line
+
+    flag = cli_flag(name)
+    kind = annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None: X
+        kind = next(k for k in typing.get_args(annotation) if k is not type(None))
+    if kind is bool:
+        return Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", help=help_line(name), show_default=False)
+    if typing.get_origin(kind) is typing.Literal:
+        # a plain string shown as A|B|C: the declaration rejects others with the same one-line
+        # error whether the value came from a flag, an env var or the config file
+        choices = "|".join(str(c) for c in typing.get_args(kind))
+        return Optional[str], typer.Option(None, flag, help=help_line(name), show_default=False, metavar=choices)
+    return Optional[kind], typer.Option(None, flag, help=help_line(name), show_default=False)
+
+
+def _derive_signature() -> None:
+    """Give ``serve`` one option per declared setting: typer reads ``__signature__``."""
+    from .settings import declared
+
+    params = [
+        inspect.Parameter("artifacts", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[list[str]],
+                          default=typer.Argument(None, help="Artifact folders, or NAME=PATH. None: the default model "
+                                                 "(or only the --model-repository's models).", show_default=False)),
+    ]
+    for name, f in declared().items():
+        kind, option = _setting_option(name, f.annotation)
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=kind, default=option))
+    params.append(inspect.Parameter(
+        "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
+        default=typer.Option(None, help="JSON settings file (e.g. written by `kiln tune`); env vars and flags override it.",
+                             show_default=False)))
+    serve.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    serve.__annotations__ = {p.name: p.annotation for p in params}
+
+
+_derive_signature()
 
 
 def run_server(settings: object) -> None:

@@ -51,7 +51,7 @@ def tune(
     chosen = split_list(variants) if variants else kept
     for v in chosen:
         manifest.variant(v)  # fails early, listing the kept ones
-    grid = Grid(variants=tuple(chosen), instances=tuple(i or None for i in number_list(instances, "--instances")),
+    grid = Grid(variant=tuple(chosen), instances=tuple(i or None for i in number_list(instances, "--instances")),
                 threads=tuple(t or None for t in number_list(threads, "--threads")),
                 max_batch_size=tuple(number_list(max_batch_size, "--max-batch-size")),
                 max_batch_tokens=tuple(b or None for b in number_list(max_batch_tokens, "--max-batch-tokens")),
