@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from ..errors import KilnError
 
@@ -43,7 +44,18 @@ def default_artifact() -> Path:
     return cache
 
 
-def serve(artifacts: Optional[list[str]] = None, config: Optional[Path] = None, **flags: Any) -> None:
+SETTING_FLAGS = "modelkiln.setting_flags"  # ctx.meta key: the declared settings' flag values
+
+
+def serve(
+    ctx: typer.Context,
+    artifacts: Optional[list[str]] = typer.Argument(
+        None, help="Artifact folders, or NAME=PATH. None: the default model (or only the --model-repository's models).",
+        show_default=False),
+    config: Optional[Path] = typer.Option(
+        None, help="JSON settings file (e.g. written by `kiln tune`); env vars and flags override it.",
+        show_default=False),
+) -> None:
     """Serve artifacts over HTTP: KServe v2 / Open Inference Protocol (Triton-compatible),
     /v2/models/{m}/predict, and OpenAI /v1/embeddings, with dynamic batching."""
     import logging
@@ -51,6 +63,7 @@ def serve(artifacts: Optional[list[str]] = None, config: Optional[Path] = None, 
     from .config_file import read_serve_config
     from .settings import ServeSettings, parse_model_arg
 
+    flags = ctx.meta.get(SETTING_FLAGS, {})  # one per declared setting, None = not given (ServeCommand)
     settings = ServeSettings.from_env(config=read_serve_config(config) if config else None, **flags)
     specs = tuple(parse_model_arg(a, settings.variant) for a in artifacts or [])
     if not specs and not settings.model_repository:  # a repository alone: its folders are the models
@@ -59,6 +72,28 @@ def serve(artifacts: Optional[list[str]] = None, config: Optional[Path] = None, 
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_server(settings)
+
+
+class ServeCommand(TyperCommand):
+    """``kiln serve``: ``serve``'s own parameters plus one option per declared setting, added the
+    first time click asks for the parameters (to parse or to print help). Deriving them needs the
+    declaration, i.e. pydantic, which took ``import modelkiln.cli`` from about 0.2 to 0.4-0.6 s
+    on this 2-core box; built here, only ``kiln serve`` pays it, not ``kiln --help`` or ``convert``."""
+
+    _derived: Optional[list[Any]] = None  # typer's click parameters (typer may vendor click)
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        if self._derived is None:
+            self._derived = _setting_params()
+            at = next(i for i, p in enumerate(self.params) if p.name == "config")
+            self.params[at:at] = self._derived
+        return super().get_params(ctx)
+
+    def invoke(self, ctx: Any) -> Any:
+        # typer's wrapper passes only ``serve``'s own parameters: hand the settings over in ctx.meta
+        names = {p.name for p in self._derived or ()}
+        ctx.meta[SETTING_FLAGS] = {name: ctx.params.pop(name) for name in list(ctx.params) if name in names}
+        return super().invoke(ctx)
 
 
 def _setting_option(name: str, annotation: Any) -> tuple[Any, Any]:
@@ -80,27 +115,23 @@ def _setting_option(name: str, annotation: Any) -> tuple[Any, Any]:
     return Optional[kind], typer.Option(None, flag, help=help_line(name), show_default=False)
 
 
-def _derive_signature() -> None:
-    """Give ``serve`` one option per declared setting: typer reads ``__signature__``."""
+def _setting_params() -> list[Any]:
+    """The click parameters of every declared setting, made by typer itself (public
+    ``typer.main.get_command``) from a function whose signature lists them."""
     from .settings import declared
 
-    params = [
-        inspect.Parameter("artifacts", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[list[str]],
-                          default=typer.Argument(None, help="Artifact folders, or NAME=PATH. None: the default model "
-                                                 "(or only the --model-repository's models).", show_default=False)),
-    ]
+    def settings_only(**flags: Any) -> None:  # never called: it only carries the signature
+        raise AssertionError("not a command")
+
+    params = []
     for name, f in declared().items():
         kind, option = _setting_option(name, f.annotation)
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=kind, default=option))
-    params.append(inspect.Parameter(
-        "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
-        default=typer.Option(None, help="JSON settings file (e.g. written by `kiln tune`); env vars and flags override it.",
-                             show_default=False)))
-    serve.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    serve.__annotations__ = {p.name: p.annotation for p in params}
-
-
-_derive_signature()
+    settings_only.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    settings_only.__annotations__ = {p.name: p.annotation for p in params}
+    holder = typer.Typer()
+    holder.command()(settings_only)
+    return list(typer.main.get_command(holder).params)
 
 
 def run_server(settings: object) -> None:
