@@ -176,10 +176,42 @@ def test_tune_sweeps_what_the_declaration_marks(monkeypatch):
     assert sweepable_flags() == {name: cli_flag(name) for name in sweepable()}
     assert {f.name for f in dataclasses.fields(Grid)} == set(sweepable())  # a value list per sweepable setting
     assert sweepable_flags()["max_queue_delay_ms"] == "--max-queue-delay-ms" and "port" not in sweepable_flags()
-    # marking another field sweepable in the declaration is all it takes
+    # marking another field sweepable in the declaration is all it takes: kiln serve's flag for
+    # the sweep and a kiln tune option with the declared default values
     extra = ServeSettings.model_fields["max_queue_size"].json_schema_extra
-    monkeypatch.setitem(extra, "sweep", True)
+    monkeypatch.setitem(extra, "sweep", "512,1024")
     assert sweepable_flags()["max_queue_size"] == "--max-queue-size"
+    options = {p.name: p for p in _tune_command().derive()}
+    assert options["max_queue_size"].opts == ["--max-queue-size"] and options["max_queue_size"].default == "512,1024"
+
+
+def _tune_command():
+    import typer
+
+    from modelkiln.cli import app
+
+    return typer.main.get_command(app).commands["tune"]
+
+
+def test_tune_options_are_the_numeric_sweepable_settings():
+    options = {p.name: p for p in _tune_command().derive()}
+    numeric = [n for n in sweepable() if n != "variant"]  # variant is tune's own --variants
+    assert list(options) == numeric
+    assert {n: options[n].opts[0] for n in numeric} == {n: cli_flag(n) for n in numeric}
+    assert options["instances"].default == "1,2" and options["max_queue_delay_ms"].default == "0,2"
+    r = kiln("tune", "--help", env={"COLUMNS": "80"}, timeout=60)
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and all(f"{cli_flag(n)} <str>" in text for n in numeric) and "completion" not in text
+
+
+def test_tune_values_are_typed_as_declared():
+    from modelkiln.tune.command import sweep_values
+
+    assert sweep_values("instances", "0,1,2") == (None, 1, 2)  # 0 cannot be an instance count: the default
+    assert sweep_values("alone_threads", "auto,0,3") == (None, 0, 3)  # 0 is a value here: off
+    assert sweep_values("max_padding", "0,0.5") == (0.0, 0.5) and sweep_values("max_batch_size", "8") == (8,)
+    with pytest.raises(KilnError, match="--max-batch-size takes comma-separated whole numbers, got 'auto'"):
+        sweep_values("max_batch_size", "auto")  # no server default to fall back on
 
 
 def test_grid_combinations_follow_the_declaration():

@@ -147,7 +147,7 @@ from .triton.command import triton as _triton; app.command("triton")(_triton)  #
 from .loadtest.command import loadtest as _loadtest; app.command("loadtest")(_loadtest)  # noqa: E402,E702
 
 
-from .tune.command import tune as _tune; app.command("tune")(_tune)  # noqa: E402,E702
+from .tune.command import TuneCommand, tune as _tune; app.command("tune", cls=TuneCommand)(_tune)  # noqa: E402,E702
 
 
 # --- entry point ------------------------------------------------------------------------------

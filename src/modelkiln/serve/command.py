@@ -5,18 +5,16 @@ gets its flag, env var and config key by being declared there."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
-import types
 import typing
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from typer.core import TyperCommand
 
+from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
 from ..errors import KilnError
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -44,9 +42,6 @@ def default_artifact() -> Path:
     return cache
 
 
-SETTING_FLAGS = "modelkiln.setting_flags"  # ctx.meta key: the declared settings' flag values
-
-
 def serve(
     ctx: typer.Context,
     artifacts: Optional[list[str]] = typer.Argument(
@@ -63,7 +58,7 @@ def serve(
     from .config_file import read_serve_config
     from .settings import ServeSettings, parse_model_arg
 
-    flags = ctx.meta.get(SETTING_FLAGS, {})  # one per declared setting, None = not given (ServeCommand)
+    flags = ctx.meta.get(DERIVED, {})  # one per declared setting, None = not given (ServeCommand)
     settings = ServeSettings.from_env(config=read_serve_config(config) if config else None, **flags)
     specs = tuple(parse_model_arg(a, settings.variant) for a in artifacts or [])
     if not specs and not settings.model_repository:  # a repository alone: its folders are the models
@@ -74,37 +69,21 @@ def serve(
     run_server(settings)
 
 
-class ServeCommand(TyperCommand):
-    """``kiln serve``: ``serve``'s own parameters plus one option per declared setting, added the
-    first time click asks for the parameters (to parse or to print help). Deriving them needs the
-    declaration, i.e. pydantic, which took ``import modelkiln.cli`` from about 0.2 to 0.4-0.6 s
-    on this 2-core box; built here, only ``kiln serve`` pays it, not ``kiln --help`` or ``convert``."""
+class ServeCommand(DerivedOptionsCommand):
+    """``kiln serve``: ``serve``'s own parameters plus one option per declared setting."""
 
-    _derived: Optional[list[Any]] = None  # typer's click parameters (typer may vendor click)
+    def derive(self) -> list[Any]:
+        from .settings import declared
 
-    def get_params(self, ctx: Any) -> list[Any]:
-        if self._derived is None:
-            self._derived = _setting_params()
-            at = next(i for i, p in enumerate(self.params) if p.name == "config")
-            self.params[at:at] = self._derived
-        return super().get_params(ctx)
-
-    def invoke(self, ctx: Any) -> Any:
-        # typer's wrapper passes only ``serve``'s own parameters: hand the settings over in ctx.meta
-        names = {p.name for p in self._derived or ()}
-        ctx.meta[SETTING_FLAGS] = {name: ctx.params.pop(name) for name in list(ctx.params) if name in names}
-        return super().invoke(ctx)
+        return typer_params([keyword(name, *_setting_option(name)) for name in declared()])
 
 
-def _setting_option(name: str, annotation: Any) -> tuple[Any, Any]:
+def _setting_option(name: str) -> tuple[Any, Any]:
     """(type, typer.Option) for one declared setting: ``--name`` (or its declared flag), the
     help with its env var and default, ``--x/--no-x`` for booleans; None = not given."""
-    from .settings import cli_flag, help_line
+    from .settings import cli_flag, help_line, value_type
 
-    flag = cli_flag(name)
-    kind = annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None: X
-        kind = next(k for k in typing.get_args(annotation) if k is not type(None))
+    flag, kind = cli_flag(name), value_type(name)
     if kind is bool:
         return Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", help=help_line(name), show_default=False)
     if typing.get_origin(kind) is typing.Literal:
@@ -113,25 +92,6 @@ def _setting_option(name: str, annotation: Any) -> tuple[Any, Any]:
         choices = "|".join(str(c) for c in typing.get_args(kind))
         return Optional[str], typer.Option(None, flag, help=help_line(name), show_default=False, metavar=choices)
     return Optional[kind], typer.Option(None, flag, help=help_line(name), show_default=False)
-
-
-def _setting_params() -> list[Any]:
-    """The click parameters of every declared setting, made by typer itself (public
-    ``typer.main.get_command``) from a function whose signature lists them."""
-    from .settings import declared
-
-    def settings_only(**flags: Any) -> None:  # never called: it only carries the signature
-        raise AssertionError("not a command")
-
-    params = []
-    for name, f in declared().items():
-        kind, option = _setting_option(name, f.annotation)
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=kind, default=option))
-    settings_only.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    settings_only.__annotations__ = {p.name: p.annotation for p in params}
-    holder = typer.Typer()
-    holder.command()(settings_only)
-    return list(typer.main.get_command(holder).params)
 
 
 def run_server(settings: object) -> None:

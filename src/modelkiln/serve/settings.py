@@ -15,6 +15,8 @@ parsing (lax for env strings, strict for the JSON config file) and the range che
 from __future__ import annotations
 
 import os
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -36,11 +38,12 @@ class ModelSpec:
     variant: str | None = None  # None: the fastest kept variant for ``device``
 
 
-def setting(default: Any, help: str, *, sweep: bool = False, flag: str | None = None,
+def setting(default: Any, help: str, *, sweep: str | None = None, flag: str | None = None,
             shown_default: str | None = None, **checks: Any) -> Any:
     """A declared setting. ``help`` is the flag's help (env var and default are appended);
-    ``sweep``: ``kiln tune`` may try several values; ``flag``: the CLI flag when it is not
-    ``--field-name``; ``shown_default``: how help shows a default of None ("cores / instances");
+    ``sweep``: ``kiln tune`` may try several values of it, by default these (comma-separated;
+    ``auto``: the server's default; ``kept``: every kept CPU variant); ``flag``: the CLI flag
+    when it is not ``--field-name``; ``shown_default``: how help shows a default of None ("cores / instances");
     ``checks``: pydantic constraints (ge, gt, le)."""
     extra = {"sweep": sweep, "flag": flag, "shown_default": shown_default}
     return Field(default, description=help, json_schema_extra=extra, **checks)
@@ -58,29 +61,29 @@ class ServeSettings(BaseModel):
     # --- engines
     device: Literal["cpu", "cuda"] = setting("cpu", "cpu or cuda.")
     variant: Optional[str] = setting(None, "Variant for every model given without one: int8, fp32, ...",
-                                     sweep=True, shown_default="fastest kept for the device")
-    threads: Optional[int] = setting(None, "onnxruntime intra-op threads per instance.", sweep=True, ge=1,
+                                     sweep="kept", shown_default="fastest kept for the device")
+    threads: Optional[int] = setting(None, "onnxruntime intra-op threads per instance.", sweep="auto", ge=1,
                                      shown_default="cores / instances")
-    instances: Optional[int] = setting(None, "Engine sessions per model running batches in parallel.", sweep=True,
+    instances: Optional[int] = setting(None, "Engine sessions per model running batches in parallel.", sweep="1,2",
                                        ge=1, shown_default="2 on CPU, 1 on GPU")
     # The session that runs a lone request on an idle server (see Batcher: ``alone``).
     alone_threads: Optional[int] = setting(
-        None, "Threads for a lone request on an idle server, in a session of its own (0 = off).", sweep=True, ge=0,
+        None, "Threads for a lone request on an idle server, in a session of its own (0 = off).", sweep="auto", ge=0,
         shown_default="all cores")
     # --- batching
-    max_batch_size: int = setting(32, "Inputs per model batch.", sweep=True, gt=0)
+    max_batch_size: int = setting(32, "Inputs per model batch.", sweep="32", gt=0)
     # It bounds a batch's activation memory. On CPU long inputs gain nothing from batching (int8
     # all-MiniLM-L6-v2: 60 sequences/s at 1 × 128 tokens, 62 at 8 × 128), and a backlog of long
     # SQuAD paragraphs took the server to a 1.0 GB peak with 8192, 552 MB with 2048, 424 MB with 1024.
-    max_batch_tokens: Optional[int] = setting(None, "Padded tokens per model batch (rows × longest row).", sweep=True,
+    max_batch_tokens: Optional[int] = setting(None, "Padded tokens per model batch (rows × longest row).", sweep="auto",
                                               gt=0, shown_default="1024 on CPU, 8192 on GPU")
     # Measured on all-MiniLM-L6-v2 int8, 2 cores, STS-B sentences, 16 clients in process: no
     # limit 330-350 req/s, 0.5 ~390, 0.15 ~440-470, 0 (equal lengths only) ~410. On CPU a batch of
     # short texts runs little faster per text than one text alone, so padding is pure loss.
     max_padding: Optional[float] = setting(None, "Padding a batch may add, as a fraction of its real tokens.",
-                                           sweep=True, ge=0, shown_default="0.15 on CPU, 1.0 on GPU")
+                                           sweep="auto", ge=0, shown_default="0.15 on CPU, 1.0 on GPU")
     max_queue_delay_ms: float = setting(0.0, "Extra wait for a fuller batch, ms (0 = run whatever is queued).",
-                                        sweep=True, ge=0)
+                                        sweep="0,2", ge=0)
     max_queue_size: int = setting(1024, "Inputs waiting before requests get 503 at once.", gt=0)
     # --- limits
     request_timeout_s: float = setting(30.0, "Seconds per request.", flag="--request-timeout", gt=0)
@@ -187,8 +190,17 @@ def cli_flag(name: str) -> str:
     return (_meta(f).get("flag") if f else None) or "--" + name.replace("_", "-")
 
 
-def is_sweepable(name: str) -> bool:
-    return bool(_meta(ServeSettings.model_fields[name]).get("sweep"))
+def sweep_default(name: str) -> str | None:
+    """The values ``kiln tune`` tries by default (None: not sweepable)."""
+    return _meta(ServeSettings.model_fields[name]).get("sweep")
+
+
+def value_type(name: str) -> Any:
+    """The field's type without None (``int | None`` → int)."""
+    kind = ServeSettings.model_fields[name].annotation
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    return kind
 
 
 def shown_default(name: str) -> str:
@@ -207,8 +219,8 @@ def help_line(name: str) -> str:
 
 
 def sweepable() -> tuple[str, ...]:
-    """The settings ``kiln tune`` may sweep (declared with ``sweep=True``), in declaration order."""
-    return tuple(name for name in declared() if is_sweepable(name))
+    """The settings ``kiln tune`` may sweep (declared with ``sweep=...``), in declaration order."""
+    return tuple(name for name in declared() if sweep_default(name) is not None)
 
 
 def describe_error(exc: ValidationError, sources: Mapping[str, str] | None = None) -> str:

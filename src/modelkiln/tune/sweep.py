@@ -29,7 +29,7 @@ from ..net import free_port
 
 def sweepable_flags() -> dict[str, str]:
     """The settings ``kiln tune`` may sweep, as ServeSettings field names → the ``kiln serve`` flag
-    that sets each: whatever the declaration marks ``sweep=True`` (serve/settings.py)."""
+    that sets each: whatever the declaration marks with ``sweep=`` (serve/settings.py)."""
     from ..serve.settings import cli_flag, sweepable
 
     return {name: cli_flag(name) for name in sweepable()}
