@@ -49,7 +49,7 @@ def tune(
     for v in chosen:
         manifest.variant(v)  # fails early, listing the kept ones
     values = {name: sweep_values(name, raw) for name, raw in ctx.meta.get(DERIVED, {}).items()}
-    grid = Grid(variant=tuple(chosen), **values)
+    grid = Grid({"variant": tuple(chosen), **values})
     loads = tuple(Load("concurrency", float(int(v))) for v in parse_levels(concurrency, "--concurrency"))
     load = LoadtestOptions(url="", model=manifest.name, loads=loads, protocol=protocol, inputs=inputs, length=length,
                            batch=batch, warmup_s=warmup, window_s=window, max_windows=max_windows)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,21 +37,18 @@ def sweepable_flags() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Grid:
-    """The values to try, one tuple per sweepable setting (field names as in ServeSettings; a
-    test checks that they are exactly the declaration's sweepable ones). None: the server's default."""
+    """The values to try per sweepable setting (ServeSettings field names → values; None: the
+    server's default). A sweepable setting left out runs at the server's default."""
 
-    variant: tuple[str | None, ...]
-    instances: tuple[int | None, ...]  # engine sessions per model
-    threads: tuple[int | None, ...]  # intra-op threads per instance (default cores / instances)
-    max_batch_size: tuple[int, ...]
-    max_batch_tokens: tuple[int | None, ...]
-    max_queue_delay_ms: tuple[float, ...]
-    max_padding: tuple[float | None, ...] = (None,)  # default 0.15 on CPU
-    alone_threads: tuple[int | None, ...] = (None,)  # default every core; 0: off
+    values: Mapping[str, Sequence[Any]]
 
     def combinations(self) -> list[dict[str, Any]]:
         keys = tuple(sweepable_flags())
-        return [dict(zip(keys, combo)) for combo in itertools.product(*(getattr(self, k) for k in keys))]
+        unknown = sorted(set(self.values) - set(keys))
+        if unknown:
+            raise KilnError(f"not sweepable: {', '.join(unknown)} (sweepable: {', '.join(keys)})")
+        axes = [tuple(self.values.get(k) or (None,)) for k in keys]
+        return [dict(zip(keys, combo)) for combo in itertools.product(*axes)]
 
 
 @dataclass
