@@ -2,9 +2,9 @@
 enums) and whether ``kiln tune`` may sweep it; everything else is derived from this class:
 
 - ``KILN_<FIELD>`` environment variables (``ServeSettings.from_env``),
-- the ``kiln serve`` flags (``serve/command.py``: ``cli_flag``, ``help_line``),
+- the ``kiln serve`` flags and their help (``serve/command.py``: ``cli_flag``, ``help_line``),
 - the ``--config`` file's validation (``serve/config_file.py``),
-- ``kiln tune``'s sweepable flags (``sweepable()``, used by ``tune/sweep.py``).
+- ``kiln tune``'s options and the flags it sweeps (``sweepable``, ``sweep_default``: ``tune/``).
 
 A frozen pydantic model rather than pydantic-settings' ``BaseSettings``: ``BaseSettings`` reads
 ``os.environ`` on every construction, so ``ServeSettings()`` in a test or a library caller would
@@ -43,8 +43,8 @@ def setting(default: Any, help: str, *, sweep: str | None = None, flag: str | No
     """A declared setting. ``help`` is the flag's help (env var and default are appended);
     ``sweep``: ``kiln tune`` may try several values of it, by default these (comma-separated;
     ``auto``: the server's default; ``kept``: every kept CPU variant); ``flag``: the CLI flag
-    when it is not ``--field-name``; ``shown_default``: how help shows a default of None ("cores / instances");
-    ``checks``: pydantic constraints (ge, gt, le)."""
+    when it is not ``--field-name``; ``shown_default``: how help shows a default of None
+    ("cores / instances"); ``checks``: pydantic constraints (ge, gt, le)."""
     extra = {"sweep": sweep, "flag": flag, "shown_default": shown_default}
     return Field(default, description=help, json_schema_extra=extra, **checks)
 
@@ -75,8 +75,8 @@ class ServeSettings(BaseModel):
     # It bounds a batch's activation memory. On CPU long inputs gain nothing from batching (int8
     # all-MiniLM-L6-v2: 60 sequences/s at 1 × 128 tokens, 62 at 8 × 128), and a backlog of long
     # SQuAD paragraphs took the server to a 1.0 GB peak with 8192, 552 MB with 2048, 424 MB with 1024.
-    max_batch_tokens: Optional[int] = setting(None, "Padded tokens per model batch (rows × longest row).", sweep="auto",
-                                              gt=0, shown_default="1024 on CPU, 8192 on GPU")
+    max_batch_tokens: Optional[int] = setting(None, "Padded tokens per model batch (rows × longest row).",
+                                              sweep="auto", gt=0, shown_default="1024 on CPU, 8192 on GPU")
     # Measured on all-MiniLM-L6-v2 int8, 2 cores, STS-B sentences, 16 clients in process: no
     # limit 330-350 req/s, 0.5 ~390, 0.15 ~440-470, 0 (equal lengths only) ~410. On CPU a batch of
     # short texts runs little faster per text than one text alone, so padding is pure loss.
