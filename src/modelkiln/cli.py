@@ -22,6 +22,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 console = Console(stderr=True)
 # Tables are wide; when piped (CI logs, README captures) do not squeeze them into 80 columns.
@@ -137,7 +138,7 @@ def evaluate(
     print_accuracy(out, evaluate_sts(artifact, sts, threads, reference, steps=step))
 
 
-from .serve.command import serve as _serve; app.command("serve")(_serve)  # noqa: E402,E702
+from .serve.command import ServeCommand, serve as _serve; app.command("serve", cls=ServeCommand)(_serve)  # noqa: E402,E702
 
 
 from .triton.command import triton as _triton; app.command("triton")(_triton)  # noqa: E402,E702
@@ -146,7 +147,7 @@ from .triton.command import triton as _triton; app.command("triton")(_triton)  #
 from .loadtest.command import loadtest as _loadtest; app.command("loadtest")(_loadtest)  # noqa: E402,E702
 
 
-from .tune.command import tune as _tune; app.command("tune")(_tune)  # noqa: E402,E702
+from .tune.command import TuneCommand, tune as _tune; app.command("tune", cls=TuneCommand)(_tune)  # noqa: E402,E702
 
 
 # --- entry point ------------------------------------------------------------------------------

@@ -1,16 +1,20 @@
 """``kiln serve``: parse flags, load the models, run uvicorn. Imports nothing heavy at module
-level (``kiln --help`` must stay fast); fastapi/uvicorn/onnxruntime load inside ``serve``."""
+level (``kiln --help`` must stay fast); fastapi/uvicorn/onnxruntime load inside ``serve``. The
+flags are derived from the ``ServeSettings`` declaration (one per field), so a new setting
+gets its flag, env var and config key by being declared there."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
+from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
 from ..errors import KilnError
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -39,31 +43,13 @@ def default_artifact() -> Path:
 
 
 def serve(
-    artifacts: Optional[list[str]] = typer.Argument(None, help="Artifact folders, or NAME=PATH. None: the default model."),
-    host: Optional[str] = typer.Option(None, help="Bind address (env KILN_HOST, default 127.0.0.1)."),
-    port: Optional[int] = typer.Option(None, help="Port (env KILN_PORT, default 8000)."),
-    grpc_port: Optional[int] = typer.Option(None, help="KServe v2 gRPC port (env KILN_GRPC_PORT, default 8001; 0 = off)."),
-    variant: Optional[str] = typer.Option(None, help="Variant for every model: int8, fp32, ... (env KILN_VARIANT; default: fastest kept for the device)."),
-    device: Optional[str] = typer.Option(None, help="cpu or cuda (env KILN_DEVICE)."),
-    threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads per instance (env KILN_THREADS; default cores / instances)."),
-    instances: Optional[int] = typer.Option(None, help="Engine sessions per model running batches in parallel (env KILN_INSTANCES; default 2 on CPU)."),
-    alone_threads: Optional[int] = typer.Option(None, help="Threads for a lone request on an idle server, in a session of its own (env KILN_ALONE_THREADS; default all cores; 0 = off)."),
-    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on every route but health (env KILN_API_KEY)."),
-    max_batch_size: Optional[int] = typer.Option(None, help="Inputs per model batch (env KILN_MAX_BATCH_SIZE, 32)."),
-    max_batch_tokens: Optional[int] = typer.Option(None, help="Padded tokens per model batch (env KILN_MAX_BATCH_TOKENS; default 1024 on CPU, 8192 on GPU)."),
-    max_padding: Optional[float] = typer.Option(None, help="Padding a batch may add, as a fraction of its real tokens (env KILN_MAX_PADDING; default 0.15 on CPU, 1.0 on GPU)."),
-    max_queue_delay_ms: Optional[float] = typer.Option(None, help="Extra wait for a fuller batch, ms (env KILN_MAX_QUEUE_DELAY_MS, 0)."),
-    max_queue_size: Optional[int] = typer.Option(None, help="Inputs waiting before 503s (env KILN_MAX_QUEUE_SIZE, 1024)."),
-    request_timeout_s: Optional[float] = typer.Option(None, "--request-timeout", help="Seconds per request (env KILN_REQUEST_TIMEOUT_S, 30)."),
-    max_body_bytes: Optional[int] = typer.Option(None, help="Largest request body (env KILN_MAX_BODY_BYTES, 8 MiB)."),
-    body_read_timeout_s: Optional[float] = typer.Option(None, "--body-read-timeout", help="Seconds to receive a request body, else 408 (env KILN_BODY_READ_TIMEOUT_S, 10)."),
-    max_inputs_per_request: Optional[int] = typer.Option(None, help="Inputs per request (env KILN_MAX_INPUTS_PER_REQUEST, 256)."),
-    max_input_chars: Optional[int] = typer.Option(None, help="Characters per input (env KILN_MAX_INPUT_CHARS, 100000)."),
-    truncate: Optional[bool] = typer.Option(None, "--truncate/--no-truncate", help="Cut inputs longer than the model's max length, or reject them (env KILN_TRUNCATE, truncate)."),
-    warmup: Optional[bool] = typer.Option(None, "--warmup/--no-warmup", help="Run warm-up batches at load (env KILN_WARMUP)."),
-    log_level: Optional[str] = typer.Option(None, help="debug, info, warning (env KILN_LOG_LEVEL)."),
-    access_log: Optional[bool] = typer.Option(None, "--access-log/--no-access-log", help="Log every request with its id (env KILN_ACCESS_LOG)."),
-    config: Optional[Path] = typer.Option(None, help="JSON settings file (e.g. written by `kiln tune`); env vars and flags override it."),
+    ctx: typer.Context,
+    artifacts: Optional[list[str]] = typer.Argument(
+        None, help="Artifact folders, or NAME=PATH. None: the default model (or only the --model-repository's models).",
+        show_default=False),
+    config: Optional[Path] = typer.Option(
+        None, help="JSON settings file (e.g. written by `kiln tune`); env vars and flags override it.",
+        show_default=False),
 ) -> None:
     """Serve artifacts over HTTP: KServe v2 / Open Inference Protocol (Triton-compatible),
     /v2/models/{m}/predict, and OpenAI /v1/embeddings, with dynamic batching."""
@@ -72,24 +58,40 @@ def serve(
     from .config_file import read_serve_config
     from .settings import ServeSettings, parse_model_arg
 
-    settings = ServeSettings.from_env(
-        config=read_serve_config(config) if config else None,
-        host=host, port=port, grpc_port=grpc_port, variant=variant, device=device, threads=threads, instances=instances,
-        alone_threads=alone_threads, api_key=api_key,
-        max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, max_padding=max_padding,
-        max_queue_delay_ms=max_queue_delay_ms,
-        max_queue_size=max_queue_size, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
-        body_read_timeout_s=body_read_timeout_s,
-        max_inputs_per_request=max_inputs_per_request, max_input_chars=max_input_chars, truncate=truncate,
-        warmup=warmup, log_level=log_level, access_log=access_log,
-    )
+    flags = ctx.meta.get(DERIVED, {})  # one per declared setting, None = not given (ServeCommand)
+    settings = ServeSettings.from_env(config=read_serve_config(config) if config else None, **flags)
     specs = tuple(parse_model_arg(a, settings.variant) for a in artifacts or [])
-    if not specs:
+    if not specs and not settings.model_repository:  # a repository alone: its folders are the models
         specs = (parse_model_arg(f"{DEFAULT_MODEL_NAME}={default_artifact()}", settings.variant),)
     settings = settings.with_models(specs)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_server(settings)
+
+
+class ServeCommand(DerivedOptionsCommand):
+    """``kiln serve``: ``serve``'s own parameters plus one option per declared setting."""
+
+    def derive(self) -> list[Any]:
+        from .settings import declared
+
+        return typer_params([keyword(name, *_setting_option(name)) for name in declared()])
+
+
+def _setting_option(name: str) -> tuple[Any, Any]:
+    """(type, typer.Option) for one declared setting: ``--name`` (or its declared flag), the
+    help with its env var and default, ``--x/--no-x`` for booleans; None = not given."""
+    from .settings import cli_flag, help_line, value_type
+
+    flag, kind = cli_flag(name), value_type(name)
+    if kind is bool:
+        return Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", help=help_line(name), show_default=False)
+    if typing.get_origin(kind) is typing.Literal:
+        # a plain string shown as A|B|C: the declaration rejects others with the same one-line
+        # error whether the value came from a flag, an env var or the config file
+        choices = "|".join(str(c) for c in typing.get_args(kind))
+        return Optional[str], typer.Option(None, flag, help=help_line(name), show_default=False, metavar=choices)
+    return Optional[kind], typer.Option(None, flag, help=help_line(name), show_default=False)
 
 
 def run_server(settings: object) -> None:

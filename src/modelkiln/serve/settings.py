@@ -1,11 +1,28 @@
-"""Server settings: one frozen dataclass. Defaults come from ``KILN_*`` environment variables,
-CLI flags override them (see ``command.py``), and nothing else reads the environment."""
+"""Server settings, declared once. Each field carries its default, help, validation (ranges,
+enums) and whether ``kiln tune`` may sweep it; everything else is derived from this class:
+
+- ``KILN_<FIELD>`` environment variables (``ServeSettings.from_env``),
+- the ``kiln serve`` flags and their help (``serve/command.py``: ``cli_flag``, ``help_line``),
+- the ``--config`` file's validation (``serve/config_file.py``),
+- ``kiln tune``'s options and the flags it sweeps (``sweepable``, ``sweep_default``: ``tune/``).
+
+A frozen pydantic model rather than pydantic-settings' ``BaseSettings``: ``BaseSettings`` reads
+``os.environ`` on every construction, so ``ServeSettings()`` in a test or a library caller would
+pick up whatever ``KILN_*`` variables the shell has, and it cannot read an environment given as a
+dict. Here only ``from_env`` reads the environment, and it is twenty lines. Pydantic does the
+parsing (lax for env strings, strict for the JSON config file) and the range checks."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
 from ..errors import KilnError
 
@@ -21,45 +38,71 @@ class ModelSpec:
     variant: str | None = None  # None: the fastest kept variant for ``device``
 
 
-@dataclass(frozen=True)
-class ServeSettings:
-    host: str = "127.0.0.1"  # loopback unless told otherwise
-    port: int = 8000
-    grpc_port: int = 8001  # KServe v2 gRPC port (0 = off)
-    api_key: str | None = None  # bearer token required on every route but health
-    device: str = "cpu"
-    variant: str | None = None  # default variant for models given without one
-    threads: int | None = None  # onnxruntime intra-op threads per instance (None: cores / instances)
-    instances: int | None = None  # engine sessions per model run in parallel (None: 2 on CPU, 1 on GPU)
-    # threads of the session that runs a lone request on an idle server (see Batcher: ``alone``):
-    # None = every core, 0 = no such session
-    alone_threads: int | None = None
-    # batching
-    max_batch_size: int = 32  # inputs per model batch
-    # Padded tokens per model batch, rows × longest row (None: 1024 on CPU, 8192 on GPU). It bounds
-    # a batch's activation memory. On CPU long inputs gain nothing from batching (int8
+def setting(default: Any, help: str, *, sweep: str | None = None, flag: str | None = None,
+            shown_default: str | None = None, **checks: Any) -> Any:
+    """A declared setting. ``help`` is the flag's help (env var and default are appended);
+    ``sweep``: ``kiln tune`` may try several values of it, by default these (comma-separated;
+    ``auto``: the server's default; ``kept``: every kept CPU variant); ``flag``: the CLI flag
+    when it is not ``--field-name``; ``shown_default``: how help shows a default of None
+    ("cores / instances"); ``checks``: pydantic constraints (ge, gt, le)."""
+    extra = {"sweep": sweep, "flag": flag, "shown_default": shown_default}
+    return Field(default, description=help, json_schema_extra=extra, **checks)
+
+
+class ServeSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # --- network
+    host: str = setting("127.0.0.1", "Bind address.")  # loopback unless told otherwise
+    port: int = setting(8000, "HTTP port.", ge=0, le=65535)
+    grpc_port: int = setting(8001, "KServe v2 gRPC port (0 = off).", ge=0, le=65535)
+    api_key: Optional[str] = setting(None, "Require 'Authorization: Bearer KEY' on every route but health.",
+                                     shown_default="none")
+    # --- engines
+    device: Literal["cpu", "cuda"] = setting("cpu", "cpu or cuda.")
+    variant: Optional[str] = setting(None, "Variant for every model given without one: int8, fp32, ...",
+                                     sweep="kept", shown_default="fastest kept for the device")
+    threads: Optional[int] = setting(None, "onnxruntime intra-op threads per instance.", sweep="auto", ge=1,
+                                     shown_default="cores / instances")
+    instances: Optional[int] = setting(None, "Engine sessions per model running batches in parallel.", sweep="1,2",
+                                       ge=1, shown_default="2 on CPU, 1 on GPU")
+    # The session that runs a lone request on an idle server (see Batcher: ``alone``).
+    alone_threads: Optional[int] = setting(
+        None, "Threads for a lone request on an idle server, in a session of its own (0 = off).", sweep="auto", ge=0,
+        shown_default="all cores")
+    # --- batching
+    max_batch_size: int = setting(32, "Inputs per model batch.", sweep="32", gt=0)
+    # It bounds a batch's activation memory. On CPU long inputs gain nothing from batching (int8
     # all-MiniLM-L6-v2: 60 sequences/s at 1 × 128 tokens, 62 at 8 × 128), and a backlog of long
     # SQuAD paragraphs took the server to a 1.0 GB peak with 8192, 552 MB with 2048, 424 MB with 1024.
-    max_batch_tokens: int | None = None
-    # Padding a batch may add, as a fraction of its real tokens (None: 0.15 on CPU, 1.0 on GPU).
+    max_batch_tokens: Optional[int] = setting(None, "Padded tokens per model batch (rows × longest row).",
+                                              sweep="auto", gt=0, shown_default="1024 on CPU, 8192 on GPU")
     # Measured on all-MiniLM-L6-v2 int8, 2 cores, STS-B sentences, 16 clients in process: no
     # limit 330-350 req/s, 0.5 ~390, 0.15 ~440-470, 0 (equal lengths only) ~410. On CPU a batch of
     # short texts runs little faster per text than one text alone, so padding is pure loss.
-    max_padding: float | None = None
-    max_queue_delay_ms: float = 0.0  # extra wait for a fuller batch; 0 = run whatever is queued
-    max_queue_size: int = 1024  # inputs waiting; beyond that requests get 503 at once
-    # limits
-    request_timeout_s: float = 30.0
-    max_body_bytes: int = 8 * 1024 * 1024
-    body_read_timeout_s: float = 10.0  # a body not fully received by then is answered 408 (stalled clients)
-    max_inputs_per_request: int = 256
-    max_input_chars: int = 100_000  # checked before tokenizing (bounds tokenizer work)
-    truncate: bool = True  # inputs longer than the model's max_length: truncate, or reject (400)
-    # operations
-    warmup: bool = True
-    log_level: str = "info"
-    access_log: bool = False  # one line per request, with its request id
-    models: tuple[ModelSpec, ...] = field(default_factory=tuple)
+    max_padding: Optional[float] = setting(None, "Padding a batch may add, as a fraction of its real tokens.",
+                                           sweep="auto", ge=0, shown_default="0.15 on CPU, 1.0 on GPU")
+    max_queue_delay_ms: float = setting(0.0, "Extra wait for a fuller batch, ms (0 = run whatever is queued).",
+                                        sweep="0,2", ge=0)
+    max_queue_size: int = setting(1024, "Inputs waiting before requests get 503 at once.", gt=0)
+    # --- limits
+    request_timeout_s: float = setting(30.0, "Seconds per request.", flag="--request-timeout", gt=0)
+    body_read_timeout_s: float = setting(10.0, "Seconds to receive a request body.", flag="--body-read-timeout", gt=0)
+    max_body_bytes: int = setting(8 * 1024 * 1024, "Largest request body, bytes.", gt=0, shown_default="8 MiB")
+    max_inputs_per_request: int = setting(256, "Inputs per request.", gt=0)
+    max_input_chars: int = setting(100_000, "Characters per input, checked before tokenizing.", gt=0)
+    truncate: bool = setting(True, "Cut inputs longer than the model's max length, or reject them (400).")
+    # --- model repository (Triton's repository extension)
+    model_repository: Optional[str] = setting(None, "A folder of artifact folders to serve.", shown_default="none")
+    model_control_mode: Literal["none", "explicit", "poll"] = setting(
+        "none", "none: serve the repository as found; explicit: load/unload on request; poll: follow the folder.")
+    repository_poll_s: float = setting(15.0, "Seconds between repository scans (poll mode).", gt=0)
+    # --- operations
+    warmup: bool = setting(True, "Run warm-up batches at load.")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = setting("info", "Log level.")
+    access_log: bool = setting(False, "Log every request with its id.")
+    # given as arguments (kiln serve ARTIFACT...), not as flags, env vars or config keys
+    models: tuple[ModelSpec, ...] = Field(default=(), json_schema_extra={"argument": True})
 
     def token_budget(self) -> int:
         if self.max_batch_tokens is not None:
@@ -87,59 +130,108 @@ class ServeSettings:
         return instances, threads, alone
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, config: dict[str, Any] | None = None,
+    def from_env(cls, environ: Mapping[str, str] | None = None, config: Mapping[str, Any] | None = None,
                  **overrides: Any) -> ServeSettings:
         """Defaults ← a config file's values (``kiln serve --config``, written by ``kiln tune``) ←
-        ``KILN_<FIELD>`` env vars ← explicit overrides (None means "not given")."""
+        ``KILN_<FIELD>`` env vars ← explicit overrides (None means "not given"). Env values are
+        strings that pydantic parses (``"9"`` → 9, ``"false"`` → False); an empty one is unset."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = dict(config or {})
-        for f in fields(cls):
-            if f.name == "models":
-                continue
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is not None and raw != "":
-                values[f.name] = _parse(f.name, str(f.type), raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        settings = cls(**values)
+        sources = {name: "config file" for name in values}
+        for name in declared():
+            raw = env.get(env_var(name))
+            if raw:
+                values[name], sources[name] = raw, f"{env_var(name)}={raw!r}"
+        for name, value in overrides.items():
+            if value is not None:
+                values[name], sources[name] = value, f"{cli_flag(name)} {value!r}"
+        try:
+            settings = cls.model_validate(values)
+        except ValidationError as exc:
+            raise KilnError(describe_error(exc, sources)) from None
         settings.check()
         return settings
 
+    def replace(self, **changes: Any) -> ServeSettings:
+        """A copy with some settings changed, validated like any other (a bad value: KilnError)."""
+        try:
+            return self.model_validate({**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
+        except ValidationError as exc:
+            raise KilnError(describe_error(exc)) from None
+
     def with_models(self, models: tuple[ModelSpec, ...]) -> ServeSettings:
-        return replace(self, models=models)
+        return self.model_copy(update={"models": tuple(models)})
 
     def check(self) -> None:
-        positive = ("max_batch_size", "max_batch_tokens", "max_queue_size", "max_body_bytes",
-                    "max_inputs_per_request", "max_input_chars")
-        for name in positive:
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise KilnError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.instances is not None and self.instances < 1:
-            raise KilnError("instances must be at least 1")
-        if self.max_padding is not None and self.max_padding < 0:
-            raise KilnError("max_padding must not be negative")
-        if self.alone_threads is not None and self.alone_threads < 0:
-            raise KilnError("alone_threads must be 0 (off) or positive")
-        if self.request_timeout_s <= 0 or self.max_queue_delay_ms < 0:
-            raise KilnError("request_timeout_s must be positive and max_queue_delay_ms not negative")
+        """Rules across fields (each field's own range is checked at construction)."""
+        if self.model_control_mode != "none" and not self.model_repository:
+            raise KilnError(f"model_control_mode {self.model_control_mode} needs a model repository "
+                            f"({cli_flag('model_repository')} DIR)")
 
 
-def _parse(name: str, kind: str, raw: str) -> Any:
-    try:
-        if "bool" in kind:
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if kind.startswith("int"):
-            return int(raw)
-        if kind.startswith("float"):
-            return float(raw)
-        if "int" in kind and "None" in kind:  # int | None
-            return int(raw)
-        return raw
-    except ValueError:
-        raise KilnError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind}") from None
+# --- what the rest of the code derives from the declaration -----------------------------------
+
+
+def declared() -> dict[str, FieldInfo]:
+    """The settings a user can set (flags, env vars, config keys), in declaration order."""
+    return {name: f for name, f in ServeSettings.model_fields.items() if not _meta(f).get("argument")}
+
+
+def _meta(f: FieldInfo) -> dict[str, Any]:
+    return f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def cli_flag(name: str) -> str:
+    f = ServeSettings.model_fields.get(name)
+    return (_meta(f).get("flag") if f else None) or "--" + name.replace("_", "-")
+
+
+def sweep_default(name: str) -> str | None:
+    """The values ``kiln tune`` tries by default (None: not sweepable)."""
+    return _meta(ServeSettings.model_fields[name]).get("sweep")
+
+
+def value_type(name: str) -> Any:
+    """The field's type without None (``int | None`` → int)."""
+    kind = ServeSettings.model_fields[name].annotation
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    return kind
+
+
+def shown_default(name: str) -> str:
+    f = ServeSettings.model_fields[name]
+    shown = _meta(f).get("shown_default")
+    if shown is not None:
+        return shown
+    if isinstance(f.default, bool):
+        return "on" if f.default else "off"
+    return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
+
+
+def help_line(name: str) -> str:
+    """The flag's help: what it does, its env var and its default."""
+    return f"{ServeSettings.model_fields[name].description} (env {env_var(name)}, default {shown_default(name)})"
+
+
+def sweepable() -> tuple[str, ...]:
+    """The settings ``kiln tune`` may sweep (declared with ``sweep=...``), in declaration order."""
+    return tuple(name for name in declared() if sweep_default(name) is not None)
+
+
+def describe_error(exc: ValidationError, sources: Mapping[str, str] | None = None) -> str:
+    """The first problem as one line that names the setting and where its value came from."""
+    error = exc.errors()[0]
+    name = str(error["loc"][0]) if error["loc"] else "settings"
+    message = error["msg"].replace("Input should be", "must be")
+    if error["type"] == "extra_forbidden":
+        return f"unknown setting '{name}'"
+    where = (sources or {}).get(name)
+    return f"{name} {message}" + (f" (from {where})" if where else f", got {error.get('input')!r}")
 
 
 def parse_model_arg(arg: str, default_variant: str | None) -> ModelSpec:

@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
+from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
+
 
 def tune(
+    ctx: typer.Context,
     artifact: Path = typer.Argument(..., help="An artifact folder written by `kiln convert`."),
     p99_ms: Optional[float] = typer.Option(None, "--p99-ms", help="Latency budget: rank by the best throughput whose p99 stays below this."),
     out: Path = typer.Option(Path("kiln-serve.json"), "--out", "-o", help="Config file to write (for `kiln serve --config`)."),
     variants: Optional[str] = typer.Option(None, help="Variants to try (default: every kept CPU variant)."),
-    instances: str = typer.Option("1,2", help="Engine instances per model to try (kiln serve --instances); 0 = the server's default."),
-    threads: str = typer.Option("0", help="Intra-op threads per instance to try; 0 = the server's default (cores / instances)."),
-    max_batch_size: str = typer.Option("32", help="Max batch sizes to try."),
-    max_batch_tokens: str = typer.Option("0", help="Token budgets per batch to try; 0 = the server's default."),
-    max_queue_delay_ms: str = typer.Option("0,2", help="Queue delays (ms) to try."),
-    max_padding: str = typer.Option("auto", help="Padding limits to try (kiln serve --max-padding); auto = the server's default."),
-    alone_threads: str = typer.Option("auto", help="Threads for a lone request to try (kiln serve --alone-threads; 0 = off); auto = the server's default."),
+    # here TuneCommand adds one option per numeric setting the declaration marks sweepable
     concurrency: str = typer.Option("1:32:x2", help="Closed-loop load per combination (stops once p99 exceeds the budget)."),
     protocol: str = typer.Option("oip-json", help="oip-json | oip-binary | task."),
     inputs: str = typer.Option("samples", help="samples | sts | squad | a text file."),
@@ -40,7 +37,7 @@ def tune(
     from ..loadtest.api import LoadtestOptions
     from ..loadtest.runner import Load, parse_levels
     from ..manifest import Manifest, is_artifact
-    from ..option_lists import number_list, split_list
+    from ..option_lists import split_list
     from .report import print_ranking, write_best, write_json
     from .sweep import Grid, run_sweep
 
@@ -51,13 +48,8 @@ def tune(
     chosen = split_list(variants) if variants else kept
     for v in chosen:
         manifest.variant(v)  # fails early, listing the kept ones
-    grid = Grid(variants=tuple(chosen), instances=tuple(i or None for i in number_list(instances, "--instances")),
-                threads=tuple(t or None for t in number_list(threads, "--threads")),
-                max_batch_size=tuple(number_list(max_batch_size, "--max-batch-size")),
-                max_batch_tokens=tuple(b or None for b in number_list(max_batch_tokens, "--max-batch-tokens")),
-                max_queue_delay_ms=tuple(number_list(max_queue_delay_ms, "--max-queue-delay-ms", float)),
-                max_padding=tuple(number_list(max_padding, "--max-padding", float, auto=True)),
-                alone_threads=tuple(number_list(alone_threads, "--alone-threads", int, auto=True)))
+    values = {name: sweep_values(name, raw) for name, raw in ctx.meta.get(DERIVED, {}).items()}
+    grid = Grid({"variant": tuple(chosen), **values})
     loads = tuple(Load("concurrency", float(int(v))) for v in parse_levels(concurrency, "--concurrency"))
     load = LoadtestOptions(url="", model=manifest.name, loads=loads, protocol=protocol, inputs=inputs, length=length,
                            batch=batch, warmup_s=warmup, window_s=window, max_windows=max_windows)
@@ -93,3 +85,42 @@ def tune(
     write_best(out, result, best)
     note = "" if best.within_budget else " [yellow](no combination met the p99 budget: this is the lowest-p99 one)[/]"
     out_console.print(f"Wrote [bold]{out}[/]: kiln serve {artifact} --config {out}{note}")
+
+
+class TuneCommand(DerivedOptionsCommand):
+    """``kiln tune``: its own options plus, for each numeric setting that the ServeSettings
+    declaration marks sweepable, ``--<its kiln serve flag> VALUES`` with the declared default."""
+
+    insert_before = "concurrency"
+
+    def derive(self) -> list[Any]:
+        from ..serve.settings import ServeSettings, cli_flag, sweep_default, sweepable, value_type
+
+        params = []
+        for name in sweepable():
+            if value_type(name) in (int, float):  # variant (a string) is --variants above
+                flag = cli_flag(name)
+                field = ServeSettings.model_fields[name]
+                auto = "; auto = the server's default" if field.default is None else ""
+                help = f"{field.description} Values to try (kiln serve {flag}), comma-separated{auto}."
+                params.append(keyword(name, str, typer.Option(sweep_default(name), flag, help=help)))
+        return typer_params(params)
+
+
+def sweep_values(name: str, text: str) -> tuple[Any, ...]:
+    """``"1,2"`` → (1, 2) for the setting ``name``, typed as declared; ``auto`` → None (the
+    server's default). For settings whose default is None and that cannot be 0 (instances,
+    threads, max_batch_tokens), 0 also means the server's default, as it always did here."""
+    from pydantic import ValidationError
+
+    from ..option_lists import number_list
+    from ..serve.settings import ServeSettings, cli_flag, value_type
+
+    optional = ServeSettings.model_fields[name].default is None
+    values = number_list(text, cli_flag(name), value_type(name), auto=optional)
+    if optional:
+        try:
+            ServeSettings.model_validate({name: 0})
+        except ValidationError:
+            values = [None if v == 0 else v for v in values]
+    return tuple(values)

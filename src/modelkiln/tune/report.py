@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..serve.config_file import write_serve_config
-from .sweep import Trial, TuneResult
+from .sweep import Trial, TuneResult, sweepable_flags
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -16,7 +16,10 @@ def _f(value: float | None, digits: int = 1) -> str:
 
 
 def _auto(value: Any) -> str:
-    return "auto" if value is None else f"{value:g}"
+    """A setting's value in the table: None is the server's default."""
+    if value is None:
+        return "auto"
+    return value if isinstance(value, str) else f"{value:g}"
 
 
 def print_ranking(console: Any, result: TuneResult) -> None:
@@ -24,16 +27,15 @@ def print_ranking(console: Any, result: TuneResult) -> None:
 
     budget = f"p99 ≤ {result.p99_budget_ms:g} ms" if result.p99_budget_ms is not None else "no p99 budget"
     table = Table(title=f"kiln tune {result.model} ({budget}), best first", title_justify="left")
-    for name in ("#", "variant", "instances", "threads", "max batch", "batch tokens", "delay ms", "padding", "alone",
+    swept = list(sweepable_flags())  # a column per sweepable setting, as the declaration lists them
+    for name in ("#", *(n.replace("_", " ") for n in swept),
                  "best load", "req/s", "inputs/s", "p50 ms", "p99 ms", "server batch", "peak RSS MB", "budget"):
         table.add_column(name, justify="right")
     for rank, t in enumerate(result.ranked(), 1):
         s = t.settings
         b = t.best
         status = t.error[:40] if t.error else ("ok" if t.within_budget else "over")
-        table.add_row(str(rank), str(s["variant"]), str(s["instances"] or "auto"), str(s["threads"] or "auto"), str(s["max_batch_size"]),
-                      str(s["max_batch_tokens"] or "auto"), f"{s['max_queue_delay_ms']:g}",
-                      _auto(s.get("max_padding")), _auto(s.get("alone_threads")), b.load.label if b else "-",
+        table.add_row(str(rank), *(_auto(s.get(name)) for name in swept), b.load.label if b else "-",
                       _f(b.throughput if b else None), _f(b.inputs_per_s if b else None),
                       _f(b.latency.p50 if b and b.latency else None, 2), _f(t.p99_ms, 2),
                       _f(b.server.batch_size if b and b.server else None), _f(t.peak_rss_mb, 0), status)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,29 +25,30 @@ from ..loadtest.api import LoadtestOptions, run_loadtest
 from ..loadtest.runner import RunResult, StepResult
 from ..net import free_port
 
-# The settings swept, as ServeSettings field names → the `kiln serve` flag that sets each.
-FLAGS = {"variant": "--variant", "instances": "--instances", "threads": "--threads", "max_batch_size": "--max-batch-size",
-         "max_batch_tokens": "--max-batch-tokens", "max_queue_delay_ms": "--max-queue-delay-ms",
-         "max_padding": "--max-padding", "alone_threads": "--alone-threads"}
+
+
+def sweepable_flags() -> dict[str, str]:
+    """The settings ``kiln tune`` may sweep, as ServeSettings field names → the ``kiln serve`` flag
+    that sets each: whatever the declaration marks with ``sweep=`` (serve/settings.py)."""
+    from ..serve.settings import cli_flag, sweepable
+
+    return {name: cli_flag(name) for name in sweepable()}
 
 
 @dataclass(frozen=True)
 class Grid:
-    variants: tuple[str, ...]
-    instances: tuple[int | None, ...]  # engine sessions per model; None: the server's default
-    threads: tuple[int | None, ...]  # intra-op threads per instance; None: the server's default (cores / instances)
-    max_batch_size: tuple[int, ...]
-    max_batch_tokens: tuple[int | None, ...]  # None: the server's default
-    max_queue_delay_ms: tuple[float, ...]
-    max_padding: tuple[float | None, ...] = (None,)  # None: the server's default (0.15 on CPU)
-    alone_threads: tuple[int | None, ...] = (None,)  # None: the server's default (every core); 0: off
+    """The values to try per sweepable setting (ServeSettings field names → values; None: the
+    server's default). A sweepable setting left out runs at the server's default."""
+
+    values: Mapping[str, Sequence[Any]]
 
     def combinations(self) -> list[dict[str, Any]]:
-        keys = ("variant", "instances", "threads", "max_batch_size", "max_batch_tokens", "max_queue_delay_ms",
-                "max_padding", "alone_threads")
-        values = (self.variants, self.instances, self.threads, self.max_batch_size, self.max_batch_tokens,
-                  self.max_queue_delay_ms, self.max_padding, self.alone_threads)
-        return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+        keys = tuple(sweepable_flags())
+        unknown = sorted(set(self.values) - set(keys))
+        if unknown:
+            raise KilnError(f"not sweepable: {', '.join(unknown)} (sweepable: {', '.join(keys)})")
+        axes = [tuple(self.values.get(k) or (None,)) for k in keys]
+        return [dict(zip(keys, combo)) for combo in itertools.product(*axes)]
 
 
 @dataclass
@@ -105,9 +106,10 @@ class ServeProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [f"{name}={artifact}", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        flags = sweepable_flags()
         for key, value in settings.items():
             if value is not None:
-                args += [FLAGS[key], str(value)]
+                args += [flags[key], str(value)]
         self.log = tempfile.NamedTemporaryFile(prefix="kiln-tune-serve-", suffix=".log", delete=False)
         # KILN_* from the caller's environment would silently change what is measured: clear them
         env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k in ("KILN_CACHE_DIR", "KILN_DATA_DIR")}
