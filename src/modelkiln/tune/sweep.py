@@ -102,10 +102,14 @@ class ServeProcess:
     """``python -m modelkiln serve NAME=ARTIFACT`` with the given settings on a free loopback port."""
 
     def __init__(self, artifact: Path, name: str, settings: dict[str, Any], timeout: float = 120.0,
-                 extra_args: Sequence[str] = ()):
+                 extra_args: Sequence[str] = (), grpc: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [f"{name}={artifact}", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        # gRPC only when asked: its default port (8001) would collide between servers
+        self.grpc_port = free_port() if grpc else 0
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}" if grpc else None
+        args = [f"{name}={artifact}", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+                "--grpc-port", str(self.grpc_port)]
         flags = sweepable_flags()
         for key, value in settings.items():
             if value is not None:
