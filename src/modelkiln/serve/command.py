@@ -62,6 +62,9 @@ def serve(
     warmup: Optional[bool] = typer.Option(None, "--warmup/--no-warmup", help="Run warm-up batches at load (env KILN_WARMUP)."),
     log_level: Optional[str] = typer.Option(None, help="debug, info, warning (env KILN_LOG_LEVEL)."),
     access_log: Optional[bool] = typer.Option(None, "--access-log/--no-access-log", help="Log every request with its id (env KILN_ACCESS_LOG)."),
+    model_repository: Optional[str] = typer.Option(None, help="Serve every artifact folder in this folder, named after its folder (env KILN_MODEL_REPOSITORY)."),
+    model_control_mode: Optional[str] = typer.Option(None, help="none (all loaded at start, fixed), explicit (load/unload API; nothing from the repository loaded at start) or poll (all at start, folder changes picked up) (env KILN_MODEL_CONTROL_MODE, none)."),
+    repository_poll_s: Optional[float] = typer.Option(None, help="Poll mode: seconds between repository scans (env KILN_REPOSITORY_POLL_S, 15)."),
     config: Optional[Path] = typer.Option(None, help="JSON settings file (e.g. written by `kiln tune`); env vars and flags override it."),
 ) -> None:
     """Serve artifacts over HTTP: KServe v2 / Open Inference Protocol (Triton-compatible),
@@ -81,9 +84,10 @@ def serve(
         body_read_timeout_s=body_read_timeout_s,
         max_inputs_per_request=max_inputs_per_request, max_input_chars=max_input_chars, truncate=truncate,
         warmup=warmup, log_level=log_level, access_log=access_log,
+        model_repository=model_repository, model_control_mode=model_control_mode, repository_poll_s=repository_poll_s,
     )
     specs = tuple(parse_model_arg(a, settings.variant) for a in artifacts or [])
-    if not specs:
+    if not specs and not settings.model_repository:
         specs = (parse_model_arg(f"{DEFAULT_MODEL_NAME}={default_artifact()}", settings.variant),)
     settings = settings.with_models(specs)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,

@@ -58,6 +58,9 @@ class ServeSettings:
     warmup: bool = True
     log_level: str = "info"
     access_log: bool = False  # one line per request, with its request id
+    model_repository: str | None = None  # a folder of artifact folders (Triton's model repository)
+    model_control_mode: str = "none"  # none | explicit | poll (see serve/repository.py)
+    repository_poll_s: float = 15.0  # poll mode: seconds between scans of the repository
     models: tuple[ModelSpec, ...] = field(default_factory=tuple)
 
     def token_budget(self) -> int:
