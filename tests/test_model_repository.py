@@ -123,18 +123,27 @@ def test_explicit_index_load_unload_and_failed_loads(tmp_path, sources):
 
 
 def test_mode_none_serves_the_repository_and_refuses_load_and_unload(tmp_path, sources):
+    """In process (the routes are the same as in explicit mode above): a bad mode is refused too."""
+    from modelkiln.errors import ErrorKind, KilnError, ModelControlError
+    from modelkiln.serve.dataplane import build_dataplane
+    from modelkiln.serve.settings import ServeSettings
+
     repo = tmp_path / "repo"
     repo.mkdir()
     add(repo, "cls", sources["cls"])
-    server = start(repo, "none")
+    plane = build_dataplane(ServeSettings(model_repository=str(repo), warmup=False, instances=1, threads=1))
     try:
-        assert call(server, "/v2/models/cls/predict", TEXT).status_code == 200
-        for action in ("load", "unload"):
-            r = call(server, f"/v2/repository/models/cls/{action}")
-            assert r.status_code == 405 and "model control mode none" in r.json()["error"], r.text
-        assert index(server)["cls"]["state"] == "READY"
+        assert [(e.name, e.state) for e in plane.repository_index()] == [("cls", "READY")]
+        for action in (plane.load_model, plane.unload_model):
+            with pytest.raises(ModelControlError, match="model control mode none") as refused:
+                asyncio.run(action("cls"))
+            assert refused.value.kind is ErrorKind.METHOD_NOT_ALLOWED
     finally:
-        server.stop()
+        plane.stop()
+    with pytest.raises(KilnError, match="model control mode"):
+        build_dataplane(ServeSettings(model_repository=str(repo), model_control_mode="sometimes"))
+    with pytest.raises(KilnError, match="needs --model-repository"):
+        build_dataplane(ServeSettings(model_control_mode="explicit"))
 
 
 async def hammer(url: str, model: str, stop: asyncio.Event, clients: int) -> Counter:
