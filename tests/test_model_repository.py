@@ -146,6 +146,39 @@ def test_mode_none_serves_the_repository_and_refuses_load_and_unload(tmp_path, s
         build_dataplane(ServeSettings(model_control_mode="explicit"))
 
 
+def test_a_load_whose_caller_left_is_not_installed_and_frees_its_threads(tmp_path, sources):
+    """gRPC cancels a handler when its client cancels: the build still ends, then is released."""
+    import threading
+
+    from modelkiln.serve.dataplane import build_dataplane
+    from modelkiln.serve.settings import ServeSettings
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    add(repo, "cls", sources["cls"])
+    plane = build_dataplane(ServeSettings(model_repository=str(repo), model_control_mode="explicit",
+                                          warmup=False, instances=1, threads=1))
+
+    def engine_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("engine-cls")]
+
+    async def scenario() -> None:
+        load = asyncio.create_task(plane.load_model("cls"))
+        while "cls" not in plane.repository.loading:  # the build is under way on its worker thread
+            await asyncio.sleep(0)
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        await asyncio.to_thread(wait_until, lambda: not engine_threads() and not plane.repository.loading)
+        assert plane.models == {}
+        await plane.load_model("cls")  # and a later load works
+        assert list(plane.models) == ["cls"] and engine_threads() == ["engine-cls-0"]
+        await plane.unload_model("cls")
+        assert plane.models == {} and engine_threads() == []
+
+    asyncio.run(scenario())
+
+
 async def hammer(url: str, model: str, stop: asyncio.Event, clients: int) -> Counter:
     """``clients`` concurrent callers of ``model`` until ``stop``: a count of statuses (or of
     exception names: a hang would show as a ReadTimeout)."""

@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -79,6 +80,12 @@ def fingerprint(folder: Path) -> str:
 def scan(root: Path) -> dict[str, Folder]:
     """Blocking (reads every manifest): call from a worker thread while serving."""
     return {name: Folder(name, root / name, fingerprint(root / name)) for name in artifact_names(root)}
+
+
+def _release_when_built(built: asyncio.Future) -> None:
+    """(Event loop, when a build nobody awaits any more ends.) Release its model off the loop."""
+    if not built.cancelled() and built.exception() is None:
+        threading.Thread(target=built.result().release, name="release-unwanted-model", daemon=True).start()
 
 
 class ModelRepository:
@@ -184,8 +191,14 @@ class ModelRepository:
                 return  # already serving exactly this folder
             self.loading.add(folder.name)
             started = time.perf_counter()
+            built = asyncio.get_running_loop().run_in_executor(None, self._build, folder)
             try:
-                model = await asyncio.to_thread(self._build, folder)
+                # shielded: if the caller goes away (a client hanging up, shutdown) the build still
+                # ends, and the model it made is released instead of leaking its batcher threads
+                model = await built
+            except asyncio.CancelledError:
+                built.add_done_callback(_release_when_built)
+                raise
             except KilnError as exc:
                 self.reasons[folder.name] = f"load failed: {exc}"
                 raise ArtifactError(f"failed to load '{folder.name}': {exc}") from exc
