@@ -178,6 +178,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        await plane.start()  # poll mode's repository scans
         grpc_server = None
         if settings.grpc_port:  # the same process, loop, models and batchers as HTTP
             from .grpc.server import start_grpc_server
@@ -187,6 +188,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
         if grpc_server is not None:  # new calls are refused; accepted ones get the grace period
             await grpc_server.stop(settings.request_timeout_s)
         watch.close()
+        await plane.close()
         # uvicorn has stopped accepting and every accepted request has been answered by now;
         # the batchers drain whatever is still queued, then their threads end.
         (on_shutdown or plane.stop)()
@@ -245,6 +247,29 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
     @app.get("/v2/models/{name}/versions/{version}/ready")
     async def model_ready(name: str, version: str | None = None) -> Response:
         return Response(status_code=200 if plane.model_ready(name, version) else 503)
+
+    # -- Triton's model repository extension (serve/repository.py) --------------------------------
+    @app.post("/v2/repository/index")
+    async def repository_index(request: Request) -> Response:
+        body = await request.body()
+        try:
+            options = orjson.loads(body) if body.strip() else {}
+        except orjson.JSONDecodeError as exc:
+            raise InvalidInputError(f"the index request body is not JSON: {exc}") from None
+        ready = options.get("ready", False) if isinstance(options, dict) else None
+        if not isinstance(ready, bool):
+            raise InvalidInputError('the index request body must be {} or {"ready": true|false}')
+        return json_response([asdict(e) for e in plane.repository_index(ready_only=ready)])
+
+    @app.post("/v2/repository/models/{name}/load")
+    async def repository_load(name: str) -> Response:
+        await plane.load_model(name)  # Triton's optional body (config/file overrides) is not supported
+        return Response(status_code=200)  # Triton answers an empty 200
+
+    @app.post("/v2/repository/models/{name}/unload")
+    async def repository_unload(name: str) -> Response:
+        await plane.unload_model(name)
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,36 +24,54 @@ from ..tasks import tensors as tensors_protocol
 from .json_api import EmbeddingsRequest, EmbeddingsResponse, PredictRequest, PredictResponse
 from .metrics import Metrics
 from .model import ServedModel
+from .repository import ModelRepository
 from .tokenized import TokenRow, is_tokenized, raw_tensors, token_rows
 from .settings import ServeSettings
 from .types import (Duration, InferRequest, InferResponse, ModelMetadata, ModelStatistics, OutputTensor,
                     RepositoryModel, ServerMetadata)
 
-EXTENSIONS = ("binary_tensor_data", "statistics")  # + "model_repository" once load/unload land
+EXTENSIONS = ("binary_tensor_data", "statistics", "model_repository")
 
 
 def build_dataplane(settings: ServeSettings, metrics: Metrics | None = None) -> DataPlane:
     """Load every model of ``settings`` (checked before any is loaded: a bad artifact fails fast)
     and return the data plane over them. Blocking; any front-end (uvicorn, gRPC, Ray) calls it."""
     metrics = metrics or Metrics()
+    repository = ModelRepository(settings, Path(settings.model_repository) if settings.model_repository else None)
+    folders = repository.startup_folders()
     models: dict[str, ServedModel] = {}
-    for spec in settings.models:
+    for spec in (*settings.models, *(repository.spec(f) for f in folders)):
         model = ServedModel(spec, settings, metrics)
         if model.name in models:
             raise KilnError(f"two models are named '{model.name}': use NAME=PATH")
         models[model.name] = model
     for model in models.values():
         model.load()
-    return DataPlane(models, settings, metrics)
+    plane = DataPlane(models, settings, metrics)
+    repository.attach(plane, folders)
+    plane.repository = repository
+    return plane
 
 
 class DataPlane:
     """Implements ``types.InferenceService`` over the models given (``build_dataplane`` loads them)."""
 
     def __init__(self, models: Mapping[str, ServedModel], settings: ServeSettings, metrics: Metrics | None = None):
+        # Replaced, never mutated, by the model repository (one assignment swaps the map):
+        # iterating over it while a model is loaded or unloaded is safe.
         self.models = dict(models)
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self.repository: ModelRepository | None = None  # build_dataplane sets it (load/unload/poll)
+
+    async def start(self) -> None:
+        """Background work that needs the event loop (poll mode's repository scans)."""
+        if self.repository is not None:
+            await self.repository.start()
+
+    async def close(self) -> None:
+        if self.repository is not None:
+            await self.repository.close()
 
     def stop(self) -> None:
         """Drain every model's queue, then end its engine threads (at shutdown)."""
@@ -64,7 +83,11 @@ class DataPlane:
         return True
 
     def ready(self) -> bool:
-        return bool(self.models) and all(m.ready for m in self.models.values())
+        """Every model ready, and at least one, except in explicit model control mode, where a
+        server with nothing loaded yet is ready to be told what to load (as Triton is)."""
+        models = self.models
+        explicit = self.repository is not None and self.repository.mode == "explicit"
+        return (bool(models) or explicit) and all(m.ready for m in models.values())
 
     def model_ready(self, name: str, version: str | None = None) -> bool:
         return self.model(name, version, need_ready=False).ready
@@ -112,16 +135,23 @@ class DataPlane:
         return out
 
     # -- Triton's model repository extension --------------------------------------------------------
+    # (serve/repository.py: modes, and how a load or unload leaves other requests alone)
     def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
+        if self.repository is not None and self.repository.plane is self:
+            return self.repository.index(ready_only)
         index = [RepositoryModel(m.name, m.version, "READY" if m.ready else "UNAVAILABLE",
                                  "" if m.ready else "not loaded yet") for m in self.models.values()]
         return [e for e in index if e.state == "READY"] if ready_only else index
 
     async def load_model(self, name: str) -> None:
-        raise ModelControlError(f"cannot load '{name}': this server's models are fixed at start (model control mode none)")
+        if self.repository is None:
+            raise ModelControlError(f"cannot load '{name}': this server's models are fixed at start (model control mode none)")
+        await self.repository.load(name)
 
     async def unload_model(self, name: str) -> None:
-        raise ModelControlError(f"cannot unload '{name}': this server's models are fixed at start (model control mode none)")
+        if self.repository is None:
+            raise ModelControlError(f"cannot unload '{name}': this server's models are fixed at start (model control mode none)")
+        await self.repository.unload(name)
 
     # -- shared checks --------------------------------------------------------------------------
     def _check_texts(self, texts: list[Any]) -> None:

@@ -58,6 +58,10 @@ class ServedModel(BatchHooks):
         self.metrics = metrics
         self.stats = Stats()
         self.ready = False
+        # requests between the batcher's submit and their answer: an unload waits for zero before
+        # stopping the batcher (the data plane's admit → run has no await in between, so a request
+        # admitted before the model left the map is counted before the unload looks)
+        self.in_flight = 0
         self.instances, self.threads, self.alone_threads = settings.engine_layout()
         self.batcher = Batcher(self, settings.max_batch_size, settings.token_budget(), settings.max_queue_size,
                                settings.max_queue_delay_ms / 1000.0, name=self.name, instances=self.instances,
@@ -110,6 +114,14 @@ class ServedModel(BatchHooks):
     def stop(self) -> None:
         self.ready = False
         self.batcher.stop()
+
+    def release(self) -> None:
+        """Stop (if started) and drop the sessions and the tokenizer, so their memory can go
+        (an unloaded model). Blocking: the batcher finishes what is queued first."""
+        if self.ready:
+            self.stop()
+        for attribute in ("engines", "engine", "alone_engine", "encoder"):
+            self.__dict__.pop(attribute, None)
 
     # -- what the batcher calls, on an engine instance's thread ----------------------------------
     def tokenize(self, items: Sequence[Item]) -> list[KilnError | None]:
@@ -176,9 +188,13 @@ class ServedModel(BatchHooks):
         error = RequestTimeoutError(f"request timed out after {timeout_s:g}s waiting for model '{self.name}'")
         job = Job(n=len(inputs), future=asyncio.get_running_loop().create_future(),
                   deadline=time.perf_counter() + timeout_s, timeout_error=error)
-        self.batcher.submit([Item(job, i, None if isinstance(x, TokenRow) else x,
-                                  x if isinstance(x, TokenRow) else None) for i, x in enumerate(inputs)])
-        results = await wait_for(job, timeout_s, lambda: error)
+        self.in_flight += 1
+        try:
+            self.batcher.submit([Item(job, i, None if isinstance(x, TokenRow) else x,
+                                      x if isinstance(x, TokenRow) else None) for i, x in enumerate(inputs)])
+            results = await wait_for(job, timeout_s, lambda: error)
+        finally:
+            self.in_flight -= 1
         return results, job.tokens
 
     def record(self, ok: bool, seconds: float) -> None:

@@ -1,0 +1,281 @@
+"""Triton's model repository on a folder: every artifact folder in it is a model named after the
+folder, loaded and unloaded while the server runs.
+
+Control modes (``--model-control-mode``, as Triton's):
+- ``none``: every folder is loaded at start; load/unload answer ModelControlError (405).
+- ``explicit``: nothing from the folder is loaded at start (Triton without ``--load-model``);
+  ``POST /v2/repository/models/{m}/load`` / ``unload`` (and gRPC's RepositoryModelLoad/Unload)
+  do it. Models given on the command line are served as usual and may be unloaded too.
+- ``poll``: every folder is loaded at start, and every ``repository_poll_s`` seconds new folders
+  are loaded, changed ones (a different ``kiln.json`` or model file) reloaded and removed ones
+  unloaded; the API refuses load/unload then, as Triton does ("not allowed if polling is enabled").
+
+How a change happens without hurting other requests: the new model is built and warmed up on a
+worker thread (the event loop keeps serving), then the data plane's model map is replaced by a
+new dict in one assignment. An unload takes the model out of the map first (new requests get 404),
+waits for the requests it already accepted (``ServedModel.in_flight``), then stops its batcher and
+drops its sessions on a worker thread. A reload installs the new model before the old one leaves,
+so there is no gap. A load that fails raises ArtifactError (400) and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import ArtifactError, KilnError, ModelControlError, ModelNotFoundError
+from ..manifest import MANIFEST_NAME
+from .model import ServedModel
+from .settings import ModelSpec, ServeSettings
+from .types import RepositoryModel
+
+if TYPE_CHECKING:
+    from .dataplane import DataPlane
+
+log = logging.getLogger("modelkiln.serve")
+
+CONTROL_MODES = ("none", "explicit", "poll")
+
+
+@dataclass(frozen=True)
+class Folder:
+    """One artifact folder of the repository and a fingerprint of its contents (``kiln.json``'s
+    bytes and every file's size and modification time), which poll mode compares."""
+
+    name: str
+    path: Path
+    fingerprint: str
+
+
+def artifact_names(root: Path) -> list[str]:
+    """The model names in the repository: sub-folders holding a ``kiln.json`` (others are ignored)."""
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return []
+    return [e.name for e in entries
+            if e.is_dir() and not e.name.startswith(".") and os.path.isfile(os.path.join(e.path, MANIFEST_NAME))]
+
+
+def fingerprint(folder: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        digest.update((folder / MANIFEST_NAME).read_bytes())
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                stat = path.stat()
+                digest.update(f"{path.relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    except OSError as exc:  # a folder removed or rewritten while scanned: changed, the next scan settles it
+        digest.update(repr(exc).encode())
+    return digest.hexdigest()
+
+
+def scan(root: Path) -> dict[str, Folder]:
+    """Blocking (reads every manifest): call from a worker thread while serving."""
+    return {name: Folder(name, root / name, fingerprint(root / name)) for name in artifact_names(root)}
+
+
+def _release_when_built(built: asyncio.Future) -> None:
+    """(Event loop, when a build nobody awaits any more ends.) Release its model off the loop."""
+    if not built.cancelled() and built.exception() is None:
+        threading.Thread(target=built.result().release, name="release-unwanted-model", daemon=True).start()
+
+
+class ModelRepository:
+    """The load/unload/poll logic over a ``DataPlane``'s model map (``attach`` it first)."""
+
+    def __init__(self, settings: ServeSettings, root: Path | None):
+        mode = settings.model_control_mode
+        if mode not in CONTROL_MODES:
+            raise KilnError(f"model control mode must be one of {', '.join(CONTROL_MODES)}, not {mode!r}")
+        if root is not None and not root.is_dir():
+            raise KilnError(f"model repository {root} is not a folder")
+        if root is None and mode != "none":
+            raise KilnError(f"model control mode {mode} needs --model-repository")
+        if settings.repository_poll_s <= 0:
+            raise KilnError("repository_poll_s must be positive")
+        self.settings = settings
+        self.root = root
+        self.mode = mode
+        self.plane: DataPlane | None = None
+        self.loaded: dict[str, str] = {}  # repository models being served → the fingerprint loaded
+        self.reasons: dict[str, str] = {}  # why a repository model is not (or not newly) loaded
+        self.failed: dict[str, str] = {}  # poll: fingerprint of a folder whose load failed (not retried)
+        self.loading: set[str] = set()
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._poller: asyncio.Task | None = None
+
+    # -- start ----------------------------------------------------------------------------------
+    def startup_folders(self) -> list[Folder]:
+        """The folders to load before serving: all of them, but none in explicit mode."""
+        if self.root is None or self.mode == "explicit":
+            return []
+        return list(scan(self.root).values())
+
+    def spec(self, folder: Folder) -> ModelSpec:
+        return ModelSpec(name=folder.name, path=str(folder.path), variant=self.settings.variant)
+
+    def attach(self, plane: DataPlane, loaded: list[Folder]) -> None:
+        self.plane = plane
+        self.loaded = {f.name: f.fingerprint for f in loaded}
+
+    async def start(self) -> None:
+        if self.mode == "poll" and self._poller is None:
+            self._poller = asyncio.create_task(self._poll_forever(), name="model-repository-poll")
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+            self._poller = None
+
+    # -- the repository extension -----------------------------------------------------------------
+    def index(self, ready_only: bool = False) -> list[RepositoryModel]:
+        """Every served model, and every repository folder not loaded (UNAVAILABLE, with why)."""
+        assert self.plane is not None
+        served = self.plane.models
+        entries = {name: RepositoryModel(name, m.version, "READY" if m.ready else "UNAVAILABLE",
+                                         "" if m.ready else "not ready")
+                   for name, m in served.items()}
+        for name in artifact_names(self.root) if self.root is not None else []:
+            if name in self.loading and name not in served:
+                entries[name] = RepositoryModel(name, ServedModel.version, "LOADING", "")
+            elif name not in served:
+                entries[name] = RepositoryModel(name, ServedModel.version, "UNAVAILABLE",
+                                                self.reasons.get(name, "not loaded"))
+        index = [entries[name] for name in sorted(entries)]
+        return [e for e in index if e.state == "READY"] if ready_only else index
+
+    async def load(self, name: str) -> None:
+        self._check_api("load", name)
+        folder = self.root / name if self.root is not None else None
+        if folder is None or name not in artifact_names(self.root):  # type: ignore[arg-type]
+            raise ModelNotFoundError(f"no model '{name}' in the repository {self.root}")
+        folder_now = await asyncio.to_thread(lambda: Folder(name, folder, fingerprint(folder)))
+        await self._load(folder_now)
+
+    async def unload(self, name: str) -> None:
+        self._check_api("unload", name)
+        assert self.plane is not None
+        if name not in self.plane.models:
+            if self.root is not None and name in artifact_names(self.root):
+                return  # in the repository, not loaded: nothing to do (Triton answers success too)
+            raise ModelNotFoundError(f"unknown model '{name}' (serving: {', '.join(self.plane.models) or 'none'})")
+        await self._unload(name, "unloaded")
+
+    def _check_api(self, action: str, name: str) -> None:
+        if self.mode != "explicit":
+            why = ("models are fixed at start" if self.mode == "none"
+                   else "the repository is polled: change its folders instead")
+            raise ModelControlError(f"cannot {action} '{name}': {why} (model control mode {self.mode})")
+
+    # -- load and unload ------------------------------------------------------------------------
+    async def _load(self, folder: Folder) -> None:
+        """Build and warm up the model on a worker thread, then install it (replacing and then
+        unloading a previous one of the same name). Raises ArtifactError, leaving the served set
+        as it was, when the folder cannot be loaded."""
+        assert self.plane is not None
+        plane = self.plane
+        async with self._locks[folder.name]:
+            if self.loaded.get(folder.name) == folder.fingerprint and folder.name in plane.models:
+                return  # already serving exactly this folder
+            self.loading.add(folder.name)
+            started = time.perf_counter()
+            built = asyncio.get_running_loop().run_in_executor(None, self._build, folder)
+            try:
+                # shielded: if the caller goes away (a client hanging up, shutdown) the build still
+                # ends, and the model it made is released instead of leaking its batcher threads
+                model = await built
+            except asyncio.CancelledError:
+                built.add_done_callback(_release_when_built)
+                raise
+            except KilnError as exc:
+                self.reasons[folder.name] = f"load failed: {exc}"
+                raise ArtifactError(f"failed to load '{folder.name}': {exc}") from exc
+            finally:
+                self.loading.discard(folder.name)
+            old = plane.models.get(folder.name)
+            plane.models = {**plane.models, folder.name: model}  # one assignment: readers see old or new
+            self.loaded[folder.name] = folder.fingerprint
+            self.reasons.pop(folder.name, None)
+            self.failed.pop(folder.name, None)
+            log.info("%s model %s from %s in %.1fs", "reloaded" if old else "loaded", folder.name, folder.path,
+                     time.perf_counter() - started)
+            if old is not None:
+                await self._retire(old)
+
+    def _build(self, folder: Folder) -> ServedModel:
+        """(Worker thread.) A loaded, warmed-up model, or ArtifactError saying why not."""
+        assert self.plane is not None
+        try:
+            model = ServedModel(self.spec(folder), self.settings, self.plane.metrics)
+        except KilnError:
+            raise
+        except Exception as exc:
+            raise ArtifactError(f"{type(exc).__name__}: {exc}") from exc
+        try:
+            model.load()
+        except BaseException as exc:
+            model.release()
+            if isinstance(exc, KilnError):
+                raise
+            if isinstance(exc, Exception):  # onnxruntime / tokenizers on a corrupt or missing file
+                raise ArtifactError(f"{type(exc).__name__}: {str(exc)[:500]}") from exc
+            raise
+        return model
+
+    async def _unload(self, name: str, reason: str) -> None:
+        assert self.plane is not None
+        plane = self.plane
+        async with self._locks[name]:
+            model = plane.models.get(name)
+            if model is None:
+                return
+            plane.models = {k: v for k, v in plane.models.items() if k != name}  # new requests: 404 now
+            self.loaded.pop(name, None)
+            self.reasons[name] = reason
+            await self._retire(model)
+            log.info("unloaded model %s", name)
+
+    async def _retire(self, model: ServedModel) -> None:
+        """Let the requests it accepted finish (they time out after request_timeout_s at worst),
+        then stop its batcher and drop its sessions off the event loop."""
+        deadline = time.monotonic() + self.settings.request_timeout_s + 5.0
+        while model.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(model.release)
+
+    # -- poll mode ------------------------------------------------------------------------------
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_s)
+            try:
+                await self.poll()
+            except Exception:  # a scan must never end the poller; say why and try at the next tick
+                log.exception("polling the model repository %s failed", self.root)
+
+    async def poll(self) -> None:
+        """One scan: unload removed folders, load new ones, reload changed ones. A folder that
+        fails to load is logged once and retried only when it changes again."""
+        assert self.root is not None
+        found = await asyncio.to_thread(scan, self.root)
+        for name in sorted(set(self.loaded) - set(found)):
+            await self._unload(name, "removed from the repository")
+        for name, folder in found.items():
+            if self.loaded.get(name) == folder.fingerprint or self.failed.get(name) == folder.fingerprint:
+                continue
+            try:
+                await self._load(folder)
+            except ArtifactError as exc:
+                self.failed[name] = folder.fingerprint
+                log.warning("%s (the served set is unchanged)", exc)
