@@ -1,0 +1,85 @@
+"""One forward pass of the exported decoder graph in ONNX Runtime, with the KV cache kept as
+ONNX Runtime values between passes.
+
+The graph (see ``contract.py``) takes ``input_ids``, ``attention_mask`` [batch, past + seq],
+``position_ids`` and per layer ``past_key_values.{i}.key/.value`` [batch, kv_heads, past, head_dim];
+it returns ``logits`` and ``present.{i}.key/.value`` [batch, kv_heads, past + seq, head_dim].
+
+The present of one step is the past of the next. ``run_with_ort_values`` hands the graph's output
+buffers back as OrtValues and takes them again as inputs, so between steps the cache is never
+converted to numpy (``session.run`` copies every output into a new numpy array: the whole cache,
+every step). Measured on SmolLM2-135M fp32, 2 threads, past 128 (benchmarks/decode_cache_ab.py,
+interleaved rounds): see docs/generation.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import ArtifactError
+from ..runtime.onnx import _PROVIDERS, session_options
+from ._names import INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS, past_key_name, past_value_name, present_key_name, present_value_name
+
+# 2 × layers tensors, key then value per layer: [batch, kv_heads, past, head_dim]. OrtValues with
+# IO binding, numpy arrays without (the A/B alternative).
+Past = list
+
+_NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+                 "tensor(int32)": np.int32}
+
+
+class DecoderSession:
+    """The decoder graph and what its inputs say about the model (layers, KV heads, head size)."""
+
+    def __init__(self, path: Path | str, device: str = "cpu", threads: int | None = None,
+                 io_binding: bool = True, memory_arena: bool = True):
+        if device not in _PROVIDERS:
+            raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(_PROVIDERS)})")
+        try:
+            self.session = ort.InferenceSession(str(path), session_options(threads, memory_arena),
+                                                providers=list(_PROVIDERS[device]))
+        except Exception as exc:  # onnxruntime raises its own untyped errors for bad files
+            raise ArtifactError(f"cannot load {path}: {exc}") from exc
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        for required in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, past_key_name(0)):
+            if required not in inputs:
+                raise ArtifactError(f"{path} is not a decoder with a KV cache (no input '{required}')")
+        self.layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
+        _, self.kv_heads, _, self.head_dim = inputs[past_key_name(0)].shape
+        self.cache_dtype = _NUMPY_DTYPES[inputs[past_key_name(0)].type]
+        self._int_dtypes = {n: _NUMPY_DTYPES[inputs[n].type] for n in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
+        self.past_names = [n for i in range(self.layers) for n in (past_key_name(i), past_value_name(i))]
+        self.present_names = [n for i in range(self.layers) for n in (present_key_name(i), present_value_name(i))]
+        self.output_names = [LOGITS, *self.present_names]
+        self.io_binding = io_binding
+        self.device = device
+
+    def empty_past(self, batch: int = 1) -> Past:
+        empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), dtype=self.cache_dtype)
+        return self.past_from_numpy([empty] * len(self.past_names))
+
+    def past_to_numpy(self, past: Past) -> list[np.ndarray]:
+        return [v.numpy() for v in past] if self.io_binding else list(past)
+
+    def past_from_numpy(self, arrays: list[np.ndarray]) -> Past:
+        arrays = [np.ascontiguousarray(a, dtype=self.cache_dtype) for a in arrays]
+        return [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays] if self.io_binding else arrays
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                past: Past) -> tuple[np.ndarray, Past]:
+        """One pass: logits [batch, seq, vocab] as numpy, and the present cache as OrtValues."""
+        feeds = {
+            INPUT_IDS: input_ids.astype(self._int_dtypes[INPUT_IDS], copy=False),
+            ATTENTION_MASK: attention_mask.astype(self._int_dtypes[ATTENTION_MASK], copy=False),
+            POSITION_IDS: position_ids.astype(self._int_dtypes[POSITION_IDS], copy=False),
+        }
+        if not self.io_binding:  # the plain path, kept for the A/B measurement
+            logits, *present = self.session.run(self.output_names, dict(feeds, **dict(zip(self.past_names, past))))
+            return logits, present
+        values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feeds.items()}
+        values.update(zip(self.past_names, past))
+        logits, *present = self.session.run_with_ort_values(self.output_names, values)
+        return logits.numpy(), present
+
