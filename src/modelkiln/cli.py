@@ -97,7 +97,8 @@ def convert(
 def bench(
     target: str = typer.Argument(..., help="An artifact folder, or a model (converted to a temporary artifact first)."),
     batch: str = typer.Option("1,8,32", help="Batch sizes."),
-    seq: str = typer.Option("16,128,384", help="Sequence lengths (tokens)."),
+    seq: str = typer.Option("", help="Sequence lengths (tokens); default 16,128,384 (prompt lengths 16,128,512 for text generation)."),
+    past: int = typer.Option(128, help="Text generation: the past (tokens) of every sequence in the decode cells."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads for every backend (default: all cores)."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated variants to run (default: every kept one)."),
     reference: bool = typer.Option(True, help="Run the PyTorch fp32 reference (needs modelkiln[convert])."),
@@ -106,11 +107,15 @@ def bench(
     min_seconds: float = typer.Option(1.0, help="And at least this long per cell."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
 ) -> None:
-    """Latency and throughput of PyTorch and every ONNX variant over batch × sequence length."""
+    """Latency and throughput of PyTorch and every ONNX variant over batch × sequence length
+    (text generation: prefill by prompt length, decode by batch size, llama.cpp too when installed)."""
+    from .bench.generation_command import bench_generation, generation_artifact
     from .bench.report import print_table, write_json
     from .bench.runner import BenchConfig, run_bench
 
-    cfg = BenchConfig(batches=number_list(batch, "--batch"), seqs=number_list(seq, "--seq"), threads=threads,
+    if generation_artifact(target):
+        return bench_generation(target, batch, seq, past, threads, variants, reference, json_path, out, step)
+    cfg = BenchConfig(batches=number_list(batch, "--batch"), seqs=number_list(seq or "16,128,384", "--seq"), threads=threads,
                       variants=split_list(variants), reference=reference, warmup=warmup, min_iters=min_iters,
                       min_seconds=min_seconds)
     result = run_bench(target, cfg, steps=step)
@@ -125,15 +130,19 @@ def bench(
 
 @app.command("eval")
 def evaluate(
-    artifact: Path = typer.Argument(..., help="An artifact folder of a sentence-embeddings model."),
+    artifact: Path = typer.Argument(..., help="An artifact folder of a sentence-embeddings or text-generation model."),
     sts: Optional[Path] = typer.Option(None, help="STS Benchmark file (default: ../shared/data/stsbenchmark/sts-dev.csv)."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads."),
     reference: bool = typer.Option(True, help="Also score the PyTorch model the artifact came from."),
 ) -> None:
-    """Accuracy on STS Benchmark: Spearman ×100 of cosine similarities, per variant and for PyTorch."""
+    """Accuracy on STS Benchmark: Spearman ×100 of cosine similarities, per variant and for PyTorch
+    (text generation: perplexity on SQuAD paragraphs and SQuAD answered by generation)."""
     from .bench.accuracy import evaluate_sts
+    from .bench.generation_command import eval_generation, generation_artifact
     from .report import print_accuracy
 
+    if generation_artifact(artifact):
+        return eval_generation(artifact, threads, reference, out, step)
     print_accuracy(out, evaluate_sts(artifact, sts, threads, reference, steps=step))
 
 
@@ -147,6 +156,9 @@ from .loadtest.command import loadtest as _loadtest; app.command("loadtest")(_lo
 
 
 from .tune.command import tune as _tune; app.command("tune")(_tune)  # noqa: E402,E702
+
+
+from .generation.command import generate as _generate; app.command("generate")(_generate)  # noqa: E402,E702
 
 
 # --- entry point ------------------------------------------------------------------------------
