@@ -83,9 +83,9 @@ def test_leaving_trims_padding_no_row_needs(decoder):
     engine = GenerationEngine(decoder)
     engine.add("long", list(range(5, 45)))
     engine.add("short", [5, 6])
-    assert engine.width == 40
+    assert engine.width == 40 and engine.cache_tokens == 80
     engine.remove("long")
-    assert engine.width == 2 and engine.length("short") == 2
+    assert engine.width == 2 and engine.length("short") == 2 and engine.cache_tokens == 2
 
 
 def test_chunked_prefill_equals_one_prefill(decoder):

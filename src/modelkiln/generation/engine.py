@@ -50,6 +50,11 @@ class GenerationEngine:
         """Cache columns in the running batch (the longest row, plus padding no longer needed)."""
         return self._mask.shape[1]
 
+    @property
+    def cache_tokens(self) -> int:
+        """Token slots the caches hold now, padding included (running rows × width, plus pending)."""
+        return len(self.rows) * self.width + sum(p.length for p in self._pending.values())
+
     def length(self, seq_id: SeqId) -> int:
         """Tokens in a sequence's cache."""
         if seq_id in self._pending:
