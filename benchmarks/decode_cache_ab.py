@@ -5,8 +5,8 @@
 Modes (``DecoderSession(io_binding=...)``):
   ortvalue  the graph's present buffers come back as OrtValues and go in again as the next past
             (``run_with_ort_values``): nothing is converted between steps.
-  numpy     ``session.run``: every output is copied into a new numpy array, which is the next
-            step's input.
+  numpy     ``session.run``: the outputs come back as numpy arrays over onnxruntime's own buffers
+            (no copy since onnxruntime 1.20) and go in again as the next step's inputs.
 Rounds alternate the modes (the machine is shared: compare the ratio within a round)."""
 
 from __future__ import annotations

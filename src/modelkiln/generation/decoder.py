@@ -1,15 +1,21 @@
-"""One forward pass of the exported decoder graph in ONNX Runtime, with the KV cache kept as
-ONNX Runtime values between passes.
+"""One forward pass of the exported decoder graph in ONNX Runtime; the KV cache it returns is the
+next pass's input as it is.
 
 The graph (see ``contract.py``) takes ``input_ids``, ``attention_mask`` [batch, past + seq],
 ``position_ids`` and per layer ``past_key_values.{i}.key/.value`` [batch, kv_heads, past, head_dim];
 it returns ``logits`` and ``present.{i}.key/.value`` [batch, kv_heads, past + seq, head_dim].
 
-The present of one step is the past of the next. ``run_with_ort_values`` hands the graph's output
-buffers back as OrtValues and takes them again as inputs, so between steps the cache is never
-converted to numpy (``session.run`` copies every output into a new numpy array: the whole cache,
-every step). Measured on SmolLM2-135M fp32, 2 threads, past 128 (benchmarks/decode_cache_ab.py,
-interleaved rounds): see docs/generation.md."""
+The present of one step is the past of the next, and neither path below copies it between steps
+(the graph's own Concat of past and new token is the one copy; removing it needs an attention op
+that writes into a preallocated cache). Two ways of handing it back were measured
+(benchmarks/decode_cache_ab.py, SmolLM2-135M int4, 2 threads, past 128, interleaved rounds on the
+shared 2-core machine): ``session.run`` with numpy arrays, whose outputs onnxruntime (1.32, checked)
+hands to numpy without a copy (the array's base is onnxruntime's buffer), and
+``run_with_ort_values``, which keeps OrtValues. Median per-round ratio of decode tokens/s,
+OrtValues / numpy, at batch 1 and 8: 1.06 and 1.10 (4 rounds), 0.95 and 0.94 (8 rounds), 0.96 and
+0.96 (16 rounds, lm_head in int4 too): a tie within the machine's noise. On CPU we keep numpy (less
+Python per step; joining and leaving need numpy anyway); on CUDA, OrtValues keep the cache on the
+device instead of copying it to the host every step."""
 
 from __future__ import annotations
 
@@ -22,8 +28,8 @@ from ..errors import ArtifactError
 from ..runtime.onnx import _PROVIDERS, session_options
 from ._names import INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS, past_key_name, past_value_name, present_key_name, present_value_name
 
-# 2 × layers tensors, key then value per layer: [batch, kv_heads, past, head_dim]. OrtValues with
-# IO binding, numpy arrays without (the A/B alternative).
+# 2 × layers tensors, key then value per layer: [batch, kv_heads, past, head_dim]: numpy arrays, or
+# OrtValues with ``io_binding``.
 Past = list
 
 _NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -34,7 +40,7 @@ class DecoderSession:
     """The decoder graph and what its inputs say about the model (layers, KV heads, head size)."""
 
     def __init__(self, path: Path | str, device: str = "cpu", threads: int | None = None,
-                 io_binding: bool = True, memory_arena: bool = True):
+                 io_binding: bool | None = None, memory_arena: bool = True):
         if device not in _PROVIDERS:
             raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(_PROVIDERS)})")
         try:
@@ -53,7 +59,7 @@ class DecoderSession:
         self.past_names = [n for i in range(self.layers) for n in (past_key_name(i), past_value_name(i))]
         self.present_names = [n for i in range(self.layers) for n in (present_key_name(i), present_value_name(i))]
         self.output_names = [LOGITS, *self.present_names]
-        self.io_binding = io_binding
+        self.io_binding = device != "cpu" if io_binding is None else io_binding
         self.device = device
 
     def empty_past(self, batch: int = 1) -> Past:
@@ -75,7 +81,7 @@ class DecoderSession:
             ATTENTION_MASK: attention_mask.astype(self._int_dtypes[ATTENTION_MASK], copy=False),
             POSITION_IDS: position_ids.astype(self._int_dtypes[POSITION_IDS], copy=False),
         }
-        if not self.io_binding:  # the plain path, kept for the A/B measurement
+        if not self.io_binding:
             logits, *present = self.session.run(self.output_names, dict(feeds, **dict(zip(self.past_names, past))))
             return logits, present
         values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feeds.items()}
