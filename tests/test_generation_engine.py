@@ -210,3 +210,28 @@ def test_detokenizer_never_emits_half_a_character(tiny):
     assert all("\ufffd" not in p for p in pieces)
     assert "" in pieces  # some tokens ended mid-character and were held back
     assert "".join(pieces) + detok.flush() == tokenizer.decode(ids)
+
+
+# --- chat templates -----------------------------------------------------------------------------
+
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\\nYou are a helpful AI assistant<|im_end|>\\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_chat_template_renders_like_transformers():
+    from modelkiln.generation.chat import chat_messages, render_chat
+
+    assert render_chat(CHATML, chat_messages("Hi?", "Be brief.")) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")
+    assert render_chat(CHATML, chat_messages("Hi?")).startswith("<|im_start|>system\nYou are a helpful AI assistant")
+
+
+def test_chat_template_errors_are_typed():
+    from modelkiln.generation.chat import render_chat
+
+    with pytest.raises(InvalidInputError, match="roles must alternate"):
+        render_chat("{{ raise_exception('roles must alternate') }}", [])
+    with pytest.raises(InvalidInputError, match="no chat template"):
+        render_chat("", [])
