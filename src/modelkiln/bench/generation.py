@@ -112,7 +112,8 @@ def _backends(model: TextGenerationModel, cfg: GenerationBenchConfig, notes: lis
     if cfg.reference:
         yield "pytorch fp32 (generate)", lambda: TorchBackend(model, cfg.threads)
     if cfg.llama_cpp:
-        gguf = model.manifest.source.get("gguf_file") or model.manifest.source.get("gguf")
+        source = str(model.manifest.source.get("model", ""))
+        gguf = source if source.endswith(".gguf") else None
         if not gguf:
             notes.append("llama.cpp: the artifact was not converted from a GGUF file")
         elif not llama_cpp_available():

@@ -8,11 +8,26 @@ two tokens, generate's own loop and cache included."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from ..generation.model import TextGenerationModel
 
 LLAMA_CPP_HINT = "CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install 'modelkiln[llamacpp]' (compiles llama.cpp, minutes)"
+
+
+def load_causal_lm(source: str):
+    """The PyTorch model an artifact came from: a Hugging Face folder or hub id, or a GGUF file
+    (transformers dequantizes it to fp32)."""
+    import torch
+    import transformers as tf
+
+    path = Path(source)
+    if path.suffix == ".gguf":
+        model = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    else:
+        model = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    return model.eval()
 
 
 def llama_cpp_available() -> bool:
@@ -27,12 +42,10 @@ class TorchBackend:
     def __init__(self, model: TextGenerationModel, threads: int | None):
         import torch
 
-        from ..convert.generation_reference import load_causal_lm  # genconvert's loader (GGUF or HF folder)
-
         if threads:
             torch.set_num_threads(threads)
         self.torch = torch
-        self.model = load_causal_lm(model.manifest)
+        self.model = load_causal_lm(model.manifest.source["model"])
         self.pad_id = (model.eos_ids or [0])[0]
 
     def _token_times(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:

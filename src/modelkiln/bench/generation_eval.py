@@ -70,12 +70,22 @@ def perplexity_of(token_logits: Callable[[list[int]], np.ndarray], texts: list[l
     return math.exp(nll / count)
 
 
-def eval_inputs(model: TextGenerationModel, paragraphs: int, questions: int, max_tokens: int):
+def eval_inputs(model: TextGenerationModel, paragraphs: int, questions: int, max_tokens: int, max_new_tokens: int):
+    """Paragraph token ids (cut to ``max_tokens``), and the first answerable questions whose prompt
+    and answer fit the model's context, with their prompt ids."""
     texts, squad = read_squad()
-    ids = [model.tokenizer.encode(t, add_special_tokens=False).ids[:max_tokens] for t in texts[:paragraphs]]
-    answerable = [q for q in squad if q.answers][:questions]
-    prompts = [model.prompt_ids(SQUAD_INSTRUCTION.format(context=q.context, question=q.question),
-                                chat=bool(model.chat_template)) for q in answerable]
+    limit = min(max_tokens, model.max_context or max_tokens)
+    ids = [model.tokenizer.encode(t, add_special_tokens=False).ids[:limit] for t in texts[:paragraphs]]
+    answerable, prompts = [], []
+    for q in (q for q in squad if q.answers):
+        prompt = model.prompt_ids(SQUAD_INSTRUCTION.format(context=q.context, question=q.question),
+                                  chat=bool(model.chat_template))
+        if model.max_context and len(prompt) + max_new_tokens > model.max_context:
+            continue
+        answerable.append(q)
+        prompts.append(prompt)
+        if len(prompts) == questions:
+            break
     return ids, answerable, prompts
 
 
@@ -83,7 +93,7 @@ def evaluate_generation(model: TextGenerationModel, threads: int | None, referen
                         questions: int = 24, max_tokens: int = 256, max_new_tokens: int = 24,
                         variants: list[str] | None = None,
                         steps: Callable[[str], ContextManager[None]] = lambda d: contextlib.nullcontext()) -> list[GenerationScore]:
-    texts, answerable, prompts = eval_inputs(model, paragraphs, questions, max_tokens)
+    texts, answerable, prompts = eval_inputs(model, paragraphs, questions, max_tokens, max_new_tokens)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop=("\n",))
     scores: list[GenerationScore] = []
     if reference:
