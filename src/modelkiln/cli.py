@@ -47,9 +47,9 @@ def step(description: str) -> Iterator[None]:
 
 @app.command()
 def convert(
-    model: str = typer.Argument(..., help="Local model folder or Hugging Face hub id."),
+    model: str = typer.Argument(..., help="Local model folder, Hugging Face hub id, or a .gguf file (text generation)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Artifact folder to write (atomically)."),
-    task: str = typer.Option("auto", help="text-classification | sentence-embeddings | token-classification | question-answering | auto"),
+    task: str = typer.Option("auto", help="text-classification | sentence-embeddings | token-classification | question-answering | text-generation | auto"),
     precision: str = typer.Option("", help="Comma-separated variants to build: fp32,optimized,int8,fp16,tensorrt or all. Default: all that fit the device."),
     device: str = typer.Option("cpu", help="cpu or cuda: the device variants are built, validated and timed on."),
     calibration_texts: Optional[Path] = typer.Option(None, help="Validation texts, one per line (a tab separates a pair / question-context)."),
@@ -60,6 +60,10 @@ def convert(
     int8_min_cosine: Optional[float] = typer.Option(None, help="Min mean cosine similarity for int8 (default 0.98)."),
     int8_min_agreement: Optional[float] = typer.Option(None, help="Min task agreement for int8 (default 0.9)."),
     fp16_min_cosine: Optional[float] = typer.Option(None, help="Min mean cosine similarity for fp16 (default 0.999)."),
+    int4_block_size: int = typer.Option(32, help="Text generation: weights per int4 scale (MatMulNBits block size)."),
+    int4_accuracy_level: int = typer.Option(4, help="Text generation: MatMulNBits accuracy level (4: int8 compute)."),
+    gate_prompts: str = typer.Option("8,4", help="Text generation: gate prompts as SHORT,SQUAD (STS-B sentences, SQuAD chat prompts; as many SQuAD paragraphs for perplexity)."),
+    max_model_gb: Optional[float] = typer.Option(None, help="Text generation: refuse models whose fp32 weights exceed this (default: a third of the memory)."),
 ) -> None:
     """Export MODEL to ONNX, build faster variants, validate each against PyTorch, write an artifact."""
     from dataclasses import replace
@@ -80,10 +84,15 @@ def convert(
     if fp16_min_cosine is not None:
         tolerances["fp16"] = replace(tolerances["fp16"], min_mean_cosine=fp16_min_cosine)
     precisions = list(PRECISIONS) if precision.strip() == "all" else split_list(precision)
+    gate_counts = number_list(gate_prompts, "--gate-prompts")
+    if len(gate_counts) != 2:
+        raise typer.BadParameter("--gate-prompts takes SHORT,SQUAD, e.g. 8,4")
     cfg = ConvertConfig(
         model=model, out=out_dir, task=task, precisions=precisions, device=device,
         calibration_texts=read_text_file(calibration_texts) if calibration_texts else None,
         tolerances=tolerances, threads=threads, force=force, name=name,
+        int4_block_size=int4_block_size, int4_accuracy_level=int4_accuracy_level,
+        gate_short=gate_counts[0], gate_squad=gate_counts[1], max_model_gb=max_model_gb,
     )
     manifest = run_convert(cfg, steps=step)
     print_variants(out, manifest)
