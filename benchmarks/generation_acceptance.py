@@ -14,7 +14,7 @@ import argparse
 import statistics
 
 from modelkiln.bench.generation import OnnxBackend, real_token_windows
-from modelkiln.bench.generation_backends import LlamaCppBackend, TorchBackend, llama_cpp_available
+from modelkiln.bench.generation_backends import LlamaCppBackend, TorchBackend, gguf_path, llama_cpp_available
 from modelkiln.generation.model import TextGenerationModel
 
 
@@ -30,9 +30,9 @@ def main() -> None:
     variant, _ = model.variant_path(args.variant)
     backends = {f"onnxruntime {variant}": OnnxBackend(model, variant, args.threads),
                 "pytorch": TorchBackend(model, args.threads)}
-    source = str(model.manifest.source.get("model", ""))
-    if source.endswith(".gguf") and llama_cpp_available():
-        backends["llama.cpp"] = LlamaCppBackend(source, args.threads, 1024)
+    gguf = gguf_path(model.manifest.source)
+    if gguf and llama_cpp_available():
+        backends["llama.cpp"] = LlamaCppBackend(gguf, args.threads, 1024)
     past = real_token_windows(model, 128, 1)
     prompt = real_token_windows(model, 512, 1)[0]
     for backend in backends.values():  # warm-up

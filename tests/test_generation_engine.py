@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from generation_helpers import export_tiny_llama
+from generation_helpers import tiny_generation_artifact  # noqa: F401 (a session fixture)
 from modelkiln.errors import InvalidInputError
 from modelkiln.generation.decoder import DecoderSession
 from modelkiln.generation.detokenizer import IncrementalDetokenizer
@@ -19,11 +19,11 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 30], [40, 41, 42, 43, 44, 45, 46, 47, 4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_generation_artifact):
     from tokenizers import Tokenizer
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    return export_tiny_llama(folder), Tokenizer.from_file(str(folder / "hf" / "tokenizer.json"))
+    folder = tiny_generation_artifact
+    return folder / "model.onnx", Tokenizer.from_file(str(folder / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["ortvalue", "numpy"])

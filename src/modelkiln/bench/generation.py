@@ -19,7 +19,7 @@ from ..generation.engine import GenerationEngine
 from ..generation.model import TextGenerationModel
 from .runner import machine_info
 from .timing import Stats
-from .generation_backends import LLAMA_CPP_HINT, LlamaCppBackend, TorchBackend, llama_cpp_available
+from .generation_backends import LLAMA_CPP_HINT, LlamaCppBackend, TorchBackend, gguf_path, llama_cpp_available
 
 Steps = Callable[[str], ContextManager[None]]
 
@@ -112,8 +112,7 @@ def _backends(model: TextGenerationModel, cfg: GenerationBenchConfig, notes: lis
     if cfg.reference:
         yield "pytorch fp32 (generate)", lambda: TorchBackend(model, cfg.threads)
     if cfg.llama_cpp:
-        source = str(model.manifest.source.get("model", ""))
-        gguf = source if source.endswith(".gguf") else None
+        gguf = gguf_path(model.manifest.source)
         if not gguf:
             notes.append("llama.cpp: the artifact was not converted from a GGUF file")
         elif not llama_cpp_available():

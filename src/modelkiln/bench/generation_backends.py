@@ -16,18 +16,12 @@ from ..generation.model import TextGenerationModel
 LLAMA_CPP_HINT = "CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install 'modelkiln[llamacpp]' (compiles llama.cpp, minutes)"
 
 
-def load_causal_lm(source: str):
-    """The PyTorch model an artifact came from: a Hugging Face folder or hub id, or a GGUF file
-    (transformers dequantizes it to fp32)."""
-    import torch
-    import transformers as tf
-
-    path = Path(source)
-    if path.suffix == ".gguf":
-        model = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    else:
-        model = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    return model.eval()
+def gguf_path(source: dict) -> str | None:
+    """The GGUF file an artifact was converted from (its manifest's ``source``), if any."""
+    model, name = str(source.get("model", "")), source.get("gguf_file")
+    if model.endswith(".gguf"):
+        return model
+    return str(Path(model) / name) if name else None
 
 
 def llama_cpp_available() -> bool:
@@ -45,7 +39,10 @@ class TorchBackend:
         if threads:
             torch.set_num_threads(threads)
         self.torch = torch
-        self.model = load_causal_lm(model.manifest.source["model"])
+        from ..convert.generation import load_causal_lm
+        from ..convert.source import load_source
+
+        self.model = load_causal_lm(load_source(model.manifest.source["model"]))
         self.pad_id = (model.eos_ids or [0])[0]
 
     def _token_times(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:

@@ -1,4 +1,5 @@
-"""TEMPORARY: tensor names of the decoder graph until genconvert's contract module is merged."""
+"""The decoder graph's tensor names: the contract between the exporter (convert/decoder_export.py)
+and the engine (decoder.py)."""
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
 
 

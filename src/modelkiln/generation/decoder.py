@@ -1,7 +1,7 @@
 """One forward pass of the exported decoder graph in ONNX Runtime; the KV cache it returns is the
 next pass's input as it is.
 
-The graph (see ``contract.py``) takes ``input_ids``, ``attention_mask`` [batch, past + seq],
+The graph (names in ``_names.py``, written by ``convert/decoder_export.py``) takes ``input_ids``, ``attention_mask`` [batch, past + seq],
 ``position_ids`` and per layer ``past_key_values.{i}.key/.value`` [batch, kv_heads, past, head_dim];
 it returns ``logits`` and ``present.{i}.key/.value`` [batch, kv_heads, past + seq, head_dim].
 
