@@ -48,9 +48,9 @@ def step(description: str) -> Iterator[None]:
 
 @app.command()
 def convert(
-    model: str = typer.Argument(..., help="Local model folder or Hugging Face hub id."),
+    model: str = typer.Argument(..., help="Local model folder, Hugging Face hub id, or a .gguf file (text generation)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Artifact folder to write (atomically)."),
-    task: str = typer.Option("auto", help="text-classification | sentence-embeddings | token-classification | question-answering | auto"),
+    task: str = typer.Option("auto", help="text-classification | sentence-embeddings | token-classification | question-answering | text-generation | auto"),
     precision: str = typer.Option("", help="Comma-separated variants to build: fp32,optimized,int8,fp16,tensorrt or all. Default: all that fit the device."),
     device: str = typer.Option("cpu", help="cpu or cuda: the device variants are built, validated and timed on."),
     calibration_texts: Optional[Path] = typer.Option(None, help="Validation texts, one per line (a tab separates a pair / question-context)."),
@@ -61,6 +61,10 @@ def convert(
     int8_min_cosine: Optional[float] = typer.Option(None, help="Min mean cosine similarity for int8 (default 0.98)."),
     int8_min_agreement: Optional[float] = typer.Option(None, help="Min task agreement for int8 (default 0.9)."),
     fp16_min_cosine: Optional[float] = typer.Option(None, help="Min mean cosine similarity for fp16 (default 0.999)."),
+    int4_block_size: int = typer.Option(32, help="Text generation: weights per int4 scale (MatMulNBits block size)."),
+    int4_accuracy_level: int = typer.Option(4, help="Text generation: MatMulNBits accuracy level (4: int8 compute)."),
+    gate_prompts: str = typer.Option("8,4", help="Text generation: gate prompts as SHORT,SQUAD (STS-B sentences, SQuAD chat prompts; as many SQuAD paragraphs for perplexity)."),
+    max_model_gb: Optional[float] = typer.Option(None, help="Text generation: refuse models whose fp32 weights exceed this (default: a third of the memory)."),
 ) -> None:
     """Export MODEL to ONNX, build faster variants, validate each against PyTorch, write an artifact."""
     from dataclasses import replace
@@ -81,10 +85,15 @@ def convert(
     if fp16_min_cosine is not None:
         tolerances["fp16"] = replace(tolerances["fp16"], min_mean_cosine=fp16_min_cosine)
     precisions = list(PRECISIONS) if precision.strip() == "all" else split_list(precision)
+    gate_counts = number_list(gate_prompts, "--gate-prompts")
+    if len(gate_counts) != 2:
+        raise typer.BadParameter("--gate-prompts takes SHORT,SQUAD, e.g. 8,4")
     cfg = ConvertConfig(
         model=model, out=out_dir, task=task, precisions=precisions, device=device,
         calibration_texts=read_text_file(calibration_texts) if calibration_texts else None,
         tolerances=tolerances, threads=threads, force=force, name=name,
+        int4_block_size=int4_block_size, int4_accuracy_level=int4_accuracy_level,
+        gate_short=gate_counts[0], gate_squad=gate_counts[1], max_model_gb=max_model_gb,
     )
     manifest = run_convert(cfg, steps=step)
     print_variants(out, manifest)
@@ -98,7 +107,8 @@ def convert(
 def bench(
     target: str = typer.Argument(..., help="An artifact folder, or a model (converted to a temporary artifact first)."),
     batch: str = typer.Option("1,8,32", help="Batch sizes."),
-    seq: str = typer.Option("16,128,384", help="Sequence lengths (tokens)."),
+    seq: str = typer.Option("", help="Sequence lengths (tokens); default 16,128,384 (prompt lengths 16,128,512 for text generation)."),
+    past: int = typer.Option(128, help="Text generation: the past (tokens) of every sequence in the decode cells."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads for every backend (default: all cores)."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated variants to run (default: every kept one)."),
     reference: bool = typer.Option(True, help="Run the PyTorch fp32 reference (needs modelkiln[convert])."),
@@ -107,11 +117,15 @@ def bench(
     min_seconds: float = typer.Option(1.0, help="And at least this long per cell."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
 ) -> None:
-    """Latency and throughput of PyTorch and every ONNX variant over batch × sequence length."""
+    """Latency and throughput of PyTorch and every ONNX variant over batch × sequence length
+    (text generation: prefill by prompt length, decode by batch size, llama.cpp too when installed)."""
+    from .bench.generation_command import bench_generation, generation_artifact
     from .bench.report import print_table, write_json
     from .bench.runner import BenchConfig, run_bench
 
-    cfg = BenchConfig(batches=number_list(batch, "--batch"), seqs=number_list(seq, "--seq"), threads=threads,
+    if generation_artifact(target):
+        return bench_generation(target, batch, seq, past, threads, variants, reference, json_path, out, step)
+    cfg = BenchConfig(batches=number_list(batch, "--batch"), seqs=number_list(seq or "16,128,384", "--seq"), threads=threads,
                       variants=split_list(variants), reference=reference, warmup=warmup, min_iters=min_iters,
                       min_seconds=min_seconds)
     result = run_bench(target, cfg, steps=step)
@@ -126,15 +140,19 @@ def bench(
 
 @app.command("eval")
 def evaluate(
-    artifact: Path = typer.Argument(..., help="An artifact folder of a sentence-embeddings model."),
+    artifact: Path = typer.Argument(..., help="An artifact folder of a sentence-embeddings or text-generation model."),
     sts: Optional[Path] = typer.Option(None, help="STS Benchmark file (default: ../shared/data/stsbenchmark/sts-dev.csv)."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads."),
     reference: bool = typer.Option(True, help="Also score the PyTorch model the artifact came from."),
 ) -> None:
-    """Accuracy on STS Benchmark: Spearman ×100 of cosine similarities, per variant and for PyTorch."""
+    """Accuracy on STS Benchmark: Spearman ×100 of cosine similarities, per variant and for PyTorch
+    (text generation: perplexity on SQuAD paragraphs and SQuAD answered by generation)."""
     from .bench.accuracy import evaluate_sts
+    from .bench.generation_command import eval_generation, generation_artifact
     from .report import print_accuracy
 
+    if generation_artifact(artifact):
+        return eval_generation(artifact, threads, reference, out, step)
     print_accuracy(out, evaluate_sts(artifact, sts, threads, reference, steps=step))
 
 
@@ -148,6 +166,9 @@ from .loadtest.command import loadtest as _loadtest; app.command("loadtest")(_lo
 
 
 from .tune.command import TuneCommand, tune as _tune; app.command("tune", cls=TuneCommand)(_tune)  # noqa: E402,E702
+
+
+from .generation.command import generate as _generate; app.command("generate")(_generate)  # noqa: E402,E702
 
 
 # --- entry point ------------------------------------------------------------------------------

@@ -61,6 +61,13 @@ class ModelLoadError(ConversionError):
     kind = ErrorKind.INVALID_INPUT
 
 
+class ModelTooLargeError(ConversionError):
+    """The model needs more memory to export than the options allow (``--max-model-gb``)."""
+
+    kind = ErrorKind.INVALID_INPUT
+    status_code = 400
+
+
 class OutputNotWritableError(ConversionError):
     kind = ErrorKind.INVALID_INPUT
 

@@ -67,6 +67,9 @@ class Manifest:
     labels: list[str] | None = None
     problem_type: str | None = None  # classification: single_label / multi_label / regression
     pooling: Pooling | None = None
+    # Text generation: eos_token_ids, chat_template, special_tokens, max_context, defaults (sampling
+    # settings), layers / kv_heads / head_dim. Read by generation/model.py.
+    generation: dict[str, Any] | None = None
     source: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     opset: int | None = None

@@ -22,6 +22,7 @@ from ..runtime.onnx import OnnxEngine, cuda_available
 from ..runtime.tokenizer import TextEncoder
 from ..samples import SAMPLE_TEXTS
 from ..tasks import Task, TextInput, make_task, task_class
+from . import generation
 from . import source as src
 from . import variants as build
 from .export import EXTERNAL_DATA_THRESHOLD, OPSET, TaskModule, export_onnx
@@ -53,6 +54,13 @@ class ConvertConfig:
     name: str | None = None
     external_data_threshold: int = EXTERNAL_DATA_THRESHOLD
     timing_seconds: float = 0.5  # time budget for each variant's latency measurement
+    # Text generation (convert/generation.py)
+    int4_block_size: int = 32
+    int4_accuracy_level: int = 4
+    gate_short: int = 8  # STS-B sentences as plain prompts
+    gate_squad: int = 4  # SQuAD question + context chat prompts (and as many perplexity paragraphs)
+    generation_gate: dict | None = None  # precision → generation_gate.GateTolerance overrides
+    max_model_gb: float | None = None  # fp32 weight size limit; default: a third of the machine's memory
 
 
 def default_precisions(device: str) -> tuple[str, ...]:
@@ -141,16 +149,22 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
     if device == "cuda" and not cuda_available():
         raise ConversionError("--device cuda: onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu)")
     wanted = list(cfg.precisions or default_precisions(device))
-    unknown = [p for p in wanted if p not in PRECISIONS]
+    unknown = [p for p in wanted if p not in PRECISIONS + generation.PRECISIONS]
     if unknown:
         raise ConversionError(f"unknown precision {unknown} (choose from {', '.join(PRECISIONS)}, or all)")
-    if cfg.task != "auto":
+    if cfg.task not in ("auto", generation.TASK):
         task_class(cfg.task)  # fail fast on a typo, before loading anything
     check_output(Path(cfg.out), cfg.force)
 
     with steps("Loading model and tokenizer"):
         source = src.load_source(cfg.model)
         task_name = src.detect_task(source) if cfg.task == "auto" else cfg.task
+    if task_name == generation.TASK:  # a causal LM: a decoder with a KV cache, not a tasks/ Task
+        return generation.convert_generation(cfg, source, steps)
+    unknown = [p for p in wanted if p not in PRECISIONS]
+    if unknown:
+        raise ConversionError(f"unknown precision {unknown} (choose from {', '.join(PRECISIONS)}, or all)")
+    with steps("Loading the PyTorch model"):
         src.check_task_fits(source, task_name)
         model = src.load_torch_model(source, task_name)
         names = src.input_names(source, model)

@@ -21,6 +21,8 @@ _HEAD_SUFFIXES = {
     "ForSequenceClassification": "text-classification",
     "ForTokenClassification": "token-classification",
     "ForQuestionAnswering": "question-answering",
+    "ForCausalLM": "text-generation",  # converted by convert/generation.py, not a tasks/ Task
+    "LMHeadModel": "text-generation",  # GPT-2, GPT-J and other early causal LMs' class names
 }
 # Heads that carry no task head of ours: fine for embeddings, not for head tasks.
 _BASE_SUFFIXES = ("Model", "ForMaskedLM", "ForPreTraining")
@@ -34,6 +36,16 @@ class SourceModel:
     config: Any  # transformers.PretrainedConfig
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     folder: Path | None  # local folder (for sentence-transformers configs), None for hub ids
+    gguf_file: str | None = None  # a .gguf file's name inside ``folder``: transformers dequantizes it to fp32
+
+    @property
+    def load_ref(self) -> str:
+        """What ``from_pretrained`` is given (with ``load_kwargs``)."""
+        return str(self.folder) if self.gguf_file else self.ref
+
+    @property
+    def load_kwargs(self) -> dict[str, str]:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
     @property
     def architecture(self) -> str:
@@ -57,10 +69,68 @@ class SourceModel:
             raise ModelLoadError(f"{path} is corrupt: {exc}") from exc
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def find_gguf(ref: str) -> Path | None:
+    """The .gguf file ``ref`` names: the file itself, or the only one in a folder without config.json.
+    A file that is not GGUF fails here, with its first bytes named."""
+    path = Path(ref)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return None
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise ModelLoadError(f"{ref} holds {len(found)} .gguf files; name one of them")
+        if not found:
+            return None
+        path = found[0]
+    if not path.is_file():
+        return None
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{ref} is not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r}); "
+                             "expected a model folder, a hub id or a .gguf file")
+    return path
+
+
+def load_gguf_source(ref: str, path: Path) -> SourceModel:
+    """Config and tokenizer from a GGUF file's metadata (transformers needs the gguf package)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, name = path.resolve().parent, path.name
+    try:
+        config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
+    except ValueError as exc:  # "GGUF model with architecture X is not supported yet"
+        raise UnsupportedArchitectureError(f"{ref}: {str(exc).splitlines()[0]}") from exc
+    except Exception as exc:  # a truncated file, the gguf package missing...
+        raise ModelLoadError(f"cannot read the GGUF metadata of {ref}: {str(exc).splitlines()[0]}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+    except Exception as exc:  # transformers raises many kinds here; all mean "no usable tokenizer"
+        raise ModelLoadError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}") from exc
+    if not getattr(config, "architectures", None):
+        config.architectures = [_causal_lm_class_name(config)]
+    return SourceModel(ref=ref, config=config, tokenizer=tokenizer, folder=folder, gguf_file=name)
+
+
+def _causal_lm_class_name(config: Any) -> str:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)].__name__
+    except KeyError:
+        return f"{type(config).__name__.removesuffix('Config')}ForCausalLM"
+
+
 def load_source(ref: str) -> SourceModel:
     """Load config and fast tokenizer; one-line errors for missing or corrupt files."""
     from transformers import AutoConfig, AutoTokenizer
 
+    gguf = find_gguf(ref)
+    if gguf is not None:
+        return load_gguf_source(ref, gguf)
     folder = Path(ref)
     is_local = folder.exists()
     # A hub id is "name" or "org/name"; anything else that does not exist is a missing folder.

@@ -98,6 +98,21 @@ def quantize_int8(src: Path, dst: Path, per_channel: bool) -> None:
 
 
 @in_scratch_directory
+def quantize_int4(src: Path, dst: Path, block_size: int, accuracy_level: int) -> None:
+    """Weight-only 4-bit MatMul weights (MatMulNBits, symmetric, one scale per ``block_size`` weights);
+    activations stay float. On CPU, decoding reads every weight once per token, so 4-bit weights cut the
+    bytes read per token by ~8× against fp32. ``accuracy_level`` 4 lets the kernel compute in int8."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    with _root_logger_at(logging.ERROR):
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=block_size, is_symmetric=True,
+                                         accuracy_level=accuracy_level)
+        quantizer.process()
+    quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
+
+
+@in_scratch_directory
 def to_fp16(src: Path, dst: Path) -> None:
     """fp16 weights and activations for CUDA, keeping inputs/outputs and reduction ops in fp32."""
     import onnx

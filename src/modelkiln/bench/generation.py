@@ -1,0 +1,167 @@
+"""``kiln bench`` for a text-generation artifact: prefill latency by prompt length, decode latency
+per step and tokens/s by batch size (every sequence with a past of ``past`` tokens), for every
+variant, PyTorch ``generate`` with its cache, and llama.cpp on the same GGUF file when
+``llama-cpp-python`` is installed. All inputs are real text (SQuAD paragraphs)."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ContextManager
+
+import numpy as np
+
+from ..errors import KilnError
+from ..generation.engine import GenerationEngine
+from ..generation.model import TextGenerationModel
+from .runner import machine_info
+from .timing import Stats
+from .generation_backends import LLAMA_CPP_HINT, LlamaCppBackend, TorchBackend, gguf_path, llama_cpp_available
+
+Steps = Callable[[str], ContextManager[None]]
+
+
+@dataclass
+class GenerationBenchConfig:
+    prompt_lengths: list[int] = field(default_factory=lambda: [16, 128, 512])
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32])
+    past: int = 128
+    decode_steps: int = 16
+    repeats: int = 3  # prefill runs per length (after one warm-up)
+    threads: int | None = None
+    variants: list[str] | None = None
+    reference: bool = True
+    llama_cpp: bool = True
+
+
+@dataclass
+class GenerationCell:
+    backend: str
+    phase: str  # "prefill" or "decode"
+    batch: int
+    tokens: int  # prompt length (prefill) or past length (decode)
+    stats: Stats  # per call (prefill) or per step (decode), ms
+    speedup: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        per_call = self.tokens if self.phase == "prefill" else self.batch
+        return per_call / (self.stats.median / 1000.0)
+
+
+@dataclass
+class GenerationBenchResult:
+    model: str
+    task: str
+    cells: list[GenerationCell]
+    notes: list[str]
+    machine: dict[str, Any]
+    config: GenerationBenchConfig
+
+
+def real_token_windows(model: TextGenerationModel, length: int, count: int) -> list[list[int]]:
+    """``count`` different windows of ``length`` token ids cut from SQuAD paragraphs."""
+    from ..data import read_squad
+    from ..samples import SAMPLE_TEXTS
+
+    try:
+        paragraphs, _ = read_squad()
+    except KilnError:
+        paragraphs = list(SAMPLE_TEXTS)
+    stream: list[int] = []
+    for paragraph in paragraphs:
+        stream += model.tokenizer.encode(paragraph + "\n", add_special_tokens=False).ids
+        if len(stream) >= length + count * 17:
+            break
+    while len(stream) < length + count * 17:  # little text (the built-in samples): repeat it
+        stream += stream
+    return [stream[i * 17: i * 17 + length] for i in range(count)]
+
+
+class OnnxBackend:
+    def __init__(self, model: TextGenerationModel, variant: str, threads: int | None):
+        self.engine = GenerationEngine(model.decoder(variant, threads))
+
+    def prefill_seconds(self, ids: list[int]) -> float:
+        started = time.perf_counter()
+        self.engine.prefill("bench", ids)
+        elapsed = time.perf_counter() - started
+        self.engine.remove("bench")
+        return elapsed
+
+    def decode_step_seconds(self, prompts: list[list[int]], steps: int) -> list[float]:
+        for row, ids in enumerate(prompts):
+            self.engine.add(row, ids)
+        tokens = {row: ids[-1] for row, ids in enumerate(prompts)}
+        self.engine.step(tokens)  # warm-up at this batch size
+        samples = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            logits = self.engine.step(tokens)
+            samples.append(time.perf_counter() - started)
+            tokens = {row: int(np.argmax(logits[i])) for i, row in enumerate(self.engine.rows)}
+        for row in range(len(prompts)):
+            self.engine.remove(row)
+        return samples
+
+
+def _backends(model: TextGenerationModel, cfg: GenerationBenchConfig, notes: list[str]) -> Iterator[tuple[str, Callable[[], Any]]]:
+    if cfg.reference:
+        yield "pytorch fp32 (generate)", lambda: TorchBackend(model, cfg.threads)
+    if cfg.llama_cpp:
+        gguf = gguf_path(model.manifest.source)
+        if not gguf:
+            notes.append("llama.cpp: the artifact was not converted from a GGUF file")
+        elif not llama_cpp_available():
+            notes.append(f"llama.cpp: not installed ({LLAMA_CPP_HINT})")
+        else:
+            yield "llama.cpp (same GGUF)", lambda: LlamaCppBackend(gguf, cfg.threads, max(cfg.prompt_lengths + [cfg.past + cfg.decode_steps + 8]))
+    for v in model.manifest.kept_variants():
+        if v.device != "cpu" or (cfg.variants and v.name not in cfg.variants):
+            continue
+        yield f"onnxruntime {v.name}", lambda v=v: OnnxBackend(model, v.name, cfg.threads)
+
+
+def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
+                         steps: Steps = lambda d: contextlib.nullcontext()) -> GenerationBenchResult:
+    for name in cfg.variants or []:
+        model.manifest.variant(name)  # an unknown name fails here, listing the kept ones
+    limit = model.max_context or 10**9
+    lengths = [n for n in cfg.prompt_lengths if n <= limit]
+    notes = [f"prompt length {n}: longer than the model's context of {limit}" for n in cfg.prompt_lengths if n > limit]
+    prompts = {n: real_token_windows(model, n, 1)[0] for n in lengths}
+    decode_prompts = real_token_windows(model, cfg.past, max(cfg.batches))
+    cells: list[GenerationCell] = []
+    for label, factory in _backends(model, cfg, notes):
+        with steps(f"Loading {label}"):
+            backend = factory()
+        for n in lengths:
+            with steps(f"{label}: prefill {n} tokens"):
+                backend.prefill_seconds(prompts[n])  # warm-up
+                samples = [backend.prefill_seconds(prompts[n]) for _ in range(cfg.repeats)]
+            cells.append(GenerationCell(label, "prefill", 1, n, Stats.of(samples)))
+        for b in cfg.batches:
+            if b > 1 and not getattr(backend, "batched", True):
+                notes.append(f"{label}: batch {b} not measured (llama-cpp-python's Llama runs one sequence)")
+                continue
+            with steps(f"{label}: decode at batch {b}, past {cfg.past}"):
+                samples = backend.decode_step_seconds(decode_prompts[:b], cfg.decode_steps)
+            cells.append(GenerationCell(label, "decode", b, cfg.past, Stats.of(samples)))
+        del backend
+    reference = {(c.phase, c.batch, c.tokens): c.stats.median for c in cells if c.backend.startswith("pytorch")}
+    for c in cells:
+        base = reference.get((c.phase, c.batch, c.tokens))
+        c.speedup = base / c.stats.median if base else None
+    return GenerationBenchResult(model.name, model.manifest.task, cells, notes, machine_info(cfg.threads), cfg)
+
+
+def best_ratio(result: GenerationBenchResult, phase: str, batch: int, tokens: int, against: str) -> float | None:
+    """Fastest ONNX variant's tokens/s over ``against``'s in one cell (for the summary line)."""
+    ours = [c.tokens_per_s for c in result.cells if c.backend.startswith("onnxruntime")
+            and (c.phase, c.batch, c.tokens) == (phase, batch, tokens)]
+    theirs = [c.tokens_per_s for c in result.cells if c.backend.startswith(against)
+              and (c.phase, c.batch, c.tokens) == (phase, batch, tokens)]
+    return max(ours) / statistics.median(theirs) if ours and theirs else None

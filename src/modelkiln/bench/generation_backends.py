@@ -1,0 +1,114 @@
+"""The reference backends of the generation bench: PyTorch ``generate`` with its KV cache, and
+llama.cpp (through llama-cpp-python) on the GGUF file the artifact was converted from.
+
+PyTorch is timed inside ``generate`` itself: a logits processor records the time each token's
+logits arrive, so prefill is the time to the first token and each decode step is the gap between
+two tokens, generate's own loop and cache included."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from ..generation.model import TextGenerationModel
+
+LLAMA_CPP_HINT = "CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install 'modelkiln[llamacpp]' (compiles llama.cpp, minutes)"
+
+
+def gguf_path(source: dict) -> str | None:
+    """The GGUF file an artifact was converted from (its manifest's ``source``), if any."""
+    model, name = str(source.get("model", "")), source.get("gguf_file")
+    if model.endswith(".gguf"):
+        return model
+    return str(Path(model) / name) if name else None
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class TorchBackend:
+    def __init__(self, model: TextGenerationModel, threads: int | None):
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.torch = torch
+        from ..convert.generation import load_causal_lm
+        from ..convert.source import load_source
+
+        self.model = load_causal_lm(load_source(model.manifest.source["model"]))
+        self.pad_id = (model.eos_ids or [0])[0]
+
+    def _token_times(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+        torch = self.torch
+        stamps: list[float] = []
+
+        def stamp(input_ids: Any, scores: Any) -> Any:
+            stamps.append(time.perf_counter())
+            return scores
+
+        ids = torch.tensor(prompts, dtype=torch.long)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, logits_processor=[stamp],
+                                pad_token_id=self.pad_id)
+        return stamps[0] - started, [b - a for a, b in zip(stamps, stamps[1:])]
+
+    def prefill_seconds(self, ids: list[int]) -> float:
+        return self._token_times([ids], 1)[0]
+
+    def decode_step_seconds(self, prompts: list[list[int]], steps: int) -> list[float]:
+        return self._token_times(prompts, steps + 2)[1][1:]  # the first gap is a warm-up
+
+    # -- for kiln eval ---------------------------------------------------------------------
+    def logits(self, ids: list[int]) -> Any:
+        torch = self.torch
+        with torch.inference_mode():
+            return self.model(torch.tensor([ids], dtype=torch.long)).logits[0].float().numpy()
+
+    def greedy_text(self, prompt_ids: list[int], params: Any, model: TextGenerationModel) -> str:
+        """PyTorch's greedy answer, cut at the first stop string as the engine cuts it."""
+        torch = self.torch
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
+                                      do_sample=False, eos_token_id=model.eos_ids or None, pad_token_id=self.pad_id)
+        text = model.tokenizer.decode(out[0, len(prompt_ids):].tolist(), skip_special_tokens=True)
+        cuts = [text.find(s) for s in params.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+
+class LlamaCppBackend:
+    batched = False  # llama-cpp-python's Llama evaluates one sequence
+
+    def __init__(self, gguf: str, threads: int | None, context: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf), n_threads=threads or None, n_threads_batch=threads or None,
+                         n_ctx=context, n_batch=512, verbose=False)
+
+    def prefill_seconds(self, ids: list[int]) -> float:
+        self.llm.reset()
+        started = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - started
+
+    def decode_step_seconds(self, prompts: list[list[int]], steps: int) -> list[float]:
+        self.llm.reset()
+        self.llm.eval(prompts[0])
+        token = prompts[0][-1]
+        self.llm.eval([token])  # warm-up
+        samples = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            self.llm.eval([token])
+            samples.append(time.perf_counter() - started)
+        return samples
+

@@ -1,0 +1,37 @@
+"""``kiln bench`` and ``kiln eval`` on a text-generation artifact (the CLI sends them here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..manifest import Manifest, is_artifact
+from ..option_lists import number_list, split_list
+
+
+def generation_artifact(target: str | Path) -> bool:
+    """Whether ``target`` is an artifact with a generation section (a causal language model)."""
+    return is_artifact(target) and getattr(Manifest.load(target), "generation", None) is not None
+
+
+def bench_generation(target: str, batch: str, seq: str, past: int, threads, variants, reference: bool,
+                     json_path: Path | None, out, steps) -> None:
+    from ..generation.model import TextGenerationModel
+    from .generation import GenerationBenchConfig, run_generation_bench
+    from .generation_report import print_generation_bench, write_generation_json
+
+    cfg = GenerationBenchConfig(prompt_lengths=number_list(seq or "16,128,512", "--seq"),
+                                batches=number_list(batch, "--batch"), past=past, threads=threads,
+                                variants=split_list(variants), reference=reference)
+    result = run_generation_bench(TextGenerationModel(target), cfg, steps)
+    print_generation_bench(out, result)
+    if json_path:
+        write_generation_json(json_path, result)
+        out.print(f"Wrote {json_path}")
+
+
+def eval_generation(artifact: Path, threads, reference: bool, out, steps) -> None:
+    from ..generation.model import TextGenerationModel
+    from .generation_eval import evaluate_generation
+    from .generation_report import print_generation_scores
+
+    print_generation_scores(out, evaluate_generation(TextGenerationModel(artifact), threads, reference, steps=steps))

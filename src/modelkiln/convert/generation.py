@@ -1,0 +1,272 @@
+"""``kiln convert MODEL --task text-generation``: a causal LM (Hugging Face folder, hub id or GGUF
+file) to an artifact the generation engine runs: one decoder graph with its KV cache per variant
+(fp32, int8, int4; fp16 with a GPU), each through the gate on real text (``generation_gate.py``)
+and kept only if it passes and decodes faster than fp32; the tokenizer, chat template, special
+and end-of-sequence ids and generation defaults in ``kiln.json``'s ``generation`` section."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import atomic_folder
+from ..bench.timing import measure_interleaved
+from ..errors import ConversionError, ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
+from ..manifest import Manifest, TokenizerSpec, Variant
+from . import source as src
+from . import variants as build
+from .decoder_export import DecoderShape, export_decoder
+from .export import OPSET
+from .generation_gate import DEFAULT_GATE, GatePrompts, judge, onnx_run, torch_run
+
+log = logging.getLogger(__name__)
+
+TASK = "text-generation"
+PRECISIONS = ("fp32", "int8", "int4", "fp16")
+GREEDY_TOKENS = 32  # greedy tokens compared per gate prompt
+PARAGRAPH_TOKENS = 256  # perplexity paragraphs are cut to this many tokens
+DECODE_PAST = 64  # variants are timed decoding one token at batch 1 after this many
+EXPORT_MEMORY_FACTOR = 3  # export holds the weights ~3 times: PyTorch's, the traced program's, the ONNX file's
+
+
+def default_precisions(device: str) -> tuple[str, ...]:
+    return ("fp32", "int8", "int4") if device == "cpu" else ("fp32", "int8", "int4", "fp16")
+
+
+# --- source ----------------------------------------------------------------------------------------
+
+
+def check_size(source: src.SourceModel, max_model_gb: float | None) -> int:
+    """Parameters counted on the meta device (no weights read); too large for the limit → a typed error."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(source.config).parameters())
+    except ValueError as exc:
+        raise UnsupportedArchitectureError(f"{source.ref}: {source.model_type} is not a causal LM transformers "
+                                           f"can build: {str(exc).splitlines()[0]}") from exc
+    limit = max_model_gb if max_model_gb is not None else _memory_gb() / EXPORT_MEMORY_FACTOR
+    size_gb = params * 4 / 1e9
+    if size_gb > limit:
+        raise ModelTooLargeError(f"{source.ref}: {params / 1e6:.0f}M parameters are {size_gb:.2f} GB in fp32; the "
+                                 f"limit is {limit:.2f} GB (--max-model-gb; export needs ~{EXPORT_MEMORY_FACTOR}× that in memory)")
+    return params
+
+
+def _memory_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
+def load_causal_lm(source: src.SourceModel) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.load_ref, dtype=torch.float32, **source.load_kwargs)
+    except ValueError as exc:
+        raise UnsupportedArchitectureError(f"{source.ref}: {str(exc).splitlines()[0]}") from exc
+    except Exception as exc:  # OSError, safetensors', gguf's and torch's errors: all mean unreadable weights
+        raise ModelLoadError(f"cannot load the weights of {source.ref}: {str(exc).splitlines()[0]}") from exc
+    return model.eval()
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def generation_settings(source: src.SourceModel, model: Any, shape: DecoderShape) -> dict[str, Any]:
+    """The manifest's ``generation`` section (read by generation/model.py)."""
+    tok, cfg = source.tokenizer, model.config
+    gen_cfg = getattr(model, "generation_config", None)
+    eos: list[int] = []
+    for candidate in (_ids(getattr(gen_cfg, "eos_token_id", None)), _ids(getattr(cfg, "eos_token_id", None)),
+                      _ids(tok.eos_token_id)):
+        eos += [i for i in candidate if i not in eos]
+    special = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+               if isinstance(getattr(tok, k, None), str)}
+    defaults: dict[str, Any] = {"max_new_tokens": 256}
+    if gen_cfg is not None and getattr(gen_cfg, "do_sample", False):
+        for key in ("temperature", "top_k", "top_p"):
+            if getattr(gen_cfg, key, None) is not None:
+                defaults[key] = getattr(gen_cfg, key)
+    if gen_cfg is not None and getattr(gen_cfg, "repetition_penalty", None) not in (None, 1.0):
+        defaults["repetition_penalty"] = gen_cfg.repetition_penalty
+    max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    return {"eos_token_ids": eos, "chat_template": getattr(tok, "chat_template", None) or None,
+            "special_tokens": special, "special_token_ids": {k: tok.convert_tokens_to_ids(v) for k, v in special.items()},
+            "max_context": int(max_context) if max_context else None, "defaults": defaults,
+            "layers": shape.layers, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+            "vocab_size": shape.vocab}
+
+
+# --- gate prompts ------------------------------------------------------------------------------------
+
+
+def gate_prompts(artifact: Any, source: src.SourceModel, texts: Sequence[str] | None, short: int, squad: int,
+                 limit: int) -> GatePrompts:
+    """STS-B sentences as short plain prompts and SQuAD question + context in the chat template (or
+    the user's texts); SQuAD paragraphs for perplexity. Prompts longer than ``limit`` tokens are skipped."""
+    from ..data import read_squad, sts_sentences
+
+    prompts, kinds = [], []
+    if texts:
+        plain, chats, paragraphs_text = list(texts[:short + squad]), [], list(texts[:squad])
+    else:
+        plain = sts_sentences()[:short]
+        paragraphs_all, questions = read_squad()
+        seen: set[str] = set()
+        chats = []
+        for q in questions:
+            if q.context not in seen and len(chats) < squad and artifact.chat_template:
+                seen.add(q.context)
+                chats.append(f"{q.context}\n\nQuestion: {q.question}\nAnswer briefly.")
+        paragraphs_text = [p for p in paragraphs_all if p not in seen][:squad]
+    for text in plain:
+        prompts.append(artifact.prompt_ids(text))
+        kinds.append("text" if texts else "sts")
+    mismatched = [t for t, ids in zip(plain, prompts) if source.tokenizer(t)["input_ids"] != ids]
+    if mismatched:
+        raise ConversionError(f"the exported tokenizer.json disagrees with transformers on {len(mismatched)} of "
+                              f"{len(plain)} texts (first: {mismatched[0][:60]!r})")
+    for text in chats:
+        ids = artifact.prompt_ids(text, chat=True)
+        if len(ids) <= limit:
+            prompts.append(ids)
+            kinds.append("squad-chat")
+    paragraphs = [artifact.prompt_ids(t)[:PARAGRAPH_TOKENS] for t in paragraphs_text]
+    paragraphs = [p for p in paragraphs if len(p) >= 2]
+    return GatePrompts(prompts, kinds, paragraphs)
+
+
+# --- the conversion ------------------------------------------------------------------------------------
+
+
+def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifest:
+    """``cfg`` is convert.pipeline.ConvertConfig; ``source`` is loaded already."""
+    from ..generation.model import TextGenerationModel
+
+    wanted = list(cfg.precisions or default_precisions(cfg.device))
+    unknown = [p for p in wanted if p not in PRECISIONS]
+    if unknown:
+        raise ConversionError(f"unknown precision {unknown} for text generation (choose from {', '.join(PRECISIONS)})")
+    if not getattr(source.tokenizer, "is_fast", False):
+        raise ModelLoadError(f"{source.ref} has no fast tokenizer (tokenizer.json); the engine needs one")
+    check_size(source, cfg.max_model_gb)
+    with steps("Loading the PyTorch weights (fp32)"):
+        model = load_causal_lm(source)
+    shape = DecoderShape.of(model.config)
+    settings = generation_settings(source, model, shape)
+    tok = source.tokenizer
+    pad = tok.pad_token if isinstance(tok.pad_token, str) else (tok.eos_token or "")
+    manifest = Manifest(
+        name=cfg.name or Path(cfg.out).name, task=TASK, input_names=shape.input_names,
+        output_names=shape.output_names, max_length=int(settings["max_context"] or 2048),
+        tokenizer=TokenizerSpec(pad_token=str(pad), pad_token_id=int(tok.convert_tokens_to_ids(pad) or 0)),
+        variants=[Variant("fp32", "fp32", "cpu", "model.onnx", True)], generation=settings,
+        source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture,
+                "gguf_file": source.gguf_file, "max_positions": settings["max_context"]},
+        versions=_versions(), opset=OPSET,
+    )
+    gate_cfg = dict(DEFAULT_GATE, **(cfg.generation_gate or {}))
+    with atomic_folder(Path(cfg.out), cfg.force) as folder:
+        tok.backend_tokenizer.save(str(folder / manifest.tokenizer.file))
+        model.config.to_json_file(str(folder / "config.json"))
+        manifest.save(folder)  # provisional: the gate reads prompts through the artifact's own code
+        fp32_path = folder / "model.onnx"
+        with steps("Exporting to ONNX with a KV cache (torch.export)"):
+            export_decoder(model, fp32_path)
+        artifact = TextGenerationModel(folder)
+        limit = min(settings["max_context"] or 4096, 4096) - GREEDY_TOKENS
+        texts = [t if isinstance(t, str) else " ".join(t) for t in cfg.calibration_texts or []]
+        gate = gate_prompts(artifact, source, texts, cfg.gate_short, cfg.gate_squad, limit)
+        with steps(f"Running PyTorch on {len(gate.prompts)} prompts and {len(gate.paragraphs)} paragraphs"):
+            reference = torch_run(model, gate, GREEDY_TOKENS)
+
+        variants: list[Variant] = []
+
+        def check(name: str, path: Path, **details: Any) -> Variant:
+            with steps(f"Validating {name} ({len(gate.prompts)} prompts, {GREEDY_TOKENS} greedy tokens each)"):
+                run = onnx_run(path, gate, GREEDY_TOKENS, cfg.threads, settings["max_context"])
+            validation, found, reason = judge(reference, run, gate_cfg[name])
+            variant = Variant(name, name, "cpu", path.name, validation.passed, reason=reason, validation=validation,
+                              details={**details, **found})
+            variants.append(variant)
+            return variant
+
+        fp32 = check("fp32", fp32_path)
+        if "fp32" not in wanted:
+            fp32.kept, fp32.reason = False, fp32.reason or "not requested (built as the base of the others)"
+        if "int8" in wanted:
+            path = folder / "model.int8.onnx"
+            with steps("Quantizing to int8 (dynamic, per-channel)"):
+                build.quantize_int8(fp32_path, path, True)
+            check("int8", path, per_channel=True)
+        if "int4" in wanted:
+            path = folder / "model.int4.onnx"
+            with steps(f"Quantizing to int4 (MatMulNBits, block {cfg.int4_block_size}, accuracy level {cfg.int4_accuracy_level})"):
+                build.quantize_int4(fp32_path, path, cfg.int4_block_size, cfg.int4_accuracy_level)
+            check("int4", path, block_size=cfg.int4_block_size, accuracy_level=cfg.int4_accuracy_level)
+        if "fp16" in wanted:
+            variants.append(Variant("fp16", "fp16", "cuda", None, False,
+                                    reason="needs a CUDA device (onnxruntime CUDAExecutionProvider); fp16 is slow on CPU"))
+        passed = [v for v in variants if v.file and v.validation and v.validation.passed]
+        with steps(f"Timing decode of {len(passed)} variants at batch 1, past {DECODE_PAST} (interleaved)"):
+            _time_decode(folder, passed, cfg.threads, max(cfg.timing_seconds, 1.0), shape)
+        for v in passed:
+            if v is not fp32 and fp32.latency_ms is not None and v.latency_ms is not None and v.latency_ms >= fp32.latency_ms:
+                v.kept = False
+                v.reason = f"not faster than fp32 ({v.latency_ms:.2f} vs {fp32.latency_ms:.2f} ms/token)"
+        for v in variants:
+            if v.kept:  # the table's note: what the gate saw
+                d = v.details
+                v.reason = (f"ppl {d['perplexity']:.3f} ({d['perplexity_change'] * 100:+.2f}% vs PyTorch), greedy "
+                            f"{d['greedy_tokens_equal']} equal, decode ms/token at past {DECODE_PAST}")
+            if v.file and not v.kept:
+                _remove_onnx(folder / v.file)
+                v.file = None
+        if not any(v.kept for v in variants):
+            summary = "; ".join(f"{v.name}: {v.reason}" for v in variants)
+            raise ValidationFailedError(f"no variant passed validation ({summary})")
+        manifest.variants = variants
+        manifest.save(folder)
+        folder.chmod(0o755)
+    return manifest
+
+
+def _time_decode(folder: Path, variants: list[Variant], threads: int | None, seconds: float, shape: DecoderShape) -> None:
+    """ms per decode step at batch 1 with a past of DECODE_PAST tokens, variants interleaved."""
+    from ..generation.decoder import DecoderSession
+
+    rng = np.random.default_rng(0)
+    past = [rng.standard_normal((1, shape.kv_heads, DECODE_PAST, shape.head_dim)).astype(np.float32)
+            for _ in shape.past_names]
+    ids = np.asarray([[1]], dtype=np.int64)
+    mask = np.ones((1, DECODE_PAST + 1), dtype=np.int64)
+    pos = np.asarray([[DECODE_PAST]], dtype=np.int64)
+    sessions = {v.name: DecoderSession(folder / v.file, threads=threads) for v in variants}  # type: ignore[operator]
+    stats = measure_interleaved({n: (lambda s=s: s.forward(ids, mask, pos, past)) for n, s in sessions.items()},
+                                rounds=5, seconds_per_round=seconds / 5)
+    for v in variants:
+        v.latency_ms = round(stats[v.name].median, 4)
+        v.latency_shape = [1, 1]
+        v.details["decode_past"] = DECODE_PAST
+
+
+def _remove_onnx(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    (path.parent / (path.name + ".data")).unlink(missing_ok=True)
+
+
+def _versions() -> dict[str, str]:
+    from .pipeline import versions
+
+    return versions()

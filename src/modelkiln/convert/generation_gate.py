@@ -1,0 +1,160 @@
+"""The validation gate for a text-generation variant, on real text, against PyTorch:
+
+- next-token logits at every prompt position: max |Δ| and cosine;
+- the first ``new_tokens`` greedy tokens of each prompt (the ONNX side runs the product's own
+  engine, prefill then decode steps); where they differ, the reference's top-2 logit margin at the
+  first differing step says whether it is a near-tie that the numeric difference explains;
+- perplexity on held-out paragraphs, as a ratio to PyTorch's.
+
+Which thresholds a precision must meet is ``GateTolerance``'s job; fp32 must give PyTorch's greedy
+tokens on every prompt (near-ties excepted), quantized variants must keep perplexity within 3%."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..manifest import Validation
+from ..generation.decoder import DecoderSession
+from ..generation.engine import GenerationEngine
+
+
+@dataclass(frozen=True)
+class GateTolerance:
+    max_ppl_increase: float  # relative: 0.03 = perplexity at most 3% above PyTorch's
+    all_greedy: bool  # every prompt's greedy tokens equal PyTorch's (near-ties excepted)
+
+
+DEFAULT_GATE = {
+    "fp32": GateTolerance(max_ppl_increase=0.001, all_greedy=True),
+    "int8": GateTolerance(max_ppl_increase=0.03, all_greedy=False),
+    "int4": GateTolerance(max_ppl_increase=0.03, all_greedy=False),
+    "fp16": GateTolerance(max_ppl_increase=0.01, all_greedy=False),
+}
+
+
+@dataclass
+class GatePrompts:
+    prompts: list[list[int]]  # token ids, chat template applied where the prompt is a chat
+    kinds: list[str]  # "sts", "squad-chat", "text"
+    paragraphs: list[list[int]]  # perplexity texts
+
+
+@dataclass
+class Run:
+    """What one backend did on the gate: every prompt position's logits, greedy tokens, the
+    logits of each greedy step, perplexity."""
+
+    prompt_logits: list[np.ndarray] = field(default_factory=list)  # [len, vocab] per prompt
+    tokens: list[list[int]] = field(default_factory=list)
+    step_logits: list[np.ndarray] = field(default_factory=list)  # [new_tokens, vocab] per prompt
+    perplexity: float = float("nan")
+
+
+def perplexity(logits: list[np.ndarray], paragraphs: list[list[int]]) -> float:
+    """exp(mean negative log-likelihood of each next token), over all paragraphs' tokens."""
+    nll, count = 0.0, 0
+    for lg, ids in zip(logits, paragraphs):
+        lg = lg[:-1].astype(np.float64)
+        m = lg.max(axis=1, keepdims=True)
+        log_z = (m + np.log(np.exp(lg - m).sum(axis=1, keepdims=True)))[:, 0]
+        nll += float((log_z - lg[np.arange(len(ids) - 1), ids[1:]]).sum())
+        count += len(ids) - 1
+    return math.exp(nll / max(count, 1))
+
+
+def torch_run(model, gate: GatePrompts, new_tokens: int) -> Run:  # type: ignore[no-untyped-def]
+    """PyTorch's own loop with its cache: the reference."""
+    import torch
+
+    run = Run()
+    with torch.no_grad():
+        for ids in gate.prompts:
+            out = model(input_ids=torch.tensor([ids]), use_cache=True)
+            run.prompt_logits.append(out.logits[0].float().numpy())
+            past, last = out.past_key_values, out.logits[0, -1]
+            tokens, steps = [], []
+            for k in range(new_tokens):
+                steps.append(last.float().numpy())
+                tokens.append(int(last.argmax()))
+                if k < new_tokens - 1:
+                    out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+                    past, last = out.past_key_values, out.logits[0, -1]
+            run.tokens.append(tokens)
+            run.step_logits.append(np.stack(steps))
+        para = [model(input_ids=torch.tensor([ids])).logits[0].float().numpy() for ids in gate.paragraphs]
+    run.perplexity = perplexity(para, gate.paragraphs)
+    return run
+
+
+def onnx_run(path: Path, gate: GatePrompts, new_tokens: int, threads: int | None, max_context: int | None) -> Run:
+    """The same through the product's engine (prefill, then one decode step per token)."""
+    engine = GenerationEngine(DecoderSession(path, threads=threads), max_context)
+    run = Run()
+    for i, ids in enumerate(gate.prompts):
+        logits = engine.prefill(i, ids, all_logits=True)
+        engine.join(i)
+        run.prompt_logits.append(logits)
+        last, tokens, steps = logits[-1], [], []
+        for k in range(new_tokens):
+            steps.append(last)
+            tokens.append(int(np.argmax(last)))
+            if k < new_tokens - 1:
+                last = engine.step({i: tokens[-1]})[0]
+        engine.remove(i)
+        run.tokens.append(tokens)
+        run.step_logits.append(np.stack(steps))
+    para = []
+    for j, ids in enumerate(gate.paragraphs):
+        para.append(engine.prefill(("p", j), ids, all_logits=True))
+        engine.remove(("p", j))
+    run.perplexity = perplexity(para, gate.paragraphs)
+    return run
+
+
+def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+
+
+def judge(reference: Run, candidate: Run, tolerance: GateTolerance) -> tuple[Validation, dict, str]:
+    """(validation record, details, the reason it failed or "")."""
+    max_diff, cosines, divergences = 0.0, [], []
+    for i, (ref, got) in enumerate(zip(reference.prompt_logits, candidate.prompt_logits)):
+        max_diff = max(max_diff, float(np.abs(ref - got).max()))
+        cosines.append(_row_cosines(ref, got))
+        ref_tokens, got_tokens = reference.tokens[i], candidate.tokens[i]
+        if ref_tokens != got_tokens:
+            k = next(j for j, (a, b) in enumerate(zip(ref_tokens, got_tokens)) if a != b)
+            ref_step, got_step = reference.step_logits[i][k], candidate.step_logits[i][k]
+            top2 = np.sort(ref_step)[-2:]
+            margin = float(top2[1] - top2[0])
+            step_diff = float(np.abs(ref_step - got_step).max())
+            # Greedy choices swap when the two leading logits move apart by more than their margin:
+            # a difference of at least margin/2 in each explains the swap.
+            divergences.append({"prompt": i, "step": k, "top2_margin": round(margin, 6),
+                                "max_abs_diff_at_step": round(step_diff, 6), "near_tie": margin <= 2 * step_diff})
+    all_cos = np.concatenate(cosines)
+    same = 1.0 - len(divergences) / max(len(reference.tokens), 1)
+    ratio = candidate.perplexity / reference.perplexity
+    reasons = []
+    if not math.isfinite(ratio) or ratio - 1 > tolerance.max_ppl_increase:
+        reasons.append(f"perplexity {candidate.perplexity:.3f} vs PyTorch {reference.perplexity:.3f} "
+                       f"({(ratio - 1) * 100:+.2f}% > {tolerance.max_ppl_increase * 100:g}%)")
+    unexplained = [d for d in divergences if not d["near_tie"]]
+    if tolerance.all_greedy and unexplained:
+        d = unexplained[0]
+        reasons.append(f"greedy tokens differ from PyTorch on {len(unexplained)} prompts, not near-ties "
+                       f"(prompt {d['prompt']} step {d['step']}: top-2 margin {d['top2_margin']:.2e}, "
+                       f"|Δ| {d['max_abs_diff_at_step']:.2e})")
+    validation = Validation(max_abs_diff=max_diff, min_cosine=float(all_cos.min()), mean_cosine=float(all_cos.mean()),
+                            agreement=same, texts=len(reference.tokens), passed=not reasons,
+                            tolerance={"max_ppl_increase": tolerance.max_ppl_increase,
+                                       "all_greedy": float(tolerance.all_greedy)})
+    details = {"perplexity": round(candidate.perplexity, 4), "perplexity_pytorch": round(reference.perplexity, 4),
+               "perplexity_change": round(ratio - 1, 5), "divergences": divergences,
+               "greedy_tokens_equal": f"{len(reference.tokens) - len(divergences)}/{len(reference.tokens)}"}
+    return validation, details, "; ".join(reasons)

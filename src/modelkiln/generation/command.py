@@ -1,0 +1,67 @@
+"""``kiln generate ARTIFACT PROMPT``: stream one answer to the terminal (or one JSON object)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def generate(
+    artifact: Path = typer.Argument(..., help="A text-generation artifact folder."),
+    prompt: str = typer.Argument(..., help="The prompt (or the user message with --chat)."),
+    chat: bool = typer.Option(False, "--chat", help="Apply the artifact's chat template to the prompt."),
+    system: Optional[str] = typer.Option(None, help="System message (with --chat)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Stop after this many tokens (default: the artifact's)."),
+    temperature: Optional[float] = typer.Option(None, help="0 is greedy (default: the artifact's setting)."),
+    top_k: Optional[int] = typer.Option(None, help="Sample among the k most likely tokens (0: off)."),
+    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling mass (1: off)."),
+    repetition_penalty: Optional[float] = typer.Option(None, help="> 1 discourages repeating tokens (1: off)."),
+    seed: Optional[int] = typer.Option(None, help="Random seed: the same seed gives the same answer."),
+    stop: Optional[list[str]] = typer.Option(None, help="Stop string (repeatable); not included in the answer."),
+    ignore_eos: bool = typer.Option(False, help="Keep generating after an end-of-sequence token."),
+    variant: Optional[str] = typer.Option(None, help="Variant to run (default: the fastest kept one)."),
+    threads: Optional[int] = typer.Option(None, help="Intra-op threads (default: all cores)."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, timings) instead of streaming."),
+) -> None:
+    """Generate text from PROMPT with a text-generation artifact, streaming tokens as they come."""
+    from .generator import Request
+    from .model import TextGenerationModel
+
+    model = TextGenerationModel(artifact)
+    params = model.default_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()) or None,
+                                  ignore_eos=ignore_eos or None)
+    ids = model.prompt_ids(prompt, chat=chat, system=system)
+    variant_name, _ = model.variant_path(variant)
+    generator = model.generator(variant_name, threads, max_batch=1)
+    started = time.perf_counter()
+    first_token_at = None
+    pieces: list[str] = []
+    tokens: list[int] = []
+    finish_reason = None
+    for event in generator.stream([Request("cli", ids, params)]):
+        first_token_at = first_token_at or time.perf_counter()
+        tokens.append(event.delta.token_id)
+        pieces.append(event.delta.text)
+        finish_reason = event.delta.finish_reason or finish_reason
+        if not json_output and event.delta.text:
+            sys.stdout.write(event.delta.text)
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - started
+    ttft = (first_token_at or time.perf_counter()) - started
+    decode_rate = (len(tokens) - 1) / (elapsed - ttft) if len(tokens) > 1 and elapsed > ttft else None
+    summary = {"model": model.name, "variant": variant_name, "text": "".join(pieces), "finish_reason": finish_reason,
+               "prompt_tokens": len(ids), "completion_tokens": len(tokens), "time_to_first_token_s": round(ttft, 4),
+               "decode_tokens_per_s": round(decode_rate, 1) if decode_rate else None, "total_s": round(elapsed, 4)}
+    if json_output:
+        print(json.dumps(summary, ensure_ascii=False))
+        return
+    sys.stdout.write("\n")
+    rate = f", {decode_rate:.1f} tokens/s" if decode_rate else ""
+    print(f"[{variant_name}: {len(ids)} prompt tokens, {len(tokens)} generated ({finish_reason}), "
+          f"first token {ttft * 1000:.0f} ms{rate}]", file=sys.stderr)

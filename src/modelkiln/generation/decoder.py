@@ -1,0 +1,91 @@
+"""One forward pass of the exported decoder graph in ONNX Runtime; the KV cache it returns is the
+next pass's input as it is.
+
+The graph (names in ``_names.py``, written by ``convert/decoder_export.py``) takes ``input_ids``, ``attention_mask`` [batch, past + seq],
+``position_ids`` and per layer ``past_key_values.{i}.key/.value`` [batch, kv_heads, past, head_dim];
+it returns ``logits`` and ``present.{i}.key/.value`` [batch, kv_heads, past + seq, head_dim].
+
+The present of one step is the past of the next, and neither path below copies it between steps
+(the graph's own Concat of past and new token is the one copy; removing it needs an attention op
+that writes into a preallocated cache). Two ways of handing it back were measured
+(benchmarks/decode_cache_ab.py, SmolLM2-135M int4, 2 threads, past 128, interleaved rounds on the
+shared 2-core machine): ``session.run`` with numpy arrays, whose outputs onnxruntime (1.32, checked)
+hands to numpy without a copy (the array's base is onnxruntime's buffer), and
+``run_with_ort_values``, which keeps OrtValues. Median per-round ratio of decode tokens/s,
+OrtValues / numpy, at batch 1 and 8: 1.06 and 1.10 (4 rounds), 0.95 and 0.94 (8 rounds), 0.96 and
+0.96 (16 rounds, lm_head in int4 too): a tie within the machine's noise. On CPU we keep numpy (less
+Python per step; joining and leaving need numpy anyway); on CUDA, OrtValues keep the cache on the
+device instead of copying it to the host every step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import ArtifactError
+from ..runtime.onnx import _PROVIDERS, session_options
+from ._names import INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS, past_key_name, past_value_name, present_key_name, present_value_name
+
+# 2 × layers tensors, key then value per layer: [batch, kv_heads, past, head_dim]: numpy arrays, or
+# OrtValues with ``io_binding``.
+Past = list
+
+_NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+                 "tensor(int32)": np.int32}
+
+
+class DecoderSession:
+    """The decoder graph and what its inputs say about the model (layers, KV heads, head size)."""
+
+    def __init__(self, path: Path | str, device: str = "cpu", threads: int | None = None,
+                 io_binding: bool | None = None, memory_arena: bool = True):
+        if device not in _PROVIDERS:
+            raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(_PROVIDERS)})")
+        try:
+            self.session = ort.InferenceSession(str(path), session_options(threads, memory_arena),
+                                                providers=list(_PROVIDERS[device]))
+        except Exception as exc:  # onnxruntime raises its own untyped errors for bad files
+            raise ArtifactError(f"cannot load {path}: {exc}") from exc
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        for required in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, past_key_name(0)):
+            if required not in inputs:
+                raise ArtifactError(f"{path} is not a decoder with a KV cache (no input '{required}')")
+        self.layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
+        _, self.kv_heads, _, self.head_dim = inputs[past_key_name(0)].shape
+        self.cache_dtype = _NUMPY_DTYPES[inputs[past_key_name(0)].type]
+        self._int_dtypes = {n: _NUMPY_DTYPES[inputs[n].type] for n in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
+        self.past_names = [n for i in range(self.layers) for n in (past_key_name(i), past_value_name(i))]
+        self.present_names = [n for i in range(self.layers) for n in (present_key_name(i), present_value_name(i))]
+        self.output_names = [LOGITS, *self.present_names]
+        self.io_binding = device != "cpu" if io_binding is None else io_binding
+        self.device = device
+
+    def empty_past(self, batch: int = 1) -> Past:
+        empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), dtype=self.cache_dtype)
+        return self.past_from_numpy([empty] * len(self.past_names))
+
+    def past_to_numpy(self, past: Past) -> list[np.ndarray]:
+        return [v.numpy() for v in past] if self.io_binding else list(past)
+
+    def past_from_numpy(self, arrays: list[np.ndarray]) -> Past:
+        arrays = [np.ascontiguousarray(a, dtype=self.cache_dtype) for a in arrays]
+        return [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays] if self.io_binding else arrays
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                past: Past) -> tuple[np.ndarray, Past]:
+        """One pass: logits [batch, seq, vocab] as numpy, and the present cache as OrtValues."""
+        feeds = {
+            INPUT_IDS: input_ids.astype(self._int_dtypes[INPUT_IDS], copy=False),
+            ATTENTION_MASK: attention_mask.astype(self._int_dtypes[ATTENTION_MASK], copy=False),
+            POSITION_IDS: position_ids.astype(self._int_dtypes[POSITION_IDS], copy=False),
+        }
+        if not self.io_binding:
+            logits, *present = self.session.run(self.output_names, dict(feeds, **dict(zip(self.past_names, past))))
+            return logits, present
+        values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feeds.items()}
+        values.update(zip(self.past_names, past))
+        logits, *present = self.session.run_with_ort_values(self.output_names, values)
+        return logits.numpy(), present
+

@@ -1,0 +1,203 @@
+"""Tiny text-generation artifacts for the engine and CLI tests, and tiny causal LMs / GGUF files for
+the converter's tests. The decoder export is the product's (modelkiln.convert.decoder_export);
+``write_generation_artifact`` writes the manifest without the gate, so the CLI tests get an int8
+variant even where the converter would drop it as not faster on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from modelkiln.samples import SAMPLE_TEXTS
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                 "'<|im_end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_tokenizer(folder: Path):
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(list(SAMPLE_TEXTS), vocab_size=400, min_frequency=1, special_tokens=SPECIALS)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return Tokenizer.from_file(str(path))
+
+
+def make_tiny_llama(folder: Path) -> Path:
+    """A saved Hugging Face folder: random Llama with grouped-query attention, byte-level BPE tokenizer."""
+    import torch
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_tokenizer(folder)
+    fast = tf.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="<|im_end|>",
+                                      bos_token="<|im_start|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # clear argmax decisions, as a trained model makes
+    model.save_pretrained(folder)
+    return folder
+
+
+def export_decoder(model_folder: Path, path: Path) -> Path:
+    """The product's exporter (modelkiln.convert.decoder_export) on a saved folder, without the gate."""
+    import transformers as tf
+
+    from modelkiln.convert.decoder_export import export_decoder as export
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    export(tf.AutoModelForCausalLM.from_pretrained(model_folder).eval(), path)
+    return path
+
+
+def export_tiny_llama(folder: Path) -> Path:
+    return export_decoder(make_tiny_llama(folder / "hf"), folder / "model.onnx")
+
+
+def write_generation_artifact(out: Path, model_folder: Path, precisions: tuple[str, ...] = ("fp32",)) -> Path:
+    """An artifact folder as `kiln convert --task text-generation` writes one (no validation gate)."""
+    from modelkiln.convert.variants import in_scratch_directory, quantize_int8
+    from modelkiln.manifest import Manifest, TokenizerSpec, Variant
+
+    out.mkdir(parents=True, exist_ok=True)
+    fp32 = export_decoder(model_folder, out / "model.onnx")
+    variants = [Variant("fp32", "fp32", "cpu", fp32.name, True)]
+    if "int8" in precisions:
+        in_scratch_directory(quantize_int8)(fp32, out / "model-int8.onnx", True)
+        variants.append(Variant("int8", "int8", "cpu", "model-int8.onnx", True, reason="dynamic, per-channel"))
+    (out / "tokenizer.json").write_bytes((model_folder / "tokenizer.json").read_bytes())
+    config = json.loads((model_folder / "config.json").read_text())
+    generation = {"eos_token_ids": [config["eos_token_id"]], "chat_template": CHAT_TEMPLATE,
+                  "special_tokens": {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"},
+                  "max_context": config["max_position_embeddings"], "defaults": {"max_new_tokens": 32},
+                  "layers": config["num_hidden_layers"], "kv_heads": config["num_key_value_heads"],
+                  "head_dim": config["hidden_size"] // config["num_attention_heads"]}
+    n = config["num_hidden_layers"]
+    Manifest(name=out.name, task="text-generation",
+             input_names=["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i}.{k}" for i in range(n) for k in ("key", "value")],
+             output_names=["logits"] + [f"present.{i}.{k}" for i in range(n) for k in ("key", "value")],
+             max_length=config["max_position_embeddings"], tokenizer=TokenizerSpec(pad_token="<|endoftext|>", pad_token_id=0),
+             variants=variants, generation=generation, source={"model": str(model_folder)}).save(out)
+    return out
+
+
+# --- tiny causal LMs of several families, and a tiny GGUF, for `kiln convert --task text-generation` ---
+
+def _save_tokenizer(folder: Path):
+    import transformers as tf
+
+    tiny_tokenizer(folder)
+    fast = tf.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="<|im_end|>",
+                                      bos_token="<|im_start|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_tiny_causal_lm(folder: Path, family: str) -> Path:
+    """A saved random ``family`` model (llama with GQA, gpt2, qwen2, gpt_neox) with the tiny tokenizer."""
+    import torch
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fast = _save_tokenizer(folder)
+    ids = dict(vocab_size=400, eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id,
+               pad_token_id=fast.pad_token_id)
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=1024, **ids)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **common))
+    elif family == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, **common))
+    elif family == "gpt_neox":
+        model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common))
+    elif family == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=1024, **ids))
+    else:
+        raise ValueError(family)
+    torch.manual_seed(0)
+    model.init_weights()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # clear argmax decisions, as a trained model makes
+    model.eval().save_pretrained(folder)
+    return folder
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A tiny random Llama (GQA) as a GGUF file, byte-level BPE tokenizer and chat template in its metadata,
+    written with the ``gguf`` package the way llama.cpp's converter writes one (HF weight layout)."""
+    import gguf
+    import numpy as np
+
+    folder = path.parent / (path.stem + "-tokenizer")
+    tok = tiny_tokenizer(folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    hidden, ff, layers, heads, kv_heads, n_vocab = 32, 64, 2, 4, 2, len(vocab)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t, _ in vocab])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tok.token_to_id("<|im_start|>"))
+    w.add_eos_token_id(tok.token_to_id("<|im_end|>"))
+    w.add_pad_token_id(tok.token_to_id("<|endoftext|>"))
+    w.add_chat_template(CHAT_TEMPLATE)
+    rng = np.random.default_rng(0)
+
+    def tensor(name: str, *shape: int, scale: float = 0.1) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    tensor("token_embd.weight", n_vocab, hidden, scale=1.0)
+    head_dim = hidden // heads
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        tensor(f"blk.{i}.attn_q.weight", hidden, hidden)
+        tensor(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        tensor(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        tensor(f"blk.{i}.attn_output.weight", hidden, hidden)
+        tensor(f"blk.{i}.ffn_gate.weight", ff, hidden)
+        tensor(f"blk.{i}.ffn_up.weight", ff, hidden)
+        tensor(f"blk.{i}.ffn_down.weight", hidden, ff)
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    tensor("output.weight", n_vocab, hidden, scale=1.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_generation_artifact(tmp_path_factory) -> Path:
+    """The tiny Llama converted by `kiln convert --task text-generation` (fp32; int8 is built and
+    kept only if faster), shared by the engine and CLI tests."""
+    from modelkiln.convert.pipeline import ConvertConfig, convert
+
+    root = tmp_path_factory.mktemp("tiny-generation")
+    out = root / "tiny-llama"
+    convert(ConvertConfig(model=str(make_tiny_llama(root / "hf")), out=out, task="text-generation",
+                          precisions=["fp32", "int8"], threads=1, timing_seconds=0.02))
+    return out

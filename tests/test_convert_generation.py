@@ -1,0 +1,130 @@
+"""`kiln convert --task text-generation`: tiny random causal LMs of four families and a tiny GGUF,
+each exported with its KV cache, through the gate on real text, and generating PyTorch's greedy
+tokens through the engine; a forced gate failure; the error cases."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from generation_helpers import make_tiny_causal_lm, write_tiny_gguf
+from modelkiln.convert.generation_gate import GateTolerance
+from modelkiln.convert.pipeline import ConvertConfig, convert
+from modelkiln.errors import ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
+from modelkiln.generation.decoder import DecoderSession
+from modelkiln.generation.engine import GenerationEngine
+from modelkiln.generation.model import TextGenerationModel
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+def _convert(model, out, **options):
+    options = {"gate_short": 2, "gate_squad": 1, "threads": 1, "timing_seconds": 0.3, **options}
+    return convert(ConvertConfig(model=str(model), out=out, **options))
+
+
+def _engine_greedy(artifact, variant: str, ids: list[int], n: int) -> list[int]:
+    _, path = artifact.variant_path(variant)
+    engine = GenerationEngine(DecoderSession(path, threads=1), artifact.max_context)
+    logits, tokens = engine.add(0, ids), []
+    for _ in range(n):
+        tokens.append(int(np.argmax(logits)))
+        logits = engine.step({0: tokens[-1]})[0]
+    return tokens
+
+
+def _torch_greedy(model_folder, ids: list[int], n: int, **load) -> list[int]:
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(model_folder), dtype=torch.float32, **load).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "gpt_neox"])
+def test_families_convert_and_generate_pytorchs_greedy_tokens(tmp_path, family):
+    folder = make_tiny_causal_lm(tmp_path / "hf", family)
+    manifest = _convert(folder, tmp_path / "art", precisions=["fp32"])  # --task auto: *ForCausalLM / *LMHeadModel
+    assert manifest.task == "text-generation"
+    fp32 = manifest.variants[0]
+    assert fp32.kept and fp32.validation.agreement == 1.0 and fp32.validation.max_abs_diff < 1e-3
+    assert abs(fp32.details["perplexity_change"]) < 1e-3
+    artifact = TextGenerationModel(tmp_path / "art")
+    ids = artifact.prompt_ids(PROMPT)
+    assert _engine_greedy(artifact, "fp32", ids, 12) == _torch_greedy(folder, ids, 12)
+
+
+def test_llama_gqa_every_variant_and_a_forced_gate_failure(tmp_path):
+    folder = make_tiny_causal_lm(tmp_path / "hf", "llama")
+    out = tmp_path / "art"
+    # int8 must keep perplexity *below* PyTorch's by 100%: impossible, so the gate rejects it.
+    manifest = _convert(folder, out, task="text-generation", precisions=["fp32", "int8", "int4", "fp16"],
+                        int4_block_size=16, generation_gate={"int8": GateTolerance(-1.0, False)})
+    by_name = {v.name: v for v in manifest.variants}
+    assert set(by_name) == {"fp32", "int8", "int4", "fp16"}
+    assert by_name["fp32"].kept and by_name["fp32"].validation.agreement == 1.0
+    int8 = by_name["int8"]
+    assert not int8.kept and int8.file is None and "perplexity" in int8.reason and not int8.validation.passed
+    assert not (out / "model.int8.onnx").exists()
+    int4 = by_name["int4"]
+    assert int4.validation.passed and int4.details["block_size"] == 16 and int4.latency_ms is not None
+    assert int4.kept == (int4.latency_ms < by_name["fp32"].latency_ms)  # kept only if faster
+    assert not by_name["fp16"].kept and "CUDA" in by_name["fp16"].reason
+    saved = json.loads((out / "kiln.json").read_text())
+    gen = saved["generation"]
+    assert gen["layers"] == 2 and gen["kv_heads"] == 2 and gen["heads"] == 4 and gen["head_dim"] == 8
+    assert gen["max_context"] == 1024 and gen["chat_template"] and gen["eos_token_ids"]
+    assert gen["special_tokens"]["eos_token"] == "<|im_end|>"
+    artifact = TextGenerationModel(out)
+    assert artifact.tokenizer.token_to_id("<|im_end|>") in artifact.eos_ids
+    ids = artifact.prompt_ids("Where is the dog?", chat=True)
+    assert _engine_greedy(artifact, "fp32", ids, 10) == _torch_greedy(folder, ids, 10)
+
+
+def test_tiny_gguf_converts_with_its_tokenizer_and_chat_template(tmp_path):
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf")
+    manifest = _convert(gguf_path.parent, tmp_path / "art", precisions=["fp32"])  # a folder holding one GGUF
+    assert manifest.task == "text-generation" and manifest.source["gguf_file"] == "tiny.gguf"
+    assert manifest.variants[0].kept and manifest.variants[0].validation.agreement == 1.0
+    artifact = TextGenerationModel(tmp_path / "art")
+    assert artifact.chat_template and "<|im_start|>" in artifact.chat_prompt("hi")
+    ids = artifact.prompt_ids(PROMPT)
+    expected = _torch_greedy(gguf_path.parent, ids, 8, gguf_file=gguf_path.name)
+    assert _engine_greedy(artifact, "fp32", ids, 8) == expected
+
+
+def test_a_file_that_is_not_gguf(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        _convert(fake, tmp_path / "art")
+    assert not (tmp_path / "art").exists()
+
+
+def test_unknown_architecture(tmp_path):
+    folder = make_tiny_causal_lm(tmp_path / "hf", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="no-such-llm", architectures=["NoSuchLLMForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="no-such-llm"):
+        _convert(folder, tmp_path / "art", task="text-generation")
+
+
+def test_a_model_too_large_for_the_options(tmp_path):
+    folder = make_tiny_causal_lm(tmp_path / "hf", "llama")
+    with pytest.raises(ModelTooLargeError, match="--max-model-gb"):
+        _convert(folder, tmp_path / "art", max_model_gb=1e-6)
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.slow
+def test_no_variant_passing_fails_and_writes_nothing(tmp_path):
+    folder = make_tiny_causal_lm(tmp_path / "hf", "qwen2")
+    with pytest.raises(ValidationFailedError, match="no variant passed"):
+        _convert(folder, tmp_path / "art", precisions=["fp32"], generation_gate={"fp32": GateTolerance(-1.0, True)})
+    assert not (tmp_path / "art").exists()
