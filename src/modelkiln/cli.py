@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from .errors import KilnError
@@ -22,6 +23,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help texts are plain text: rich markup would eat "modelkiln[convert]" as a tag.
+    rich_markup_mode=None,
 )
 console = Console(stderr=True)
 # Tables are wide; when piped (CI logs, README captures) do not squeeze them into 80 columns.
@@ -35,11 +38,48 @@ def step(description: str) -> Iterator[None]:
     if console.is_terminal:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                       transient=True) as progress:
-            progress.add_task(description)
+            progress.add_task(escape(description))
             yield
     else:  # logs and pipes get the ✓ lines only
         yield
-    console.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - started:.1f}s)[/]")
+    console.print(f"[green]✓[/] {escape(description)} [dim]({time.perf_counter() - started:.1f}s)[/]")
+
+
+def quiet_transformers() -> None:
+    """No "Loading weights" progress bars from transformers / huggingface_hub in command output. The
+    env var is read when huggingface_hub is first imported; the call covers an already imported one."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    transformers = sys.modules.get("transformers")
+    if transformers is not None:
+        transformers.utils.logging.disable_progress_bar()
+
+
+def versions_line() -> str:
+    """modelkiln's version and the runtime libraries it was installed with, read from package metadata
+    (nothing is imported, so this stays fast and works without the optional extras)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    found = []
+    for dist in ("onnxruntime", "onnxruntime-gpu", "tokenizers", "numpy", "torch", "transformers"):
+        with contextlib.suppress(PackageNotFoundError):
+            found.append(f"{dist} {version(dist)}")
+    return f"modelkiln {__version__} ({', '.join(found)}; python {sys.version.split()[0]})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(versions_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the versions of modelkiln and its runtime libraries, then exit."),
+) -> None:
+    pass
 
 
 # --- convert ----------------------------------------------------------------------------------
@@ -64,6 +104,11 @@ def convert(
     """Export MODEL to ONNX, build faster variants, validate each against PyTorch, write an artifact."""
     from dataclasses import replace
 
+    from .extras import require_extra
+
+    require_extra("convert", "kiln convert")
+    quiet_transformers()
+
     from .convert.pipeline import PRECISIONS, ConvertConfig
     from .convert.pipeline import convert as run_convert
     from .convert.validate import DEFAULT_TOLERANCES
@@ -87,7 +132,7 @@ def convert(
     )
     manifest = run_convert(cfg, steps=step)
     print_variants(out, manifest)
-    out.print(f"Wrote [bold]{out_dir}[/] ({manifest.task}, {len(manifest.kept_variants())} variants kept)")
+    out.print(f"Wrote [bold]{escape(str(out_dir))}[/] ({manifest.task}, {len(manifest.kept_variants())} variants kept)")
 
 
 # --- bench ------------------------------------------------------------------------------------
@@ -107,6 +152,17 @@ def bench(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
 ) -> None:
     """Latency and throughput of PyTorch and every ONNX variant over batch × sequence length."""
+    from .extras import has_extra, install_hint, require_extra
+    from .manifest import is_artifact
+
+    if not is_artifact(target):
+        require_extra("convert", f"kiln bench {target} (a model, not an artifact folder)",
+                      "or bench an artifact folder written by kiln convert")
+    if reference and not has_extra("convert"):
+        console.print(f"note: no PyTorch reference (modelkiln[convert] is not installed: {install_hint('convert')}); "
+                      "running as --no-reference", markup=False, highlight=False, soft_wrap=True)
+        reference = False
+    quiet_transformers()
     from .bench.report import print_table, write_json
     from .bench.runner import BenchConfig, run_bench
 
@@ -117,7 +173,7 @@ def bench(
     print_table(out, result)
     if json_path:
         write_json(json_path, result)
-        out.print(f"Wrote {json_path}")
+        out.print(f"Wrote {json_path}", markup=False)
 
 
 # --- eval -------------------------------------------------------------------------------------
@@ -131,6 +187,11 @@ def evaluate(
     reference: bool = typer.Option(True, help="Also score the PyTorch model the artifact came from."),
 ) -> None:
     """Accuracy on STS Benchmark: Spearman ×100 of cosine similarities, per variant and for PyTorch."""
+    from .extras import require_extra
+
+    if reference:
+        require_extra("convert", "kiln eval's PyTorch reference", "or pass --no-reference")
+    quiet_transformers()
     from .bench.accuracy import evaluate_sts
     from .report import print_accuracy
 
@@ -158,7 +219,7 @@ def main() -> None:
     except KilnError as exc:
         if os.environ.get("KILN_DEBUG"):
             raise
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         console.print("[bold red]interrupted[/]")

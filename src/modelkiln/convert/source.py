@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,38 @@ class SourceModel:
             raise ModelLoadError(f"{path} is corrupt: {exc}") from exc
 
 
+HUB_PROBE_SECONDS = 3.0
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def check_hub_reachable(ref: str) -> None:
+    """Fail in seconds, with one line, when ``ref`` is a hub id and the hub cannot be reached: without this,
+    huggingface_hub retries for about 30 s and prints a line per retry. With HF_HUB_OFFLINE=1 the local
+    hub cache is used and nothing is probed."""
+    if _hub_offline():
+        return
+    import urllib.error
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_SECONDS).close()
+    except urllib.error.HTTPError:
+        return  # the hub answered (any status): it is reachable
+    except (OSError, ValueError) as exc:  # URLError, refused, DNS failure, timeout, malformed HF_ENDPOINT
+        reason = getattr(exc, "reason", exc)
+        raise ModelLoadError(
+            f"{ref} is not a local folder and the Hugging Face hub ({endpoint}) cannot be reached ({reason}): "
+            "pass a local model folder, or set HF_HUB_OFFLINE=1 to use the local hub cache"
+        ) from exc
+
+
 def load_source(ref: str) -> SourceModel:
     """Load config and fast tokenizer; one-line errors for missing or corrupt files."""
-    from transformers import AutoConfig, AutoTokenizer
-
     folder = Path(ref)
     is_local = folder.exists()
     # A hub id is "name" or "org/name"; anything else that does not exist is a missing folder.
@@ -70,6 +99,10 @@ def load_source(ref: str) -> SourceModel:
         raise ModelLoadError(f"{ref} is a file; expected a model folder or a hub id")
     if is_local and not (folder / "config.json").is_file():
         raise ModelLoadError(f"{ref} has no config.json: not a Hugging Face model folder")
+    if not is_local:
+        check_hub_reachable(ref)
+    from transformers import AutoConfig, AutoTokenizer  # after the checks: importing it takes seconds
+
     try:
         config = AutoConfig.from_pretrained(ref)
     except ValueError as exc:
