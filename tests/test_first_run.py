@@ -123,3 +123,19 @@ def test_bench_warns_about_spread_and_out_of_order_cells():
     # the small cell ran while the machine was busy: slower than a cell with 64 times the work
     collapsed = timing_warnings([_cell("pytorch fp32", 1, 16, 40.0, 41.0), _cell("pytorch fp32", 8, 128, 20.0, 21.0)])
     assert len(collapsed) == 1 and "longer than the larger 8×128" in collapsed[0]
+
+
+def test_examples_clients_against_a_real_server(zoo):
+    from test_serve import Server
+
+    srv = Server([f"emb={zoo.artifact('bert', 'sentence-embeddings')}", "--variant", "fp32"])
+    try:
+        res = subprocess.run([sys.executable, str(SRC.parent / "examples" / "clients.py"), "--url", srv.url,
+                              "--model", "emb"], capture_output=True, text=True, timeout=120)
+    finally:
+        code, err = srv.stop()
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert [line.split(" ", 1)[0] for line in lines] == ["tritonclient", "httpx", "openai:"], res.stdout
+    assert "(2, " in lines[0] and "float32" in lines[0]
+    assert code == 0, err[-2000:]
