@@ -109,10 +109,10 @@ def test_version_names_the_runtime_libraries():
         assert f"{name} {module.__version__}" in line
 
 
-def _cell(backend: str, batch: int, seq: int, median: float, p95: float):
+def _cell(backend: str, batch: int, seq: int, median: float, p95: float, speedup: float | None = None):
     from modelkiln.bench.runner import Cell
 
-    return Cell(backend, "cpu", batch, seq, Stats(10, median, 0.0, median, p95, median, p95, p95))
+    return Cell(backend, "cpu", batch, seq, Stats(10, median, 0.0, median, p95, median, p95, p95), speedup)
 
 
 def test_bench_warns_about_spread_and_out_of_order_cells():
@@ -123,6 +123,11 @@ def test_bench_warns_about_spread_and_out_of_order_cells():
     # the small cell ran while the machine was busy: slower than a cell with 64 times the work
     collapsed = timing_warnings([_cell("pytorch fp32", 1, 16, 40.0, 41.0), _cell("pytorch fp32", 8, 128, 20.0, 21.0)])
     assert len(collapsed) == 1 and "longer than the larger 8×128" in collapsed[0]
+    # PyTorch uniformly slowed down: every cell in order and steady, but the speed-up is implausible on CPU
+    starved = [_cell("pytorch fp32", 1, 16, 82.0, 85.0, 1.0), _cell("onnxruntime int8", 1, 16, 2.4, 2.5, 34.2)]
+    warnings = timing_warnings(starved)
+    assert len(warnings) == 1 and "34.2× PyTorch" in warnings[0]
+    assert timing_warnings([_cell("onnxruntime int8", 1, 16, 2.4, 2.5, 5.0)]) == []
 
 
 def test_examples_clients_against_a_real_server(zoo):
