@@ -66,26 +66,41 @@ def _hub_offline() -> bool:
                for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
+def _probe(endpoint: str) -> BaseException | None:
+    """None when ``endpoint`` answers an HTTP request (any status), else the error."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_SECONDS).close()
+    except urllib.error.HTTPError:
+        return None  # the hub answered: it is reachable
+    except (OSError, ValueError) as exc:  # URLError, refused, DNS failure, timeout, malformed HF_ENDPOINT
+        return exc
+    return None
+
+
 def check_hub_reachable(ref: str) -> None:
     """Fail in seconds, with one line, when ``ref`` is a hub id and the hub cannot be reached: without this,
     huggingface_hub retries for about 30 s and prints a line per retry. With HF_HUB_OFFLINE=1 the local
     hub cache is used and nothing is probed."""
     if _hub_offline():
         return
-    import urllib.error
-    import urllib.request
+    import threading
 
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_SECONDS).close()
-    except urllib.error.HTTPError:
-        return  # the hub answered (any status): it is reachable
-    except (OSError, ValueError) as exc:  # URLError, refused, DNS failure, timeout, malformed HF_ENDPOINT
-        reason = getattr(exc, "reason", exc)
+    outcome: list[BaseException | None] = []
+    # In a daemon thread: urlopen's timeout does not cover a DNS lookup, which can hang on a dead resolver.
+    probe = threading.Thread(target=lambda: outcome.append(_probe(endpoint)), daemon=True)
+    probe.start()
+    probe.join(HUB_PROBE_SECONDS + 1)
+    error = outcome[0] if outcome else TimeoutError(f"no answer in {HUB_PROBE_SECONDS + 1:.0f} s")
+    if error is not None:
+        reason = getattr(error, "reason", error)
         raise ModelLoadError(
             f"{ref} is not a local folder and the Hugging Face hub ({endpoint}) cannot be reached ({reason}): "
             "pass a local model folder, or set HF_HUB_OFFLINE=1 to use the local hub cache"
-        ) from exc
+        ) from error
 
 
 def load_source(ref: str) -> SourceModel:
