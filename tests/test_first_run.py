@@ -144,3 +144,12 @@ def test_examples_clients_against_a_real_server(zoo):
     assert [line.split(" ", 1)[0] for line in lines] == ["tritonclient", "httpx", "openai:"], res.stdout
     assert "(2, " in lines[0] and "float32" in lines[0]
     assert code == 0, err[-2000:]
+
+
+def test_tables_keep_square_brackets_in_names(zoo, tmp_path):
+    model = zoo.model("bert", "sentence-embeddings")
+    res = kiln("convert", str(model), "--out", str(tmp_path / "out"), "--name", "mini[demo]", "--precision", "fp32",
+               "--threads", "1")
+    assert res.returncode == 0, res.stderr
+    assert "mini[demo]: sentence-embeddings" in res.stdout
+    assert "Loading weights" not in res.stdout + res.stderr  # transformers' progress bars are silenced
