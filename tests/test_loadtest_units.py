@@ -93,7 +93,7 @@ def test_task_route_body():
     assert req.path == "/v2/models/qa/predict"
     assert json.loads(req.body) == {"inputs": [{"question": "q?", "context": "ctx"}]}
     with pytest.raises(KilnError, match="--protocol"):
-        make_protocol("grpc", "m", layout)
+        make_protocol("websocket", "m", layout)
 
 
 def test_url_and_request_rendering():

@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from .errors import KilnError
@@ -22,6 +23,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help texts are plain text: rich markup would eat "modelkiln[convert]" as a tag.
     rich_markup_mode=None,
 )
 console = Console(stderr=True)
@@ -36,11 +38,48 @@ def step(description: str) -> Iterator[None]:
     if console.is_terminal:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                       transient=True) as progress:
-            progress.add_task(description)
+            progress.add_task(escape(description))
             yield
     else:  # logs and pipes get the ✓ lines only
         yield
-    console.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - started:.1f}s)[/]")
+    console.print(f"[green]✓[/] {escape(description)} [dim]({time.perf_counter() - started:.1f}s)[/]")
+
+
+def quiet_transformers() -> None:
+    """No "Loading weights" progress bars from transformers / huggingface_hub in command output. The
+    env var is read when huggingface_hub is first imported; the call covers an already imported one."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    transformers = sys.modules.get("transformers")
+    if transformers is not None:
+        transformers.utils.logging.disable_progress_bar()
+
+
+def versions_line() -> str:
+    """modelkiln's version and the runtime libraries it was installed with, read from package metadata
+    (nothing is imported, so this stays fast and works without the optional extras)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    found = []
+    for dist in ("onnxruntime", "onnxruntime-gpu", "tokenizers", "numpy", "torch", "transformers"):
+        with contextlib.suppress(PackageNotFoundError):
+            found.append(f"{dist} {version(dist)}")
+    return f"modelkiln {__version__} ({', '.join(found)}; python {sys.version.split()[0]})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(versions_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the versions of modelkiln and its runtime libraries, then exit."),
+) -> None:
+    pass
 
 
 # --- convert ----------------------------------------------------------------------------------
@@ -68,6 +107,11 @@ def convert(
 ) -> None:
     """Export MODEL to ONNX, build faster variants, validate each against PyTorch, write an artifact."""
     from dataclasses import replace
+
+    from .extras import require_extra
+
+    require_extra("convert", "kiln convert")
+    quiet_transformers()
 
     from .convert.pipeline import PRECISIONS, ConvertConfig
     from .convert.pipeline import convert as run_convert
@@ -97,7 +141,7 @@ def convert(
     )
     manifest = run_convert(cfg, steps=step)
     print_variants(out, manifest)
-    out.print(f"Wrote [bold]{out_dir}[/] ({manifest.task}, {len(manifest.kept_variants())} variants kept)")
+    out.print(f"Wrote [bold]{escape(str(out_dir))}[/] ({manifest.task}, {len(manifest.kept_variants())} variants kept)")
 
 
 # --- bench ------------------------------------------------------------------------------------
@@ -119,6 +163,17 @@ def bench(
 ) -> None:
     """Latency and throughput of PyTorch and every ONNX variant over batch × sequence length
     (text generation: prefill by prompt length, decode by batch size, llama.cpp too when installed)."""
+    from .extras import has_extra, install_hint, require_extra
+    from .manifest import is_artifact
+
+    if not is_artifact(target):
+        require_extra("convert", f"kiln bench {target} (a model, not an artifact folder)",
+                      "or bench an artifact folder written by kiln convert")
+    if reference and not has_extra("convert"):
+        console.print(f"note: no PyTorch reference (modelkiln[convert] is not installed: {install_hint('convert')}); "
+                      "running as --no-reference", markup=False, highlight=False, soft_wrap=True)
+        reference = False
+    quiet_transformers()
     from .bench.generation_command import bench_generation, generation_artifact
     from .bench.report import print_table, write_json
     from .bench.runner import BenchConfig, run_bench
@@ -132,7 +187,7 @@ def bench(
     print_table(out, result)
     if json_path:
         write_json(json_path, result)
-        out.print(f"Wrote {json_path}")
+        out.print(f"Wrote {json_path}", markup=False)
 
 
 # --- eval -------------------------------------------------------------------------------------
@@ -147,6 +202,11 @@ def evaluate(
 ) -> None:
     """Accuracy on STS Benchmark: Spearman ×100 of cosine similarities, per variant and for PyTorch
     (text generation: perplexity on SQuAD paragraphs and SQuAD answered by generation)."""
+    from .extras import require_extra
+
+    if reference:
+        require_extra("convert", "kiln eval's PyTorch reference", "or pass --no-reference")
+    quiet_transformers()
     from .bench.accuracy import evaluate_sts
     from .bench.generation_command import eval_generation, generation_artifact
     from .report import print_accuracy
@@ -180,7 +240,7 @@ def main() -> None:
     except KilnError as exc:
         if os.environ.get("KILN_DEBUG"):
             raise
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         console.print("[bold red]interrupted[/]")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .bench.accuracy import Score
@@ -10,20 +11,20 @@ from .manifest import Manifest
 
 
 def print_variants(console: Console, manifest: Manifest) -> None:
-    table = Table(title=f"{manifest.name}: {manifest.task}, inputs {', '.join(manifest.input_names)}", title_justify="left")
+    table = Table(title=f"{escape(manifest.name)}: {manifest.task}, inputs {', '.join(manifest.input_names)}", title_justify="left")
     for col in ("variant", "device", "kept", "max |Δ|", "min cos", "mean cos", "agreement", "ms (b1)", "note"):
         table.add_column(col, justify="left" if col in ("variant", "note", "device") else "right")
     for v in manifest.variants:
         val = v.validation
         table.add_row(
-            v.name, v.device, "[green]yes[/]" if v.kept else "[red]no[/]",
+            escape(v.name), v.device, "[green]yes[/]" if v.kept else "[red]no[/]",
             f"{val.max_abs_diff:.1e}" if val else "—",
             f"{val.min_cosine:.5f}" if val else "—",
             f"{val.mean_cosine:.5f}" if val else "—",
             f"{val.agreement:.3f}" if val else "—",
             f"{v.latency_ms:.2f}" if v.latency_ms is not None else "—",
-            v.reason or (f"{v.details.get('fused_ops')}" if v.details.get("fused_ops") else "")
-            + ("per-channel" if v.details.get("per_channel") else ""),
+            escape(v.reason or (f"{v.details.get('fused_ops')}" if v.details.get("fused_ops") else "")
+                   + ("per-channel" if v.details.get("per_channel") else "")),
         )
     console.print(table)
 
@@ -33,5 +34,5 @@ def print_accuracy(console: Console, scores: list[Score]) -> None:
     for col in ("backend", "spearman", "Δ vs pytorch"):
         table.add_column(col, justify="left" if col == "backend" else "right")
     for s in scores:
-        table.add_row(s.backend, f"{s.spearman:.3f}", "—" if s.delta is None else f"{s.delta:+.4f}")
+        table.add_row(escape(s.backend), f"{s.spearman:.3f}", "—" if s.delta is None else f"{s.delta:+.4f}")
     console.print(table)

@@ -7,16 +7,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .runner import BenchResult
+from .stability import timing_warnings
 
 
 def print_table(console: Console, result: BenchResult) -> None:
     m = result.machine
-    table = Table(title=f"{result.model} ({result.task}) — {m['cpu']}, {m['threads']} threads, onnxruntime {m['onnxruntime']}",
+    table = Table(title=f"{escape(result.model)} ({result.task}) — {m['cpu']}, {m['threads']} threads, onnxruntime {m['onnxruntime']}",
                   title_justify="left")
-    for col in ("batch", "seq", "backend", "mean", "sd", "min", "max", "median", "p95", "p99", "seq/s", "tokens/s", "speed-up"):
+    has_reference = any(c.speedup for c in result.cells)
+    columns = ["batch", "seq", "backend", "mean", "sd", "min", "max", "median", "p95", "p99", "seq/s", "tokens/s"]
+    for col in columns + (["speed-up"] if has_reference else []):
         table.add_column(col, justify="left" if col == "backend" else "right")
     cells = sorted(result.cells, key=lambda c: (c.batch, c.seq))
     previous = None
@@ -25,12 +29,20 @@ def print_table(console: Console, result: BenchResult) -> None:
             table.add_section()
         previous = (c.batch, c.seq)
         s = c.stats
-        table.add_row(str(c.batch), str(c.seq), c.backend, *(f"{v:.2f}" for v in (s.mean, s.sd, s.min, s.max, s.median, s.p95, s.p99)),
-                      f"{c.sequences_per_s:,.0f}", f"{c.tokens_per_s:,.0f}", f"{c.speedup:.2f}×" if c.speedup else "—")
+        row = [str(c.batch), str(c.seq), escape(c.backend), *(f"{v:.2f}" for v in (s.mean, s.sd, s.min, s.max, s.median, s.p95, s.p99)),
+               f"{c.sequences_per_s:,.0f}", f"{c.tokens_per_s:,.0f}"]
+        table.add_row(*row, *([f"{c.speedup:.2f}×" if c.speedup else "—"] if has_reference else []))
     console.print(table)
-    console.print("[dim]latencies in ms; throughput and speed-up from the median; speed-up against pytorch fp32 in this run[/]")
+    footer = "latencies in ms; throughput from the median"
+    console.print(f"[dim]{footer}; speed-up against pytorch fp32 in this run[/]" if has_reference else f"[dim]{footer}[/]")
     for note in result.skipped:
-        console.print(f"[yellow]skipped:[/] {note}")
+        console.print(f"[yellow]skipped:[/] {escape(note)}")
+    warnings = timing_warnings(result.cells)
+    for warning in warnings:
+        console.print(f"[yellow]unstable:[/] {escape(warning)}")
+    if warnings:
+        console.print("[yellow]Timings were disturbed (another process using the CPU?): re-run on a quiet machine "
+                      "before quoting these numbers.[/]")
 
 
 def to_dict(result: BenchResult) -> dict:
@@ -40,6 +52,7 @@ def to_dict(result: BenchResult) -> dict:
         "machine": result.machine,
         "config": asdict(result.config),
         "skipped": result.skipped,
+        "timing_warnings": timing_warnings(result.cells),
         "cells": [
             {"backend": c.backend, "device": c.device, "batch": c.batch, "seq": c.seq, **asdict(c.stats),
              "sequences_per_s": c.sequences_per_s, "tokens_per_s": c.tokens_per_s, "speedup": c.speedup}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,10 +125,53 @@ def _causal_lm_class_name(config: Any) -> str:
         return f"{type(config).__name__.removesuffix('Config')}ForCausalLM"
 
 
+HUB_PROBE_SECONDS = 3.0
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _probe(endpoint: str) -> BaseException | None:
+    """None when ``endpoint`` answers an HTTP request (any status), else the error."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_SECONDS).close()
+    except urllib.error.HTTPError:
+        return None  # the hub answered: it is reachable
+    except (OSError, ValueError) as exc:  # URLError, refused, DNS failure, timeout, malformed HF_ENDPOINT
+        return exc
+    return None
+
+
+def check_hub_reachable(ref: str) -> None:
+    """Fail in seconds, with one line, when ``ref`` is a hub id and the hub cannot be reached: without this,
+    huggingface_hub retries for about 30 s and prints a line per retry. With HF_HUB_OFFLINE=1 the local
+    hub cache is used and nothing is probed."""
+    if _hub_offline():
+        return
+    import threading
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    outcome: list[BaseException | None] = []
+    # In a daemon thread: urlopen's timeout does not cover a DNS lookup, which can hang on a dead resolver.
+    probe = threading.Thread(target=lambda: outcome.append(_probe(endpoint)), daemon=True)
+    probe.start()
+    probe.join(HUB_PROBE_SECONDS + 1)
+    error = outcome[0] if outcome else TimeoutError(f"no answer in {HUB_PROBE_SECONDS + 1:.0f} s")
+    if error is not None:
+        reason = getattr(error, "reason", error)
+        raise ModelLoadError(
+            f"{ref} is not a local folder and the Hugging Face hub ({endpoint}) cannot be reached ({reason}): "
+            "pass a local model folder, or set HF_HUB_OFFLINE=1 to use the local hub cache"
+        ) from error
+
+
 def load_source(ref: str) -> SourceModel:
     """Load config and fast tokenizer; one-line errors for missing or corrupt files."""
-    from transformers import AutoConfig, AutoTokenizer
-
     gguf = find_gguf(ref)
     if gguf is not None:
         return load_gguf_source(ref, gguf)
@@ -140,6 +184,10 @@ def load_source(ref: str) -> SourceModel:
         raise ModelLoadError(f"{ref} is a file; expected a model folder or a hub id")
     if is_local and not (folder / "config.json").is_file():
         raise ModelLoadError(f"{ref} has no config.json: not a Hugging Face model folder")
+    if not is_local:
+        check_hub_reachable(ref)
+    from transformers import AutoConfig, AutoTokenizer  # after the checks: importing it takes seconds
+
     try:
         config = AutoConfig.from_pretrained(ref)
     except ValueError as exc:

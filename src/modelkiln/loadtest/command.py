@@ -69,12 +69,12 @@ def loadtest(
     print_table(out, result)
     if csv_path:
         write_csv(csv_path, result)
-        out.print(f"Wrote {csv_path}")
+        out.print(f"Wrote {csv_path}", markup=False)
     if json_path:
         write_json(json_path, result)
-        out.print(f"Wrote {json_path}")
+        out.print(f"Wrote {json_path}", markup=False)
     if plot_path:
         from .plot import plot
 
         plot([result, *earlier], plot_path, plot_percentile)
-        out.print(f"Wrote {plot_path}")
+        out.print(f"Wrote {plot_path}", markup=False)

@@ -8,6 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from ..errors import KilnError
 from .runner import Latency, RunResult, StepResult
 from .server_metrics import ModelBreakdown, ServerBreakdown
@@ -28,8 +30,8 @@ def _errors(errors: dict[str, int]) -> str:
 def print_table(console: Any, result: RunResult) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{result.label}: {result.model} at {result.url} ({result.protocol}, batch {result.batch}, "
-                        f"{result.inputs})", title_justify="left")
+    table = Table(title=escape(f"{result.label}: {result.model} at {result.url} ({result.protocol}, batch {result.batch}, "
+                        f"{result.inputs})"), title_justify="left")
     for name in ("load", "req/s", "inputs/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms", "errors",
                  "queue ms", "compute ms", "batch", "stable"):
         table.add_column(name, justify="right")

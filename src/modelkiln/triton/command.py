@@ -22,6 +22,7 @@ def triton(
 ) -> None:
     """Write a Triton model repository: tokenize → model → postprocess, joined by an ensemble."""
     from rich.console import Console
+    from rich.markup import escape
 
     from .config import Options
     from .repository import model_name, write_repository
@@ -32,4 +33,7 @@ def triton(
     from ..manifest import Manifest
 
     name = model_name(Manifest.load(artifact))
-    Console().print(f"Wrote [bold]{path}[/]: ensemble [bold]{name}[/] ({model_backend} model). See {path / 'README.md'} to launch it.")
+    console = Console()
+    console.print(f"Wrote [bold]{escape(str(path))}[/]: ensemble [bold]{escape(name)}[/] ({escape(model_backend)} model).")
+    # A path must not break across lines (it would not paste back into a shell): soft_wrap leaves it whole.
+    console.print(f"To launch it, see {escape(str(path / 'README.md'))}", soft_wrap=True, highlight=False)

@@ -32,6 +32,7 @@ def tune(
     """Start `kiln serve` with each combination of settings, load-test each, rank them against a
     p99 budget (throughput, p99, memory) and write the best as a `kiln serve --config` file."""
     from rich.console import Console
+    from rich.markup import escape
 
     from ..errors import KilnError
     from ..loadtest.api import LoadtestOptions
@@ -57,12 +58,12 @@ def tune(
     err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
     out_console = Console(width=None if sys.stdout.isatty() else 200)
     total = len(grid.combinations())
-    err.print(f"tuning {manifest.name}: {total} combinations × up to {len(loads)} load steps")
+    err.print(f"tuning {escape(manifest.name)}: {total} combinations × up to {len(loads)} load steps")
 
     def on_trial(i, n, trial) -> None:  # type: ignore[no-untyped-def]
         settings = ", ".join(f"{k}={v}" for k, v in trial.settings.items() if v is not None)  # None: the default
         if trial.error:
-            err.print(f"[red]✗[/] {i}/{n} {settings}: {trial.error}")
+            err.print(f"[red]✗[/] {i}/{n} {escape(str(settings))}: {escape(str(trial.error))}")
         else:
             p99 = f"{trial.p99_ms:.1f} ms" if trial.p99_ms is not None else "-"
             err.print(f"[green]✓[/] {i}/{n} {settings}: {trial.throughput:.1f} req/s at p99 {p99}"
@@ -73,18 +74,18 @@ def tune(
     best = result.best()
     if json_path:
         write_json(json_path, result)
-        out_console.print(f"Wrote {json_path}")
+        out_console.print(f"Wrote {json_path}", markup=False)
     if plot_path:
         from ..loadtest.plot import plot
 
         plot([t.run for t in result.ranked() if t.run is not None], plot_path, "p99",
              title=f"kiln tune {manifest.name}: p99 latency vs throughput")
-        out_console.print(f"Wrote {plot_path}")
+        out_console.print(f"Wrote {plot_path}", markup=False)
     if best is None:
         raise KilnError("no combination served successfully; nothing written")
     write_best(out, result, best)
     note = "" if best.within_budget else " [yellow](no combination met the p99 budget: this is the lowest-p99 one)[/]"
-    out_console.print(f"Wrote [bold]{out}[/]: kiln serve {artifact} --config {out}{note}")
+    out_console.print(f"Wrote [bold]{escape(str(out))}[/]: kiln serve {escape(str(artifact))} --config {escape(str(out))}{note}")
 
 
 class TuneCommand(DerivedOptionsCommand):

