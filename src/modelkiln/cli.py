@@ -49,6 +49,9 @@ def quiet_transformers() -> None:
     """No "Loading weights" progress bars from transformers / huggingface_hub in command output. The
     env var is read when huggingface_hub is first imported; the call covers an already imported one."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # transformers' GGUF reader draws a raw tqdm bar ("Converting and de-quantizing GGUF tensors");
+    # tqdm reads TQDM_* defaults when it is first imported, which is after this call.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     transformers = sys.modules.get("transformers")
     if transformers is not None:
         transformers.utils.logging.disable_progress_bar()
