@@ -1,14 +1,15 @@
-"""Call a running `kiln serve` of a sentence-embeddings model with three ordinary HTTP clients, unmodified:
+"""Call a running `kiln serve` of a sentence-embeddings model with four ordinary clients, unmodified:
 
-  tritonclient.http  Open Inference Protocol (KServe v2) with binary tensors
+  tritonclient.http  Open Inference Protocol (KServe v2) over HTTP, with binary tensors
+  tritonclient.grpc  the same protocol over gRPC (kiln serve's --grpc-port, 8001 by default)
   httpx              the task-shaped JSON route, /v2/models/{model}/predict
   openai             the OpenAI-compatible /v1/embeddings route
 
     kiln serve artifacts/all-MiniLM-L6-v2 &      # or `kiln serve` for the embedded default model
-    python examples/clients.py --url http://127.0.0.1:8000 --model all-MiniLM-L6-v2
+    python examples/clients.py --url http://127.0.0.1:8000 --grpc-url 127.0.0.1:8001 --model all-MiniLM-L6-v2
 
-The three clients come with `pip install 'modelkiln[test]'` (or: pip install 'tritonclient[http]' httpx openai).
-Each prints one line; the three answers must agree, or the script exits 1.
+The clients come with `pip install 'modelkiln[test]'` (or: pip install 'tritonclient[http,grpc]' httpx openai).
+Each prints one line; the answers must agree, or the script exits 1. `--grpc-url ''` skips gRPC.
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ def with_tritonclient(url: str, model: str) -> np.ndarray:
     return embeddings
 
 
+def with_tritonclient_grpc(url: str, model: str) -> np.ndarray:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    text = grpcclient.InferInput("TEXT", [len(TEXTS)], "BYTES")
+    text.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object))
+    result = client.infer(model, [text], outputs=[grpcclient.InferRequestedOutput("EMBEDDINGS")])
+    embeddings = result.as_numpy("EMBEDDINGS")
+    print(f"tritonclient.grpc: {embeddings.shape} {embeddings.dtype} cosine: {cosine(*embeddings):.4f}")
+    return embeddings
+
+
 def with_httpx(url: str, model: str) -> np.ndarray:
     import httpx
 
@@ -60,12 +73,17 @@ def with_openai(url: str, model: str) -> np.ndarray:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="kiln serve's address")
+    parser.add_argument("--grpc-url", default="127.0.0.1:8001", help="its gRPC address ('' to skip gRPC)")
     parser.add_argument("--model", default="all-MiniLM-L6-v2", help="a sentence-embeddings model it serves")
     args = parser.parse_args()
     url = args.url.rstrip("/")
-    answers = [client(url, args.model) for client in (with_tritonclient, with_httpx, with_openai)]
+    calls = [("tritonclient", with_tritonclient, url)]
+    if args.grpc_url:
+        calls.append(("tritonclient.grpc", with_tritonclient_grpc, args.grpc_url))
+    calls += [("httpx", with_httpx, url), ("openai", with_openai, url)]
+    answers = [client(address, args.model) for _, client, address in calls]
     # The embeddings are unit-normalised by the server or not, the same way for every route: compare directions.
-    for name, other in zip(("httpx", "openai"), answers[1:]):
+    for (name, _, _), other in zip(calls[1:], answers[1:]):
         worst = min(cosine(a, b) for a, b in zip(answers[0], other))
         if worst < 0.9999:
             print(f"{name} disagrees with tritonclient (cosine {worst:.6f})", file=sys.stderr)

@@ -133,15 +133,18 @@ def test_bench_warns_about_spread_and_out_of_order_cells():
 def test_examples_clients_against_a_real_server(zoo):
     from test_serve import Server
 
-    srv = Server([f"emb={zoo.artifact('bert', 'sentence-embeddings')}", "--variant", "fp32"])
+    grpc_port = free_port()
+    srv = Server([f"emb={zoo.artifact('bert', 'sentence-embeddings')}", "--variant", "fp32",
+                  "--grpc-port", str(grpc_port)])
     try:
         res = subprocess.run([sys.executable, str(SRC.parent / "examples" / "clients.py"), "--url", srv.url,
-                              "--model", "emb"], capture_output=True, text=True, timeout=120)
+                              "--grpc-url", f"127.0.0.1:{grpc_port}", "--model", "emb"],
+                             capture_output=True, text=True, timeout=120)
     finally:
         code, err = srv.stop()
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
-    assert [line.split(" ", 1)[0] for line in lines] == ["tritonclient", "httpx", "openai:"], res.stdout
+    assert [line.split(" ", 1)[0] for line in lines] == ["tritonclient", "tritonclient.grpc:", "httpx", "openai:"], res.stdout
     assert "(2, " in lines[0] and "float32" in lines[0]
     assert code == 0, err[-2000:]
 
