@@ -192,18 +192,27 @@ class ModelRepository:
             self.loading.add(folder.name)
             started = time.perf_counter()
             built = asyncio.get_running_loop().run_in_executor(None, self._build, folder)
+            abandoned = False
             try:
                 # shielded: if the caller goes away (a client hanging up, shutdown) the build still
-                # ends, and the model it made is released instead of leaking its batcher threads
-                model = await built
+                # ends, and the model it made is released instead of leaking its batcher threads;
+                # the folder shows as loading until then
+                model = await asyncio.shield(built)
             except asyncio.CancelledError:
-                built.add_done_callback(_release_when_built)
+                abandoned = True
+
+                def release(done: asyncio.Future) -> None:
+                    self.loading.discard(folder.name)
+                    _release_when_built(done)
+
+                built.add_done_callback(release)
                 raise
             except KilnError as exc:
                 self.reasons[folder.name] = f"load failed: {exc}"
                 raise ArtifactError(f"failed to load '{folder.name}': {exc}") from exc
             finally:
-                self.loading.discard(folder.name)
+                if not abandoned:
+                    self.loading.discard(folder.name)
             old = plane.models.get(folder.name)
             plane.models = {**plane.models, folder.name: model}  # one assignment: readers see old or new
             self.loaded[folder.name] = folder.fingerprint
