@@ -167,6 +167,10 @@ class RouterApp:
                 if method != "POST":
                     raise MethodNotAllowedError(f"{method} is not allowed here: use POST")
                 await self._forward(scope, receive, send)
+            elif path == "/v2/models/stats":
+                raise RouteNotFoundError("statistics are per model and replica here: GET /v2/models/{name}/stats")
+            elif path.startswith("/v2/models/"):  # a model that is not deployed (those are routed past the router)
+                raise ModelNotFoundError(f"unknown model '{path.split('/')[3]}' (serving: {', '.join(self.models)})")
             else:
                 raise RouteNotFoundError(f"no route {path} (per-model routes are under /v2/models/{{name}}/)")
         except Exception as exc:  # typed errors → their status, anything else → 500 (logged, throttled)
