@@ -131,6 +131,7 @@ def test_answers_equal_kiln_serve(cluster, reference_server):
                        ("/v2/models/cls/predict", {"inputs": "x", "parameters": {"top_k": 1}})]:
         ours, theirs = post(cluster.url + path, body), post(reference_server.url + path, body)
         assert ours.status_code == theirs.status_code == 200
+        assert len(ours.headers.get_list("x-request-id")) == 1  # Ray's proxy sets it; the replica's copy is left out
         np.testing.assert_allclose(_numbers(ours.json()), _numbers(theirs.json()), atol=1e-5)
     answers = []
     for url in (cluster.url, reference_server.url):  # the OIP route, binary tensors, through tritonclient

@@ -49,7 +49,8 @@ def replica_front(app: Callable[..., Awaitable[None]], replica: str) -> Callable
     """The ASGI ``app`` as a replica serves it: ``x-kiln-replica: replica`` added to every answer,
     and no ``root_path``. Ray's proxy sets it to the route prefix (``/v2/models/{name}``) and
     Starlette would then match routes against the path with the prefix cut off; kiln serve's
-    routes are the full paths."""
+    routes are the full paths. Ray's proxy gives every request an ``x-request-id`` (the app
+    adopts it) and puts it on the answer itself, so the app's copy is left out."""
     tag = (REPLICA_HEADER, replica.encode())
 
     async def tagged(scope: dict, receive: Receive, send: Send) -> None:
@@ -60,7 +61,7 @@ def replica_front(app: Callable[..., Awaitable[None]], replica: str) -> Callable
 
         async def send_tagged(message: dict) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), tag]
+                message["headers"] = [*(h for h in message.get("headers", []) if h[0] != b"x-request-id"), tag]
             await send(message)
 
         await app(scope, receive, send_tagged)
