@@ -26,6 +26,7 @@ from ..errors import (InvalidInputError, KilnError, MethodNotAllowedError, Model
 from ..serve.app import OPENAI_PREFIX, PUBLIC_PREFIX, bearer_matches, create_app
 from ..serve.dataplane import EXTENSIONS, DataPlane, build_dataplane
 from ..serve.errors import error_response
+from ..serve.inference_routes import ClientGone
 from ..serve.settings import ModelSpec, ServeSettings
 from .plan import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 
@@ -174,6 +175,8 @@ class RouterApp:
                 raise ModelNotFoundError(f"unknown model '{path.split('/')[3]}' (serving: {', '.join(self.models)})")
             else:
                 raise RouteNotFoundError(f"no route {path} (per-model routes are under /v2/models/{{name}}/)")
+        except ClientGone:
+            return  # nobody to answer
         except Exception as exc:  # typed errors → their status, anything else → 500 (logged, throttled)
             status, body, headers = error_response(exc, None, openai=openai)
             await self._send(send, status, body, [(k.encode(), v.encode()) for k, v in headers.items()])
@@ -227,7 +230,7 @@ class RouterApp:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise asyncio.CancelledError()
+                raise ClientGone()
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > limit:
