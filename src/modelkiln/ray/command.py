@@ -14,6 +14,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
+from ..errors import KilnError
 
 
 class RunByDefault(TyperGroup):
@@ -113,7 +114,10 @@ def write_config(
 ) -> None:
     """Write the Serve config YAML for `serve deploy FILE` on an existing cluster (artifact paths are
     absolute: the cluster's nodes must see the same folders)."""
-    import yaml
+    try:
+        import yaml
+    except ImportError:
+        raise KilnError("kiln ray config needs PyYAML: pip install 'modelkiln[ray]'") from None
 
     plan = _plan(ctx, artifacts, replicas, min_replicas, max_replicas, target_ongoing_requests, cpus_per_replica,
                  config)
