@@ -21,8 +21,6 @@ from modelkiln.manifest import Manifest
 from modelkiln.samples import SAMPLE_TEXTS
 from modelkiln.serve.settings import ModelSpec, ServeSettings
 
-yaml = pytest.importorskip("yaml")
-
 
 @pytest.fixture(scope="module")
 def emb(zoo) -> Path:
@@ -74,6 +72,7 @@ def test_plan_replicas_autoscaling_and_replica_settings(emb):
 
 
 def test_kiln_ray_config_is_a_valid_serve_deploy_file(emb, cls, tmp_path):
+    yaml = pytest.importorskip("yaml")
     schema = pytest.importorskip("ray.serve.schema")
     out = tmp_path / "serve.yaml"
     r = kiln("ray", "config", f"emb={emb}", f"cls={cls}", "--min-replicas", "1", "--max-replicas", "3",
