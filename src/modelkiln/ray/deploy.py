@@ -23,8 +23,10 @@ def serve_until_interrupted(config: dict[str, Any], address: str | None, num_cpu
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     local = address is None
-    ray.init(address=address, num_cpus=num_cpus if local else None, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    # "local": always a new cluster of our own. None would attach to whatever cluster this machine ran
+    # last (RAY_ADDRESS, /tmp/ray/ray_current_cluster), even a stopped one.
+    ray.init(address="local" if local else address, num_cpus=num_cpus if local else None,
+             include_dashboard=False, log_to_driver=False, configure_logging=False)
     deployed: list[str] = []
     try:
         http = config["http_options"]
