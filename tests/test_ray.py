@@ -95,6 +95,65 @@ def test_kiln_ray_config_is_a_valid_serve_deploy_file(emb, cls, tmp_path):
 # --- a real local cluster ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+def test_serve_deploy_of_kiln_ray_config_on_a_ray_start_cluster(emb, tmp_path):
+    """The config file on the path it is written for: `ray start --head` (its own session, ended by
+    that session's id), `serve deploy FILE`, a request, `serve shutdown`. It runs before the tests of
+    `kiln ray`'s own cluster on purpose: `ray start` leaves /tmp/ray/ray_current_cluster behind, and
+    `kiln ray` must start a cluster of its own anyway, not attach to that stopped one."""
+    pytest.importorskip("ray")
+    import subprocess
+    import sys
+
+    from helpers import SRC
+    from modelkiln.net import free_port
+
+    bin_dir = Path(sys.executable).parent
+    http_port, dashboard_port = free_port(), free_port()
+    out = tmp_path / "serve.yaml"
+    r = kiln("ray", "config", f"emb={emb}", "--replicas", "1", "--port", str(http_port), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    # the workers import modelkiln from this checkout (a real cluster has it installed);
+    # the CLI client authenticates with the token `ray start` uses (Ray's default mode)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    head = subprocess.Popen([str(bin_dir / "ray"), "start", "--head", "--block", "--num-cpus", "2",
+                             "--port", str(free_port()), "--dashboard-port", str(dashboard_port),
+                             "--include-dashboard", "true", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # the dashboard answers once the head is up
+            deployed = subprocess.run([str(bin_dir / "serve"), "deploy", str(out), "-a", address], env=env,
+                                      capture_output=True, text=True, timeout=120)
+            if deployed.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(3)
+        assert deployed.returncode == 0, deployed.stderr[-2000:]
+        url = f"http://127.0.0.1:{http_port}"
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/v2/health/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        r = post(url + "/v2/models/emb/predict", {"inputs": ["deployed by serve deploy"]})
+        assert r.status_code == 200 and len(r.json()[0]) > 8
+        shutdown = subprocess.run([str(bin_dir / "serve"), "shutdown", "-a", address, "-y"], env=env,
+                                  capture_output=True, text=True, timeout=120)
+        assert shutdown.returncode == 0, shutdown.stderr[-2000:]
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+
+
+
+
 @pytest.fixture(scope="module")
 def cluster(emb, cls):
     pytest.importorskip("ray")
@@ -253,58 +312,3 @@ def test_a_replica_killed_under_load_is_replaced(cluster):
     # after the replacement every request is answered again
     for _ in range(10):
         assert post(cluster.url + "/v2/models/emb/predict", {"inputs": "x"}).status_code == 200
-
-
-@pytest.mark.slow
-def test_serve_deploy_of_kiln_ray_config_on_a_ray_start_cluster(emb, tmp_path):
-    """The config file on the path it is written for: `ray start --head` (its own session, ended by
-    that session's id), `serve deploy FILE`, a request, `serve shutdown`."""
-    pytest.importorskip("ray")
-    import subprocess
-    import sys
-
-    from helpers import SRC
-    from modelkiln.net import free_port
-
-    bin_dir = Path(sys.executable).parent
-    http_port, dashboard_port = free_port(), free_port()
-    out = tmp_path / "serve.yaml"
-    r = kiln("ray", "config", f"emb={emb}", "--replicas", "1", "--port", str(http_port), "--out", str(out))
-    assert r.returncode == 0, r.stderr
-    # the workers import modelkiln from this checkout (a real cluster has it installed);
-    # the CLI client authenticates with the token `ray start` uses (Ray's default mode)
-    env = {**os.environ, "PYTHONPATH": str(SRC), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
-    head = subprocess.Popen([str(bin_dir / "ray"), "start", "--head", "--block", "--num-cpus", "2",
-                             "--port", str(free_port()), "--dashboard-port", str(dashboard_port),
-                             "--include-dashboard", "true", "--disable-usage-stats"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard_port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:  # the dashboard answers once the head is up
-            deployed = subprocess.run([str(bin_dir / "serve"), "deploy", str(out), "-a", address], env=env,
-                                      capture_output=True, text=True, timeout=120)
-            if deployed.returncode == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(3)
-        assert deployed.returncode == 0, deployed.stderr[-2000:]
-        url = f"http://127.0.0.1:{http_port}"
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/v2/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        r = post(url + "/v2/models/emb/predict", {"inputs": ["deployed by serve deploy"]})
-        assert r.status_code == 200 and len(r.json()[0]) > 8
-        shutdown = subprocess.run([str(bin_dir / "serve"), "shutdown", "-a", address, "-y"], env=env,
-                                  capture_output=True, text=True, timeout=120)
-        assert shutdown.returncode == 0, shutdown.stderr[-2000:]
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
