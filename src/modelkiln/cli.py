@@ -225,6 +225,9 @@ from .serve.command import ServeCommand, serve as _serve; app.command("serve", c
 from .triton.command import triton as _triton; app.command("triton")(_triton)  # noqa: E402,E702
 
 
+from .ray.command import ray_app as _ray; app.add_typer(_ray, name="ray")  # noqa: E402,E702
+
+
 from .loadtest.command import loadtest as _loadtest; app.command("loadtest")(_loadtest)  # noqa: E402,E702
 
 

@@ -62,14 +62,18 @@ class ServeSettings(BaseModel):
     device: Literal["cpu", "cuda"] = setting("cpu", "cpu or cuda.")
     variant: Optional[str] = setting(None, "Variant for every model given without one: int8, fp32, ...",
                                      sweep="kept", shown_default="fastest kept for the device")
+    # A server sharing its host (a Ray replica given N CPUs, a container with a CPU quota) sizes
+    # its engine threads from its share, not from the host's core count.
+    cpus: Optional[int] = setting(None, "CPU cores this server may use; engine threads are sized from it.", ge=1,
+                                  shown_default="the host's cores")
     threads: Optional[int] = setting(None, "onnxruntime intra-op threads per instance.", sweep="auto", ge=1,
-                                     shown_default="cores / instances")
+                                     shown_default="cpus / instances")
     instances: Optional[int] = setting(None, "Engine sessions per model running batches in parallel.", sweep="1,2",
                                        ge=1, shown_default="2 on CPU, 1 on GPU")
     # The session that runs a lone request on an idle server (see Batcher: ``alone``).
     alone_threads: Optional[int] = setting(
         None, "Threads for a lone request on an idle server, in a session of its own (0 = off).", sweep="auto", ge=0,
-        shown_default="all cores")
+        shown_default="all cpus")
     # --- batching
     max_batch_size: int = setting(32, "Inputs per model batch.", sweep="32", gt=0)
     # It bounds a batch's activation memory. On CPU long inputs gain nothing from batching (int8
@@ -121,7 +125,7 @@ class ServeSettings(BaseModel):
         (measured: 541 vs 430 sentences/s at batch 8; onnxruntime's pool threads also spin between
         ops and starve the event loop). A lone request on an idle server, though, leaves a core
         unused that way; a third session using every core runs it (3.1 → 2.2 ms at batch 1)."""
-        cpus = os.cpu_count() or 1
+        cpus = self.cpus or os.cpu_count() or 1
         instances = self.instances or (1 if self.device != "cpu" else min(2, cpus))
         threads = self.threads or max(1, cpus // instances)
         alone = cpus if self.alone_threads is None else self.alone_threads

@@ -20,7 +20,8 @@ def triton(
     threads: int = typer.Option(0, help="onnxruntime intra-op threads per instance (0: onnxruntime's default)."),
     force: bool = typer.Option(False, help="Replace an existing OUT folder."),
 ) -> None:
-    """Write a Triton model repository: tokenize → model → postprocess, joined by an ensemble."""
+    """Write a Triton model repository: tokenize → model → postprocess, joined by an ensemble (a text-generation
+    artifact: one decoupled python model running modelkiln's generation engine, streaming)."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -32,8 +33,13 @@ def triton(
     path = write_repository(artifact, out, opts, variant=variant, force=force)
     from ..manifest import Manifest
 
-    name = model_name(Manifest.load(artifact))
+    manifest = Manifest.load(artifact)
+    name = model_name(manifest)
     console = Console()
-    console.print(f"Wrote [bold]{escape(str(path))}[/]: ensemble [bold]{escape(name)}[/] ({escape(model_backend)} model).")
+    if manifest.task == "text-generation":
+        console.print(f"Wrote [bold]{escape(str(path))}[/]: decoupled python model [bold]{escape(name)}[/] "
+                      "(modelkiln's generation engine; /generate, /generate_stream).")
+    else:
+        console.print(f"Wrote [bold]{escape(str(path))}[/]: ensemble [bold]{escape(name)}[/] ({escape(model_backend)} model).")
     # A path must not break across lines (it would not paste back into a shell): soft_wrap leaves it whole.
     console.print(f"To launch it, see {escape(str(path / 'README.md'))}", soft_wrap=True, highlight=False)

@@ -47,6 +47,7 @@ class ModelConfig:
     kind: str = "cpu"
     parameters: dict[str, str] = field(default_factory=dict)
     steps: list[Step] = field(default_factory=list)
+    decoupled: bool = False  # any number of responses per request (streaming generation)
 
     def to_pbtxt(self) -> str:
         lines = [f'name: "{self.name}"']
@@ -65,6 +66,8 @@ class ModelConfig:
                 f"  max_queue_delay_microseconds: {self.max_queue_delay_us}",
                 "}",
             ]
+        if self.decoupled:
+            lines.append("model_transaction_policy { decoupled: true }")
         if self.instances is not None:
             kind = "KIND_GPU" if self.kind == "gpu" else "KIND_CPU"
             lines.append(f"instance_group [ {{ count: {self.instances} kind: {kind} }} ]")

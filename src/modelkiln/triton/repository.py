@@ -110,9 +110,16 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
                      force: bool = False) -> Path:
     from . import readme
 
+    from .generation import is_generation, write_generation_repository
+
     artifact, out = Path(artifact), Path(out)
     check_options(opts)
     manifest = Manifest.load(artifact)
+    if is_generation(manifest):
+        if opts.model_backend != "python" and opts.model_backend != "onnxruntime":
+            raise TritonOptionError("text generation runs in the python backend (modelkiln's engine): "
+                                    "--model-backend tensorrt does not apply")
+        return write_generation_repository(artifact, out, opts, model_name(manifest), variant, force)
     chosen = choose_variant(manifest, opts, variant)
     if not chosen.file:
         raise ArtifactError(f"variant '{chosen.name}' has no file")
@@ -166,10 +173,10 @@ def _python_model(root: Path, config: ModelConfig, template: str, artifact: Path
     copy_snapshot(version_dir / "modelkiln")
 
 
-def copy_snapshot(dest: Path) -> None:
+def copy_snapshot(dest: Path, files: tuple[str, ...] = SNAPSHOT_FILES) -> None:
     import modelkiln
 
     package = Path(modelkiln.__file__).parent
-    for rel in SNAPSHOT_FILES:
+    for rel in files:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(package / rel, dest / rel)

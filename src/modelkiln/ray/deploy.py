@@ -1,0 +1,63 @@
+"""Deploy ``plan()``'s config on a Ray cluster from this process, and take it down on exit."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from ..errors import KilnError
+
+
+def serve_until_interrupted(config: dict[str, Any], address: str | None, num_cpus: int | None) -> None:
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise KilnError("kiln ray needs Ray Serve: pip install 'modelkiln[ray]'") from None
+    from .deployments import build
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    local = address is None
+    # "local": always a new cluster of our own. None would attach to whatever cluster this machine ran
+    # last (RAY_ADDRESS, /tmp/ray/ray_current_cluster), even a stopped one.
+    ray.init(address="local" if local else address, num_cpus=num_cpus if local else None,
+             include_dashboard=False, log_to_driver=False, configure_logging=False)
+    deployed: list[str] = []
+    try:
+        http = config["http_options"]
+        serve.start(http_options={"host": http["host"], "port": http["port"]})
+        for application in config["applications"]:  # the models first, the router (at /) last
+            started = time.perf_counter()
+            serve.run(build(application), name=application["name"], route_prefix=application["route_prefix"])
+            deployed.append(application["name"])
+            replicas = _replicas(application["deployments"][0])
+            print(f"✓ {application['name']}: {replicas} at {application['route_prefix']} "
+                  f"({time.perf_counter() - started:.1f}s)", file=sys.stderr, flush=True)
+        url = f"http://{http['host']}:{http['port']}"
+        print(f"Serving {len(deployed) - 1} model(s) on Ray Serve at {url} "
+              f"(OIP: {url}/v2/models/NAME/infer, task: .../predict, OpenAI: {url}/v1/...); Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        print("stopping: deleting the applications", file=sys.stderr, flush=True)
+        for name in reversed(deployed):
+            serve.delete(name)
+        if local:
+            serve.shutdown()
+        ray.shutdown()
+
+
+def _replicas(deployment: dict[str, Any]) -> str:
+    cpus = deployment["ray_actor_options"]["num_cpus"]
+    scaling = deployment.get("autoscaling_config")
+    if scaling:
+        count = f"{scaling['min_replicas']}-{scaling['max_replicas']} replicas (autoscaled)"
+    else:
+        count = f"{deployment['num_replicas']} replica(s)"
+    return f"{count}, {cpus} CPU(s) each" if cpus else count

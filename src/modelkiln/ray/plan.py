@@ -1,0 +1,141 @@
+"""What a Ray Serve deployment of modelkiln looks like, as plain data (no Ray import).
+
+One Serve application per model, at the route prefix ``/v2/models/{name}``: Ray's proxy matches
+the longest prefix, so every per-model route (infer, predict, metadata, ready, stats, and the
+generation routes when a model has them) goes from the proxy straight to one of that model's
+replicas, one hop, like any Serve app. Each replica is a whole modelkiln HTTP front-end over its
+own data plane and batcher (``serve.app.create_app``), so the replica batches its share of the
+traffic exactly as ``kiln serve`` does: there is no second batching layer.
+
+One more application, ``kiln``, at ``/``: the routes that name no model in the path (health,
+server metadata, OpenAI's model list, and the OpenAI routes whose model is in the body, which it
+forwards to that model's replicas through a deployment handle).
+
+``kiln ray`` deploys this plan; ``kiln ray config`` writes it as the YAML ``serve deploy`` takes.
+Both come from ``plan()``, so they cannot drift apart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import KilnError
+from ..manifest import Manifest
+from ..serve.settings import ModelSpec, ServeSettings
+
+MODEL_DEPLOYMENT = "ModelReplica"
+ROUTER_DEPLOYMENT = "Router"
+ROUTER_APP = "kiln"
+MODEL_BUILDER = "modelkiln.ray.deployments:model_app"
+ROUTER_BUILDER = "modelkiln.ray.deployments:router_app"
+# Settings a replica must not take from the command line: Ray's proxy owns the HTTP port, and a
+# replica opens no gRPC port of its own.
+NOT_PER_REPLICA = ("host", "port", "grpc_port", "models", "model_repository", "model_control_mode",
+                   "repository_poll_s", "cpus")
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """Replicas per model: a fixed count, or Ray's autoscaler between ``min_replicas`` and
+    ``max_replicas`` aiming at ``target_ongoing_requests`` per replica."""
+
+    replicas: int | None = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    # A replica batches: several requests waiting in it is its normal working state, not a sign of
+    # overload, so the target is well above Ray's default of 2 (not tuned: pass your own).
+    target_ongoing_requests: float = 16.0
+    cpus_per_replica: int = 1
+    # Ray's default (5) would cap what a replica's batcher ever sees at 5 requests; the replica's
+    # own queue limit (max_queue_size, answered 503 + Retry-After) is the back-pressure instead.
+    max_ongoing_requests: int = 1024
+
+    def check(self) -> None:
+        autoscale = self.min_replicas is not None or self.max_replicas is not None
+        if autoscale and (self.min_replicas is None or self.max_replicas is None):
+            raise KilnError("autoscaling needs both --min-replicas and --max-replicas")
+        if autoscale and not 0 <= self.min_replicas <= self.max_replicas:  # type: ignore[operator]
+            raise KilnError(f"--min-replicas {self.min_replicas} must be between 0 and --max-replicas {self.max_replicas}")
+        if autoscale and self.max_replicas < 1:  # type: ignore[operator]
+            raise KilnError("--max-replicas must be at least 1")
+        if not autoscale and (self.replicas is None or self.replicas < 1):
+            raise KilnError("--replicas must be at least 1")
+        if self.cpus_per_replica < 1:
+            raise KilnError("--cpus-per-replica must be at least 1")
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None
+
+    def model_deployment(self) -> dict[str, Any]:
+        """The model deployment's Serve options (the ``deployments:`` entry of the config)."""
+        options: dict[str, Any] = {"name": MODEL_DEPLOYMENT, "max_ongoing_requests": self.max_ongoing_requests}
+        if self.autoscaling:
+            options["autoscaling_config"] = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                                             "target_ongoing_requests": self.target_ongoing_requests}
+        else:
+            options["num_replicas"] = self.replicas
+        # The engine's threads come from the replica's settings (cpus); these cap the libraries
+        # that size their own pools from the host's cores (the tokenizer's rayon pool, OpenMP).
+        threads = str(self.cpus_per_replica)
+        options["ray_actor_options"] = {"num_cpus": self.cpus_per_replica, "runtime_env": {"env_vars": {
+            "RAYON_NUM_THREADS": threads, "OMP_NUM_THREADS": threads}}}
+        return options
+
+
+def router_deployment() -> dict[str, Any]:
+    # It only reads a path or a JSON body's "model" and awaits a model replica: no CPU reserved, so
+    # a cluster's cores all go to model replicas (Serve reserves one per replica by default).
+    return {"name": ROUTER_DEPLOYMENT, "num_replicas": 1, "max_ongoing_requests": 4096,
+            "ray_actor_options": {"num_cpus": 0}}
+
+
+def replica_settings(settings: ServeSettings, scaling: Scaling) -> dict[str, Any]:
+    """The settings each replica runs with, as the JSON-able values that differ from the defaults
+    (what the config file carries): the command line's, less what Ray owns, plus the replica's
+    CPU share (``cpus``: the engine threads are sized from it, never from the host's cores)."""
+    defaults = ServeSettings()
+    values = {name: getattr(settings, name) for name in type(settings).model_fields
+              if name not in NOT_PER_REPLICA and getattr(settings, name) != getattr(defaults, name)}
+    return {**values, "cpus": scaling.cpus_per_replica, "grpc_port": 0}
+
+
+def model_name(spec: ModelSpec) -> str:
+    """The name the model is served under (NAME=PATH, else the artifact's own), needed before any
+    replica starts: it is the application's route prefix."""
+    manifest = Manifest.load(spec.path)  # ArtifactError (a KilnError) when it is none
+    name = spec.name or manifest.name
+    if not name or "/" in name:
+        raise KilnError(f"model name {name!r} cannot be a route: use NAME=PATH")
+    return name
+
+
+def plan(settings: ServeSettings, scaling: Scaling) -> dict[str, Any]:
+    """The Serve config (``serve deploy``'s schema) for ``settings.models`` scaled as asked."""
+    scaling.check()
+    if settings.model_repository:
+        raise KilnError("kiln ray serves the artifacts given: a model repository is not supported (list the folders)")
+    if not settings.models:
+        raise KilnError("kiln ray needs at least one artifact")
+    per_replica = replica_settings(settings, scaling)
+    applications = []
+    names = []
+    for spec in settings.models:
+        name = model_name(spec)
+        if name in names:
+            raise KilnError(f"two models are named '{name}': use NAME=PATH")
+        names.append(name)
+        model = {"name": name, "path": str(Path(spec.path).resolve()), "variant": spec.variant}
+        applications.append({"name": name, "route_prefix": f"/v2/models/{name}", "import_path": MODEL_BUILDER,
+                             "args": {"model": model, "settings": per_replica},
+                             "deployments": [scaling.model_deployment()]})
+    router_settings = {k: v for k, v in per_replica.items() if k in ("api_key", "max_body_bytes", "log_level")}
+    applications.append({"name": ROUTER_APP, "route_prefix": "/", "import_path": ROUTER_BUILDER,
+                         "args": {"models": names, "settings": router_settings},
+                         "deployments": [router_deployment()]})
+    return {"proxy_location": "EveryNode", "http_options": {"host": settings.host, "port": settings.port},
+            "applications": applications}
+
+
+__all__ = ["Scaling", "plan", "replica_settings", "MODEL_DEPLOYMENT", "ROUTER_APP"]

@@ -1,0 +1,90 @@
+"""``kiln ray ...`` as a child process with its own local cluster, for tests and benchmarks (as
+``tune.sweep.ServeProcess`` is for kiln serve). It runs in a session of its own, so every process
+of its cluster can be found (``session_pids``) and, if it hangs on the way out, ended by that
+session id, never by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import KilnError
+from ..net import free_port
+
+
+class RayProcess:
+    def __init__(self, args: Sequence[str], timeout: float = 300.0, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="kiln-ray-", suffix=".log", mode="w+", delete=False)
+        # KILN_* from the caller's environment would silently change what the replicas run
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "modelkiln", "ray", *args, "--port", str(self.port)],
+            env={**clean, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise KilnError(f"kiln ray exited with {self.proc.returncode}: {self.output()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise KilnError(f"kiln ray was not ready after {timeout:.0f}s: {self.output()[-3000:]}")
+            time.sleep(0.5)
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def session_pids(self, title: str = "") -> list[int]:
+        """Processes of this kiln ray's session (its cluster) whose command line contains ``title``
+        (Ray titles a replica's process ``ray::ServeReplica:APP:DEPLOYMENT``)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[3]) == self.proc.pid and title in cmdline:
+                pids.append(int(entry.name))
+        return pids
+
+    def replica_pids(self, app: str) -> list[int]:
+        return self.session_pids(f"ServeReplica:{app}:")
+
+    def stop(self, timeout: float = 90.0) -> int:
+        """Ctrl-C (kiln ray deletes its applications and stops its cluster); the session is killed
+        if that has not finished within ``timeout``."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> RayProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,314 @@
+"""kiln ray: the plan and config (fast), and a real local Ray cluster (slow): answers equal to kiln
+serve's, requests spread over both replicas by their own statistics, a replica killed under load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from helpers import kiln
+from modelkiln.errors import KilnError
+from modelkiln.manifest import Manifest
+from modelkiln.samples import SAMPLE_TEXTS
+from modelkiln.serve.settings import ModelSpec, ServeSettings
+
+
+@pytest.fixture(scope="module")
+def emb(zoo) -> Path:
+    return zoo.artifact("bert", "sentence-embeddings")
+
+
+@pytest.fixture(scope="module")
+def cls(zoo) -> Path:
+    return zoo.artifact("bert", "text-classification")
+
+
+# --- the plan and its config (no cluster) ----------------------------------------------------------
+
+
+def test_replica_threads_come_from_its_cpus_not_the_host():
+    assert ServeSettings(cpus=1).engine_layout() == (1, 1, 0)  # one instance, one thread, no "alone" session
+    assert ServeSettings(cpus=4).engine_layout() == (2, 2, 4)
+    assert ServeSettings(cpus=4, instances=1).engine_layout()[:2] == (1, 4)
+
+
+def test_plan_replicas_autoscaling_and_replica_settings(emb):
+    from modelkiln.ray.plan import ROUTER_APP, Scaling, plan
+
+    settings = ServeSettings(port=9000, threads=1, grpc_port=8001, api_key="k").with_models(
+        (ModelSpec("a", str(emb)), ModelSpec("", str(emb))))
+    config = plan(settings, Scaling(replicas=3, cpus_per_replica=2))
+    apps = {a["name"]: a for a in config["applications"]}
+    own_name = Manifest.load(emb).name  # a model given without NAME= is served under its artifact's name
+    assert list(apps) == ["a", own_name, ROUTER_APP]
+    first = apps["a"]
+    assert first["route_prefix"] == "/v2/models/a" and first["args"]["model"]["path"] == str(emb.resolve())
+    assert first["args"]["settings"] == {"api_key": "k", "threads": 1, "cpus": 2, "grpc_port": 0}  # no port/host
+    deployment = first["deployments"][0]
+    assert deployment["num_replicas"] == 3 and deployment["ray_actor_options"]["num_cpus"] == 2
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 9000}
+    assert apps[ROUTER_APP]["route_prefix"] == "/" and apps[ROUTER_APP]["args"]["models"] == ["a", own_name]
+
+    auto = plan(settings, Scaling(replicas=None, min_replicas=1, max_replicas=4, target_ongoing_requests=8))
+    deployment = auto["applications"][0]["deployments"][0]
+    assert "num_replicas" not in deployment
+    assert deployment["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
+
+    for bad in (Scaling(replicas=None, min_replicas=3, max_replicas=2), Scaling(replicas=None, min_replicas=1),
+                Scaling(replicas=0), Scaling(cpus_per_replica=0)):
+        with pytest.raises(KilnError):
+            plan(settings, bad)
+    with pytest.raises(KilnError, match="two models are named"):
+        plan(settings.with_models((ModelSpec("a", str(emb)), ModelSpec("a", str(emb)))), Scaling())
+
+
+def test_kiln_ray_config_is_a_valid_serve_deploy_file(emb, cls, tmp_path):
+    yaml = pytest.importorskip("yaml")
+    schema = pytest.importorskip("ray.serve.schema")
+    out = tmp_path / "serve.yaml"
+    r = kiln("ray", "config", f"emb={emb}", f"cls={cls}", "--min-replicas", "1", "--max-replicas", "3",
+             "--cpus-per-replica", "2", "--max-batch-size", "8", "--port", "8111", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    config = yaml.safe_load(out.read_text())
+    parsed = schema.ServeDeploySchema.model_validate(config)  # what `serve deploy` checks before deploying
+    assert [a.name for a in parsed.applications] == ["emb", "cls", "kiln"]
+    assert parsed.http_options.port == 8111
+    assert config["applications"][0]["args"]["settings"] == {"max_batch_size": 8, "cpus": 2, "grpc_port": 0}
+    # the builders the import paths name exist and accept these args
+    from ray.serve._private.utils import import_attr
+
+    for app in config["applications"]:
+        assert callable(import_attr(app["import_path"]))
+    r = kiln("ray", "config", str(emb), "--replicas", "2", "--min-replicas", "1", "--max-replicas", "2")
+    assert r.returncode != 0 and "not both" in r.stderr
+
+
+# --- a real local cluster ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_serve_deploy_of_kiln_ray_config_on_a_ray_start_cluster(emb, tmp_path):
+    """The config file on the path it is written for: `ray start --head` (its own session, ended by
+    that session's id), `serve deploy FILE`, a request, `serve shutdown`. It runs before the tests of
+    `kiln ray`'s own cluster on purpose: `ray start` leaves /tmp/ray/ray_current_cluster behind, and
+    `kiln ray` must start a cluster of its own anyway, not attach to that stopped one."""
+    pytest.importorskip("ray")
+    import subprocess
+    import sys
+
+    from helpers import SRC
+    from modelkiln.net import free_port
+
+    bin_dir = Path(sys.executable).parent
+    http_port, dashboard_port = free_port(), free_port()
+    out = tmp_path / "serve.yaml"
+    r = kiln("ray", "config", f"emb={emb}", "--replicas", "1", "--port", str(http_port), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    # the workers import modelkiln from this checkout (a real cluster has it installed);
+    # the CLI client authenticates with the token `ray start` uses (Ray's default mode)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    head = subprocess.Popen([str(bin_dir / "ray"), "start", "--head", "--block", "--num-cpus", "2",
+                             "--port", str(free_port()), "--dashboard-port", str(dashboard_port),
+                             "--include-dashboard", "true", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # the dashboard answers once the head is up
+            deployed = subprocess.run([str(bin_dir / "serve"), "deploy", str(out), "-a", address], env=env,
+                                      capture_output=True, text=True, timeout=120)
+            if deployed.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(3)
+        assert deployed.returncode == 0, deployed.stderr[-2000:]
+        url = f"http://127.0.0.1:{http_port}"
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/v2/health/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        r = post(url + "/v2/models/emb/predict", {"inputs": ["deployed by serve deploy"]})
+        assert r.status_code == 200 and len(r.json()[0]) > 8
+        shutdown = subprocess.run([str(bin_dir / "serve"), "shutdown", "-a", address, "-y"], env=env,
+                                  capture_output=True, text=True, timeout=120)
+        assert shutdown.returncode == 0, shutdown.stderr[-2000:]
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+
+
+
+
+@pytest.fixture(scope="module")
+def cluster(emb, cls):
+    pytest.importorskip("ray")
+    from modelkiln.ray.process import RayProcess
+
+    server = RayProcess([f"emb={emb}", f"cls={cls}", "--replicas", "2", "--num-cpus", "4", "--variant", "fp32"])
+    yield server
+    code = server.stop()
+    assert code == 0, server.output()[-3000:]
+    assert not server.session_pids(), "processes of the cluster still running after kiln ray stopped"
+
+
+@pytest.fixture(scope="module")
+def reference_server(emb, cls):
+    from test_serve import Server
+
+    server = Server([f"emb={emb}", f"cls={cls}", "--variant", "fp32"])
+    yield server
+    server.stop()
+
+
+def post(url: str, body, **kw) -> httpx.Response:
+    return httpx.post(url, content=body if isinstance(body, (bytes, str)) else json.dumps(body), timeout=60, **kw)
+
+
+@pytest.mark.slow
+def test_answers_equal_kiln_serve(cluster, reference_server):
+    import openai
+    import tritonclient.http as th
+
+    texts = list(SAMPLE_TEXTS[:3])
+    for path, body in [("/v2/models/emb/predict", {"inputs": texts}), ("/v2/models/cls/predict", {"inputs": texts}),
+                       ("/v2/models/cls/predict", {"inputs": "x", "parameters": {"top_k": 1}})]:
+        ours, theirs = post(cluster.url + path, body), post(reference_server.url + path, body)
+        assert ours.status_code == theirs.status_code == 200
+        assert len(ours.headers.get_list("x-request-id")) == 1  # Ray's proxy sets it; the replica's copy is left out
+        np.testing.assert_allclose(_numbers(ours.json()), _numbers(theirs.json()), atol=1e-5)
+    answers = []
+    for url in (cluster.url, reference_server.url):  # the OIP route, binary tensors, through tritonclient
+        client = th.InferenceServerClient(url.removeprefix("http://"))
+        tensor = th.InferInput("TEXT", [len(texts)], "BYTES")
+        tensor.set_data_from_numpy(np.array(texts, dtype=object), binary_data=True)
+        answers.append(client.infer("emb", [tensor]).as_numpy("EMBEDDINGS"))
+        assert client.get_model_metadata("emb")["name"] == "emb"
+        assert client.is_server_ready() and client.is_model_ready("cls")
+    np.testing.assert_allclose(answers[0], answers[1], atol=1e-5)
+    vectors = []
+    for url in (cluster.url, reference_server.url):  # OpenAI: the model is in the body (the router forwards)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        vectors.append([d.embedding for d in client.embeddings.create(model="emb", input=texts).data])
+        with pytest.raises(openai.BadRequestError, match="not an embedding model"):
+            client.embeddings.create(model="cls", input="x")
+        with pytest.raises(openai.NotFoundError):
+            client.embeddings.create(model="nope", input="x")
+    np.testing.assert_allclose(vectors[0], vectors[1], atol=1e-5)
+    # errors: the same status and message from both
+    for path, body in [("/v2/models/emb/predict", b"{not json"), ("/v2/models/emb/infer", {"inputs": []}),
+                       ("/v2/models/nope/predict", {"inputs": "x"}), ("/v1/embeddings", {"input": 3, "model": "emb"})]:
+        ours, theirs = post(cluster.url + path, body), post(reference_server.url + path, body)
+        assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json()), path
+
+
+def _numbers(answer) -> list[float]:
+    """Every number in a JSON answer, in order (labels compared by the caller's equality of shapes)."""
+    if isinstance(answer, dict):
+        return [x for k in sorted(answer) for x in _numbers(answer[k])]
+    if isinstance(answer, list):
+        return [x for item in answer for x in _numbers(item)]
+    return [float(answer)] if isinstance(answer, (int, float)) else []
+
+
+def _replica_stats(url: str, model: str, tries: int = 200) -> dict[str, int]:
+    """{replica id: inference_count} read from each replica's own /stats (the proxy picks the replica;
+    asked until both have answered)."""
+    seen: dict[str, int] = {}
+    for _ in range(tries):
+        r = httpx.get(f"{url}/v2/models/{model}/stats", timeout=30)
+        seen[r.headers["x-kiln-replica"]] = r.json()["model_stats"][0]["inference_count"]
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"only {len(seen)} replica(s) answered /stats in {tries} tries")
+
+
+@pytest.mark.slow
+def test_requests_spread_over_both_replicas(cluster):
+    before = _replica_stats(cluster.url, "emb")
+    answered_by: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def client(n: int) -> None:
+        with httpx.Client(timeout=60) as http:
+            for i in range(n):
+                r = http.post(cluster.url + "/v2/models/emb/predict", json={"inputs": [SAMPLE_TEXTS[i % 20]] * 2})
+                assert r.status_code == 200
+                with lock:
+                    answered_by[r.headers["x-kiln-replica"]] += 1
+
+    threads = [threading.Thread(target=client, args=(15,)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = _replica_stats(cluster.url, "emb")
+    assert set(after) == set(before) == set(answered_by)
+    runs = {r: after[r] - before[r] for r in after}  # inputs each replica ran, by its own statistics
+    assert sum(runs.values()) == 8 * 15 * 2
+    assert all(runs[r] == 2 * answered_by[r] for r in runs), (runs, answered_by)
+    assert min(answered_by.values()) >= 0.2 * 120, answered_by  # both took a real share, not one stray request
+
+
+@pytest.mark.slow
+def test_a_replica_killed_under_load_is_replaced(cluster):
+    """Requests in flight when a replica dies: retried by Ray (answered 200) or answered with a
+    clean error (an HTTP status and a body); none hangs or loses its connection."""
+    old = set(_replica_stats(cluster.url, "emb"))
+    pids = cluster.replica_pids("emb")
+    assert len(pids) == 2, pids
+    outcomes: Counter[str] = Counter()
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                try:
+                    r = http.post(cluster.url + "/v2/models/emb/predict", json={"inputs": SAMPLE_TEXTS[:4]})
+                    outcome = "200" if r.status_code == 200 else f"{r.status_code} {r.text[:80]}"
+                except httpx.TransportError as exc:
+                    outcome = f"transport error {type(exc).__name__}"
+                with lock:
+                    outcomes[outcome] += 1
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    before_kill = sum(outcomes.values())
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    replaced = False
+    while time.monotonic() < deadline and not replaced:
+        time.sleep(1)
+        replaced = len(cluster.replica_pids("emb")) == 2 and pids[0] not in cluster.replica_pids("emb")
+    time.sleep(2)  # the new replica takes its share of the load
+    stop.set()
+    for t in threads:
+        t.join()
+    print(f"\nreplica kill under load: {dict(outcomes)} ({before_kill} answered before the kill)")
+    assert replaced, "the killed replica was not replaced within 120 s"
+    now = set(_replica_stats(cluster.url, "emb"))
+    assert len(now) == 2 and len(now - old) == 1, (old, now)  # one survivor, one new replica
+    bad = {o: n for o, n in outcomes.items() if o.startswith("transport")}
+    assert not bad, outcomes
+    assert all(o == "200" or o.startswith(("500", "502", "503")) for o in outcomes), outcomes
+    assert outcomes["200"] > before_kill
+    # after the replacement every request is answered again
+    for _ in range(10):
+        assert post(cluster.url + "/v2/models/emb/predict", {"inputs": "x"}).status_code == 200
