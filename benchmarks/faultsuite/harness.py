@@ -21,6 +21,7 @@ import orjson
 
 from modelkiln.net import free_port
 
+SRC = Path(__file__).resolve().parents[2] / "src"
 API_KEY = "faultsuite-key"
 AUTH = f"Bearer {API_KEY}"
 
@@ -63,6 +64,8 @@ class KilnServer:
         # KILN_* from the caller's shell would change what is measured; the cache and data dirs are paths only
         env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k in ("KILN_CACHE_DIR", "KILN_DATA_DIR")}
         env["KILN_API_KEY"] = API_KEY
+        # the server of this checkout, not whatever modelkiln the interpreter would import
+        env["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [env.get("PYTHONPATH")])])
         command = [sys.executable, "-c", LAUNCHER, "serve", f"{name}={artifact}", "--port", str(self.port),
                    "--grpc-port", "0", "--log-level", "warning", *args]
         self._log = self.log_path.open("w")
