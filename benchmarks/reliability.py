@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def plan(args: argparse.Namespace) -> dict:
             "soak_clients": 8, "sigterm_clients": 16, "sigterm_load_s": 1.5 if short else 3.0}
 
 
-async def run(args: argparse.Namespace) -> list[ProbeResult]:
+async def run(args: argparse.Namespace, written: Callable[[list[ProbeResult]], object]) -> list[ProbeResult]:
     p = plan(args)
     chosen = [x.strip() for x in args.probes.split(",")] if args.probes else list(PROBES)
     server_args = ["--max-queue-size", str(QUEUE)] + (["--variant", args.variant] if args.variant else [])
@@ -80,6 +81,7 @@ async def run(args: argparse.Namespace) -> list[ProbeResult]:
             if name in chosen:
                 results.append(await step())
                 report(results[-1])
+                written(results)
     finally:
         server.stop()
     if "sigterm" in chosen:
@@ -87,6 +89,7 @@ async def run(args: argparse.Namespace) -> list[ProbeResult]:
         try:
             results.append(await load.sigterm(fresh, work, p["sigterm_clients"], p["sigterm_load_s"]))
             report(results[-1])
+            written(results)
         finally:
             fresh.stop()
     return results
@@ -103,6 +106,27 @@ def table(results: list[ProbeResult]) -> str:
     return "\n".join(lines)
 
 
+def write(args: argparse.Namespace, results: list[ProbeResult], started: float, load_before: tuple) -> str:
+    """Write the results so far (after every probe: a long run stopped early keeps what it measured)."""
+    seconds = time.monotonic() - started
+    load_now = os.getloadavg()
+    command = "python benchmarks/reliability.py " + " ".join(sys.argv[1:])
+    context = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "artifact": str(args.artifact), "variant": args.variant or "kiln serve's default",
+               "seconds": round(seconds, 1), "cpus": os.cpu_count(), "python": platform.python_version(),
+               "load_average_before": [round(x, 2) for x in load_before],
+               "load_average_after": [round(x, 2) for x in load_now], "plan": plan(args)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps({**context, "probes": [asdict(r) for r in results]},
+                                                           indent=2, default=str) + "\n")
+    met = sum(r.passed for r in results)
+    text = (f"{command}\n{context['date']}, {seconds:.0f} s, {os.cpu_count()} CPUs, load average "
+            f"{load_before[0]:.2f} before / {load_now[0]:.2f} after; artifact {args.artifact.name}, "
+            f"variant {context['variant']}\n{met} of {len(results)} probes met their goal\n\n{table(results)}\n")
+    (args.out / f"{args.name}.txt").write_text(text)
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", nargs="?", type=Path, default=REPO / "artifacts" / "all-MiniLM-L6-v2")
@@ -114,27 +138,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="where to write the results")
     parser.add_argument("--name", default="reliability", help="file name of the results, without suffix")
     args = parser.parse_args()
-    started = time.monotonic()
-    load_before = os.getloadavg()
-    results = asyncio.run(run(args))
-    seconds = time.monotonic() - started
-    load_after = os.getloadavg()
-    command = "python benchmarks/reliability.py " + " ".join(sys.argv[1:])
-    context = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "artifact": str(args.artifact), "variant": args.variant or "kiln serve's default",
-               "seconds": round(seconds, 1), "cpus": os.cpu_count(), "python": platform.python_version(),
-               "load_average_before": [round(x, 2) for x in load_before],
-               "load_average_after": [round(x, 2) for x in load_after], "plan": plan(args)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({**context, "probes": [asdict(r) for r in results]},
-                                                           indent=2, default=str) + "\n")
-    met = sum(r.passed for r in results)
-    text = (f"{command}\n{context['date']}, {seconds:.0f} s, {os.cpu_count()} CPUs, load average "
-            f"{load_before[0]:.2f} before / {load_after[0]:.2f} after; artifact {args.artifact.name}, "
-            f"variant {context['variant']}\n{met} of {len(results)} probes met their goal\n\n{table(results)}\n")
-    (args.out / f"{args.name}.txt").write_text(text)
-    print(text)
-    return 0 if met == len(results) else 1
+    started, load_before = time.monotonic(), os.getloadavg()
+    results = asyncio.run(run(args, lambda done: write(args, done, started, load_before)))
+    print(write(args, results, started, load_before))
+    return 0 if all(r.passed for r in results) and results else 1
 
 
 if __name__ == "__main__":
