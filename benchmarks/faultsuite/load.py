@@ -305,18 +305,19 @@ async def sigterm(server: KilnServer, work: Workload, clients: int, load_s: floa
     await asyncio.gather(*tasks)
     before = [s for s in log if s.at < signal_at]
     after = [s for s in log if s.at >= signal_at]
-    lost = [s for s in before if s.outcome != "200"]
+    lost = [s for s in before if not s.outcome.startswith("200")]  # no full 200 answer
+    differs = sum(s.outcome == "200-differs" for s in before)  # answered, but not as the text alone
     after_outcomes = Counter(s.outcome for s in after)
     late_accepts = [t for t, what in connects if what == "accepted" and t > 0.5]
     first_refusal = next((round(t * 1000) for t, what in connects if what == "refused"), None)
-    passed = not lost and code == 0 and not late_accepts and len(before) > 0
-    outcome = (f"{len(before):,} requests sent before the signal: {len(before) - len(lost):,} answered 200 in full, "
-               f"{len(lost)} lost; after it: {dict(after_outcomes)}; new connections refused from "
+    passed = not lost and not differs and code == 0 and not late_accepts and len(before) > 0
+    outcome = (f"{len(before):,} requests sent before the signal: {len(before) - len(lost):,} answered 200 in full "
+               f"({differs} differ from the text alone), {len(lost)} lost; after it: {dict(after_outcomes)}; new connections refused from "
                f"{first_refusal} ms; exit {code} in {exit_s:.2f} s")
     return ProbeResult("sigterm", len(log), outcome,
                        "every request sent before SIGTERM answered 200 in full; new connections refused; exit 0",
                        passed, time.monotonic() - started,
-                       {"before_signal": len(before), "lost": len(lost),
+                       {"before_signal": len(before), "lost": len(lost), "differs": differs,
                         "lost_outcomes": dict(Counter(s.outcome for s in lost)),
                         "lost_sent_ms_before_signal": sorted(round((signal_at - s.at) * 1000, 1) for s in lost)[:20],
                         "after_signal": dict(after_outcomes), "exit_code": code, "exit_s": round(exit_s, 3),
