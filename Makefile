@@ -15,7 +15,7 @@ BENCH_GRID ?= --batch 1,8 --seq 16,128
 TORCH      ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install demo test test-all bench-record clean grpc
+.PHONY: install demo test test-all reliability bench-record clean grpc
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q
+
+# The fault suite's short form on a tiny model (about 2 minutes; docs/reliability.md). The full run on
+# all-MiniLM-L6-v2: `make demo`, then `python benchmarks/reliability.py`.
+reliability: install
+	$(PY) -m pytest -q -m slow tests/test_reliability.py
 
 clean:
 	rm -rf $(VENV) artifacts

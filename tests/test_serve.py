@@ -282,6 +282,27 @@ def test_a_stalled_body_is_answered_408_in_bounded_time(server):
         assert waited < 5, waited  # --body-read-timeout 1
 
 
+def test_a_stalled_request_head_is_answered_408_and_a_silent_connection_closed(server):
+    """uvicorn bounds nothing before a request's headers are complete: half a request line, or
+    nothing at all, kept the connection open for good (found by benchmarks/reliability.py). Now
+    both end within --body-read-timeout (1 s here), and a keep-alive connection still works."""
+    for sent, expected in ((b"POST /v2/models/emb/infer HTTP/1.1\r\nHost: x\r\nContent-Le", b"HTTP/1.1 408"), (b"", b"")):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(sent)
+            started = time.monotonic()
+            answer = b""
+            while chunk := sock.recv(65536):  # until the server closes the connection
+                answer += chunk
+            assert time.monotonic() - started < 5
+            assert answer.startswith(expected), answer[:200]
+            if expected:
+                assert b"request head not received within 1s" in answer
+    with httpx.Client(timeout=10) as client:  # keep-alive: a pause between requests is not a stalled head
+        for _ in range(2):
+            assert client.post(server.url + "/v2/models/emb/predict", json={"inputs": "x"}).status_code == 200
+            time.sleep(1.5)
+
+
 def test_bad_pretokenized_clients_do_not_fail_their_neighbours(server, reference):
     """Issue 15: out-of-vocabulary ids reached onnxruntime and failed every request batched with
     them. Now they are refused (400) before batching; good requests at the same time all succeed."""

@@ -104,6 +104,7 @@ def run_server(settings: object) -> None:
     import uvicorn
 
     from .app import build_app
+    from .http_protocol import bounded_head_protocol
     from .settings import ServeSettings
 
     assert isinstance(settings, ServeSettings)
@@ -120,6 +121,7 @@ def run_server(settings: object) -> None:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
         access_log=False,  # ours (Gate) carries request ids; uvicorn's costs ~10% throughput
-        loop="auto", http="auto", lifespan="on", timeout_keep_alive=30, backlog=2048,
+        loop="auto", lifespan="on", timeout_keep_alive=30, backlog=2048,
+        http=bounded_head_protocol(settings.body_read_timeout_s),  # uvicorn's, with a deadline for request heads
     )
     Server(config).run()

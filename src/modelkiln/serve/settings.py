@@ -91,7 +91,7 @@ class ServeSettings(BaseModel):
     max_queue_size: int = setting(1024, "Inputs waiting before requests get 503 at once.", gt=0)
     # --- limits
     request_timeout_s: float = setting(30.0, "Seconds per request.", flag="--request-timeout", gt=0)
-    body_read_timeout_s: float = setting(10.0, "Seconds to receive a request body.", flag="--body-read-timeout", gt=0)
+    body_read_timeout_s: float = setting(10.0, "Seconds to receive a request's head, and then its body.", flag="--body-read-timeout", gt=0)
     max_body_bytes: int = setting(8 * 1024 * 1024, "Largest request body, bytes.", gt=0, shown_default="8 MiB")
     max_inputs_per_request: int = setting(256, "Inputs per request.", gt=0)
     max_input_chars: int = setting(100_000, "Characters per input, checked before tokenizing.", gt=0)

@@ -1,0 +1,66 @@
+"""uvicorn's HTTP protocol with one bound added: a request's head (request line and headers) must
+arrive within the body-read timeout.
+
+uvicorn times nothing out before a request's headers are complete: its keep-alive timer is
+cancelled by the first byte of the next request and runs only between answered requests. A
+connection that sends half a request line and goes silent, or connects and sends nothing, was
+held open indefinitely (the fault suite, benchmarks/reliability.py: "stalled-headers" and
+"silent-connection" still open after 30 s); each holds a socket, and such a request never reaches
+the ASGI app, so ``RequestWatch`` (which bounds the body) cannot see it. Here a timer starts with
+a new connection and with the first bytes of each new request; if no request head has been
+parsed when it fires, the connection gets a 408 (nothing, if it sent nothing) and is closed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+
+def bounded_head_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's default HTTP protocol class (httptools, else h11) with the head timeout."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    body = orjson.dumps({"error": f"request head not received within {timeout_s:g}s"})
+    answer = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+              b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    class BoundedHeadProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+        _head_cycle: Any = None  # the last request parsed when the timer was armed
+        _head_bytes = False  # bytes of the request being waited for have arrived
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.cycle is None or self.cycle.response_complete:  # no request in progress: a new one begins
+                self._head_bytes = True
+                if self._head_timer is None or self._head_cycle is not self.cycle:  # not per byte: a trickle
+                    self._arm()  # must not extend its own deadline
+            super().data_received(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_cycle = self.cycle
+            self._head_timer = self.loop.call_later(timeout_s, self._head_late, self.cycle)
+
+        def _head_late(self, cycle_then: Any) -> None:
+            self._head_timer = None
+            if self.cycle is not cycle_then or self.transport.is_closing():
+                self._head_bytes = False  # a request head arrived in time (the body is RequestWatch's)
+                return
+            if self._head_bytes:
+                self.transport.write(answer)
+            self.transport.close()
+
+    return BoundedHeadProtocol

@@ -1,0 +1,79 @@
+"""The fault suite's short form (``benchmarks/reliability.py --short``) against a tiny embedding
+model, run as a user runs it (a subprocess starting real ``kiln serve`` processes), and its
+correctness goals asserted from the JSON it writes (the latency goals are reported, not asserted).
+About 2.5 minutes on 2 cores (more on a loaded machine): marked slow, and run by CI on its own
+(``make reliability``, called from ``.ci/run``).
+
+The fp32 variant is served: the answers must equal the answer each text gets alone (cosine >=
+0.99999), and the tiny model's int8 variant is not batch-invariant yet (issue 15, first part).
+
+Each probe was checked once to fail on a planted defect (then the defect was removed):
+- misrouting: the batcher answered each batch's rows in reverse order -> misrouted > 0;
+- bad input: ``codec._parameters`` without its isinstance check -> 500s, the probe fails;
+- disconnects: ``RequestWatch._cancel`` ignoring "gone" -> every abandoned queued input computed;
+- overload: no Retry-After on 503 (``errors.RETRY_AFTER`` emptied) -> fails;
+- soak: every request body kept in a module-level list -> RSS growth over 5%;
+- security: default host 0.0.0.0 -> "listens on 0.0.0.0";
+- sigterm: SIGTERM left in uvicorn's captured signals -> exit code -15.
+- and without ``serve/http_protocol.py`` the bad-input probe found stalled request heads and
+  silent connections held open past 30 s (a real defect, fixed; see test_serve.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run(zoo, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path_factory.mktemp("reliability")
+    artifact = zoo.artifact("bert", "sentence-embeddings")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "reliability.py"), str(artifact), "--short",
+                           "--variant", "fp32", "--out", str(out)], capture_output=True, text=True, env=env,
+                          timeout=400)
+    return done, json.loads((out / "reliability.json").read_text())
+
+
+def probe(report: dict, name: str) -> dict:
+    return next(p for p in report["probes"] if p["name"] == name)
+
+
+def test_every_probe_ran(run):
+    done, report = run
+    assert [p["name"] for p in report["probes"]] == ["misrouting", "bad input", "disconnects", "overload", "soak",
+                                                     "security", "sigterm"], done.stderr[-3000:]
+    # Whether every goal was met is the script's exit code; its latency goals (503 p99, soak p99
+    # stability, recovery time) are measurements, recorded in docs/reliability.md, not asserted here:
+    # on a shared 2-core machine at load average 16 the 503 p99 reached 1.3 s.
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+
+
+def test_the_goals_in_numbers(run):
+    _, report = run
+    m = probe(report, "misrouting")["details"]
+    assert m["answers"] >= 3000 and m["misrouted"] == 0 and m["differs"] == 0 and m["statuses"] == {"200": m["requests"]}
+    bad = probe(report, "bad input")["details"]
+    assert bad["kinds"] >= 100 and not bad["failed_kinds"] and not bad["fuzz"]["failures"]
+    assert not any(int(s) >= 500 for s in bad["fuzz"]["statuses"]) and bad["fuzz"]["sent"] >= 150
+    assert bad["alongside"]["misrouted"] == 0 and bad["alongside"]["differs"] == 0
+    d = probe(report, "disconnects")["details"]
+    assert d["idle"] and d["in_flight"] == 1 and d["abandoned_inputs_computed"] <= d["abandoned_inputs"] // 2
+    o = probe(report, "overload")["details"]
+    assert set(o["statuses"]) <= {"200", "503"} and o["statuses"]["503"] > 0 and "missing" not in o["retry_after"]
+    s = probe(report, "soak")["details"]
+    assert s["rss_growth"] < 0.05 and s["misrouted"] == 0
+    sec = probe(report, "security")["details"]
+    assert sec["listening"] == ["127.0.0.1"] and not sec["problems"] and sec["error_bodies"] > 100
+    t = probe(report, "sigterm")["details"]
+    assert t["before_signal"] > 0 and t["lost"] == 0 and t["exit_code"] == 0
