@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .export import has_external_data
+
 # Rows of zeros (or denormal noise) would divide by zero; any scale works for them, since every
 # element quantizes to 0 anyway.
 _TINY = np.float32(1e-12)
@@ -53,8 +55,10 @@ def _rewrite(node: onnx.NodeProto, wq_name: str, ws_name: str) -> list[onnx.Node
         helper.make_node("Div", [f"{p}/amax_safe", "row_int8/qmax"], [f"{p}/scale"], name=f"{p}/Scale"),
         helper.make_node("Div", [x, f"{p}/scale"], [f"{p}/scaled"], name=f"{p}/Div"),
         helper.make_node("Round", [f"{p}/scaled"], [f"{p}/rounded"], name=f"{p}/Round"),
-        helper.make_node("Cast", [f"{p}/rounded"], [f"{p}/xq"], name=f"{p}/CastInt8", to=TensorProto.INT8),
-        helper.make_node("MatMulInteger", [f"{p}/xq", wq_name], [f"{p}/acc"], name=f"{p}/MatMulInteger"),
+        helper.make_node("Add", [f"{p}/rounded", "row_int8/offset"], [f"{p}/shifted"], name=f"{p}/Shift"),
+        helper.make_node("Cast", [f"{p}/shifted"], [f"{p}/xq"], name=f"{p}/CastUint8", to=TensorProto.UINT8),
+        helper.make_node("MatMulInteger", [f"{p}/xq", wq_name, "row_int8/zero_point"], [f"{p}/acc"],
+                         name=f"{p}/MatMulInteger"),
         helper.make_node("Cast", [f"{p}/acc"], [f"{p}/accf"], name=f"{p}/CastFloat", to=TensorProto.FLOAT),
         helper.make_node("Mul", [f"{p}/accf", f"{p}/scale"], [f"{p}/rowscaled"], name=f"{p}/RowScale"),
         helper.make_node("Mul", [f"{p}/rowscaled", ws_name], [y], name=f"{p}/ColumnScale"),
@@ -96,8 +100,13 @@ def quantize_per_row(src: Path, dst: Path, min_size: int = 0) -> int:
     del graph.initializer[:]
     graph.initializer.extend(kept)
     graph.initializer.extend([numpy_helper.from_array(np.array(_TINY), "row_int8/tiny"),
-                              numpy_helper.from_array(np.array(_QMAX), "row_int8/qmax")])
+                              numpy_helper.from_array(np.array(_QMAX), "row_int8/qmax"),
+                              numpy_helper.from_array(np.array(128.0, dtype=np.float32), "row_int8/offset"),
+                              numpy_helper.from_array(np.array(128, dtype=np.uint8), "row_int8/zero_point")])
     del graph.node[:]
     graph.node.extend(nodes)
-    onnx.save(model, str(dst))
+    if has_external_data(src):  # keep the artifact's layout: weights beside the graph
+        onnx.save(model, str(dst), save_as_external_data=True, location=dst.name + ".data")
+    else:
+        onnx.save(model, str(dst))
     return count

@@ -153,6 +153,7 @@ def batch_invariance(task: Task, encoder: TextEncoder, engine: Engine, texts: Se
 
 
 def failure_reason(v: Validation) -> str:
+    """Why a variant was refused, one clause per failed check ("" if it passed)."""
     tol = v.tolerance
     parts = []
     if "max_abs_diff" in tol and v.max_abs_diff > tol["max_abs_diff"]:
@@ -163,8 +164,12 @@ def failure_reason(v: Validation) -> str:
         parts.append(f"mean cosine {v.mean_cosine:.5f} < {tol['min_mean_cosine']}")
     if v.agreement < tol.get("min_agreement", 0):
         parts.append(f"agreement {v.agreement:.4f} < {tol['min_agreement']}")
-    if v.batch_min_cosine is not None and v.batch_min_cosine < BATCH_MIN_COSINE:
-        parts.append(f"batch-variant: a text alone vs in a padded batch, cosine {v.batch_min_cosine:.5f} < {BATCH_MIN_COSINE}")
-    if v.batch_agreement is not None and v.batch_agreement < BATCH_MIN_AGREEMENT:
-        parts.append(f"batch-variant: answers alone vs in a padded batch agree on {v.batch_agreement:.4f}")
-    return "outside tolerance: " + ", ".join(parts) if parts else ""
+    reasons = ["outside tolerance: " + ", ".join(parts)] if parts else []
+    batch = []
+    if v.batch_min_cosine is not None and not v.batch_min_cosine >= BATCH_MIN_COSINE:
+        batch.append(f"cosine {v.batch_min_cosine:.5f} < {BATCH_MIN_COSINE}")
+    if v.batch_agreement is not None and not v.batch_agreement >= BATCH_MIN_AGREEMENT:
+        batch.append(f"same answer for {v.batch_agreement:.1%} of texts")
+    if batch:
+        reasons.append("batch-variant: a text alone vs in a padded batch, " + ", ".join(batch))
+    return "; ".join(reasons)

@@ -1,0 +1,66 @@
+"""Batch invariance: a text's answer must not depend on what it is batched with (issue 15).
+
+Every kept variant of every task is checked on real text (STS-B sentences, SQuAD questions with
+their paragraphs) alone vs inside padded batches of mixed lengths; ONNX Runtime's dynamic int8,
+which scales activations once per batch tensor, must be refused by the validation gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from modelkiln.convert import variants as build
+from modelkiln.convert.validate import BATCH_MIN_COSINE, batch_invariance, mixed_batches
+from modelkiln.data import read_squad, sts_sentences
+from modelkiln.manifest import Manifest
+from modelkiln.runtime.pipeline import load_pipeline
+from tiny_models import ARCHITECTURES, TASKS
+
+
+def real_inputs(task: str) -> list:
+    if task == "question-answering":
+        _, questions = read_squad()
+        return [(q.question, q.context) for q in questions[::40][:16]]
+    sentences = sts_sentences()
+    if task == "text-classification":
+        return [*sentences[:12], *zip(sentences[12:16], sentences[16:20])]
+    return sentences[:24]
+
+
+def test_mixed_batches_span_short_to_long():
+    lengths = [5, 50, 7, 40, 9, 30, 11, 20, 13, 3]
+    groups = mixed_batches(len(lengths), lengths, size=4)
+    assert sorted(i for g in groups for i in g) == list(range(10))
+    assert all(len(g) <= 4 for g in groups)
+    # every batch holds a short text and a long one, so most of its members are padded
+    assert all(min(lengths[i] for i in g) <= 9 and max(lengths[i] for i in g) >= 20 for g in groups)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("task", TASKS)
+def test_every_kept_variant_is_batch_invariant(zoo, arch, task):
+    folder = zoo.artifact(arch, task)
+    manifest = Manifest.load(folder)
+    kept = {v.name for v in manifest.kept_variants()}
+    assert "int8" in kept, [(v.name, v.reason) for v in manifest.variants]
+    for variant in manifest.kept_variants():
+        assert variant.validation.batch_min_cosine >= BATCH_MIN_COSINE  # recorded by the gate
+        pipe = load_pipeline(folder, variant=variant.name, threads=1)
+        inputs = pipe.task.prepare(real_inputs(task))
+        check = batch_invariance(pipe.task, pipe.encoder, pipe.engine, inputs)
+        assert check.passed, (variant.name, check)
+
+
+def test_the_gate_refuses_dynamic_int8(zoo, tmp_path, monkeypatch):
+    """Today's quantize_dynamic int8 in place of the per-row builder: refused, with the reason."""
+    from modelkiln.convert.pipeline import ConvertConfig, convert
+
+    monkeypatch.setattr(build, "quantize_int8_per_row", lambda src, dst: build.quantize_int8(src, dst, per_channel=True))
+    out = tmp_path / "dynamic"
+    manifest = convert(ConvertConfig(model=str(zoo.model("bert", "sentence-embeddings")), out=out,
+                                     precisions=("fp32", "int8"), threads=1, timing_seconds=0.02))
+    int8 = next(v for v in manifest.variants if v.name == "int8")
+    assert not int8.kept and int8.file is None
+    assert int8.validation.batch_min_cosine < BATCH_MIN_COSINE
+    assert "batch-variant" in int8.reason, int8.reason
+    assert not (out / "model.int8.onnx").exists()
+    assert [v.name for v in manifest.kept_variants()] == ["fp32"]
