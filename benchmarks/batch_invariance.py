@@ -55,6 +55,12 @@ def build_candidates(fp32: Path, work: Path, config: object) -> dict[str, tuple[
     return out
 
 
+def file_size(path: Path) -> int:
+    """Graph plus external weights, if any."""
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--artifact", type=Path, default=Path("/work/main/artifacts/all-MiniLM-L6-v2"))
@@ -82,7 +88,7 @@ def main() -> None:
             mixed = batch_invariance(task, encoder, engine, texts, size=8)
             one32 = batch_invariance(task, encoder, engine, texts[:32], size=32)
             spearman = sts_spearman(Pipeline(task, encoder, engine), pairs)
-            rows[name] = {"built": candidates[name][1], "size_mb": round(candidates[name][0].stat().st_size / 2**20, 1),
+            rows[name] = {"built": candidates[name][1], "size_mb": round(file_size(candidates[name][0]) / 2**20, 1),
                           "invariance_batch8": mixed.__dict__, "invariance_batch32": one32.__dict__,
                           "batch_invariant": mixed.passed and one32.passed,
                           "stsb_spearman": round(spearman, 3), "latency_ms": {}}
