@@ -25,7 +25,6 @@ def print_variants(console: Console, manifest: Manifest) -> None:
             f"{val.batch_min_cosine:.5f}" if val and val.batch_min_cosine is not None else "—",
             f"{v.latency_ms:.2f}" if v.latency_ms is not None else "—",
             escape(v.reason or (f"{v.details.get('fused_ops')}" if v.details.get("fused_ops") else "")
-                   + ("per-channel" if v.details.get("per_channel") else "")
                    + (v.details.get("method", "").split(":")[0] if v.details.get("method") else "")),
         )
     console.print(table)
