@@ -42,8 +42,11 @@ def test_mixed_batches_span_short_to_long():
 def test_every_kept_variant_is_batch_invariant(zoo, arch, task):
     folder = zoo.artifact(arch, task)
     manifest = Manifest.load(folder)
-    kept = {v.name for v in manifest.kept_variants()}
-    assert "int8" in kept, [(v.name, v.reason) for v in manifest.variants]
+    # int8 is always built and checked; on tiny random models near-tied logits may get it refused
+    # for accuracy against PyTorch, never for depending on the batch.
+    int8 = next(v for v in manifest.variants if v.name == "int8")
+    assert int8.validation.batch_min_cosine >= BATCH_MIN_COSINE and int8.validation.batch_agreement == 1.0
+    assert "batch-variant" not in int8.reason
     for variant in manifest.kept_variants():
         assert variant.validation.batch_min_cosine >= BATCH_MIN_COSINE  # recorded by the gate
         pipe = load_pipeline(folder, variant=variant.name, threads=1)

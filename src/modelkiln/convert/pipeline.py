@@ -248,10 +248,10 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
         fp32.reason = fp32.reason or "not requested (built as the base of the others)"
     b.variants.append(fp32)
 
-    # The fused graph is also the base for fp16, so build it whenever fp16 is wanted, even if the
-    # fp32 fused variant itself is not kept.
+    # The fused graph is also a base for int8 and fp16, so build it whenever they are wanted, even
+    # if the fp32 fused variant itself is not kept.
     base_path = fp32_path
-    if {"optimized", "fp16"} & set(wanted):
+    if {"optimized", "int8", "fp16"} & set(wanted):
         opt_path = b.folder / "model.optimized.onnx"
         with b.steps("Applying ONNX Runtime transformer fusions"):
             try:
@@ -266,11 +266,11 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
                 base_path = opt_path
             if "optimized" not in wanted:
                 opt.kept = False
-                opt.reason = opt.reason or "not requested (built as the base of fp16)"
+                opt.reason = opt.reason or "not requested (built as the base of int8/fp16)"
             b.variants.append(opt)
 
     if "int8" in wanted:
-        _build_int8(b, fp32_path)
+        _build_int8(b, fp32_path, base_path)
     if "fp16" in wanted:
         if device != "cuda":
             b.skip("fp16", "fp16", "cuda", "needs a CUDA device (onnxruntime CUDAExecutionProvider); fp16 is slow on CPU")
@@ -292,15 +292,24 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
         opt.reason = f"not faster than fp32 on {device} ({opt.latency_ms:.3f} ms vs {fp32.latency_ms:.3f} ms)"
 
 
-def _build_int8(b: _Builder, fp32_path: Path) -> None:
-    """Per-row int8 (convert/row_int8.py) from the unfused fp32 graph, so that Attention's Q, K and V
-    projections are quantized too. ONNX Runtime's dynamic int8 is not built: its one activation
-    scale per batch tensor makes answers depend on batch neighbours (benchmarks/batch_invariance.py)."""
+def _build_int8(b: _Builder, fp32_path: Path, fused_path: Path) -> None:
+    """Per-row int8 (convert/row_int8.py), first from the unfused fp32 graph so that Attention's Q, K
+    and V projections are quantized too (the faster one); if that fails validation, from the fused
+    graph, whose Attention keeps its QKV weights in float (closer to PyTorch). ONNX Runtime's dynamic
+    int8 is not built: its one activation scale per batch tensor makes answers depend on batch
+    neighbours (benchmarks/batch_invariance.py)."""
     path = b.folder / "model.int8.onnx"
-    with b.steps("Quantizing to int8 (per-row activation scales) and validating"):
-        count = build.quantize_int8_per_row(fp32_path, path)
-        b.variants.append(b.check("int8", "int8", "cpu", path, method=INT8_METHOD, quantized_matmuls=count,
-                                  base=fp32_path.name))
+    tried = []
+    for base in dict.fromkeys([fp32_path, fused_path]):  # the fused graph may be the fp32 one
+        with b.steps(f"Quantizing {base.name} to int8 (per-row activation scales) and validating"):
+            count = build.quantize_int8_per_row(base, path)
+            variant = b.check("int8", "int8", "cpu", path, method=INT8_METHOD, quantized_matmuls=count, base=base.name)
+        if variant.kept:
+            break
+        tried.append(f"from {base.name}: {variant.reason}")
+    if tried and variant.kept:
+        variant.details["refused_bases"] = tried
+    b.variants.append(variant)
 
 
 def _build_tensorrt(b: _Builder, device: str) -> None:

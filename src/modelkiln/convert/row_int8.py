@@ -45,12 +45,20 @@ def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale.astype(np.float32)
 
 
-def _rewrite(node: onnx.NodeProto, wq_name: str, ws_name: str) -> list[onnx.NodeProto]:
+def _row_max(p: str, opset: int) -> onnx.NodeProto:
+    # ReduceMax takes its axes as an attribute before opset 18 and as an input from 18 on.
+    if opset >= 18:
+        return helper.make_node("ReduceMax", [f"{p}/abs", "row_int8/last_axis"], [f"{p}/amax"], name=f"{p}/ReduceMax",
+                                keepdims=1)
+    return helper.make_node("ReduceMax", [f"{p}/abs"], [f"{p}/amax"], name=f"{p}/ReduceMax", axes=[-1], keepdims=1)
+
+
+def _rewrite(node: onnx.NodeProto, wq_name: str, ws_name: str, opset: int) -> list[onnx.NodeProto]:
     x, (y,) = node.input[0], node.output
     p = (node.name or y) + "/row_int8"
     return [
         helper.make_node("Abs", [x], [f"{p}/abs"], name=f"{p}/Abs"),
-        helper.make_node("ReduceMax", [f"{p}/abs"], [f"{p}/amax"], name=f"{p}/ReduceMax", axes=[-1], keepdims=1),
+        _row_max(p, opset),
         helper.make_node("Max", [f"{p}/amax", "row_int8/tiny"], [f"{p}/amax_safe"], name=f"{p}/Max"),
         helper.make_node("Div", [f"{p}/amax_safe", "row_int8/qmax"], [f"{p}/scale"], name=f"{p}/Scale"),
         helper.make_node("Div", [x, f"{p}/scale"], [f"{p}/scaled"], name=f"{p}/Div"),
@@ -70,6 +78,7 @@ def quantize_per_row(src: Path, dst: Path, min_size: int = 0) -> int:
     ``min_size`` elements stay float (the cost of quantizing activations outweighs tiny matmuls)."""
     model = onnx.load(str(src))
     graph = model.graph
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     weights = _float_weights(graph)
     readers: dict[str, int] = {}
     for n in graph.node:
@@ -90,7 +99,7 @@ def quantize_per_row(src: Path, dst: Path, min_size: int = 0) -> int:
             graph.initializer.extend([numpy_helper.from_array(wq, wq_name), numpy_helper.from_array(ws, ws_name)])
         readers[node.input[1]] -= 1
         replaced.add(node.input[1])
-        nodes.extend(_rewrite(node, wq_name, ws_name))
+        nodes.extend(_rewrite(node, wq_name, ws_name, opset))
         count += 1
     if not count:
         raise ValueError("no MatMul with a constant 2-D float weight to quantize")
@@ -102,7 +111,8 @@ def quantize_per_row(src: Path, dst: Path, min_size: int = 0) -> int:
     graph.initializer.extend([numpy_helper.from_array(np.array(_TINY), "row_int8/tiny"),
                               numpy_helper.from_array(np.array(_QMAX), "row_int8/qmax"),
                               numpy_helper.from_array(np.array(128.0, dtype=np.float32), "row_int8/offset"),
-                              numpy_helper.from_array(np.array(128, dtype=np.uint8), "row_int8/zero_point")])
+                              numpy_helper.from_array(np.array(128, dtype=np.uint8), "row_int8/zero_point"),
+                              numpy_helper.from_array(np.array([-1], dtype=np.int64), "row_int8/last_axis")])
     del graph.node[:]
     graph.node.extend(nodes)
     if has_external_data(src):  # keep the artifact's layout: weights beside the graph
