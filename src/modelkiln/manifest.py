@@ -25,6 +25,9 @@ class Validation:
     texts: int
     passed: bool
     tolerance: dict[str, float] = field(default_factory=dict)
+    # Batch invariance (convert/validate.py batch_invariance): each text alone vs in a padded batch.
+    batch_min_cosine: float | None = None
+    batch_agreement: float | None = None
 
 
 @dataclass

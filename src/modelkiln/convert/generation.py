@@ -207,9 +207,11 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
             fp32.kept, fp32.reason = False, fp32.reason or "not requested (built as the base of the others)"
         if "int8" in wanted:
             path = folder / "model.int8.onnx"
-            with steps("Quantizing to int8 (dynamic, per-channel)"):
-                build.quantize_int8(fp32_path, path, True)
-            check("int8", path, per_channel=True)
+            # Per-row activation scales: a sequence's tokens never depend on the others decoded in
+            # the same step (dynamic int8 scales the whole step's batch at once; convert/row_int8.py).
+            with steps("Quantizing to int8 (per-row activation scales)"):
+                count = build.quantize_int8_per_row(fp32_path, path)
+            check("int8", path, method="per-row", quantized_matmuls=count)
         if "int4" in wanted:
             path = folder / "model.int4.onnx"
             with steps(f"Quantizing to int4 (MatMulNBits, block {cfg.int4_block_size}, accuracy level {cfg.int4_accuracy_level})"):

@@ -26,11 +26,14 @@ from . import generation
 from . import source as src
 from . import variants as build
 from .export import EXTERNAL_DATA_THRESHOLD, OPSET, TaskModule, export_onnx
-from .validate import DEFAULT_TOLERANCES, Reference, Tolerance, failure_reason, run_reference, validate
+from .validate import (DEFAULT_TOLERANCES, Reference, Tolerance, batch_invariance, failure_reason, run_reference,
+                       validate)
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "optimized", "int8", "fp16", "tensorrt")
+# The int8 variant's method, recorded in the manifest (variant details) and shown by `kiln convert`.
+INT8_METHOD = "per-row: int8 weights per column, int8 activations per token (batch-invariant)"
 LATENCY_SEQ = 128  # variants are timed at batch 1 × this many tokens (or the model's max, if smaller)
 
 Steps = Callable[[str], ContextManager[None]]
@@ -123,9 +126,14 @@ class _Builder:
         return self.cfg.tolerances[precision]
 
     def check(self, name: str, precision: str, device: str, path: Path, **details: object) -> Variant:
-        """Validate one built file; returns a Variant record, kept if it passed (timing comes later)."""
+        """Validate one built file: close to PyTorch, and each text's answer the same alone as inside
+        a padded batch of mixed lengths. Returns a Variant record, kept if it passed (timing comes later)."""
         engine = OnnxEngine(path, device=device, threads=self.cfg.threads, label=name)
         validation = validate(self.task, self.reference, engine, self.tolerance(precision))
+        texts = [text for _, _, chunk in self.reference.batches for text in chunk]
+        invariance = batch_invariance(self.task, self.encoder, engine, texts)
+        validation.batch_min_cosine, validation.batch_agreement = invariance.min_cosine, invariance.agreement
+        validation.passed = validation.passed and invariance.passed
         return Variant(name=name, precision=precision, device=device, file=path.name, kept=validation.passed,
                        reason=failure_reason(validation), validation=validation, details=dict(details))
 
@@ -240,8 +248,8 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
         fp32.reason = fp32.reason or "not requested (built as the base of the others)"
     b.variants.append(fp32)
 
-    # The fused graph is also the better base for int8 (Attention → QAttention), so build it
-    # whenever int8 or fp16 is wanted, even if the fp32 fused variant itself is not kept.
+    # The fused graph is also a base for int8 and fp16, so build it whenever they are wanted, even
+    # if the fp32 fused variant itself is not kept.
     base_path = fp32_path
     if {"optimized", "int8", "fp16"} & set(wanted):
         opt_path = b.folder / "model.optimized.onnx"
@@ -262,7 +270,7 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
             b.variants.append(opt)
 
     if "int8" in wanted:
-        _build_int8(b, base_path)
+        _build_int8(b, fp32_path, base_path)
     if "fp16" in wanted:
         if device != "cuda":
             b.skip("fp16", "fp16", "cuda", "needs a CUDA device (onnxruntime CUDAExecutionProvider); fp16 is slow on CPU")
@@ -284,25 +292,24 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
         opt.reason = f"not faster than fp32 on {device} ({opt.latency_ms:.3f} ms vs {fp32.latency_ms:.3f} ms)"
 
 
-def _build_int8(b: _Builder, base_path: Path) -> None:
-    """Per-tensor and per-channel weight scales; keep the one closer to PyTorch."""
-    candidates = []
-    for per_channel in (False, True):
-        path = b.folder / f"model.int8{'.pc' if per_channel else ''}.onnx"
-        label = "per-channel" if per_channel else "per-tensor"
-        with b.steps(f"Quantizing to int8 ({label}) and validating"):
-            build.quantize_int8(base_path, path, per_channel)
-            candidates.append(b.check("int8", "int8", "cpu", path, per_channel=per_channel, base=base_path.name))
-    best = max(candidates, key=lambda v: (v.kept, v.validation.mean_cosine if v.validation else 0))
-    other = next(c for c in candidates if c is not best)
-    best.details["other_scales"] = {"per_channel": other.details["per_channel"],
-                                    "mean_cosine": other.validation.mean_cosine if other.validation else None}
-    _remove_onnx(b.folder / other.file)  # type: ignore[operator]
-    final = b.folder / "model.int8.onnx"
-    if best.file != final.name:
-        os.replace(b.folder / best.file, final)  # type: ignore[operator]
-        best.file = final.name
-    b.variants.append(best)
+def _build_int8(b: _Builder, fp32_path: Path, fused_path: Path) -> None:
+    """Per-row int8 (convert/row_int8.py), first from the unfused fp32 graph so that Attention's Q, K
+    and V projections are quantized too (the faster one); if that fails validation, from the fused
+    graph, whose Attention keeps its QKV weights in float (closer to PyTorch). ONNX Runtime's dynamic
+    int8 is not built: its one activation scale per batch tensor makes answers depend on batch
+    neighbours (benchmarks/batch_invariance.py)."""
+    path = b.folder / "model.int8.onnx"
+    tried = []
+    for base in dict.fromkeys([fp32_path, fused_path]):  # the fused graph may be the fp32 one
+        with b.steps(f"Quantizing {base.name} to int8 (per-row activation scales) and validating"):
+            count = build.quantize_int8_per_row(base, path)
+            variant = b.check("int8", "int8", "cpu", path, method=INT8_METHOD, quantized_matmuls=count, base=base.name)
+        if variant.kept:
+            break
+        tried.append(f"from {base.name}: {variant.reason}")
+    if tried and variant.kept:
+        variant.details["refused_bases"] = tried
+    b.variants.append(variant)
 
 
 def _build_tensorrt(b: _Builder, device: str) -> None:

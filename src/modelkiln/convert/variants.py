@@ -79,7 +79,9 @@ def _root_logger_at(level: int) -> Iterator[None]:
 
 @in_scratch_directory
 def quantize_int8(src: Path, dst: Path, per_channel: bool) -> None:
-    """Dynamic int8 quantization of MatMul/Attention weights (activations quantized at run time)."""
+    """ONNX Runtime's dynamic int8 of MatMul/Attention weights (activations quantized at run time
+    with ONE scale for the whole batch tensor, padding included: batch-variant, so the validation
+    gate refuses it; kept for comparison, see benchmarks/batch_invariance.py)."""
     from onnx import TensorProto
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -95,6 +97,29 @@ def quantize_int8(src: Path, dst: Path, per_channel: bool) -> None:
             # Fused contrib ops (Attention, BiasGelu) defeat shape inference; their outputs are float.
             extra_options={"DefaultTensorType": TensorProto.FLOAT},
         )
+
+
+def quantize_int8_per_row(src: Path, dst: Path) -> int:
+    """Batch-invariant int8 (convert/row_int8.py): int8 weights per output column, int8 activations
+    with one scale per row (token), so a text's answer never depends on its batch neighbours.
+    Returns the number of MatMuls quantized."""
+    from .row_int8 import quantize_per_row
+
+    return quantize_per_row(src, dst)
+
+
+@in_scratch_directory
+def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: int) -> None:
+    """Weight-only MatMulNBits (``bits`` 4 or 8), symmetric; activations stay float, or with
+    ``accuracy_level`` 4 are quantized per row block inside the kernel."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    with _root_logger_at(logging.ERROR):
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block_size, is_symmetric=True,
+                                         accuracy_level=accuracy_level)
+        quantizer.process()
+    quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
 
 
 @in_scratch_directory
