@@ -29,6 +29,7 @@ from ..errors import (InvalidInputError, KilnError, MethodNotAllowedError, Route
 from . import inference_routes
 from .dataplane import DataPlane, build_dataplane
 from .errors import error_response
+from .generation import generate_routes, is_generation, openai_routes
 from .metrics import Metrics
 from .request_watch import RequestWatch
 from .settings import ServeSettings
@@ -274,9 +275,13 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
     @app.get("/metrics")
     async def metrics_route() -> Response:
         for model in plane.models.values():
-            metrics.queued.labels(model.name).set(model.batcher.queued)
+            metrics.queued.labels(model.name).set(model.queued if is_generation(model) else model.batcher.queued)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
+
+    # -- text generation: OpenAI completions and Triton's generate extension (serve/generation/) -----
+    generate_routes.register(app, plane)
+    openai_routes.register(app, plane)
 
     @app.get("/v1/models")
     async def openai_models() -> Response:
