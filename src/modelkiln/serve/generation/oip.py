@@ -5,8 +5,10 @@ ModelInfer comes here through the data plane; ModelStreamInfer streams the same 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 from ...errors import InvalidInputError
 from ...tasks import text_generation as contract
 from ..types import InferRequest, InferResponse, OutputTensor
@@ -20,12 +22,43 @@ def _check_outputs(request: InferRequest) -> None:
                                     f"(outputs: {contract.TEXT_OUTPUT})")
 
 
+_FLOATS = ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _fields(parameters: dict[str, Any]) -> dict[str, Any]:
+    """Request parameters as sampling fields. tritonclient's gRPC parameters take bool, int and
+    str only, so a float may come as a string ("0.7"); vLLM's Triton backend takes them all as one
+    JSON string, ``sampling_parameters``, which is accepted too."""
+    fields = dict(parameters)
+    packed = fields.pop("sampling_parameters", None)
+    if packed is not None:
+        try:
+            unpacked = json.loads(packed) if isinstance(packed, str) else None
+        except json.JSONDecodeError:
+            unpacked = None
+        if not isinstance(unpacked, dict):
+            raise InvalidInputError("'sampling_parameters' must be a JSON object in a string")
+        fields.update(unpacked)
+    for name in _FLOATS:
+        if isinstance(fields.get(name), str):
+            try:
+                fields[name] = float(fields[name])
+            except ValueError:
+                raise InvalidInputError(f"'{name}' must be a number, got {fields[name]!r}") from None
+    if isinstance(fields.get("stop"), str) and fields["stop"].startswith("["):
+        try:  # a list of stop strings, as JSON
+            fields["stop"] = json.loads(fields["stop"])
+        except json.JSONDecodeError:
+            pass  # then it is one stop string that starts with "["
+    return fields
+
+
 def start(model: GenerationModel, request: InferRequest) -> Stream:
     """The request checked and submitted: its deltas (raises a 4xx/503 error before any)."""
     _check_outputs(request)
     prompt = contract.prompt_from_tensors(request.inputs)
     ids = model.prompt_ids(prompt)
-    params = model.params(request.parameters, len(ids))
+    params = model.params(_fields(request.parameters), len(ids))
     return model.generate(ids, params, model.timeout(request.parameters))
 
 
