@@ -171,7 +171,7 @@ class Scheduler:
                 self._remove(job)
                 events.append((job, _timeout(job)))
         with self._cond:
-            if cancelled or (self._waiting and now > self._waiting[0].deadline):
+            if cancelled or any(now > job.deadline for job in self._waiting):  # deadlines differ (Triton's timeout)
                 kept = deque()
                 for job in self._waiting:
                     if job.id in cancelled:
