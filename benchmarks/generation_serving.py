@@ -101,7 +101,11 @@ async def round_(url: str, model: str, concurrency: int, requests_each: int, max
     def pct(values: list[float], q: float) -> float:
         return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else float("nan")
 
-    return {"concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+    kinds: dict[str, int] = {}
+    for r in results:
+        if "error" in r:
+            kinds[str(r["error"])] = kinds.get(str(r["error"]), 0) + 1
+    return {"concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok), "error_kinds": kinds,
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9), "itl_p50_ms": pct(itl, 0.5),
             "itl_p90_ms": pct(itl, 0.9), "output_tokens_s": sum(r["tokens"] for r in ok) / wall,
             "requests_s": len(ok) / wall, "mean_tokens": statistics.mean(r["tokens"] for r in ok) if ok else 0}
