@@ -29,6 +29,7 @@ from ..errors import (InvalidInputError, KilnError, MethodNotAllowedError, Route
 from . import inference_routes
 from .dataplane import DataPlane, build_dataplane
 from .errors import error_response
+from .generation import generate_routes, is_generation, openai_routes
 from .metrics import Metrics
 from .request_watch import RequestWatch
 from .settings import ServeSettings
@@ -77,9 +78,10 @@ def route_of(path: str) -> tuple[str, str]:
     """(model, route) labels for metrics, without a regex per request."""
     parts = path.strip("/").split("/")
     if len(parts) >= 3 and parts[0] == "v2" and parts[1] == "models":
-        return parts[2], parts[-1] if parts[-1] in ("infer", "predict", "ready", "stats") else "metadata"
-    if path == "/v1/embeddings":
-        return "", "embeddings"
+        return parts[2], parts[-1] if parts[-1] in ("infer", "predict", "ready", "stats", "generate",
+                                                    "generate_stream") else "metadata"
+    if path in ("/v1/embeddings", "/v1/completions", "/v1/chat/completions"):
+        return "", path[4:].replace("/", "_")
     return "", parts[-1] if parts[0] in ("v2", "metrics") else "other"
 
 
@@ -157,7 +159,8 @@ class Gate:
         model, route = route_of(path)
         model = answered_by or model
         self.metrics.requests.labels(model, route, str(status), "http").inc()
-        if route in ("infer", "predict", "embeddings"):
+        if route in ("infer", "predict", "embeddings", "completions", "chat_completions", "generate",
+                     "generate_stream"):
             self.metrics.request_seconds.labels(model, route, "http").observe(seconds)
         if self.access_log:
             access.info("%s %s %s %d %.1fms", request_id, scope["method"], path, status, seconds * 1000)
@@ -274,9 +277,13 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
     @app.get("/metrics")
     async def metrics_route() -> Response:
         for model in plane.models.values():
-            metrics.queued.labels(model.name).set(model.batcher.queued)
+            metrics.queued.labels(model.name).set(model.queued if is_generation(model) else model.batcher.queued)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
+
+    # -- text generation: OpenAI completions and Triton's generate extension (serve/generation/) -----
+    generate_routes.register(app, plane)
+    openai_routes.register(app, plane)
 
     @app.get("/v1/models")
     async def openai_models() -> Response:

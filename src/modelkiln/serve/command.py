@@ -56,7 +56,9 @@ def serve(
         show_default=False),
 ) -> None:
     """Serve artifacts over HTTP: KServe v2 / Open Inference Protocol (Triton-compatible),
-    /v2/models/{m}/predict, and OpenAI /v1/embeddings, with dynamic batching."""
+    /v2/models/{m}/predict, and OpenAI /v1/embeddings, with dynamic batching; text-generation
+    artifacts with continuous batching and streaming (OpenAI /v1/completions and
+    /v1/chat/completions, Triton's /generate and /generate_stream)."""
     import logging
 
     from .config_file import read_serve_config

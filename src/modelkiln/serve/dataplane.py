@@ -11,7 +11,7 @@ answered) travel back in the responses."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,11 @@ from .. import __version__
 from ..errors import (InvalidInputError, KilnError, ModelControlError, ModelNotFoundError, ModelNotReadyError,
                       OverloadedError)
 from ..tasks import tensors as tensors_protocol
+from .generation.oip import generation_infer, generation_stream
 from .json_api import EmbeddingsRequest, EmbeddingsResponse, PredictRequest, PredictResponse
 from .metrics import Metrics
+from .generation import is_generation, served_model
+from .generation.model import GenerationModel
 from .model import ServedModel
 from .repository import ModelRepository
 from .tokenized import TokenRow, is_tokenized, raw_tensors, token_rows
@@ -41,7 +44,7 @@ def build_dataplane(settings: ServeSettings, metrics: Metrics | None = None) -> 
     folders = repository.startup_folders()
     models: dict[str, ServedModel] = {}
     for spec in (*settings.models, *(repository.spec(f) for f in folders)):
-        model = ServedModel(spec, settings, metrics)
+        model = served_model(spec, settings, metrics)
         if model.name in models:
             raise KilnError(f"two models are named '{model.name}': use NAME=PATH")
         models[model.name] = model
@@ -107,8 +110,24 @@ class DataPlane:
         queue full → OVERLOADED, all before the request is decoded or checked, so that a refusal
         costs the event loop next to nothing (under overload most requests are refusals)."""
         model = self.model(name, version)
-        if model.batcher.full:
+        if is_generation(model):
+            if model.full:
+                raise OverloadedError(f"queue full ({model.queued} generation requests waiting); retry later")
+        elif model.batcher.full:
             raise OverloadedError(f"queue full ({model.batcher.queued} inputs waiting); retry later")
+        return model
+
+    def generation_model(self, name: str | None, version: str | None = None) -> GenerationModel:
+        """A text-generation model, admitted (see ``admit``); no name: the only one served."""
+        if not name:
+            candidates = [m for m in self.models.values() if is_generation(m)]
+            if len(candidates) != 1:
+                raise ModelNotFoundError("name the model: this server serves "
+                                         f"{len(candidates)} text-generation models")
+            name = candidates[0].name
+        model = self.admit(name, version)
+        if not is_generation(model):
+            raise InvalidInputError(f"model '{model.name}' is a {model.task.name} model, not a text-generation model")
         return model
 
     def server_metadata(self) -> ServerMetadata:
@@ -116,6 +135,12 @@ class DataPlane:
 
     def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
         m = self.model(name, version, need_ready=False)
+        if is_generation(m):
+            return ModelMetadata(
+                name=m.name, versions=(m.version,), platform="onnxruntime_onnx", inputs=m.input_specs(),
+                outputs=m.output_specs(), parameters={"task": m.task.name, "variant": m.variant.name,
+                                                      "max_context": m.max_context, "kv_tokens": m.kv_budget
+                                                      if m.ready else None, "decoupled": True})
         return ModelMetadata(
             name=m.name, versions=(m.version,), platform="onnxruntime_onnx",
             inputs=m.input_specs(), outputs=m.output_specs(),
@@ -174,6 +199,8 @@ class DataPlane:
     # -- OIP infer ------------------------------------------------------------------------------
     async def infer(self, request: InferRequest) -> InferResponse:
         model = self.admit(request.model_name, request.model_version)
+        if is_generation(model):
+            return await generation_infer(model, request)
         started = time.perf_counter()
         try:
             available = self._output_names(model, request.inputs)
@@ -191,6 +218,18 @@ class DataPlane:
             raise
         model.record(True, time.perf_counter() - started)
         return InferResponse(model.name, model.version, outputs, id=request.id)
+
+    async def stream_infer(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """gRPC's ModelStreamInfer: a text-generation model answers token by token (decoupled);
+        any other model answers once, flagged final, as Triton does for a non-decoupled model."""
+        model = self.admit(request.model_name, request.model_version)
+        if is_generation(model):
+            async for response in generation_stream(model, request):
+                yield response
+            return
+        response = await self.infer(request)
+        response.parameters["triton_final_response"] = True
+        yield response
 
     def _output_names(self, model: ServedModel, inputs: Mapping[str, np.ndarray]) -> list[str]:
         if is_tokenized(inputs) and model.task.answers_need_text:
@@ -218,6 +257,9 @@ class DataPlane:
     async def predict(self, request: PredictRequest) -> PredictResponse:
         """The task's own answers (``task.postprocess``), one per input."""
         model = self.admit(request.model_name, request.model_version)
+        if is_generation(model):
+            raise InvalidInputError(f"model '{model.name}' generates text: use /v2/models/{model.name}/generate, "
+                                    "/v1/completions or /v1/chat/completions")
         started = time.perf_counter()
         try:
             self._check_texts(request.inputs)

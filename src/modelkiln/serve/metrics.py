@@ -29,6 +29,21 @@ class Metrics:
                                       buckets=_TOKEN_BUCKETS, registry=r)
         self.in_flight = Gauge("kiln_requests_in_flight", "Requests being handled now.", registry=r)
         self.queued = Gauge("kiln_queue_inputs", "Inputs waiting for a batch.", ["model"], registry=r)
+        # Text generation, under vLLM's names (its dashboards and alerts work unchanged), label model_name.
+        g = ["model_name"]
+        self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", g,
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds", "Time between two tokens.", g,
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e_latency = Histogram("vllm:e2e_request_latency_seconds", "Generation request latency.", g,
+                                     buckets=_LATENCY_BUCKETS + (60.0, 120.0, 300.0), registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens prefilled.", g, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", g, registry=r)
+        self.requests_running = Gauge("vllm:num_requests_running", "Sequences being prefilled or generating.", g,
+                                      registry=r)
+        self.requests_waiting = Gauge("vllm:num_requests_waiting", "Generation requests waiting.", g, registry=r)
+        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache in use, as a fraction of --max-kv-tokens "
+                                    "(1 = full).", g, registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ArtifactError, KilnError, ModelControlError, ModelNotFoundError
 from ..manifest import MANIFEST_NAME
+from .generation import served_model
 from .model import ServedModel
 from .settings import ModelSpec, ServeSettings
 from .types import RepositoryModel
@@ -227,7 +228,7 @@ class ModelRepository:
         """(Worker thread.) A loaded, warmed-up model, or ArtifactError saying why not."""
         assert self.plane is not None
         try:
-            model = ServedModel(self.spec(folder), self.settings, self.plane.metrics)
+            model = served_model(self.spec(folder), self.settings, self.plane.metrics)
         except KilnError:
             raise
         except Exception as exc:

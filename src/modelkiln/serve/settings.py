@@ -75,7 +75,7 @@ class ServeSettings(BaseModel):
         None, "Threads for a lone request on an idle server, in a session of its own (0 = off).", sweep="auto", ge=0,
         shown_default="all cpus")
     # --- batching
-    max_batch_size: int = setting(32, "Inputs per model batch.", sweep="32", gt=0)
+    max_batch_size: int = setting(32, "Inputs per model batch (generation: sequences running together).", sweep="32", gt=0)
     # It bounds a batch's activation memory. On CPU long inputs gain nothing from batching (int8
     # all-MiniLM-L6-v2: 60 sequences/s at 1 × 128 tokens, 62 at 8 × 128), and a backlog of long
     # SQuAD paragraphs took the server to a 1.0 GB peak with 8192, 552 MB with 2048, 424 MB with 1024.
@@ -88,7 +88,7 @@ class ServeSettings(BaseModel):
                                            sweep="auto", ge=0, shown_default="0.15 on CPU, 1.0 on GPU")
     max_queue_delay_ms: float = setting(0.0, "Extra wait for a fuller batch, ms (0 = run whatever is queued).",
                                         sweep="0,2", ge=0)
-    max_queue_size: int = setting(1024, "Inputs waiting before requests get 503 at once.", gt=0)
+    max_queue_size: int = setting(1024, "Inputs (generation: requests) waiting before requests get 503 at once.", gt=0)
     # --- limits
     request_timeout_s: float = setting(30.0, "Seconds per request.", flag="--request-timeout", gt=0)
     body_read_timeout_s: float = setting(10.0, "Seconds to receive a request's head, and then its body.", flag="--body-read-timeout", gt=0)
@@ -96,6 +96,16 @@ class ServeSettings(BaseModel):
     max_inputs_per_request: int = setting(256, "Inputs per request.", gt=0)
     max_input_chars: int = setting(100_000, "Characters per input, checked before tokenizing.", gt=0)
     truncate: bool = setting(True, "Cut inputs longer than the model's max length, or reject them (400).")
+    # --- text generation (serve/generation/scheduler.py)
+    max_kv_tokens: Optional[int] = setting(
+        None, "Generation: KV-cache tokens for all running sequences, padding included (full: requests wait).",
+        gt=0, shown_default="1/8 of memory, at most max-batch-size x context")
+    prefill_chunk: int = setting(128, "Generation: prompt tokens prefilled per scheduler step (running streams "
+                                      "get a token between chunks).", gt=0)
+    generation_timeout_s: float = setting(600.0, "Generation: seconds per request, waiting and generating.",
+                                          flag="--generation-timeout", gt=0)
+    truncate_prompt: bool = setting(False, "Generation: cut prompts longer than the context from the left "
+                                           "instead of answering 400.")
     # --- model repository (Triton's repository extension)
     model_repository: Optional[str] = setting(None, "A folder of artifact folders to serve.", shown_default="none")
     model_control_mode: Literal["none", "explicit", "poll"] = setting(

@@ -115,6 +115,69 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         return await self._call("ModelInfer", context, request.model_name, answer)
 
+    async def ModelStreamInfer(self, requests: Any, context: Any) -> Any:
+        """Triton's decoupled stream: each request of the stream generates, and every token that adds
+        text is one response (``text_output``); the last carries ``triton_final_response`` = true
+        and ``finish_reason``. Requests of one stream run concurrently; an error ends only its own
+        request, as a response with ``error_message``. A stream the client cancels cancels its
+        generations: the scheduler frees their sequences before its next step."""
+        responses: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+        reading_done, request_done = object(), object()
+        pending = [0]  # requests started and not finished
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            started = time.perf_counter()
+            status = grpc.StatusCode.OK
+            self.metrics.in_flight.inc()
+            try:
+                if self.api_key is not None:
+                    metadata = dict(context.invocation_metadata() or ())
+                    if not bearer_matches(str(metadata.get("authorization", "")).encode(), self.api_key):
+                        raise UnauthorizedError("missing or wrong bearer token")
+                async for response in self.plane.stream_infer(codec.request_from_proto(request)):
+                    responses.put_nowait(pb.ModelStreamInferResponse(infer_response=codec.response_to_proto(response)))
+            except asyncio.CancelledError:
+                status = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:
+                status = GRPC_STATUS[kind_of(exc)]
+                responses.put_nowait(pb.ModelStreamInferResponse(
+                    error_message=_message(exc), infer_response=pb.ModelInferResponse(
+                        model_name=request.model_name, id=request.id)))
+            finally:
+                self.metrics.in_flight.dec()
+                self.metrics.requests.labels(request.model_name, "stream_infer", status.name, "grpc").inc()
+                self.metrics.request_seconds.labels(request.model_name, "stream_infer", "grpc").observe(
+                    time.perf_counter() - started)
+                responses.put_nowait(request_done)
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    pending[0] += 1
+                    task = asyncio.ensure_future(one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:
+                responses.put_nowait(reading_done)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            reading = True
+            while reading or pending[0]:
+                item = await responses.get()
+                if item is reading_done:
+                    reading = False
+                elif item is request_done:
+                    pending[0] -= 1
+                else:
+                    yield item
+        finally:  # the client cancelled the stream (or it ended): nothing may keep generating
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
         return await self._call("ModelStatistics", context, request.name, _now(lambda: codec.statistics_to_proto(
             self.plane.model_statistics(request.name or None, request.version or None))))

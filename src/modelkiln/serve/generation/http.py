@@ -1,0 +1,83 @@
+"""What the generation routes share over HTTP: the JSON body, server-sent events, and noticing a
+client that leaves.
+
+A streamed answer is a ``StreamingResponse`` of SSE lines; Starlette listens for the client's
+disconnect next to it (uvicorn speaks ASGI 2.3) and cancels the body iterator, whose ``finally``
+closes the generation stream: the scheduler frees the sequence before its next step. A whole
+answer is awaited next to a watcher of ``receive()`` for the same reason."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from ...errors import InvalidInputError, KilnError, PayloadTooLargeError
+from ..errors import error_response
+from .model import Stream
+
+T = TypeVar("T")
+GONE: Any = object()  # what ``unless_gone`` returns when the client left first
+CLIENT_CLOSED = 499  # nginx's "client closed request": counted in the metrics, never sent
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy buffering of tokens
+
+
+async def json_body(request: Request, limit: int) -> dict[str, Any]:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise PayloadTooLargeError(f"request body of {length} bytes exceeds the limit of {limit}")
+    body = await request.body()
+    if len(body) > limit:
+        raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInputError(f"the request body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidInputError("the request body must be a JSON object")
+    return data
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def sse_response(stream: Stream, events: AsyncIterator[bytes], openai: bool) -> StreamingResponse:
+    """Send ``events``; an error after the first byte becomes an ``error`` event (the status is sent)."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        except KilnError as exc:  # a timeout or a failure mid-stream: say so in the stream
+            _, payload, _ = error_response(exc, openai=openai)
+            yield b"data: " + payload + b"\n\n"
+        finally:
+            await stream.aclose()  # a cancelled body (client gone) frees the sequence
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; if the client disconnects first, ``work`` is cancelled and ``GONE`` returned."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():  # the client left: stop generating for nobody
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return GONE
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,257 @@
+"""A served text-generation model: the artifact (tokenizer, chat template, end-of-sequence ids),
+one decoder session, its ``GenerationEngine`` and the ``Scheduler`` thread that drives it.
+
+It has the lifecycle of an encoder's ``ServedModel`` (load, stop, release, ready, in_flight,
+stats), so the data plane and the model repository handle both alike; requests come in through
+``generate``, an async iterator of ``Delta`` that the protocol edges (OpenAI, Triton generate,
+OIP infer, gRPC stream) turn into their own wire format."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import InvalidInputError
+from ...generation.chat import render_chat
+from ...generation.decoder import DecoderSession
+from ...generation.engine import GenerationEngine
+from ...generation.model import TextGenerationModel
+from ...generation.sampling import SamplingParams
+from ...generation.sequence import Delta
+from ...tasks import text_generation as contract
+from ..metrics import Metrics
+from ..model import Stats
+from ..settings import ModelSpec, ServeSettings
+from ..types import TensorSpec
+from .params import sampling_params
+from .scheduler import Job, Scheduler, SchedulerHooks
+
+log = logging.getLogger("modelkiln.serve")
+
+KV_MEMORY_FRACTION = 8  # default KV budget: 1/8 of memory (joining a sequence and each step copy the cache)
+
+
+class GenerationTask:
+    """What the data plane asks of a model's task (name, embeds), for a text-generation model."""
+
+    name = contract.NAME
+    embeds = False
+
+
+class GenerationModel:
+    version = "1"
+    task = GenerationTask()
+
+    def __init__(self, spec: ModelSpec, settings: ServeSettings, metrics: Metrics):
+        self.folder = Path(spec.path)
+        self.artifact = TextGenerationModel(self.folder)
+        self.manifest = self.artifact.manifest
+        self.name = spec.name or self.manifest.name
+        chosen = spec.variant or settings.variant
+        self.variant = self.manifest.variant(chosen) if chosen else self.manifest.fastest_variant(settings.device)
+        self.settings = settings
+        self.metrics = metrics
+        self.stats = Stats()
+        self.ready = False
+        self.in_flight = 0  # requests between submit and their last event (an unload waits for 0)
+        self.max_context = self.artifact.max_context or self.manifest.max_length
+        self.tokenizer = self.artifact.tokenizer
+        self.defaults = self.artifact.default_params()
+        special = self.artifact.settings.get("special_tokens") or {}
+        self._special_tokens = {k: v for k, v in special.items() if isinstance(v, str)}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def load(self) -> None:
+        started = time.perf_counter()
+        threads = self.settings.threads or os.cpu_count() or 1
+        assert self.variant.file is not None
+        decoder = DecoderSession(self.folder / self.variant.file, device=self.settings.device, threads=threads)
+        engine = GenerationEngine(decoder, self.max_context)
+        self.kv_budget = self.settings.max_kv_tokens or self._default_kv_budget(decoder)
+        if self.settings.warmup:  # the first requests should not pay for onnxruntime's first runs
+            engine.add("warm-up", [0, 1, 2, 3])
+            engine.step({"warm-up": 4})
+            engine.remove("warm-up")
+        self.scheduler = Scheduler(engine, self.tokenizer, frozenset(self.artifact.eos_ids),
+                                   max_running=self.settings.max_batch_size, max_waiting=self.settings.max_queue_size,
+                                   kv_budget=self.kv_budget, prefill_chunk=self.settings.prefill_chunk,
+                                   hooks=_MetricHooks(self.metrics, self.name, self.kv_budget), name=self.name)
+        self.scheduler.start()
+        self.ready = True
+        log.info("loaded text-generation model %s (variant %s, %d thread(s), KV budget %d tokens, context %d) in %.1fs",
+                 self.name, self.variant.name, threads, self.kv_budget, self.max_context, time.perf_counter() - started)
+
+    def _default_kv_budget(self, decoder: DecoderSession) -> int:
+        per_token = 2 * decoder.layers * decoder.kv_heads * decoder.head_dim * np.dtype(decoder.cache_dtype).itemsize
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            memory = 8 << 30
+        return max(1, min(self.settings.max_batch_size * self.max_context, memory // KV_MEMORY_FRACTION // per_token))
+
+    def stop(self) -> None:
+        """Refuse new requests; finish the accepted ones; end the scheduler thread."""
+        self.ready = False
+        if hasattr(self, "scheduler"):
+            self.scheduler.stop()
+
+    def release(self) -> None:
+        self.stop()
+        self.__dict__.pop("scheduler", None)
+
+    @property
+    def full(self) -> bool:
+        return self.scheduler.waiting >= self.settings.max_queue_size
+
+    @property
+    def queued(self) -> int:
+        return self.scheduler.waiting
+
+    def record(self, ok: bool, seconds: float) -> None:
+        s = self.stats
+        if ok:
+            s.success_count += 1
+            s.success_ns += int(seconds * 1e9)
+        else:
+            s.fail_count += 1
+            s.fail_ns += int(seconds * 1e9)
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A completion prompt: text (with the tokenizer's own special tokens) or token ids."""
+        if isinstance(prompt, str):
+            return self._fit(self.tokenizer.encode(prompt).ids)
+        ids = list(prompt)
+        vocab = self.tokenizer.get_vocab_size()
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+            raise InvalidInputError(f"a token-id prompt must hold integers in [0, {vocab})")
+        return self._fit(ids)
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Messages rendered with the artifact's chat template (which writes its own special tokens)."""
+        text = render_chat(self.artifact.chat_template or "", messages, **self._special_tokens)
+        return self._fit(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _fit(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise InvalidInputError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            if not self.settings.truncate_prompt:
+                raise InvalidInputError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_context} "
+                                        "tokens (the server rejects longer prompts: start it with --truncate-prompt "
+                                        "to cut them from the left)")
+            ids = ids[len(ids) - self.max_context + 1:]
+        return ids
+
+    def params(self, fields: Mapping[str, Any], prompt_tokens: int) -> SamplingParams:
+        return sampling_params(fields, self.defaults, prompt_tokens, self.max_context)
+
+    def timeout(self, parameters: Mapping[str, Any] | None = None) -> float:
+        """The server's generation timeout, or less when the request asks (Triton's "timeout", µs)."""
+        timeout = self.settings.generation_timeout_s
+        asked = (parameters or {}).get("timeout")
+        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
+            timeout = min(timeout, asked / 1e6)
+        return timeout
+
+    # -- generating ------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> Stream:
+        """Submit now (``OverloadedError`` at once when the wait queue is full, before any answer is
+        sent); the returned stream yields the answer's deltas, the last with ``finish_reason``."""
+        timeout_s = timeout_s or self.settings.generation_timeout_s
+        reserve = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
+        job = Job(prompt_ids, params, time.monotonic() + timeout_s, asyncio.get_running_loop(), asyncio.Queue(),
+                  reserve)
+        self.scheduler.submit(job)
+        return Stream(self, job)
+
+    # -- protocol description ----------------------------------------------------------------------
+    def input_specs(self) -> tuple[TensorSpec, ...]:
+        return contract.INPUTS
+
+    def output_specs(self) -> tuple[TensorSpec, ...]:
+        return contract.OUTPUTS
+
+
+class Stream:
+    """One request's deltas. ``aclose`` (or leaving ``async with``) before the end cancels it: the
+    scheduler frees its sequence before its next step. The protocol edges always close it."""
+
+    def __init__(self, model: GenerationModel, job: Job):
+        self.model = model
+        self.job = job
+        self.prompt_tokens = len(job.prompt_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._open = True
+        model.in_flight += 1
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.finish_reason is not None or not self._open:
+            raise StopAsyncIteration
+        event = await self.job.queue.get()
+        if isinstance(event, Exception):
+            self._close(cancel=False)
+            raise event
+        self.completion_tokens += 1
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            self._close(cancel=False)
+        return event
+
+    async def aclose(self) -> None:
+        self._close(cancel=self.finish_reason is None)
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _close(self, cancel: bool) -> None:
+        if self._open:
+            self._open = False
+            self.model.in_flight -= 1
+            if cancel:
+                self.model.scheduler.cancel(self.job)
+
+
+class _MetricHooks(SchedulerHooks):
+    """Scheduler events → vLLM-named Prometheus metrics (called on the scheduler thread)."""
+
+    def __init__(self, metrics: Metrics, name: str, kv_budget: int):
+        self.ttft = metrics.time_to_first_token.labels(name)
+        self.itl = metrics.inter_token_latency.labels(name)
+        self.e2e = metrics.e2e_latency.labels(name)
+        self.prompt_tokens = metrics.prompt_tokens.labels(name)
+        self.generation_tokens = metrics.generation_tokens.labels(name)
+        self.running = metrics.requests_running.labels(name)
+        self.waiting = metrics.requests_waiting.labels(name)
+        self.kv_usage = metrics.kv_cache_usage.labels(name)
+        self.kv_budget = kv_budget
+
+    def token(self, job: Job, now: float) -> None:
+        if job.first_token_at == 0.0:
+            self.ttft.observe(now - job.arrived)
+            self.prompt_tokens.inc(len(job.prompt_ids))
+        else:
+            self.itl.observe(now - job.last_token_at)
+        self.generation_tokens.inc()
+
+    def finished(self, job: Job, now: float) -> None:
+        self.e2e.observe(now - job.arrived)
+
+    def iteration(self, running: int, waiting: int, cache_tokens: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(min(1.0, cache_tokens / self.kv_budget))

@@ -1,0 +1,132 @@
+"""The serving scheduler in process (no HTTP): chunked prefill interleaved with running streams,
+the KV budget's admission rule, cancellation and timeouts, on the tiny fp32 Llama."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from generation_helpers import tiny_generation_artifact  # noqa: F401 (a session fixture)
+from modelkiln.errors import InvalidInputError, OverloadedError, RequestTimeoutError
+from modelkiln.generation.decoder import DecoderSession
+from modelkiln.generation.engine import GenerationEngine
+from modelkiln.generation.model import TextGenerationModel
+from modelkiln.generation.sampling import SamplingParams
+from modelkiln.serve.generation.scheduler import Job, Scheduler, SchedulerHooks
+
+
+class Recorder(SchedulerHooks):
+    def __init__(self) -> None:
+        self.iterations: list[tuple[int, int, int]] = []
+
+    def iteration(self, running: int, waiting: int, cache_tokens: int) -> None:
+        self.iterations.append((running, waiting, cache_tokens))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_generation_artifact):
+    return TextGenerationModel(tiny_generation_artifact)
+
+
+def make(tiny, **kw) -> tuple[Scheduler, Recorder]:
+    _, path = tiny.variant_path("fp32")
+    engine = GenerationEngine(DecoderSession(path, threads=1), tiny.max_context)
+    hooks = Recorder()
+    options = dict(max_running=8, max_waiting=8, kv_budget=100_000, prefill_chunk=16)
+    options.update(kw)
+    scheduler = Scheduler(engine, tiny.tokenizer, frozenset(tiny.eos_ids), hooks=hooks, **options)
+    scheduler.start()
+    return scheduler, hooks
+
+
+def job(prompt: list[int], n: int, timeout: float = 60.0) -> Job:
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    return Job(prompt, params, time.monotonic() + timeout, asyncio.get_running_loop(), asyncio.Queue(),
+               len(prompt) + n)
+
+
+async def collect(j: Job) -> list:
+    events = []
+    while True:
+        event = await j.queue.get()
+        events.append(event)
+        if isinstance(event, Exception) or event.finish_reason:
+            return events
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_a_stream_runs(tiny):
+    """A 200-token prompt (13 chunks of 16) arrives while a stream runs: the stream keeps getting a
+    token every iteration, and both answers equal their lone runs."""
+    prompt = tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20).ids[:200]
+    short = tiny.tokenizer.encode("Hello").ids
+
+    async def run(together: bool) -> tuple[list[int], list[int], list[int]]:
+        scheduler, hooks = make(tiny)
+        try:
+            a = job(short, 40)
+            scheduler.submit(a)
+            first = await a.queue.get()
+            b = job(prompt, 5)
+            scheduler.submit(b) if together else None
+            rest_a = await collect(a)
+            if not together:
+                scheduler.submit(b)
+            events_b = await collect(b)
+        finally:
+            scheduler.stop(10)
+        steps_with_both = [it for it in hooks.iterations if it[0] == 2]
+        return ([e.token_id for e in [first, *rest_a]], [e.token_id for e in events_b],
+                [len(steps_with_both)])
+
+    alone_a, alone_b, _ = asyncio.run(run(False))
+    together_a, together_b, (overlap,) = asyncio.run(run(True))
+    assert together_a == alone_a and together_b == alone_b
+    assert overlap >= 200 // 16  # the long prompt took one chunk per iteration, next to the running stream
+
+
+def test_kv_budget_admits_what_fits_and_refuses_what_never_can(tiny):
+    async def run() -> None:
+        # each job may reach 10 + 20 = 30 tokens: two fit in 64, a third waits for one to leave
+        scheduler, hooks = make(tiny, kv_budget=64)
+        try:
+            jobs = [job(list(range(1, 11)), 20) for _ in range(3)]
+            for j in jobs:
+                scheduler.submit(j)
+            results = await asyncio.gather(*[collect(j) for j in jobs])
+            assert all(len(r) == 20 and r[-1].finish_reason == "length" for r in results)
+            assert max(running for running, _, _ in hooks.iterations) == 2
+            assert max(tokens for _, _, tokens in hooks.iterations) <= 64
+            with pytest.raises(InvalidInputError, match="KV cache"):
+                scheduler.submit(job(list(range(1, 11)), 60))
+        finally:
+            scheduler.stop(10)
+
+    asyncio.run(run())
+
+
+def test_queue_bound_cancel_and_timeout(tiny):
+    async def run() -> None:
+        scheduler, hooks = make(tiny, max_running=1, max_waiting=1)
+        try:
+            running, waiting = job([1, 2, 3], 1000 - 4), job([1, 2, 3], 5)
+            scheduler.submit(running)
+            await running.queue.get()
+            scheduler.submit(waiting)
+            with pytest.raises(OverloadedError):
+                scheduler.submit(job([1, 2], 2))
+            scheduler.cancel(running)  # its client left: the waiting one gets the slot
+            assert len(await collect(waiting)) == 5
+            assert running.state is not None and len(running.state.generated_ids) < 1000 - 4
+            assert scheduler.running == 0 and scheduler.engine.cache_tokens == 0
+            slow = job([1, 2, 3], 1000 - 4, timeout=0.05)  # runs out of time mid-answer
+            scheduler.submit(slow)
+            events = await collect(slow)
+            assert isinstance(events[-1], RequestTimeoutError) and len(events) < 1000 - 4
+            await asyncio.sleep(0.1)
+            assert scheduler.running == 0 and scheduler.engine.cache_tokens == 0
+        finally:
+            scheduler.stop(10)
+
+    asyncio.run(run())
