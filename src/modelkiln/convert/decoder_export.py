@@ -10,16 +10,27 @@ unless it shared them. Two graphs were not measured (no time in this round)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from collections.abc import Iterator
 
 from ..generation._names import (ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, past_key_name, past_value_name,
                                  present_key_name, present_value_name)
 
 log = logging.getLogger(__name__)
+
+# Opset 23 is the first with the operators a decoder is made of: torch's exporter writes
+# ``scaled_dot_product_attention`` as one ``Attention`` node (grouped-query heads included),
+# transformers' rotary embedding as ``RotaryEmbedding`` and ``rms_norm`` as ``RMSNormalization``.
+# Below 23 each of them is decomposed into dozens of small nodes per layer (masking with
+# Where/IsNaN, repeat_kv's Expand/Reshape copies, rotate_half's Slice/Neg/Concat), which made the
+# SmolLM2 decode step 2.7× slower than PyTorch on 2 threads (docs/generation.md has the profile).
+DECODER_OPSET = 23
 
 # The exporter's symbolic axis limits; ONNX Runtime does not enforce them, they only keep torch's
 # shape reasoning from specialising an axis to the example's size.
@@ -93,9 +104,30 @@ def export_decoder(model: Any, path: Path) -> DecoderShape:
     d_past, d_total = Dim("past", max=_MAX_SEQ), Dim("total", max=2 * _MAX_SEQ)
     dynamic = {"input_ids": {0: d_batch, 1: d_seq}, "attention_mask": {0: d_batch, 1: d_total},
                "position_ids": {0: d_batch, 1: d_seq}, "past": tuple({0: d_batch, 2: d_past} for _ in shape.past_names)}
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), _sdpa_grouped_query_heads():
         warnings.simplefilter("ignore")  # the exporter warns about every axis it renames
         torch.onnx.export(cache_wrapper(model, shape), args, str(path), input_names=shape.input_names,
                           output_names=shape.output_names, dynamic_shapes=dynamic, dynamo=True, optimize=True,
-                          external_data=True, verbose=False)
+                          opset_version=DECODER_OPSET, external_data=True, verbose=False)
     return shape
+
+
+@contextlib.contextmanager
+def _sdpa_grouped_query_heads() -> Iterator[None]:
+    """transformers repeats the KV heads up to the query heads (``repeat_kv``: an Expand and a
+    Reshape copy of the whole cache per layer and step) before SDPA whenever a mask is given,
+    because CUDA's fused kernels cannot take both. ONNX's ``Attention`` takes fewer KV heads than
+    query heads and a mask, so the export asks transformers for SDPA's own ``enable_gqa`` instead
+    (its documented switch, read at call time)."""
+    previous = os.environ.get(_FORCE_GQA)
+    os.environ[_FORCE_GQA] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_FORCE_GQA, None)
+        else:
+            os.environ[_FORCE_GQA] = previous
+
+
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"

@@ -30,6 +30,7 @@ TASK = "text-generation"
 PRECISIONS = ("fp32", "int8", "int4", "fp16")
 GREEDY_TOKENS = 32  # greedy tokens compared per gate prompt
 PARAGRAPH_TOKENS = 256  # perplexity paragraphs are cut to this many tokens
+INT8_BLOCK = 32  # weights per int8 scale: SmolLM2 perplexity +0.7% (docs/generation.md)
 DECODE_PAST = 64  # variants are timed decoding one token at batch 1 after this many
 EXPORT_MEMORY_FACTOR = 3  # export holds the weights ~3 times: PyTorch's, the traced program's, the ONNX file's
 
@@ -207,11 +208,12 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
             fp32.kept, fp32.reason = False, fp32.reason or "not requested (built as the base of the others)"
         if "int8" in wanted:
             path = folder / "model.int8.onnx"
-            # Per-row activation scales: a sequence's tokens never depend on the others decoded in
-            # the same step (dynamic int8 scales the whole step's batch at once; convert/row_int8.py).
-            with steps("Quantizing to int8 (per-row activation scales)"):
-                count = build.quantize_int8_per_row(fp32_path, path)
-            check("int8", path, method="per-row", quantized_matmuls=count)
+            # Weight-only (build.quantize_int8_weights): dynamic int8's per-tensor activation scale is broken by
+            # Llama-family outlier channels, and shared across the step's sequences; MatMulNBits quantizes
+            # activations (accuracy level 4) per row and block, so a sequence's tokens never depend on the others.
+            with steps(f"Quantizing to int8 (weight-only MatMulNBits, block {INT8_BLOCK}, accuracy level {cfg.int4_accuracy_level})"):
+                build.quantize_int8_weights(fp32_path, path, INT8_BLOCK, cfg.int4_accuracy_level)
+            check("int8", path, weight_only=True, block_size=INT8_BLOCK, accuracy_level=cfg.int4_accuracy_level)
         if "int4" in wanted:
             path = folder / "model.int4.onnx"
             with steps(f"Quantizing to int4 (MatMulNBits, block {cfg.int4_block_size}, accuracy level {cfg.int4_accuracy_level})"):

@@ -77,6 +77,51 @@ def _root_logger_at(level: int) -> Iterator[None]:
         root.setLevel(previous)
 
 
+def materialize_transposed_weights(model: Any) -> int:
+    """Replace ``MatMul(x, Transpose(W))`` of a constant ``W`` by ``MatMul(x, Wᵀ)``, with ``Wᵀ`` a new
+    initializer. torch's exporter writes a tied output projection (the LM head sharing the token
+    embedding) that way; ONNX Runtime folds the Transpose at load time, but the quantizers only
+    quantize a MatMul whose weight is an initializer, so they skipped the largest MatMul of a
+    small LM (SmolLM2's head is 28M of its 135M weights). The embedding's Gather keeps ``W``.
+    Returns how many MatMuls were changed."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    changed = 0
+    for node in graph.node:
+        if node.op_type != "MatMul":
+            continue
+        transpose = producers.get(node.input[1])
+        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in inits:
+            continue
+        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), [1, 0])
+        weight = numpy_helper.to_array(inits[transpose.input[0]])
+        if weight.ndim != 2 or perm != [1, 0]:
+            continue
+        name = f"{transpose.input[0]}.transposed"
+        if name not in inits:
+            inits[name] = numpy_helper.from_array(weight.T.copy(), name)
+            graph.initializer.append(inits[name])
+        node.input[1] = name
+        changed += 1
+    if changed:  # drop the Transposes nothing reads any more
+        read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+        dead = [n for n in graph.node if n.op_type == "Transpose" and not any(o in read for o in n.output)]
+        for n in dead:
+            graph.node.remove(n)
+    return changed
+
+
+def _load_untied(src: Path) -> Any:
+    import onnx
+
+    model = onnx.load(str(src))  # external data loaded too: the copies below need the values
+    materialize_transposed_weights(model)
+    return model
+
+
 @in_scratch_directory
 def quantize_int8(src: Path, dst: Path, per_channel: bool) -> None:
     """ONNX Runtime's dynamic int8 of MatMul/Attention weights (activations quantized at run time
@@ -123,16 +168,33 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
 
 
 @in_scratch_directory
-def quantize_int4(src: Path, dst: Path, block_size: int, accuracy_level: int) -> None:
-    """Weight-only 4-bit MatMul weights (MatMulNBits, symmetric, one scale per ``block_size`` weights);
-    activations stay float. On CPU, decoding reads every weight once per token, so 4-bit weights cut the
-    bytes read per token by ~8× against fp32. ``accuracy_level`` 4 lets the kernel compute in int8."""
-    import onnx
+def quantize_int8_weights(src: Path, dst: Path, block_size: int, accuracy_level: int) -> None:
+    """Weight-only 8-bit MatMul weights (MatMulNBits with bits=8, symmetric, one scale per
+    ``block_size`` weights), for decoders. Dynamic int8 (``quantize_int8``) quantizes every
+    activation per tensor to uint8, and a Llama-family residual stream carries a few outlier
+    channels that take the whole range: SmolLM2's perplexity went from 26 to 11 million. Here the
+    activations stay float (``accuracy_level`` 4: quantized per block of 32 inside the kernel)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level, bits=8)
+    with _root_logger_at(logging.ERROR):
+        quantizer = MatMulNBitsQuantizer(_load_untied(src), algo_config=config)
+        quantizer.process()
+    quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
+
+
+@in_scratch_directory
+def quantize_int4(src: Path, dst: Path, block_size: int, accuracy_level: int, symmetric: bool = True,
+                  exclude: tuple[str, ...] = ()) -> None:
+    """Weight-only 4-bit MatMul weights (MatMulNBits, one scale per ``block_size`` weights, and one
+    zero point too unless ``symmetric``); activations stay float. On CPU, decoding reads every
+    weight once per token, so 4-bit weights cut the bytes read per token by ~8× against fp32.
+    ``accuracy_level`` 4 lets the kernel compute in int8. ``exclude``: MatMul nodes left in fp32."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     with _root_logger_at(logging.ERROR):
-        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=block_size, is_symmetric=True,
-                                         accuracy_level=accuracy_level)
+        quantizer = MatMulNBitsQuantizer(_load_untied(src), block_size=block_size, is_symmetric=symmetric,
+                                         accuracy_level=accuracy_level, nodes_to_exclude=list(exclude))
         quantizer.process()
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
 
