@@ -111,8 +111,9 @@ def quantize_per_row(src: Path, dst: Path, min_size: int = 0) -> int:
     graph.initializer.extend([numpy_helper.from_array(np.array(_TINY), "row_int8/tiny"),
                               numpy_helper.from_array(np.array(_QMAX), "row_int8/qmax"),
                               numpy_helper.from_array(np.array(128.0, dtype=np.float32), "row_int8/offset"),
-                              numpy_helper.from_array(np.array(128, dtype=np.uint8), "row_int8/zero_point"),
-                              numpy_helper.from_array(np.array([-1], dtype=np.int64), "row_int8/last_axis")])
+                              numpy_helper.from_array(np.array(128, dtype=np.uint8), "row_int8/zero_point")])
+    if opset >= 18:  # ReduceMax's axes input; below 18 an unused initializer makes ORT warn at every load
+        graph.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "row_int8/last_axis"))
     del graph.node[:]
     graph.node.extend(nodes)
     if has_external_data(src):  # keep the artifact's layout: weights beside the graph
