@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from modelkiln.net import free_port
+from modelkiln.net import free_port, wait_until_ready
+from modelkiln.tune.sweep import process_memory_mb
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 API_KEY = "faultsuite-key"
@@ -71,35 +71,14 @@ class KilnServer:
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.started = time.monotonic()
-        self._wait_ready(timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kiln serve exited {self.proc.returncode}: {self.log()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v2/health/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"kiln serve was not ready after {timeout:.0f}s: {self.log()[-3000:]}")
-            time.sleep(0.1)
+        wait_until_ready(self.proc, f"http://127.0.0.1:{self.port}", timeout, "kiln serve",
+                         lambda: self.log()[-3000:], self.stop)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def rss_mb(self) -> float | None:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return None
+        return process_memory_mb(self.proc.pid, "VmRSS")
 
     def log(self) -> str:
         if not self._log.closed:

@@ -10,14 +10,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import KilnError
-from ..net import free_port
+from ..net import free_port, wait_until_ready
 
 
 class RayProcess:
@@ -31,23 +27,8 @@ class RayProcess:
             [sys.executable, "-m", "modelkiln", "ray", *args, "--port", str(self.port)],
             env={**clean, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)
-        self._wait_ready(timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise KilnError(f"kiln ray exited with {self.proc.returncode}: {self.output()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise KilnError(f"kiln ray was not ready after {timeout:.0f}s: {self.output()[-3000:]}")
-            time.sleep(0.5)
+        # slower polls than kiln serve's: a cluster takes tens of seconds to come up
+        wait_until_ready(self.proc, self.url, timeout, "kiln ray", lambda: self.output()[-3000:], self.stop, poll_s=0.5)
 
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")

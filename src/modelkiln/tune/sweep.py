@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 from ..errors import KilnError
 from ..loadtest.api import LoadtestOptions, run_loadtest
 from ..loadtest.runner import RunResult, StepResult
-from ..net import free_port
+from ..net import free_port, wait_until_ready
 
 
 
@@ -119,26 +118,7 @@ class ServeProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k in ("KILN_CACHE_DIR", "KILN_DATA_DIR")}
         self.proc = subprocess.Popen([sys.executable, "-m", "modelkiln", "serve", *args, *extra_args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready(timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        import urllib.error
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise KilnError(f"kiln serve exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise KilnError(f"kiln serve was not ready after {timeout:.0f}s: {self.log_tail()}")
-            time.sleep(0.1)
+        wait_until_ready(self.proc, self.url, timeout, "kiln serve", self.log_tail, self.stop)
 
     def log_tail(self, chars: int = 2000) -> str:
         try:
