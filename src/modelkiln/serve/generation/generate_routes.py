@@ -23,7 +23,7 @@ from starlette.responses import Response
 from ...errors import InvalidInputError
 from ...tasks import text_generation as contract
 from ..dataplane import DataPlane
-from .http import CLIENT_CLOSED, GONE, json_body, sse, sse_response, unless_gone
+from .http import json_body, sse, sse_response, whole_answer
 from .model import GenerationModel, Stream
 
 
@@ -63,15 +63,7 @@ def register(app: FastAPI, plane: DataPlane) -> None:
                     "finish_reason": stream.finish_reason, "prompt_tokens": stream.prompt_tokens,
                     "completion_tokens": stream.completion_tokens}
 
-        try:
-            answer = await unless_gone(request, whole())
-        except BaseException:
-            model.record(False, time.perf_counter() - started)
-            raise
-        model.record(True, time.perf_counter() - started)
-        if answer is GONE:
-            return Response(status_code=CLIENT_CLOSED)
-        return Response(orjson.dumps(answer), media_type="application/json")
+        return await whole_answer(request, model, whole(), started, orjson.dumps)
 
     @app.post("/v2/models/{name}/generate_stream")
     @app.post("/v2/models/{name}/versions/{version}/generate_stream")

@@ -9,16 +9,17 @@ answer is awaited next to a watcher of ``receive()`` for the same reason."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from ...errors import InvalidInputError, KilnError, PayloadTooLargeError
 from ..errors import error_response
-from .model import Stream
+from .model import GenerationModel, Stream
 
 T = TypeVar("T")
 GONE: Any = object()  # what ``unless_gone`` returns when the client left first
@@ -81,3 +82,19 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def whole_answer(request: Request, model: GenerationModel, work: Awaitable[dict[str, Any]], started: float,
+                       encode: Callable[[dict[str, Any]], bytes]) -> Response:
+    """The non-streamed answer of a generation route: ``work`` unless the client leaves first
+    (then nothing is sent and the metrics count a 499), recorded in the model's statistics as a
+    success or failure since ``started`` (time.perf_counter)."""
+    try:
+        answer = await unless_gone(request, work)
+    except BaseException:
+        model.record(False, time.perf_counter() - started)
+        raise
+    model.record(True, time.perf_counter() - started)
+    if answer is GONE:
+        return Response(status_code=CLIENT_CLOSED)
+    return Response(encode(answer), media_type="application/json")

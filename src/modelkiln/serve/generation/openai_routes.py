@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from ...errors import InvalidInputError
 from ..dataplane import DataPlane
-from .http import CLIENT_CLOSED, GONE, json_body, sse, sse_response, unless_gone
+from .http import json_body, sse, sse_response, whole_answer
 from .model import GenerationModel, Stream
 
 DONE = b"data: [DONE]\n\n"
@@ -120,15 +120,7 @@ def register(app: FastAPI, plane: DataPlane) -> None:
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             return {**head, "choices": [choice], "usage": _usage(stream)}
 
-        try:
-            answer = await unless_gone(request, whole())
-        except BaseException:
-            model.record(False, time.perf_counter() - started)
-            raise
-        model.record(True, time.perf_counter() - started)
-        if answer is GONE:
-            return Response(status_code=CLIENT_CLOSED)
-        return Response(_json(answer), media_type="application/json")
+        return await whole_answer(request, model, whole(), started, _json)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
