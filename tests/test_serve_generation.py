@@ -299,22 +299,32 @@ def test_queue_full_answers_503_with_retry_after(one_slot):
 
 
 def test_sigterm_finishes_running_streams(artifact):
+    """SIGTERM while three streams run: each still gets every token, then the server exits 0.
+
+    The clients connect first and start together (a barrier), and ask for most of the context, so
+    that on a slow machine no stream ends before the others have started."""
     srv = GrpcServer([f"{MODEL}={artifact}", "--variant", "fp32", "--max-batch-size", "4"])
     outcomes: list = []
+    max_tokens = 1000
+    start = threading.Barrier(3)
 
     def stream() -> None:
-        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
-                "model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}) as response:
-            outcomes.append(sse_events(response))
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            client.get("/v2/health/ready")  # the connection exists before the race starts
+            start.wait()
+            with client.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as response:
+                outcomes.append(sse_events(response))
 
     threads = [threading.Thread(target=stream) for _ in range(3)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 30
     while metric(srv, "vllm:num_requests_running") < 3:
+        assert not outcomes, "a stream ended before all three were running: the machine outran the test"
         assert time.monotonic() < deadline
-        time.sleep(0.02)
+        time.sleep(0.01)
     srv.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(60)
@@ -324,4 +334,4 @@ def test_sigterm_finishes_running_streams(artifact):
     for events in outcomes:
         assert events[-1] == "[DONE]"
         usage = json.loads(events[-2])["usage"]
-        assert usage["completion_tokens"] == 300
+        assert usage["completion_tokens"] == max_tokens
