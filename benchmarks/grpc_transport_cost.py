@@ -24,6 +24,7 @@ import os
 import re
 import resource
 import shutil
+import statistics
 import socket
 import subprocess
 import sys
@@ -137,16 +138,52 @@ def floor_server(kind: str, port: int) -> None:
         asyncio.run(main())
 
 
+def report(rows: list[dict], rounds: int) -> str:
+    """Medians per (part, connections, protocol), then the per-round gRPC/HTTP ratios."""
+    lines = ["| part | connections | protocol | requests/s (median) | mean latency ms (median) | server CPU ms/request "
+             "(median) | server main thread | h2load CPU ms/request | rounds (req/s) | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for part, levels in (("floor", (16,)), ("kiln", (1, 16))):
+        for c in levels:
+            for kind in ("http", "grpc"):
+                mine = [x for x in rows if x["part"] == part and x["connections"] == c and x["protocol"] == kind]
+                med = {k: statistics.median(x[k] for x in mine)
+                       for k in ("requests_per_s", "mean_ms", "server_cpu_ms", "h2load_cpu_ms")}
+                main_thread = statistics.median(x["server_cpu_ms_by_thread"].get("main", 0.0) for x in mine)
+                lines.append(f"| {part} | {c} | {kind} | {med['requests_per_s']:.1f} | {med['mean_ms']:.2f} | "
+                             f"{med['server_cpu_ms']:.3f} | {main_thread:.3f} | {med['h2load_cpu_ms']:.3f} | "
+                             + ", ".join(f"{x['requests_per_s']:.0f}" for x in mine)
+                             + f" | {sum(x['requests'] - x['ok'] for x in mine)} |")
+    lines += ["", "| part | connections | gRPC / HTTP requests/s per round | median | server CPU per request per round "
+              "| median |", "|---|---|---|---|---|---|"]
+    for part, levels in (("floor", (16,)), ("kiln", (1, 16))):
+        for c in levels:
+            pick = {(x["round"], x["protocol"]): x for x in rows if x["part"] == part and x["connections"] == c}
+            tput = [pick[(r + 1, "grpc")]["requests_per_s"] / pick[(r + 1, "http")]["requests_per_s"]
+                    for r in range(rounds)]
+            cpu = [pick[(r + 1, "grpc")]["server_cpu_ms"] / pick[(r + 1, "http")]["server_cpu_ms"]
+                   for r in range(rounds)]
+            lines.append(f"| {part} | {c} | " + ", ".join(f"{v:.2f}" for v in tput) + f" | {statistics.median(tput):.2f} | "
+                         + ", ".join(f"{v:.2f}" for v in cpu) + f" | {statistics.median(cpu):.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=6)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "grpc-transport-cost")
+    ap.add_argument("--report", type=Path, help="only print the tables of a saved .json run")
     ap.add_argument("--floor-server", nargs=2, help=argparse.SUPPRESS)  # internal: KIND PORT
     args = ap.parse_args()
     if args.floor_server:
         floor_server(args.floor_server[0], int(args.floor_server[1]))
+        return
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        for row in saved["rows"]:  # runs saved before h2load's 2xx count was clamped to the requests done
+            row["ok"] = min(row["ok"], row["requests"])
+        print(report(saved["rows"], max(row["round"] for row in saved["rows"])))
         return
     if shutil.which("h2load") is None:
         sys.exit("h2load not found: apt-get install nghttp2-client")
@@ -211,33 +248,7 @@ def main() -> None:
                     record("kiln", r, c, kind, m)
     load = Path("/proc/loadavg").read_text().split()[:3]
 
-    import statistics
-
-    lines = ["| part | connections | protocol | requests/s (median) | mean latency ms (median) | server CPU ms/request "
-             "(median) | server main thread | h2load CPU ms/request | rounds (req/s) | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for part, levels in (("floor", (16,)), ("kiln", (1, 16))):
-        for c in levels:
-            for kind in ("http", "grpc"):
-                mine = [x for x in rows if x["part"] == part and x["connections"] == c and x["protocol"] == kind]
-                med = {k: statistics.median(x[k] for x in mine)
-                       for k in ("requests_per_s", "mean_ms", "server_cpu_ms", "h2load_cpu_ms")}
-                main_thread = statistics.median(x["server_cpu_ms_by_thread"].get("main", 0.0) for x in mine)
-                lines.append(f"| {part} | {c} | {kind} | {med['requests_per_s']:.1f} | {med['mean_ms']:.2f} | "
-                             f"{med['server_cpu_ms']:.3f} | {main_thread:.3f} | {med['h2load_cpu_ms']:.3f} | "
-                             + ", ".join(f"{x['requests_per_s']:.0f}" for x in mine)
-                             + f" | {sum(x['requests'] - x['ok'] for x in mine)} |")
-    lines += ["", "| part | connections | gRPC / HTTP requests/s per round | median | server CPU per request per round "
-              "| median |", "|---|---|---|---|---|---|"]
-    for part, levels in (("floor", (16,)), ("kiln", (1, 16))):
-        for c in levels:
-            pick = {(x["round"], x["protocol"]): x for x in rows if x["part"] == part and x["connections"] == c}
-            tput = [pick[(r + 1, "grpc")]["requests_per_s"] / pick[(r + 1, "http")]["requests_per_s"]
-                    for r in range(args.rounds)]
-            cpu = [pick[(r + 1, "grpc")]["server_cpu_ms"] / pick[(r + 1, "http")]["server_cpu_ms"]
-                   for r in range(args.rounds)]
-            lines.append(f"| {part} | {c} | " + ", ".join(f"{v:.2f}" for v in tput) + f" | {statistics.median(tput):.2f} | "
-                         + ", ".join(f"{v:.2f}" for v in cpu) + f" | {statistics.median(cpu):.2f} |")
-    table = "\n".join(lines)
+    table = report(rows, args.rounds)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"rows": rows, "settings": SETTINGS, "text": text,
