@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import resource
 import statistics
 import tempfile
 from pathlib import Path
@@ -27,6 +29,19 @@ KILN_PROTOCOLS = ("oip-json", "oip-binary", "grpc")
 TRITON_PROTOCOLS = ("oip-binary", "grpc")
 # kiln serve's defaults on 2 cores, spelled out so that Triton gets the same
 SETTINGS = {"instances": 2, "threads": 1, "max_batch_size": 32, "max_queue_delay_ms": 0.0}
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def own_cpu_s() -> float:
+    """This process's CPU time: the load generator (its grpc threads included) shares the server's cores."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def start_triton(artifact: Path, variant: str, stack: contextlib.ExitStack):
@@ -55,6 +70,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "grpc-vs-http")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
 
     from modelkiln.manifest import Manifest
     from modelkiln.triton.repository import model_name
@@ -65,48 +81,81 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         kiln = stack.enter_context(ServeProcess(args.artifact.resolve(), args.name, {**SETTINGS, "variant": variant},
                                                 grpc=True))
-        # (label, protocol, http url, grpc address, model name)
-        targets = [("kiln", p, kiln.url, kiln.grpc_url, args.name) for p in KILN_PROTOCOLS]
+        # (label, protocol, http url, grpc address, model name, server pid)
+        targets = [("kiln", p, kiln.url, kiln.grpc_url, args.name, kiln.proc.pid) for p in KILN_PROTOCOLS]
         if args.triton:
             triton = start_triton(args.artifact, variant, stack)
-            targets += [("triton", p, f"http://{triton.url}", f"127.0.0.1:{triton.grpc_port}", model_name(manifest))
-                        for p in TRITON_PROTOCOLS]
+            targets += [("triton", p, f"http://{triton.url}", f"127.0.0.1:{triton.grpc_port}", model_name(manifest),
+                         None) for p in TRITON_PROTOCOLS]  # its python-backend stubs are other processes
         for r in range(args.rounds):
             order = targets[r % len(targets):] + targets[:r % len(targets)]
             for c in levels:
-                for server, protocol, url, grpc_url, model in order:
+                for server, protocol, url, grpc_url, model, pid in order:
                     opts = LoadtestOptions(url=url, model=model, loads=(Load("concurrency", float(c)),),
                                            protocol=protocol, grpc_url=grpc_url, inputs="sts",
                                            warmup_s=1.0, window_s=args.window, stable_windows=3, max_windows=6)
+                    server_cpu0, client_cpu0 = process_cpu_s(pid) if pid else 0.0, own_cpu_s()
                     step = run_loadtest(opts).steps[0]
+                    # CPU per request over the whole step (warm-up included: ``sent`` counts it too)
+                    server_ms = (process_cpu_s(pid) - server_cpu0) / step.sent * 1e3 if pid else None
+                    client_ms = (own_cpu_s() - client_cpu0) / step.sent * 1e3
                     rows.append({"round": r + 1, "concurrency": c, "server": server, "protocol": protocol,
                                  "requests_per_s": step.throughput, "p50_ms": step.latency.p50 if step.latency else None,
                                  "p99_ms": step.latency.p99 if step.latency else None, "stable": step.stable,
-                                 "errors": step.errors})
+                                 "errors": step.errors, "server_cpu_ms": server_ms, "client_cpu_ms": client_ms})
                     print(f"round {r + 1} c={c:<3} {server:<6} {protocol:<10} {step.throughput:7.1f} req/s  "
                           f"p50 {rows[-1]['p50_ms']:.2f} ms  p99 {rows[-1]['p99_ms']:.2f} ms  "
-                          f"{'stable' if step.stable else 'UNSTABLE'} errors={step.errors}", flush=True)
+                          f"{'stable' if step.stable else 'UNSTABLE'} errors={step.errors}  CPU/request: server "
+                          f"{'-' if server_ms is None else f'{server_ms:.2f}'} ms, client {client_ms:.2f} ms", flush=True)
         memory = process_memory_mb(kiln.proc.pid, "VmRSS")
 
-    lines = ["| concurrency | server | protocol | requests/s (median) | p50 ms | p99 ms | rounds (req/s) | errors |",
-             "|---|---|---|---|---|---|---|---|"]
+    def median(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = ["| concurrency | server | protocol | requests/s (median) | p50 ms | p99 ms | rounds (req/s) | errors "
+             "| server CPU ms/request | load generator CPU ms/request |", "|---|---|---|---|---|---|---|---|---|---|"]
     pairs = [("kiln", p) for p in KILN_PROTOCOLS] + ([("triton", p) for p in TRITON_PROTOCOLS] if args.triton else [])
     for c in levels:
         for server, protocol in pairs:
             mine = [x for x in rows if x["concurrency"] == c and x["protocol"] == protocol and x["server"] == server]
-            med = {k: statistics.median(x[k] for x in mine) for k in ("requests_per_s", "p50_ms", "p99_ms")}
+            med = {k: median([x[k] for x in mine]) for k in ("requests_per_s", "p50_ms", "p99_ms", "server_cpu_ms",
+                                                              "client_cpu_ms")}
             lines.append(f"| {c} | {server} | {protocol} | {med['requests_per_s']:.1f} | {med['p50_ms']:.2f} | "
                          f"{med['p99_ms']:.2f} | " + ", ".join(f"{x['requests_per_s']:.0f}" for x in mine)
-                         + f" | {sum(sum(x['errors'].values()) for x in mine)} |")
+                         + f" | {sum(sum(x['errors'].values()) for x in mine)} | {ms(med['server_cpu_ms'])} | "
+                         f"{ms(med['client_cpu_ms'])} |")
+    # Per-round ratios on the same kiln server, measured minutes apart at most: the drift of this VM
+    # cancels in them, not in the medians above.
+    lines += ["", "| concurrency | gRPC / HTTP | requests/s ratio per round | median | p50 ratio per round | median |",
+              "|---|---|---|---|---|---|"]
+    for c in levels:
+        for http in ("oip-binary", "oip-json"):
+            by_round = {}
+            for x in rows:
+                if x["concurrency"] == c and x["server"] == "kiln":
+                    by_round.setdefault(x["round"], {})[x["protocol"]] = x
+            tput = [r["grpc"]["requests_per_s"] / r[http]["requests_per_s"] for r in by_round.values()]
+            p50 = [r["grpc"]["p50_ms"] / r[http]["p50_ms"] for r in by_round.values()]
+            lines.append(f"| {c} | grpc / {http} | " + ", ".join(f"{v:.2f}" for v in tput)
+                         + f" | {statistics.median(tput):.2f} | " + ", ".join(f"{v:.2f}" for v in p50)
+                         + f" | {statistics.median(p50):.2f} |")
     table = "\n".join(lines)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     load = Path("/proc/loadavg").read_text().split()[:3]
     args.out.with_suffix(".json").write_text(json.dumps({"rows": rows, "kiln_rss_mb": memory, "variant": variant,
-                                                         "settings": SETTINGS, "loadavg_after": load}, indent=1))
+                                                         "settings": SETTINGS, "loadavg_before": load_before,
+                                                         "loadavg_after": load}, indent=1))
     args.out.with_suffix(".txt").write_text(
         f"python benchmarks/grpc_vs_http.py --artifact {args.artifact} --rounds {args.rounds}"
-        f"{' --triton' if args.triton else ''}\nvariant {variant}, {SETTINGS}; load average after: {' '.join(load)}\n\n"
+        f"{' --concurrency ' + args.concurrency if args.concurrency != '1,16' else ''}{' --triton' if args.triton else ''}\n"
+        f"variant {variant}, {SETTINGS}; load average before: {' '.join(load_before)}, after: {' '.join(load)}\n"
+        "CPU per request: utime+stime over the whole step (warm-up included) / requests sent; the load generator is\n"
+        "this process (kiln loadtest, its grpc threads included) and shares the server's 2 cores.\n\n"
         f"{table}\n")
 
 

@@ -135,6 +135,42 @@ def test_aio_client_and_metrics_protocol_label(server):
         line for line in metrics.splitlines() if "grpc" in line]
 
 
+
+def _metric_values(url: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of the server's /metrics as (name, its labels) → value, whatever the label order."""
+    import re
+
+    import httpx
+
+    values = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        match = re.fullmatch(r"([\w:]+)(?:\{(.*)\})? (\S+)", line)
+        if match and not line.startswith("#"):
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+            values[(match.group(1), labels)] = float(match.group(3))
+    return values
+
+
+def test_request_metrics_count_every_grpc_call(server):
+    """The servicer keeps its labelled metric children between calls: each call must still count
+    once, under its own model and status, and every answered infer is timed."""
+    ok = ("kiln_requests_total", frozenset({("model", "emb"), ("route", "infer"), ("status", "OK"), ("protocol", "grpc")}))
+    missing = ("kiln_requests_total", frozenset({("model", "metrics-nope"), ("route", "infer"), ("status", "NOT_FOUND"),
+                                                 ("protocol", "grpc")}))
+    timed = ("kiln_request_duration_seconds_count", frozenset({("model", "emb"), ("route", "infer"), ("protocol", "grpc")}))
+    before = _metric_values(server.url)
+    inputs = _inputs(grpcclient, protocol.tensors_from_inputs(TASKS["emb"], ["a b c"]))
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        for _ in range(3):
+            client.infer("emb", inputs)
+        for _ in range(2):
+            with pytest.raises(InferenceServerException):
+                client.infer("metrics-nope", inputs)
+    after = _metric_values(server.url)
+    assert after[ok] - before.get(ok, 0.0) == 3
+    assert after[missing] - before.get(missing, 0.0) == 2
+    assert after[timed] - before.get(timed, 0.0) == 3
+
 def _proto_request(case: ErrorCase) -> service_pb2.ModelInferRequest:
     """An error case's OIP JSON tensors, as they are, in a ModelInferRequest (typed contents)."""
     body = case.body

@@ -28,6 +28,8 @@ _CONTENTS_FIELD = {
 # -- parameters -------------------------------------------------------------------------------------
 def parameters_from_proto(params: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if not params:  # the common case; iterating an empty protobuf map still costs µs
+        return out
     for key, value in params.items():
         choice = value.WhichOneof("parameter_choice")
         out[key] = getattr(value, choice) if choice else None

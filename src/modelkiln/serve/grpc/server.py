@@ -55,6 +55,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.plane = plane
         self.api_key = api_key.encode() if api_key else None
         self.metrics = metrics
+        # prometheus_client's ``labels(...)`` validates and hashes its arguments on every call (a few
+        # µs, twice per request): keep the labelled children, bounded as model names come from clients.
+        self._requests_child = functools.lru_cache(maxsize=1024)(
+            lambda model, route, status: metrics.requests.labels(model, route, status, "grpc"))
+        self._seconds_child = functools.lru_cache(maxsize=256)(
+            lambda model, route: metrics.request_seconds.labels(model, route, "grpc"))
 
     # Every method goes through ``_call``: auth, metrics, and errors → status codes in one place.
     async def _call(self, method: str, context: grpc.aio.ServicerContext, model: str,
@@ -77,9 +83,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             self.metrics.in_flight.dec()
             route = _route_name(method)
-            self.metrics.requests.labels(model, route, status.name, "grpc").inc()
+            self._requests_child(model, route, status.name).inc()
             if method in _TIMED:
-                self.metrics.request_seconds.labels(model, route, "grpc").observe(time.perf_counter() - started)
+                self._seconds_child(model, route).observe(time.perf_counter() - started)
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
         return await self._call("ServerLive", context, "", _now(lambda: pb.ServerLiveResponse(live=self.plane.live())))
