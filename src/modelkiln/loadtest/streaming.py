@@ -108,19 +108,22 @@ class StreamRecord:
         return self.done if self.protocol != "generate" else self.finish_reason is not None
 
     def event(self, raw: bytes, t: float) -> None:
-        """One SSE event (the bytes before its blank line)."""
+        """One SSE event (the bytes before its blank line). An event of several lines is a framing
+        fault here (each chunk must be its own event); its ``data:`` lines are still read one by
+        one, so that the stream's text and timing are not lost as well."""
         lines = raw.split(b"\n")
         if len(lines) != 1 or not raw.startswith(b"data: "):
             self.framing.append(f"an event that is not one 'data: ' line: {raw[:80]!r}")
-            data = b"\n".join(line[6:] if line.startswith(b"data: ") else line[5:] for line in lines
-                              if line.startswith(b"data:"))
-            if not data:
-                return  # a comment or an event with no data: nothing to read
-        else:
-            data = raw[6:]
+            for line in lines:
+                if line.startswith(b"data:"):
+                    self._data(line[5:].removeprefix(b" "), t)
+            return
+        self._data(raw[6:], t)
+
+    def _data(self, data: bytes, t: float) -> None:
         if self.done:
             self.events_after_done += 1
-            self.framing.append(f"an event after data: [DONE]: {raw[:80]!r}")
+            self.framing.append(f"an event after data: [DONE]: {data[:80]!r}")
             return
         if data.strip() == b"[DONE]":
             if self.protocol == "generate":
@@ -275,6 +278,7 @@ class StreamConnection(asyncio.Protocol):
         if self.status == 200 and self.sse.strip():
             self._record.framing.append(f"the stream ended inside an event (no blank line after it): "
                                         f"{bytes(self.sse[:80])!r}")
+            self._record.event(bytes(self.sse).strip(b"\n"), time.perf_counter())  # still read it
         if self.close_after:
             self.abort()
         if not self._done.done():
