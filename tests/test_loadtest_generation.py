@@ -27,7 +27,7 @@ from modelkiln.loadtest.report import SUMMARY_KEYS, read_json
 from modelkiln.loadtest.runner import Load
 from modelkiln.loadtest.streaming import StreamRecord
 
-SHORT = dict(warmup_s=0.2, window_s=0.6, stable_windows=2, max_windows=2)
+SHORT = dict(warmup_s=0.2, window_s=0.5, stable_windows=2, max_windows=2)
 GENERATION = ("openai-chat", "openai-completions", "generate")
 
 
@@ -140,7 +140,7 @@ def fake():
     proc.wait(timeout=10)
 
 
-FAKE = dict(inputs="sts", max_inputs=4, warmup_s=0.1, window_s=0.4, stable_windows=2, max_windows=1)
+FAKE = dict(inputs="sts", max_inputs=4, warmup_s=0.1, window_s=0.3, stable_windows=2, max_windows=1)
 
 
 @pytest.mark.parametrize("protocol, fault, kind", [

@@ -16,7 +16,7 @@ from .runner import Load, Measurement, RunConfig, RunResult, StepResult, model_m
 from .streaming import build_requests, is_generation
 
 MAX_BODIES = 4096  # distinct request bodies pre-built per run (cycled); bounds memory for big files
-GENERATION_PROMPTS = 64  # generation: distinct prompts per run unless --max-inputs (--check takes each alone first)
+GENERATION_PROMPTS = 32  # generation: distinct prompts per run unless --max-inputs (--check takes each alone first)
 
 
 @dataclass(frozen=True, kw_only=True)

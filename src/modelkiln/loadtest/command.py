@@ -29,7 +29,7 @@ def loadtest(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generation: always generate --max-tokens tokens (fixed lengths) instead of stopping at the end of the answer."),
     check: bool = typer.Option(False, "--check", help="Take each request's answer alone first (greedy), then compare every answer under load with it "
                                "(generation: text, SSE framing, usage; encoders: cosine >= 0.99999, labels); adds a mismatches column."),
-    timeout: float = typer.Option(30.0, help="Seconds per request before it counts as a timeout."),
+    timeout: Optional[float] = typer.Option(None, help="Seconds per request before it counts as a timeout. Default 30; generation 300."),
     max_connections: int = typer.Option(256, help="Open loop: most requests outstanding at once."),
     seed: int = typer.Option(0, help="Seed of the Poisson arrivals."),
     metrics_url: str = typer.Option("auto", help="Prometheus endpoint for the server breakdown: auto (URL/metrics), none, or a URL (Triton: http://host:8002/metrics)."),
@@ -58,6 +58,7 @@ def loadtest(
     window = window if window is not None else 8.0 if generation else 2.0
     stable_windows = stable_windows if stable_windows is not None else 2 if generation else 3
     max_windows = max_windows if max_windows is not None else 4 if generation else 10
+    timeout = timeout if timeout is not None else 300.0 if generation else 30.0
     if concurrency and rate:
         raise KilnError("give --concurrency (closed loop) or --rate (open loop), not both")
     loads = tuple(Load("rate", v) for v in parse_levels(rate, "--rate")) if rate else tuple(

@@ -296,6 +296,7 @@ class StreamConnection(asyncio.Protocol):
         try:
             return await asyncio.wait_for(asyncio.shield(self._done), timeout)
         except asyncio.TimeoutError:
+            self._done.cancel()  # nobody waits for it any more
             self.abort()
             raise TimeoutError("no complete answer in time") from None
         finally:
