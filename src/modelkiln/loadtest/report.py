@@ -65,7 +65,7 @@ def _check(s: StepResult) -> str:
 def print_generation_table(console: Any, result: RunResult) -> None:
     from rich.table import Table
 
-    sources = {s.generation.tokens_from for s in result.steps if s.generation}
+    sources = {s.generation.tokens_from for s in result.steps if s.generation and s.generation.tokens_from}
     length = (f"max_tokens {result.max_tokens if result.max_tokens is not None else 'server default'}"
               f"{', ignore_eos' if result.ignore_eos else ', natural lengths'}")
     table = Table(title=escape(f"{result.label}: {result.model} at {result.url} ({result.protocol}, {result.inputs}, "

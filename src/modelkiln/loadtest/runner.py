@@ -125,7 +125,7 @@ class GenerationStats:
     itl: Latency | None
     output_tokens_per_s: float
     output_tokens_per_request: float  # mean, of the streams that ended in the measured windows
-    tokens_from: str  # "usage" (the server's final count) | "chunks" (token chunks counted) | "mixed"
+    tokens_from: str | None  # "usage" (the server's final count) | "chunks" (text events counted) | "mixed" | None (none ended)
 
 
 @dataclass
@@ -150,6 +150,7 @@ class StepResult:
     mismatches: int | None = None  # ... those that differed ...
     mismatch_kinds: dict[str, int] | None = None  # ... by kind (check.py)
     stream_errors: int | None = None  # generation: streams that began and then failed (whole step)
+    window_s: float | None = None  # the length of each measurement window (generation: adapted to the requests)
 
     @property
     def load(self) -> Load:
@@ -228,13 +229,14 @@ async def run_step(cfg: RunConfig, load: Load, requests: Sequence[bytes], inputs
         workers = [asyncio.create_task(open_loop(state, host, port, cfg.timeout_s, cfg.max_connections, in_flight))]
     try:
         await asyncio.sleep(cfg.warmup_s)
+        window_s = await _generation_window(cfg, load, state) if generation else cfg.window_s
         measure_before = await _scrape(cfg.metrics_url, cfg.headers)
         marks = [(time.perf_counter(), len(state.codes), len(state.lags))]
         tputs: list[float] = []
         p95s: list[float] = []
         stable = False
         while len(marks) - 1 < cfg.max_windows:
-            await asyncio.sleep(cfg.window_s)
+            await asyncio.sleep(window_s)
             marks.append((time.perf_counter(), len(state.codes), len(state.lags)))
             (t0, i0, _), (t1, i1, _) = marks[-2], marks[-1]
             codes = np.asarray(state.codes[i0:i1])
@@ -286,7 +288,30 @@ async def run_step(cfg: RunConfig, load: Load, requests: Sequence[bytes], inputs
         mismatches=sum(p is not None for p in checked) if checker is not None else None,
         mismatch_kinds=dict(Counter(p for p in checked if p is not None)) if checker is not None else None,
         stream_errors=int((all_codes == MID_STREAM_CODE).sum()) if generation else None,
+        window_s=window_s,
     )
+
+
+WINDOW_REQUESTS = 4  # generation: requests a measurement window should see end, at the least
+
+
+async def _generation_window(cfg: RunConfig, load: Load, state: StepState) -> float:
+    """The window length of a generation step, long enough to see ``max(concurrency, 4)`` requests
+    end: a request takes seconds, and a window that sees none or one cannot be compared with the
+    next. Closed loop: the warm-up goes on until ``concurrency`` requests have ended (every client
+    about one: the streams no longer start together), then the window is
+    ``max(--window, mean latency × max(c, 4) / c)``. Open loop: ``max(--window, 4 / rate)``."""
+    if load.mode == "rate":
+        return max(cfg.window_s, WINDOW_REQUESTS / load.value)
+    clients = int(load.value)
+    deadline = time.perf_counter() + cfg.timeout_s
+    while len(state.codes) < clients and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)
+    codes = np.asarray(state.codes)
+    ended = np.asarray(state.latencies)[(codes >= 200) & (codes < 300)]
+    if not ended.size:
+        return cfg.window_s
+    return max(cfg.window_s, float(ended.mean()) * max(clients, WINDOW_REQUESTS) / clients)
 
 
 def _generation_stats(state: StepState, i0: int, i1: int, t0: float, t1: float) -> GenerationStats:
@@ -303,7 +328,7 @@ def _generation_stats(state: StepState, i0: int, i1: int, t0: float, t1: float) 
         ttft=Latency.of(ttft), itl=Latency.of(np.concatenate(gaps)) if gaps else None,
         output_tokens_per_s=tokens / (t1 - t0),
         output_tokens_per_request=float(np.mean([r.output_tokens for r in ended])) if ended else 0.0,
-        tokens_from=sources.pop() if len(sources) == 1 else ("mixed" if sources else "-"))
+        tokens_from=sources.pop() if len(sources) == 1 else ("mixed" if sources else None))
 
 
 async def model_metadata(url: str, model: str, headers: Sequence[tuple[str, str]] = ()) -> dict | None:
