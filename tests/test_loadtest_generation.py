@@ -213,7 +213,9 @@ def test_stream_record_framing():
     r.event(b"data: [DONE]", 3.0)
     r.event(b'data: {"choices":[]}', 4.0)
     assert r.text == "ab" and r.token_times == [1.0, 2.0] and r.done and r.events_after_done == 1
-    assert len(r.framing) == 2 and check.stream_faults(r)[-1].startswith("no usage chunk")
+    assert len(r.framing) == 2 and check.stream_faults(r) == r.framing
+    r.completion_tokens = 1  # fewer tokens than text chunks
+    assert check.stream_faults(r)[-1] == "usage says 1 tokens but 2 text chunks arrived"
 
 
 def test_compare_vectors_and_labels():
