@@ -175,6 +175,14 @@ def test_good_fake_passes_and_cli_prints_mismatches(fake):
     assert "mismatch: request" in r.stdout and "wrong" in r.stdout
 
 
+def test_triton_like_generate_stream_counts_chunks(fake):
+    """Triton's events carry text only: the end of the response ends the stream, tokens are counted."""
+    step = run_loadtest(LoadtestOptions(url=fake, model="triton-like", protocol="generate", check=True,
+                                        loads=(Load("concurrency", 2),), **FAKE)).steps[0]
+    assert step.errors == {} and step.stream_errors == 0 and step.mismatches == 0 and step.checked > 0
+    assert step.generation.tokens_from == "chunks" and step.generation.output_tokens_per_request == 6
+
+
 def test_encoder_check_catches_a_changed_vector(fake):
     alone, loaded = run_loadtest(LoadtestOptions(url=fake, model="wrong-text", protocol="oip-json", check=True,
                                                  loads=(Load("concurrency", 1), Load("concurrency", 4)), **FAKE)).steps
