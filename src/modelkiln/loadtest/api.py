@@ -13,8 +13,10 @@ from . import inputs as text_inputs
 from .client import parse_url, render_request, run_async
 from .protocols import InputLayout, PreparedRequest, make_protocol
 from .runner import Load, Measurement, RunConfig, RunResult, StepResult, model_metadata, run_step
+from .streaming import build_requests, is_generation
 
 MAX_BODIES = 4096  # distinct request bodies pre-built per run (cycled); bounds memory for big files
+GENERATION_PROMPTS = 32  # generation: distinct prompts per run unless --max-inputs (--check takes each alone first)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +33,13 @@ class LoadtestOptions(Measurement):
     metrics_url: str | None = "auto"  # auto: URL/metrics; None: none
     label: str | None = None
     stop_p99_ms: float | None = None  # stop the sweep after the first step above this p99
+    max_tokens: int | None = None  # generation: tokens per answer (None: the server's default)
+    ignore_eos: bool = False  # generation: fixed lengths (max_tokens each) rather than natural ones
+    check: bool = False  # compare every answer with its request's reference taken alone (check.py)
+
+    @property
+    def generation(self) -> bool:
+        return is_generation(self.protocol)
 
 
 def parse_header(value: str) -> tuple[str, str]:
@@ -50,6 +59,10 @@ async def prepare(opts: LoadtestOptions) -> tuple[list[PreparedRequest], int]:
     feed wrk and hey the very same bytes) and the number of texts they came from."""
     host, port, prefix = parse_url(opts.url)
     base = f"http://{host}:{port}{prefix}"
+    if opts.generation:  # one prompt per request; a SQuAD (question, context) pair makes one prompt
+        items = text_inputs.select(text_inputs.load_items(opts.inputs, question_answering=True), opts.length,
+                                   opts.max_inputs if opts.max_inputs is not None else GENERATION_PROMPTS, opts.seed)
+        return build_requests(opts.protocol, opts.model, items, opts.max_tokens, opts.ignore_eos), len(items)
     metadata = await model_metadata(base, opts.model, opts.headers)
     if metadata is None:
         print(f"warning: no metadata for model '{opts.model}' at {base}; sending TEXT with shape [n]",
@@ -76,16 +89,29 @@ async def _run(opts: LoadtestOptions, on_step: Callable[[StepResult], None] | No
                                                (*p.headers, *opts.headers)) for p in prepared]
     metrics_url = (f"{base}/metrics" if opts.metrics_url == "auto" else
                    None if opts.metrics_url in (None, "", "none") else opts.metrics_url)
-    cfg = RunConfig(**opts.measurement(), url=base, model=opts.model, metrics_url=metrics_url,
-                    route="predict" if opts.protocol == "task" else "infer",
-                    grpc_target=grpc_target(opts.url, opts.grpc_url) if grpc else None)
+    route = {"task": "predict", "openai-chat": "chat_completions", "openai-completions": "completions",
+             "generate": "generate"}.get(opts.protocol, "infer")
+    cfg = RunConfig(**opts.measurement(), url=base, model=opts.model, metrics_url=metrics_url, route=route,
+                    grpc_target=grpc_target(opts.url, opts.grpc_url) if grpc else None, protocol=opts.protocol)
     source = opts.inputs or "samples"
+    checker = None
+    if opts.check:
+        from . import check
+
+        if opts.generation:
+            checker = await check.generation_references(base, raws, opts.protocol, opts.timeout_s, opts.max_tokens,
+                                                        opts.ignore_eos)
+        else:
+            checker = await check.encoder_references(base, raws, opts.protocol, opts.timeout_s,
+                                                     cfg.grpc_target, opts.headers)
     result = RunResult(label=opts.label or f"{opts.model}@{host}:{port}", url=base, model=opts.model,
                        protocol=opts.protocol, inputs=f"{source}, {opts.length}, {texts} texts",
-                       batch=opts.batch, started=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                       batch=opts.batch, started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       max_tokens=opts.max_tokens if opts.generation else None,
+                       ignore_eos=opts.ignore_eos if opts.generation else None, check=opts.check)
     for load in opts.loads:
         window_cb = (lambda i, t, p, load=load: on_window(load, i, t, p)) if on_window else None
-        step = await run_step(cfg, load, raws, opts.batch, window_cb)
+        step = await run_step(cfg, load, raws, opts.batch, window_cb, checker)
         result.steps.append(step)
         if on_step is not None:
             on_step(step)
@@ -93,4 +119,6 @@ async def _run(opts: LoadtestOptions, on_step: Callable[[StepResult], None] | No
             break  # nothing succeeds: more load will not help
         if opts.stop_p99_ms is not None and step.latency is not None and step.latency.p99 > opts.stop_p99_ms:
             break
+    if checker is not None:
+        result.mismatch_examples = list(checker.examples)
     return result

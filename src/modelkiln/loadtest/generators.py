@@ -17,12 +17,19 @@ import asyncio
 import collections
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+
+from typing import TYPE_CHECKING, Any
 
 from .client import Connection, Outcome
 
+if TYPE_CHECKING:
+    from .check import Checker
+    from .streaming import StreamRecord
+
 CONNECT_ERROR = 0  # status code recorded for requests that got no HTTP answer
 TIMEOUT = -1
+MID_STREAM_CODE = -2  # a stream that began (200), then carried an error event or was cut short
 
 
 def error_code(exc: BaseException) -> int:
@@ -32,15 +39,26 @@ def error_code(exc: BaseException) -> int:
 
 
 def status_name(code: int) -> str:
-    return {CONNECT_ERROR: "connection", TIMEOUT: "timeout"}.get(code, str(code))
+    return {CONNECT_ERROR: "connection", TIMEOUT: "timeout", MID_STREAM_CODE: "mid-stream"}.get(code, str(code))
+
+
+# sends one request on a connection (None: open one), records it from start (None: from the send)
+# and returns the connection to reuse
+Sender = Callable[["StepState", Any, str, int, float, "float | None"], Awaitable[Any]]
 
 
 class StepState:
     """What one step sends and records, shared by its generators. Appends only: the event loop is
-    single-threaded."""
+    single-threaded. ``problems`` (a ``--check`` verdict, None when fine or unchecked) and
+    ``streams`` (a generation request's StreamRecord) run parallel to ``codes``."""
 
-    def __init__(self, requests: Sequence[bytes], rate: float | None, seed: int):
+    def __init__(self, requests: Sequence[bytes], rate: float | None, seed: int,
+                 checker: Checker | None = None, protocol: str = ""):
         self.requests = requests
+        self.checker = checker
+        self.protocol = protocol
+        self.problems: list[str | None] = []
+        self.streams: list[StreamRecord | None] = []
         self.index = 0
         self.stop = False
         self.ends: list[float] = []
@@ -53,36 +71,57 @@ class StepState:
         self.next_t = 0.0
 
     def next_request(self) -> bytes:
-        raw = self.requests[self.index]
-        self.index = (self.index + 1) % len(self.requests)
-        return raw
+        return self.next_indexed()[1]
+
+    def next_indexed(self) -> tuple[int, bytes]:
+        """The next request and its index (which --check's reference to compare the answer with)."""
+        index = self.index
+        self.index = (index + 1) % len(self.requests)
+        return index, self.requests[index]
 
     def next_arrival(self) -> float:
         assert self.rate is not None
         self.next_t += self.rng.expovariate(self.rate)
         return self.next_t
 
-    def record(self, start: float, end: float, code: int) -> None:
+    def record(self, start: float, end: float, code: int, problem: str | None = None) -> None:
         self.ends.append(end)
         self.latencies.append(end - start)
         self.codes.append(code)
+        self.problems.append(problem)
+        self.streams.append(None)
+
+    def record_answer(self, start: float, end: float, code: int, index: int, body: bytes) -> None:
+        """A whole (non-streamed) answer, checked against its reference when --check is on."""
+        problem = self.checker.verify(index, body) if self.checker is not None and 200 <= code < 300 else None
+        self.record(start, end, code, problem)
+
+    def record_stream(self, index: int, stream: StreamRecord, code: int) -> None:
+        problem = (self.checker.verify_stream(index, stream)
+                   if self.checker is not None and code in (200, MID_STREAM_CODE) else None)
+        self.record(stream.start, stream.end, code, problem)
+        self.streams[-1] = stream
 
 
-async def send_one(state: StepState, conn: Connection | None, host: str, port: int, timeout: float
-                ) -> tuple[Connection | None, int, float]:
-    """One request on ``conn`` (opened if needed) → (connection to reuse, status code, end time)."""
-    raw = state.next_request()
+async def send_one(state: StepState, conn: Connection | None, host: str, port: int, timeout: float,
+                   start: float | None = None) -> Connection | None:
+    """One request on ``conn`` (opened if needed), recorded into ``state`` with its latency from
+    ``start`` (default: when it is sent) → the connection to reuse."""
+    index, raw = state.next_indexed()
     try:
         if conn is None or conn.closed:
             conn = await asyncio.wait_for(Connection.open(host, port), timeout)
+            conn.keep_body = state.checker is not None
         state.sent += 1
+        start = time.perf_counter() if start is None else start
         response = await conn.request(raw, timeout)
-        return conn, response.status, time.perf_counter()
+        state.record_answer(start, time.perf_counter(), response.status, index, response.body)
+        return conn
     except (TimeoutError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
-        code = error_code(exc)
+        state.record(time.perf_counter() if start is None else start, time.perf_counter(), error_code(exc))
     if conn is not None:
         conn.abort()  # its response may still come: never reuse it
-    return None, code, time.perf_counter()
+    return None
 
 
 class ClosedLoop:
@@ -96,6 +135,7 @@ class ClosedLoop:
         self.host, self.port, self.timeout = host, port, timeout
         self.conn: Connection | None = None
         self.started = 0.0
+        self.index = 0  # of the request in flight
         self.last_code = 0
         self._chain: asyncio.Future[None] | None = None
 
@@ -106,6 +146,7 @@ class ClosedLoop:
                 start = time.perf_counter()
                 try:
                     self.conn = await asyncio.wait_for(Connection.open(self.host, self.port), self.timeout)
+                    self.conn.keep_body = self.state.checker is not None  # --check reads every answer
                 except (OSError, asyncio.TimeoutError):
                     self.state.record(start, time.perf_counter(), CONNECT_ERROR)
                     await asyncio.sleep(0.01)  # a dead server must not turn the loop into a busy spin
@@ -127,7 +168,8 @@ class ClosedLoop:
         assert self.conn is not None
         self.state.sent += 1
         self.started = time.perf_counter()
-        self.conn.send(self.state.next_request(), self._done)
+        self.index, raw = self.state.next_indexed()
+        self.conn.send(raw, self._done)
 
     def _done(self, outcome: Outcome) -> None:
         end = time.perf_counter()
@@ -135,9 +177,10 @@ class ClosedLoop:
         if isinstance(outcome, BaseException):
             self.last_code = error_code(outcome)
             self.conn.abort()  # its response may still come: never reuse it
+            self.state.record(self.started, end, self.last_code)
         else:
             self.last_code = outcome.status
-        self.state.record(self.started, end, self.last_code)
+            self.state.record_answer(self.started, end, self.last_code, self.index, outcome.body)
         if not (self.state.stop or self.conn.closed):
             self._fire()
         elif self._chain is not None and not self._chain.done():
@@ -160,10 +203,10 @@ class Pool:
     def __init__(self, limit: int):
         self.limit = limit
         self.opened = 0
-        self.idle: list[Connection | None] = []  # None: a slot whose connection must be (re)opened
-        self.waiters: collections.deque[asyncio.Future[Connection | None]] = collections.deque()
+        self.idle: list[Any] = []  # None: a slot whose connection must be (re)opened
+        self.waiters: collections.deque[asyncio.Future[Any]] = collections.deque()
 
-    async def acquire(self) -> Connection | None:
+    async def acquire(self) -> Any:
         if self.idle:
             return self.idle.pop()
         if self.opened < self.limit:
@@ -173,7 +216,7 @@ class Pool:
         self.waiters.append(waiter)
         return await waiter
 
-    def release(self, conn: Connection | None) -> None:
+    def release(self, conn: Any) -> None:
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():
@@ -188,14 +231,13 @@ class Pool:
 
 
 async def open_loop(state: StepState, host: str, port: int, timeout: float, limit: int,
-                     in_flight: set[asyncio.Task[None]]) -> None:
-    """Fire arrivals at their Poisson times, each on a free connection (its own task)."""
+                    in_flight: set[asyncio.Task[None]], send: Sender = send_one) -> None:
+    """Fire arrivals at their Poisson times, each on a free connection (its own task); ``send``
+    sends and records one request (``send_one``, or ``streaming.send_stream`` for generation)."""
     pool = Pool(limit)
 
-    async def one(conn: Connection | None, start: float) -> None:
-        conn, code, end = await send_one(state, conn, host, port, timeout)
-        state.record(start, end, code)
-        pool.release(conn)
+    async def one(conn: Any, start: float | None) -> None:
+        pool.release(await send(state, conn, host, port, timeout, start))
 
     try:
         while not state.stop:
@@ -207,10 +249,9 @@ async def open_loop(state: StepState, host: str, port: int, timeout: float, limi
             if state.stop:
                 pool.release(conn)
                 break
-            now = time.perf_counter()
-            late = now - scheduled
+            late = time.perf_counter() - scheduled
             if delay > 0 and late < 2e-3:
-                start = now  # on time up to the event loop's timer resolution: that jitter is ours
+                start = None  # on time up to the event loop's timer resolution: that jitter is ours
                 state.lags.append(0.0)
             else:
                 start = scheduled  # every connection was busy: the wait is part of the latency

@@ -72,13 +72,19 @@ def _channel(target: str) -> grpc.aio.Channel:
 
 
 async def _send(call: grpc.aio.UnaryUnaryMultiCallable, state: StepState, metadata: tuple[tuple[str, str], ...],
-                timeout: float) -> int:
+                timeout: float, start: float | None = None) -> int:
+    """One ModelInfer call, recorded (and checked under --check) → its HTTP-equivalent code."""
+    index, raw = state.next_indexed()
     state.sent += 1
+    start = time.perf_counter() if start is None else start
     try:
-        await call(state.next_request(), timeout=timeout, metadata=metadata or None)
+        answer = await call(raw, timeout=timeout, metadata=metadata or None)
+        state.record_answer(start, time.perf_counter(), 200, index, answer)
         return 200
     except grpc.aio.AioRpcError as exc:
-        return _HTTP_EQUIVALENT.get(exc.code(), CONNECT_ERROR)
+        code = _HTTP_EQUIVALENT.get(exc.code(), CONNECT_ERROR)
+        state.record(start, time.perf_counter(), code)
+        return code
 
 
 def _metadata(headers: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
@@ -91,9 +97,7 @@ async def closed_loop(state: StepState, target: str, headers: Sequence[tuple[str
         call = channel.unary_unary(METHOD)  # bytes in, bytes out: no (de)serializer
         metadata = _metadata(headers)
         while not state.stop:
-            start = time.perf_counter()
             code = await _send(call, state, metadata, timeout)
-            state.record(start, time.perf_counter(), code)
             if code == CONNECT_ERROR:
                 await asyncio.sleep(0.01)  # a dead server must not turn the loop into a busy spin
 
@@ -107,10 +111,9 @@ async def open_loop(state: StepState, target: str, headers: Sequence[tuple[str, 
     slots = asyncio.Semaphore(limit)
     metadata = _metadata(headers)
 
-    async def one(k: int, start: float) -> None:
+    async def one(k: int, start: float | None) -> None:
         try:
-            code = await _send(calls[k % len(calls)], state, metadata, timeout)
-            state.record(start, time.perf_counter(), code)
+            await _send(calls[k % len(calls)], state, metadata, timeout, start)
         finally:
             slots.release()
 
@@ -128,7 +131,7 @@ async def open_loop(state: StepState, target: str, headers: Sequence[tuple[str, 
             late = time.perf_counter() - scheduled
             waited = delay <= 0 or late >= 2e-3
             state.lags.append(late if waited else 0.0)
-            task = asyncio.create_task(one(k, scheduled if waited else time.perf_counter()))
+            task = asyncio.create_task(one(k, scheduled if waited else None))
             k += 1
             in_flight.add(task)
             task.add_done_callback(in_flight.discard)

@@ -22,6 +22,7 @@ from ..errors import KilnError
 from .inputs import Item
 
 PROTOCOLS = ("oip-json", "oip-binary", "task", "grpc")
+GENERATION_PROTOCOLS = ("openai-chat", "openai-completions", "generate")  # streamed text generation (streaming.py)
 
 
 @dataclass(frozen=True)
@@ -144,4 +145,4 @@ def make_protocol(name: str, model: str, layout: InputLayout) -> Protocol:
     for cls in (OipJson, OipBinary, TaskRoute):
         if cls.name == name:
             return cls(model, layout)
-    raise KilnError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got '{name}'")
+    raise KilnError(f"--protocol must be one of {', '.join(PROTOCOLS + GENERATION_PROTOCOLS)}, got '{name}'")

@@ -15,14 +15,18 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import KilnError
-from . import server_metrics
+from . import server_metrics, streaming
 from .client import fetch, parse_url
-from .generators import ClosedLoop, StepState, open_loop, status_name, watchdog
+from .generators import MID_STREAM_CODE, ClosedLoop, StepState, open_loop, status_name, watchdog
+from .streaming import is_generation
+
+if TYPE_CHECKING:
+    from .check import Checker
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class RunConfig(Measurement):
     metrics_url: str | None = None  # None: no server breakdown
     route: str | None = None  # kiln serve route label to count (infer | predict)
     grpc_target: str | None = None  # host:port: requests are gRPC ModelInfer calls (grpc_load)
+    protocol: str = ""  # a generation protocol (streaming.GENERATION_PROTOCOLS): requests are streams
 
 
 @dataclass
@@ -108,6 +113,21 @@ class Latency:
 
 
 @dataclass
+class GenerationStats:
+    """A generation step, as genai-perf reports one. TTFT and request latency are those of the
+    streams that ended in the measured windows; ITL are all gaps between consecutive token chunks
+    of those streams; output tokens/s counts the tokens that *arrived* in the measured windows,
+    from every stream (also those that began before or ended after), so that a window shorter
+    than a few requests still counts what the server produced in it."""
+
+    ttft: Latency | None
+    itl: Latency | None
+    output_tokens_per_s: float
+    output_tokens_per_request: float  # mean, of the streams that ended in the measured windows
+    tokens_from: str | None  # "usage" (the server's final count) | "chunks" (text events counted) | "mixed" | None (none ended)
+
+
+@dataclass
 class StepResult:
     mode: str
     value: float
@@ -124,6 +144,12 @@ class StepResult:
     late_fraction: float | None = None  # open loop: arrivals sent >1 ms late because every connection was busy
     server: server_metrics.ServerBreakdown | None = None  # measured windows
     server_total: server_metrics.ServerBreakdown | None = None  # whole step, scraped while idle
+    generation: GenerationStats | None = None  # generation protocols
+    checked: int | None = None  # --check: answers compared with their reference (whole step) ...
+    mismatches: int | None = None  # ... those that differed ...
+    mismatch_kinds: dict[str, int] | None = None  # ... by kind (check.py)
+    stream_errors: int | None = None  # generation: streams that began and then failed (whole step)
+    window_s: float | None = None  # the length of each measurement window (generation: adapted to the requests)
 
     @property
     def load(self) -> Load:
@@ -140,6 +166,10 @@ class RunResult:
     batch: int
     started: str
     steps: list[StepResult] = field(default_factory=list)
+    max_tokens: int | None = None  # generation
+    ignore_eos: bool | None = None  # generation
+    check: bool = False
+    mismatch_examples: list[str] = field(default_factory=list)  # --check: the first few, in words
 
 
 async def _scrape(url: str | None, headers: Sequence[tuple[str, str]] = ()) -> server_metrics.Snapshot | None:
@@ -160,10 +190,12 @@ def _stable(tputs: list[float], p95s: list[float], tolerance: float) -> bool:
 
 
 async def run_step(cfg: RunConfig, load: Load, requests: Sequence[bytes], inputs_per_request: int,
-                   on_window: Callable[[int, float, float], None] | None = None) -> StepResult:
+                   on_window: Callable[[int, float, float], None] | None = None,
+                   checker: Checker | None = None) -> StepResult:
     host, port, _ = parse_url(cfg.url)
     rate = load.value if load.mode == "rate" else None
-    state = StepState(requests, rate, cfg.seed)
+    state = StepState(requests, rate, cfg.seed, checker, cfg.protocol)
+    generation = is_generation(cfg.protocol)
     idle_before = await _scrape(cfg.metrics_url, cfg.headers)
     guard = None
     if cfg.grpc_target is not None:  # gRPC's own deadlines bound each call: no watchdog
@@ -177,6 +209,15 @@ async def run_step(cfg: RunConfig, load: Load, requests: Sequence[bytes], inputs
             in_flight = set()
             workers = [asyncio.create_task(grpc_load.open_loop(state, cfg.grpc_target, cfg.headers, cfg.timeout_s,
                                                                cfg.max_connections, in_flight))]
+    elif generation:  # streams: each waits for its own answer (seconds), no callback chain needed
+        if rate is None:
+            workers = [asyncio.create_task(streaming.closed_loop(state, host, port, cfg.timeout_s))
+                       for _ in range(int(load.value))]
+        else:
+            state.next_t = time.perf_counter()
+            in_flight = set()
+            workers = [asyncio.create_task(open_loop(state, host, port, cfg.timeout_s, cfg.max_connections,
+                                                     in_flight, send=streaming.send_stream))]
     elif rate is None:
         loops = [ClosedLoop(state, host, port, cfg.timeout_s) for _ in range(int(load.value))]
         workers = [asyncio.create_task(c.run()) for c in loops]
@@ -187,13 +228,14 @@ async def run_step(cfg: RunConfig, load: Load, requests: Sequence[bytes], inputs
         workers = [asyncio.create_task(open_loop(state, host, port, cfg.timeout_s, cfg.max_connections, in_flight))]
     try:
         await asyncio.sleep(cfg.warmup_s)
+        window_s = await _generation_window(cfg, load, state) if generation else cfg.window_s
         measure_before = await _scrape(cfg.metrics_url, cfg.headers)
         marks = [(time.perf_counter(), len(state.codes), len(state.lags))]
         tputs: list[float] = []
         p95s: list[float] = []
         stable = False
         while len(marks) - 1 < cfg.max_windows:
-            await asyncio.sleep(cfg.window_s)
+            await asyncio.sleep(window_s)
             marks.append((time.perf_counter(), len(state.codes), len(state.lags)))
             (t0, i0, _), (t1, i1, _) = marks[-2], marks[-1]
             codes = np.asarray(state.codes[i0:i1])
@@ -228,6 +270,8 @@ async def run_step(cfg: RunConfig, load: Load, requests: Sequence[bytes], inputs
     measured = t1 - t0
     requests_ok = int(success.sum())
     route = cfg.route
+    all_codes = np.asarray(state.codes, dtype=np.int64)
+    checked = [p for c, p in zip(state.codes, state.problems) if 200 <= c < 300 or c == MID_STREAM_CODE]
     return StepResult(
         mode=load.mode, value=load.value, throughput=requests_ok / measured,
         inputs_per_s=requests_ok * inputs_per_request / measured, requests=requests_ok,
@@ -238,7 +282,52 @@ async def run_step(cfg: RunConfig, load: Load, requests: Sequence[bytes], inputs
                 if measure_before is not None and measure_after is not None else None),
         server_total=(server_metrics.breakdown(idle_before, idle_after, cfg.model, route)
                       if idle_before is not None and idle_after is not None else None),
+        generation=_generation_stats(state, i0, i1, t0, t1) if generation else None,
+        checked=len(checked) if checker is not None else None,
+        mismatches=sum(p is not None for p in checked) if checker is not None else None,
+        mismatch_kinds=dict(Counter(p for p in checked if p is not None)) if checker is not None else None,
+        stream_errors=int((all_codes == MID_STREAM_CODE).sum()) if generation else None,
+        window_s=window_s,
     )
+
+
+WINDOW_REQUESTS = 4  # generation: requests a measurement window should see end, at the least
+
+
+async def _generation_window(cfg: RunConfig, load: Load, state: StepState) -> float:
+    """The window length of a generation step, long enough to see ``max(concurrency, 4)`` requests
+    end: a request takes seconds, and a window that sees none or one cannot be compared with the
+    next. Closed loop: the warm-up goes on until ``concurrency`` requests have ended (every client
+    about one: the streams no longer start together), then the window is
+    ``max(--window, mean latency × max(c, 4) / c)``. Open loop: ``max(--window, 4 / rate)``."""
+    if load.mode == "rate":
+        return max(cfg.window_s, WINDOW_REQUESTS / load.value)
+    clients = int(load.value)
+    deadline = time.perf_counter() + cfg.timeout_s
+    while len(state.codes) < clients and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)
+    codes = np.asarray(state.codes)
+    ended = np.asarray(state.latencies)[(codes >= 200) & (codes < 300)]
+    if not ended.size:
+        return cfg.window_s
+    return max(cfg.window_s, float(ended.mean()) * max(clients, WINDOW_REQUESTS) / clients)
+
+
+def _generation_stats(state: StepState, i0: int, i1: int, t0: float, t1: float) -> GenerationStats:
+    ended = [r for c, r in zip(state.codes[i0:i1], state.streams[i0:i1]) if c == 200 and r is not None]
+    ttft = np.asarray([r.token_times[0] - r.start for r in ended if r.token_times])
+    gaps = [np.diff(r.token_times) for r in ended if len(r.token_times) > 1]
+    tokens = 0.0
+    for code, r in zip(state.codes, state.streams):  # every stream of the step: tokens that arrived in [t0, t1]
+        if code == 200 and r is not None and r.token_times:
+            times = np.asarray(r.token_times)
+            tokens += r.output_tokens / times.size * int(((times >= t0) & (times < t1)).sum())
+    sources = {"usage" if r.completion_tokens is not None else "chunks" for r in ended}
+    return GenerationStats(
+        ttft=Latency.of(ttft), itl=Latency.of(np.concatenate(gaps)) if gaps else None,
+        output_tokens_per_s=tokens / (t1 - t0),
+        output_tokens_per_request=float(np.mean([r.output_tokens for r in ended])) if ended else 0.0,
+        tokens_from=sources.pop() if len(sources) == 1 else ("mixed" if sources else None))
 
 
 async def model_metadata(url: str, model: str, headers: Sequence[tuple[str, str]] = ()) -> dict | None:
