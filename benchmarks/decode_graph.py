@@ -4,7 +4,10 @@ decode_only=True)``), builds the same variant from it (int4: the GGUF's blocks p
 ``kiln convert`` does), and times decode steps at batch 1, past 128, of both graphs in
 interleaved rounds.
 
-    python benchmarks/decode_graph.py ARTIFACT --out FOLDER [--variant int4] [--rounds 5] [--threads 2]
+    python benchmarks/decode_graph.py ARTIFACT --out FOLDER [--variant int4] [--one-graph PATH]
+        [--accuracy-level 4] [--rounds 5] [--threads 2]
+
+``--one-graph``: the one graph to compare with, when it is not the artifact's variant of that name.
 
 FOLDER receives the decode graph (weights: as large as the artifact's; never commit it)."""
 
@@ -27,12 +30,13 @@ def main() -> None:
     parser.add_argument("artifact")
     parser.add_argument("--out", required=True)
     parser.add_argument("--variant", default="int4", choices=["fp32", "int4"])
+    parser.add_argument("--one-graph", type=Path, default=None)
+    parser.add_argument("--accuracy-level", type=int, default=4, help="int4: MatMulNBits accuracy level")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
     model = TextGenerationModel(args.artifact)
-    variant = model.manifest.variant(args.variant)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fp32 = out / "decode.onnx"
@@ -44,8 +48,9 @@ def main() -> None:
         graph = out / "decode.int4.onnx"
         if not graph.exists():
             gguf = Path(model.manifest.source["model"])
-            pack_gguf_blocks(fp32, graph, gguf, int(variant.details["accuracy_level"]))
-    backends = {f"one graph {args.variant}": OnnxBackend(model, args.variant, args.threads),
+            pack_gguf_blocks(fp32, graph, gguf, args.accuracy_level)
+    one_graph = OnnxBackend(model, None if args.one_graph else args.variant, args.threads, path=args.one_graph)
+    backends = {f"one graph {args.variant}": one_graph,
                 f"decode graph {args.variant}": OnnxBackend(model, None, args.threads, path=graph)}
     past = real_token_windows(model, 128, 1)
     rates: dict[str, list[float]] = {name: [] for name in backends}
