@@ -1,17 +1,21 @@
 """The acceptance ratios of text generation, measured in interleaved rounds (the machine is shared:
 a burst of load from elsewhere hits every backend of a round alike, so compare within rounds).
 
-    python benchmarks/generation_acceptance.py ARTIFACT [--variant int4] [--rounds 5] [--threads 2]
+    python benchmarks/generation_acceptance.py ARTIFACT [--variant int4 --variant int8 ...]
+        [--onnx NAME=PATH ...] [--rounds 5] [--threads 2] [--no-prefill]
 
 Per round and backend: decode tokens/s at batch 1 with a past of 128 (16 steps) and the latency of
-a 512-token prefill. Backends: the ONNX variant through the engine, PyTorch ``generate``, and
-llama.cpp on the artifact's GGUF file (when the artifact came from one and llama-cpp-python is
-installed). Prints every round and the median of the per-round ratios."""
+a 512-token prefill. Backends: each ONNX variant through the engine (``--onnx``: a candidate graph
+file that is not in the artifact, e.g. the same int4 at another accuracy level), PyTorch
+``generate``, and llama.cpp on the artifact's GGUF file (when the artifact came from one and
+llama-cpp-python is installed). Prints every round and the median of the per-round ratios of
+each ONNX backend against every other backend."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
 from modelkiln.bench.generation import OnnxBackend, real_token_windows
 from modelkiln.bench.generation_backends import LlamaCppBackend, TorchBackend, gguf_path, llama_cpp_available
@@ -21,15 +25,23 @@ from modelkiln.generation.model import TextGenerationModel
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("artifact")
-    parser.add_argument("--variant", default=None)
+    parser.add_argument("--variant", action="append", default=[], help="a variant of the artifact (repeatable)")
+    parser.add_argument("--onnx", action="append", default=[], help="NAME=PATH: another graph file (repeatable)")
+    parser.add_argument("--no-prefill", action="store_true", help="decode only")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
     model = TextGenerationModel(args.artifact)
-    variant, _ = model.variant_path(args.variant)
-    backends = {f"onnxruntime {variant}": OnnxBackend(model, variant, args.threads),
-                "pytorch": TorchBackend(model, args.threads)}
+    backends: dict = {}
+    for wanted in args.variant or [None]:
+        variant, _ = model.variant_path(wanted)
+        backends[f"onnxruntime {variant}"] = OnnxBackend(model, variant, args.threads)
+    for spec in args.onnx:
+        name, path = spec.split("=", 1)
+        backends[f"onnxruntime {name}"] = OnnxBackend(model, None, args.threads, path=Path(path))
+    ours = list(backends)
+    backends["pytorch"] = TorchBackend(model, args.threads)
     gguf = gguf_path(model.manifest.source)
     if gguf and llama_cpp_available():
         backends["llama.cpp"] = LlamaCppBackend(gguf, args.threads, 1024)
@@ -44,16 +56,17 @@ def main() -> None:
         for name in names:
             steps = backends[name].decode_step_seconds(past, args.steps)
             decode[name].append(1.0 / statistics.median(steps))
-            prefill[name].append(backends[name].prefill_seconds(prompt))
+            prefill[name].append(float("nan") if args.no_prefill else backends[name].prefill_seconds(prompt))
         print(f"round {round_ + 1}: " + "; ".join(
             f"{n} {decode[n][-1]:.1f} tok/s, prefill 512 {prefill[n][-1]:.2f} s" for n in backends), flush=True)
-    ours = f"onnxruntime {variant}"
-    for other in (n for n in backends if n != ours):
-        d = [a / b for a, b in zip(decode[ours], decode[other])]
-        p = [b / a for a, b in zip(prefill[ours], prefill[other])]
-        print(f"{ours} vs {other}: decode batch 1 tokens/s ×{statistics.median(d):.2f} "
-              f"(rounds {', '.join(f'{x:.2f}' for x in d)}); prefill 512 speed ×{statistics.median(p):.2f} "
-              f"(rounds {', '.join(f'{x:.2f}' for x in p)})")
+    for i, mine in enumerate(ours):
+        for other in (n for n in backends if n not in ours[:i + 1]):
+            d = [a / b for a, b in zip(decode[mine], decode[other])]
+            line = f"{mine} vs {other}: decode batch 1 tokens/s ×{statistics.median(d):.2f} (rounds {', '.join(f'{x:.2f}' for x in d)})"
+            if not args.no_prefill:
+                p = [b / a for a, b in zip(prefill[mine], prefill[other])]
+                line += f"; prefill 512 speed ×{statistics.median(p):.2f} (rounds {', '.join(f'{x:.2f}' for x in p)})"
+            print(line)
     print("medians: " + "; ".join(f"{n} {statistics.median(decode[n]):.1f} tok/s, prefill 512 "
                                   f"{statistics.median(prefill[n]):.2f} s" for n in backends))
 

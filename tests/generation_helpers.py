@@ -134,9 +134,11 @@ def make_tiny_causal_lm(folder: Path, family: str) -> Path:
     return folder
 
 
-def write_tiny_gguf(path: Path) -> Path:
+def write_tiny_gguf(path: Path, matrices: str = "F32", embedding: str = "F32") -> Path:
     """A tiny random Llama (GQA) as a GGUF file, byte-level BPE tokenizer and chat template in its metadata,
-    written with the ``gguf`` package the way llama.cpp's converter writes one (HF weight layout)."""
+    written with the ``gguf`` package the way llama.cpp's converter writes one (HF weight layout).
+    ``matrices`` / ``embedding``: the GGUF type of the layers' weight matrices / of the token
+    embedding (tied to the LM head, as in SmolLM2's Q4_1 file, whose embedding is Q8_0)."""
     import gguf
     import numpy as np
 
@@ -166,23 +168,29 @@ def write_tiny_gguf(path: Path) -> Path:
     w.add_chat_template(CHAT_TEMPLATE)
     rng = np.random.default_rng(0)
 
-    def tensor(name: str, *shape: int, scale: float = 0.1) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+    def tensor(name: str, *shape: int, scale: float = 0.1, kind: str = "F32") -> None:
+        values = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if kind == "F32":
+            w.add_tensor(name, values)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(name, gguf.quantize(values, qtype), raw_dtype=qtype)
 
-    tensor("token_embd.weight", n_vocab, hidden, scale=1.0)
+    tensor("token_embd.weight", n_vocab, hidden, scale=1.0, kind=embedding)
     head_dim = hidden // heads
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-        tensor(f"blk.{i}.attn_q.weight", hidden, hidden)
-        tensor(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
-        tensor(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
-        tensor(f"blk.{i}.attn_output.weight", hidden, hidden)
-        tensor(f"blk.{i}.ffn_gate.weight", ff, hidden)
-        tensor(f"blk.{i}.ffn_up.weight", ff, hidden)
-        tensor(f"blk.{i}.ffn_down.weight", hidden, ff)
+        tensor(f"blk.{i}.attn_q.weight", hidden, hidden, kind=matrices)
+        tensor(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, kind=matrices)
+        tensor(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, kind=matrices)
+        tensor(f"blk.{i}.attn_output.weight", hidden, hidden, kind=matrices)
+        tensor(f"blk.{i}.ffn_gate.weight", ff, hidden, kind=matrices)
+        tensor(f"blk.{i}.ffn_up.weight", ff, hidden, kind=matrices)
+        tensor(f"blk.{i}.ffn_down.weight", hidden, ff, kind=matrices)
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-    tensor("output.weight", n_vocab, hidden, scale=1.0)
+    if embedding == "F32":  # an untied head, as before; a quantized file ties it to the embedding
+        tensor("output.weight", n_vocab, hidden, scale=1.0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

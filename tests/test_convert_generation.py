@@ -25,8 +25,8 @@ def _convert(model, out, **options):
     return convert(ConvertConfig(model=str(model), out=out, **options))
 
 
-def _engine_greedy(artifact, variant: str, ids: list[int], n: int) -> list[int]:
-    _, path = artifact.variant_path(variant)
+def _engine_greedy(artifact, variant: str, ids: list[int], n: int, path=None) -> list[int]:
+    path = path or artifact.variant_path(variant)[1]
     engine = GenerationEngine(DecoderSession(path, threads=1), artifact.max_context)
     logits, tokens = engine.add(0, ids), []
     for _ in range(n):
@@ -128,3 +128,42 @@ def test_no_variant_passing_fails_and_writes_nothing(tmp_path):
     with pytest.raises(ValidationFailedError, match="no variant passed"):
         _convert(folder, tmp_path / "art", precisions=["fp32"], generation_gate={"fp32": GateTolerance(-1.0, True)})
     assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("accuracy_level", [0, pytest.param(4, marks=pytest.mark.slow)])
+def test_q4_1_gguf_int4_packs_the_files_own_blocks(tmp_path, accuracy_level):
+    """int4 of a Q4_1 GGUF is the file's own blocks in MatMulNBits (the tied Q8_0 head as 8-bit):
+    the same weights as the fp32 graph, so the same logits (to float rounding at accuracy level 0;
+    level 4 quantizes activations to int8 inside the kernel) and the same greedy tokens."""
+    import onnx
+    import onnxruntime as ort
+
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_1", embedding="Q8_0")
+    out = tmp_path / "art"
+    manifest = _convert(gguf_path, out, precisions=["fp32", "int4"], int4_accuracy_level=accuracy_level)
+    int4 = {v.name: v for v in manifest.variants}["int4"]
+    assert int4.validation.passed and int4.details["block_size"] == 32
+    assert int4.details["from_gguf_blocks"] == {"Q4_1": 14, "Q8_0": 1}  # 2 layers × 7 matrices, the head
+    if not int4.kept:  # dropped as not faster than fp32 on a tiny model: rebuild it to compare
+        from modelkiln.convert.gguf_blocks import pack_gguf_blocks
+
+        pack_gguf_blocks(out / "model.onnx", out / "model.int4.onnx", gguf_path, accuracy_level)
+    graph = onnx.load(str(out / "model.int4.onnx"), load_external_data=False).graph
+    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 15
+    artifact = TextGenerationModel(out)
+    ids = artifact.prompt_ids(PROMPT)
+    logits = {}
+    for name in ("model.onnx", "model.int4.onnx"):
+        session = ort.InferenceSession(str(out / name), providers=["CPUExecutionProvider"])
+        feeds = {"input_ids": np.asarray([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
+                 "position_ids": np.arange(len(ids))[None]}
+        for i in session.get_inputs()[3:]:
+            feeds[i.name] = np.zeros((1, 2, 0, 8), np.float32)
+        logits[name] = session.run(["logits"], feeds)[0]
+    scale = float(np.abs(logits["model.onnx"]).max())
+    diff = float(np.abs(logits["model.int4.onnx"] - logits["model.onnx"]).max())
+    assert diff < (1e-4 if accuracy_level == 0 else 0.02) * scale, (diff, scale)
+    assert (logits["model.int4.onnx"].argmax(-1) == logits["model.onnx"].argmax(-1)).all()
+    expected = _torch_greedy(gguf_path.parent, ids, 8, gguf_file=gguf_path.name)
+    assert _engine_greedy(artifact, "fp32", ids, 8) == expected
+    assert _engine_greedy(artifact, "int4", ids, 8, path=out / "model.int4.onnx") == expected

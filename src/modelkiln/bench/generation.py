@@ -10,11 +10,13 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ContextManager
 
 import numpy as np
 
 from ..errors import KilnError
+from ..generation.decoder import DecoderSession
 from ..generation.engine import GenerationEngine
 from ..generation.model import TextGenerationModel
 from .runner import machine_info
@@ -82,8 +84,9 @@ def real_token_windows(model: TextGenerationModel, length: int, count: int) -> l
 
 
 class OnnxBackend:
-    def __init__(self, model: TextGenerationModel, variant: str, threads: int | None):
-        self.engine = GenerationEngine(model.decoder(variant, threads))
+    def __init__(self, model: TextGenerationModel, variant: str | None, threads: int | None, path: Path | None = None):
+        """``path``: a graph file to run instead of the artifact's ``variant`` (benchmarks of candidates)."""
+        self.engine = GenerationEngine(DecoderSession(path, threads=threads) if path else model.decoder(variant, threads))
 
     def prefill_seconds(self, ids: list[int]) -> float:
         started = time.perf_counter()
