@@ -10,6 +10,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -22,7 +23,7 @@ from test_serve import Server, free_port
 from generation_helpers import tiny_generation_artifact  # noqa: F401 (a session fixture)
 from modelkiln.loadtest import check
 from modelkiln.loadtest.api import LoadtestOptions, prepare, run_loadtest
-from modelkiln.loadtest.client import run_async
+from modelkiln.loadtest.client import render_request, run_async
 from modelkiln.loadtest.report import SUMMARY_KEYS, read_json
 from modelkiln.loadtest.runner import Load
 from modelkiln.loadtest.streaming import StreamRecord
@@ -74,8 +75,6 @@ def test_reference_equals_the_openai_client(server):
 
     async def references():
         prepared, _ = await prepare(opts)
-        from modelkiln.loadtest.client import render_request
-
         raws = [render_request("POST", "127.0.0.1", server.port, p.path, p.body, p.headers) for p in prepared]
         return await check.generation_references(server.url, raws, "openai-chat", 30, 8, True), prepared
 
@@ -132,8 +131,6 @@ def fake():
             pass
         if proc.poll() is not None:
             raise RuntimeError(proc.stderr.read())
-        import time
-
         time.sleep(0.05)
     yield url
     proc.terminate()
@@ -216,7 +213,9 @@ def test_stream_record_framing():
     r.event(b"data: [DONE]", 3.0)
     r.event(b'data: {"choices":[]}', 4.0)
     assert r.text == "ab" and r.token_times == [1.0, 2.0] and r.done and r.events_after_done == 1
-    assert len(r.framing) == 2 and check.stream_faults(r)[-1].startswith("no usage chunk")
+    assert len(r.framing) == 2 and check.stream_faults(r) == r.framing
+    r.completion_tokens = 1  # fewer tokens than text chunks
+    assert check.stream_faults(r)[-1] == "usage says 1 tokens but 2 text chunks arrived"
 
 
 def test_compare_vectors_and_labels():

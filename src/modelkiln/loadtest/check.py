@@ -5,8 +5,9 @@ answer is the *reference*. During the load every answer is compared with its req
 and what differs is counted in the step's ``mismatches`` column, by kind:
 
 - generation (greedy, ``temperature: 0``): ``text`` — the streamed text differs from the reference
-  text; ``usage`` — the final usage is missing (OpenAI with ``include_usage``), differs from the
-  reference's token counts, or counts fewer tokens than text chunks arrived; ``framing`` — an
+  text; ``usage`` — the final usage is missing although the reference had one, differs from the
+  reference's token counts, or counts fewer tokens than text chunks arrived (a server that never
+  sends usage gets a warning, and its tokens are counted from the chunks); ``framing`` — an
   event that is not one ``data: `` line followed by a blank line, bytes after the last blank line,
   ``data: [DONE]`` not last (OpenAI), or data that is not a JSON object. A stream that carries an
   error event or ends before its finish is not a mismatch: it is recorded as a ``mid-stream`` error.
@@ -63,8 +64,6 @@ class Checker:
 def stream_faults(record: StreamRecord) -> list[str]:
     """What is wrong with a stream on its own (framing, usage arithmetic), in words."""
     faults = list(record.framing)
-    if record.protocol != "generate" and record.complete and record.completion_tokens is None:
-        faults.append("no usage chunk although stream_options.include_usage was asked")
     if record.completion_tokens is not None and record.completion_tokens < len(record.token_times):
         faults.append(f"usage says {record.completion_tokens} tokens but {len(record.token_times)} text chunks arrived")
     return faults
@@ -86,6 +85,8 @@ class GenerationChecker(Checker):
         faults = stream_faults(record)
         if faults:
             return self._found(index, "usage", faults[0])
+        if record.completion_tokens is None and ref.completion_tokens is not None:
+            return self._found(index, "usage", "no usage, although the reference answer had one")
         if (record.completion_tokens, record.prompt_tokens) != (ref.completion_tokens, ref.prompt_tokens):
             return self._found(index, "usage", f"prompt/completion tokens {record.prompt_tokens}/"
                                                f"{record.completion_tokens} instead of {ref.prompt_tokens}/"
@@ -107,6 +108,9 @@ async def generation_references(url: str, raws: Sequence[bytes], protocol: str, 
         if status != 200 or not record.complete or faults:
             why = f"status {status}" if status != 200 else record.error or "; ".join(faults) or "the stream ended early"
             raise KilnError(f"--check: the reference answer of request {i} (sent alone) is broken: {why}")
+        if i == 0 and protocol != "generate" and record.completion_tokens is None:
+            print("warning: no usage chunk although stream_options.include_usage was asked: output tokens are "
+                  "counted from text chunks, and --check cannot compare usage", file=sys.stderr)
         if ignore_eos and max_tokens is not None and record.completion_tokens not in (None, max_tokens):
             print(f"warning: --ignore-eos --max-tokens {max_tokens}, but request {i} alone got "
                   f"{record.completion_tokens} tokens (the server ignores ignore_eos or the context is full)",

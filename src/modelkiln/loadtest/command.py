@@ -71,7 +71,7 @@ def loadtest(
         metrics_url=metrics_url, headers=tuple(parse_header(h) for h in header or []), label=label,
         stop_p99_ms=stop_p99_ms, max_tokens=max_tokens, ignore_eos=ignore_eos, check=check)
     err = Console(stderr=True)
-    out = Console(width=None if __import__("sys").stdout.isatty() else 160)
+    out = Console(width=None if __import__("sys").stdout.isatty() else 200)
 
     def on_step(step) -> None:  # type: ignore[no-untyped-def]
         p95 = f"{step.latency.p95:.2f} ms" if step.latency else "-"

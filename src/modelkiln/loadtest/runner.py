@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import KilnError
-from . import server_metrics
+from . import server_metrics, streaming
 from .client import fetch, parse_url
-from . import streaming
 from .generators import MID_STREAM_CODE, ClosedLoop, StepState, open_loop, status_name, watchdog
 from .streaming import is_generation
 
