@@ -152,6 +152,23 @@ def mlserver(args: argparse.Namespace) -> Iterator[Running]:
             yield Running(f"http://127.0.0.1:{port}", MODEL, proc.pid)
 
 
+def mlserver_one_answer(running: Running, prompt: str, max_tokens: int) -> float:
+    """MLServer's HF runtime takes Open Inference Protocol tensors (its own example's request: BYTES
+    ``args``, pipeline keyword arguments as ``hg_json`` inputs), not the generate extension's
+    ``text_input``, and answers whole (no ``predict_stream``), so `kiln loadtest` has no protocol
+    for it: this times single requests instead (seconds per whole 32-token answer, one at a time)."""
+    def kwarg(name: str, value: object) -> dict:
+        return {"name": name, "shape": [1], "datatype": "BYTES", "data": [json.dumps(value)],
+                "parameters": {"content_type": "hg_json"}}
+
+    body = {"inputs": [{"name": "args", "shape": [1], "datatype": "BYTES", "data": [prompt]},
+                       kwarg("max_new_tokens", max_tokens), kwarg("min_new_tokens", max_tokens),
+                       kwarg("do_sample", False)]}
+    started = time.perf_counter()
+    httpx.post(f"{running.url}/v2/models/{running.model}/infer", json=body, timeout=600).raise_for_status()
+    return time.perf_counter() - started
+
+
 def triton_hf_pipeline(args: argparse.Namespace) -> Iterator[Running]:
     with tempfile.TemporaryDirectory(prefix="genpeers-triton-hf-") as tmp:
         model = Path(tmp) / "repo" / MODEL
@@ -171,11 +188,12 @@ def kiln_triton(args: argparse.Namespace) -> Iterator[Running]:
             yield Running(f"http://{srv.url}", model_name(Manifest.load(args.artifact)), srv.process.pid)
 
 
+MLSERVER_PROMPTS = ("A man is playing a flute.", "Three dogs are running in the snow.", "The capital of France is")
 SERVERS = {
     "kiln serve": Server("kiln serve", kiln_serve, ("openai-chat", "generate"), check=True),
     "llama-server": Server("llama-server", llama_server, ("openai-chat",), check=True),
     "transformers wrapper": Server("transformers wrapper", transformers_wrapper, ("openai-chat",), check=False),
-    "MLServer HF": Server("MLServer HF", mlserver, ("generate",), check=False),
+    "MLServer HF": Server("MLServer HF", mlserver, (), check=False),
     "Triton HF pipeline": Server("Triton HF pipeline", triton_hf_pipeline, ("generate",), check=False),
     "kiln triton": Server("kiln triton", kiln_triton, ("generate",), check=True),
 }
@@ -213,6 +231,12 @@ def run_rounds(args: argparse.Namespace, names: list[str]) -> list[dict]:
             uptime_before = load_average()
             try:
                 with contextmanager(server.start)(args) as running:
+                    if not server.protocols:  # MLServer: timed alone, see mlserver_one_answer
+                        load = load_average()
+                        seconds = [mlserver_one_answer(running, prompt, args.max_tokens) for prompt in MLSERVER_PROMPTS]
+                        rows.append({"round": round_, "server": name, "protocol": "OIP infer, one at a time",
+                                     "load_before": load, "seconds_per_answer": seconds})
+                        print(json.dumps(rows[-1]), flush=True)
                     for protocol in server.protocols:
                         label = f"{name} ({protocol})"
                         warm_up(running, protocol)
@@ -238,7 +262,7 @@ def table(rows: list[dict]) -> list[str]:
     """One line per server, protocol and concurrency: the median over rounds, each round's tokens/s."""
     lines = ["| server | protocol | streams | TTFT p50 / p90 ms | ITL p50 / p90 ms | output tok/s (rounds) | req/s "
              "| tok/req | errors | mismatches |", "|---|---|---|---|---|---|---|---|---|---|"]
-    measured = [r for r in rows if "failed" not in r]
+    measured = [r for r in rows if "failed" not in r and "seconds_per_answer" not in r]
     for key in dict.fromkeys((r["server"], r["protocol"], r["value"]) for r in measured):
         mine = [r for r in measured if (r["server"], r["protocol"], r["value"]) == key]
 
@@ -256,6 +280,9 @@ def table(rows: list[dict]) -> list[str]:
                      f"| {med('itl_p50_ms')} / {med('itl_p90_ms')} | {statistics.median(tokens):.1f} "
                      f"({', '.join(f'{t:.1f}' for t in tokens)}) | {rate:.2f} | {per_request:.0f} | {errors} | {mismatches} |")
     for r in rows:
+        if "seconds_per_answer" in r:
+            lines.append(f"\n{r['server']} (round {r['round']}, not kiln loadtest: {r['protocol']}, whole answers of "
+                         f"32 tokens): " + ", ".join(f"{x:.2f}" for x in r["seconds_per_answer"]) + " s per answer")
         if "failed" in r:
             lines.append(f"\n{r['server']} (round {r['round']}) did not run: {r['failed'].splitlines()[0][:300]}")
     return lines
@@ -292,7 +319,7 @@ def memory_run(args: argparse.Namespace) -> None:
     rss = [mb for _, mb in samples]
     result = {"seconds": samples[-1][0], "load_before": load, "load_after": load_average(), "rss_start_mb": rss[0],
               "rss_end_mb": rss[-1], "rss_max_mb": max(rss), "samples": samples,
-              "steps": json.loads(out.read_text())["steps"][0]["errors_total"]}
+              "loadtest": {k: json.loads(out.read_text())["steps"][0].get(k) for k in STEP_FIELDS}}
     (args.out / "memory-run.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}))
 
@@ -337,9 +364,9 @@ def main() -> None:
              f"{args.max_tokens} tokens per answer with ignore_eos, greedy; median of {args.rounds} rounds)", "",
              *table(rows), "", f"uptime before: {started['uptime']}",
              "uptime after: " + subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-             "load average before each run: " + "; ".join(
+             "load average before each run: " + "; ".join(dict.fromkeys(
                  f"r{r['round']} {r['server']}{' ' + r['protocol'] if 'protocol' in r else ''}: {r['load_before']}"
-                 for r in rows if r.get("value", 1) == rows[0].get("value", 1) or "failed" in r)]
+                 for r in rows))]
     (args.out / "rows.json").write_text(json.dumps({**started, "rows": rows}, indent=1, default=str))
     (args.out / "table.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
