@@ -213,7 +213,7 @@ def loadtest(running: Running, protocol: str, check: bool, server: Server, out: 
     command = [sys.executable, "-m", "modelkiln", "loadtest", running.url, "-m", running.model, "--protocol", protocol,
                "--inputs", "sts", "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency", args.baseline_concurrency if server.baseline else args.concurrency,
                "--max-inputs", str(args.max_inputs), "--warmup", str(args.warmup), "--window", str(args.window),
-               "--max-windows", str(server.max_windows), "--metrics-url", "none", "--label", label, "--json", str(out)]
+               "--max-windows", str(min(server.max_windows, args.max_windows)), "--metrics-url", "none", "--label", label, "--json", str(out)]
     subprocess.run(command + (["--check"] if check else []), check=True)
     return json.loads(out.read_text())
 
@@ -350,6 +350,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-inputs", type=int, default=32)
+    parser.add_argument("--max-windows", type=int, default=4, help="most measurement windows per step")
     parser.add_argument("--warmup", type=float, default=5)
     parser.add_argument("--window", type=float, default=10)
     parser.add_argument("--check-every-round", action="store_true", help="--check in every round, not only the first")

@@ -6,8 +6,9 @@ streaming (the whole answer comes back as one response, so one generate_stream e
 The tutorial's model reads a fixed ``max_output_length`` from the model config; this one also reads
 the request's ``max_tokens`` and ``ignore_eos`` parameters (what `kiln loadtest --protocol
 generate` sends) so that every server answers the same number of tokens: ``ignore_eos`` becomes
-``min_new_tokens = max_tokens``. It returns ``completion_tokens`` as a second output so the load
-tester can count tokens (one event carries them all). Greedy (``do_sample=False``) like the others.
+``min_new_tokens = max_tokens``. It returns ``completion_tokens`` and ``finish_reason`` too, as
+kiln serve's generate_stream does, so the load tester can count tokens (one event carries them
+all) and sees the stream end. Greedy (``do_sample=False``) like the others.
 
 generation_servers.py copies this folder into a temporary repository with a config.pbtxt that
 names the Hugging Face model folder (``huggingface_model``) and the torch threads."""
@@ -42,5 +43,7 @@ class TritonPythonModel:
             text = self.pipeline.tokenizer.decode(answer, skip_special_tokens=True)
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-                pb_utils.Tensor("completion_tokens", np.array([len(answer)], dtype=np.int32))]))
+                pb_utils.Tensor("completion_tokens", np.array([len(answer)], dtype=np.int32)),
+                pb_utils.Tensor("finish_reason", np.array([b"length" if len(answer) >= max_tokens else b"stop"],
+                                                          dtype=np.object_))]))
         return responses
