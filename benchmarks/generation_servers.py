@@ -121,6 +121,9 @@ def kiln_serve(args: argparse.Namespace) -> Iterator[Running]:
 
 
 def llama_server(args: argparse.Namespace) -> Iterator[Running]:
+    deadline = time.monotonic() + args.wait_for_llama_server
+    while not args.llama_server.exists() and time.monotonic() < deadline:  # still being built
+        time.sleep(5)
     port = free_port()
     # every slot must hold its prompt and answer: -c is shared by the -np slots (np x per-slot context)
     command = [str(args.llama_server), "-m", args.gguf, "-a", MODEL, "--host", "127.0.0.1", "--port", str(port),
@@ -254,7 +257,7 @@ def run_rounds(args: argparse.Namespace, names: list[str]) -> list[dict]:
                             rows.append({"round": round_, "server": name, "protocol": protocol, "load_before": load,
                                          **{k: step.get(k) for k in STEP_FIELDS}})
                             print(json.dumps(rows[-1]), flush=True)
-            except (RuntimeError, subprocess.CalledProcessError, httpx.HTTPError, triton_server.TritonServerError) as exc:
+            except (RuntimeError, OSError, subprocess.CalledProcessError, httpx.HTTPError, triton_server.TritonServerError) as exc:
                 rows.append({"round": round_, "server": name, "failed": str(exc)[-2000:], "load_before": uptime_before})
                 print(f"{name} failed: {exc}", file=sys.stderr, flush=True)
     return rows
@@ -280,7 +283,9 @@ def table(rows: list[dict]) -> list[str]:
         tokens = [r["output_tokens_per_s"] for r in mine]
         rate = statistics.median(r["requests_per_s"] for r in mine)
         per_request = statistics.median(r["output_tokens_per_request"] or 0 for r in mine)
-        errors = sum(r["errors_total"] for r in mine)
+        errors = str(sum(r["errors_total"] for r in mine))
+        ended_early = sum(r["stream_errors"] or 0 for r in mine)  # whole step: warm-up included
+        errors += f" ({ended_early} streams ended early)" if ended_early else ""
         checked = [r for r in mine if r["checked"] is not None]
         mismatches = f"{sum(r['mismatches'] for r in checked)}/{sum(r['checked'] for r in checked)}" if checked else "–"
         lines.append(f"| {key[0]} | {key[1]} | {key[2]:.0f} | {med('ttft_p50_ms')} / {med('ttft_p90_ms')} "
@@ -339,6 +344,7 @@ def main() -> None:
     parser.add_argument("--hf-model", type=Path, default=Path("/work/peers-model/smollm2-hf"),
                         help="the GGUF saved as a Hugging Face folder (for MLServer and Triton's pipeline)")
     parser.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
+    parser.add_argument("--wait-for-llama-server", type=float, default=0, help="seconds to wait for its binary")
     parser.add_argument("--mlserver-venv", type=Path, default=None)
     parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of: " + ", ".join(SERVERS))
     parser.add_argument("--rounds", type=int, default=2)
