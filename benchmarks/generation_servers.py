@@ -300,6 +300,18 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def rows_from_runs(out: Path) -> list[dict]:
+    """The rows of a run rebuilt from its per-run `kiln loadtest --json` files (a run stopped early)."""
+    rows = []
+    for path in sorted(out.glob("round*-*.json")):
+        result = json.loads(path.read_text())
+        server, protocol = result["label"].rsplit(" (", 1)
+        for step in result["steps"]:
+            rows.append({"round": int(path.name[5:path.name.index("-")]), "server": server, "protocol": protocol[:-1],
+                         "load_before": None, **{k: step.get(k) for k in STEP_FIELDS}})
+    return rows
+
+
 def memory_run(args: argparse.Namespace) -> None:
     """kiln serve under `--concurrency 16` streams for ``args.memory_run`` seconds, RSS every 10 s."""
     samples: list[tuple[float, float]] = []
@@ -360,6 +372,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5)
     parser.add_argument("--window", type=float, default=10)
     parser.add_argument("--check-every-round", action="store_true", help="--check in every round, not only the first")
+    parser.add_argument("--table-from", type=Path, help="rebuild DIR's rows.json and table.txt from its per-run files")
     parser.add_argument("--memory-run", type=float, default=0, help="seconds: the memory check instead of the table")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/generation-servers"))
     args = parser.parse_args()
@@ -370,6 +383,12 @@ def main() -> None:
     args.artifact = args.artifact.resolve()
     args.baseline_concurrency = args.baseline_concurrency or args.concurrency
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.table_from:
+        rows = rows_from_runs(args.table_from)
+        (args.table_from / "rows.json").write_text(json.dumps({"rebuilt_from_runs": True, "rows": rows}, indent=1))
+        (args.table_from / "table.txt").write_text("\n".join(table(rows)) + "\n")
+        print("\n".join(table(rows)))
+        return
     if args.memory_run:
         memory_run(args)
         return
