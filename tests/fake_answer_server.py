@@ -10,7 +10,9 @@ another request is in flight:
 - ``bad-usage``: usage counts one token more than were sent;
 - ``no-done``: OpenAI streams end without ``data: [DONE]``;
 - ``mid-stream-error``: an error event after the first token;
-- ``good``: never wrong.
+- ``good``: never wrong;
+- ``triton-like``: never wrong, and its generate_stream events carry text only, as Triton's do
+  (no finish reason, no token counts).
 
 Routes: OpenAI ``/v1/chat/completions`` and ``/v1/completions`` (streamed), Triton's
 ``/v2/models/{m}/generate_stream``, and an Open Inference Protocol ``/v2/models/{m}/infer`` that
@@ -56,7 +58,7 @@ async def answer(model: str, prompt: str, protocol: str):
             last = i == len(words) - 1
             if protocol == "generate":
                 event = {"model_name": model, "text_output": word}
-                if last:
+                if last and model != "triton-like":  # Triton sends output tensors only: no finish, no counts
                     event.update(finish_reason="length", prompt_tokens=3,
                                  completion_tokens=len(words) + (fault == "bad-usage"))
             elif protocol == "chat":

@@ -104,10 +104,12 @@ class StreamRecord:
 
     @property
     def complete(self) -> bool:
-        """Ended as the protocol says a stream ends, without an error event."""
+        """Ended as the protocol says a stream ends, without an error event. OpenAI: with
+        ``data: [DONE]``. Triton's generate_stream has no end event (its events carry output tensors
+        only, no finish reason): the response's own end (the last HTTP chunk) is the end."""
         if self.error is not None:
             return False
-        return self.done if self.protocol != "generate" else self.finish_reason is not None
+        return self.done if self.protocol != "generate" else True
 
     def event(self, raw: bytes, t: float) -> None:
         """One SSE event (the bytes before its blank line). An event of several lines is a framing
