@@ -63,7 +63,9 @@ class GenerationRequest:
             sampling["ignore_eos"] = True
         if self.protocol == "generate":
             path = f"/v2/models/{self.model}/generate_stream"
-            body: dict[str, Any] = {"text_input": prompt, "parameters": sampling}
+            # "stream": Triton's decoupled models (its vLLM backend, `kiln triton`'s) send one response per
+            # token only when asked, else the whole answer as one event; kiln serve's route always streams
+            body: dict[str, Any] = {"text_input": prompt, "parameters": {**sampling, "stream": True}}
         else:
             chat = self.protocol == "openai-chat"
             path = "/v1/chat/completions" if chat else "/v1/completions"
