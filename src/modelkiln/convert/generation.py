@@ -69,8 +69,10 @@ def load_causal_lm(source: src.SourceModel) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source.load_ref, dtype=torch.float32, **source.load_kwargs)
+    try:  # the config given: from_pretrained would read (for a GGUF file: parse) it again
+        with src.one_gguf_parse():
+            model = AutoModelForCausalLM.from_pretrained(source.load_ref, config=source.config, dtype=torch.float32,
+                                                         **source.load_kwargs)
     except ValueError as exc:
         raise UnsupportedArchitectureError(f"{source.ref}: {str(exc).splitlines()[0]}") from exc
     except Exception as exc:  # OSError, safetensors', gguf's and torch's errors: all mean unreadable weights
