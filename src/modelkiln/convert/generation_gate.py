@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -123,9 +122,9 @@ def _padded_prefill(model, rows: list[list[int]], torch):  # type: ignore[no-unt
     return out.logits.float(), out.past_key_values, mask, positions
 
 
-def onnx_run(path: Path, gate: GatePrompts, new_tokens: int, threads: int | None, max_context: int | None) -> Run:
+def onnx_run(decoder: DecoderSession, gate: GatePrompts, new_tokens: int, max_context: int | None) -> Run:
     """The same through the product's engine (prefill, then one decode step per token)."""
-    engine = GenerationEngine(DecoderSession(path, threads=threads), max_context)
+    engine = GenerationEngine(decoder, max_context)
     run = Run()
     for i, ids in enumerate(gate.prompts):
         logits = engine.prefill(i, ids, all_logits=True)
