@@ -59,7 +59,7 @@ def children_cpu() -> float:
 
 
 def run(command: str, venv: str, log) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    short = re.sub(r"\$\([^)]*\)", "…", command).replace(f"{venv}/bin/", "")  # `kiln convert "…" ...`
+    short = re.sub(r"\"\$\(.*?\)\"", "…", command).replace(f"{venv}/bin/", "")  # `kiln convert "…" ...`
     log(f"$ {short}")
     log(f"  load before: {load()}")
     cpu0, started = children_cpu(), time.perf_counter()
@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--venv", default=".venv", help="the installed venv (make demo's VENV)")
     parser.add_argument("--log", type=Path, help="append the timings to this file too")
     parser.add_argument("--label", default="", help="a line saying what is measured (branch, machine)")
+    parser.add_argument("--commands", help="run only these of the demo's commands (1-based, e.g. 3,4,5)")
     args = parser.parse_args()
     lines: list[str] = []
 
@@ -97,10 +98,14 @@ def main() -> None:
     log(f"# python benchmarks/demo_time.py --out {args.out} --venv {args.venv}  {args.label}".rstrip())
     log(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {os.cpu_count()} CPUs, load {load()}")
     total_wall = total_cpu = 0.0
-    for command in demo_commands(args.venv, args.out):
+    commands = demo_commands(args.venv, args.out)
+    if args.commands:
+        commands = [commands[int(i) - 1] for i in args.commands.split(",")]
+    for command in commands:
         wall, cpu = run(command, args.venv, log)
         total_wall, total_cpu = total_wall + wall, total_cpu + cpu
-    log(f"make demo after the install: {total_wall:.1f} s wall ({total_wall / 60:.1f} min), {total_cpu:.1f} s CPU; "
+    what = f"commands {args.commands} of make demo" if args.commands else "make demo after the install"
+    log(f"{what}: {total_wall:.1f} s wall ({total_wall / 60:.1f} min), {total_cpu:.1f} s CPU; "
         f"load at the end: {load()}")
     if args.log:
         with args.log.open("a") as f:
