@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from generation_helpers import make_tiny_causal_lm, write_tiny_gguf
-from modelkiln.convert.generation_gate import GateTolerance
+from modelkiln.convert.generation_gate import GatePrompts, GateTolerance, torch_run
 from modelkiln.convert.pipeline import ConvertConfig, convert
 from modelkiln.errors import ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
 from modelkiln.generation.decoder import DecoderSession
@@ -84,6 +84,25 @@ def test_llama_gqa_every_variant_and_a_forced_gate_failure(tmp_path):
     assert artifact.tokenizer.token_to_id("<|im_end|>") in artifact.eos_ids
     ids = artifact.prompt_ids("Where is the dog?", chat=True)
     assert _engine_greedy(artifact, "fp32", ids, 10) == _torch_greedy(folder, ids, 10)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])  # rotary (GQA), absolute, parallel
+def test_batched_reference_equals_one_prompt_at_a_time(tmp_path, family):
+    """The gate's PyTorch reference runs prompts of different lengths together, left-padded: each
+    prompt's logits, greedy tokens and the paragraphs' perplexity must be what it gets alone."""
+    import torch
+    import transformers as tf
+
+    folder = make_tiny_causal_lm(tmp_path / "hf", family)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 400, n).tolist() for n in (5, 17, 2, 40, 9)]
+    gate = GatePrompts(prompts, ["text"] * len(prompts), [rng.integers(3, 400, n).tolist() for n in (30, 12, 21)])
+    alone, together = torch_run(model, gate, 12, batch=1), torch_run(model, gate, 12, batch=4)
+    assert together.tokens == alone.tokens
+    for a, b in zip(alone.prompt_logits + alone.step_logits, together.prompt_logits + together.step_logits):
+        assert a.shape == b.shape and np.isfinite(b).all() and np.abs(a - b).max() < 1e-4
+    assert together.perplexity == pytest.approx(alone.perplexity, rel=1e-6)
 
 
 def test_tiny_gguf_converts_with_its_tokenizer_and_chat_template(tmp_path):

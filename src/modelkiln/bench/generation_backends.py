@@ -42,7 +42,7 @@ class TorchBackend:
         from ..convert.generation import load_causal_lm
         from ..convert.source import load_source
 
-        self.model = load_causal_lm(load_source(model.manifest.source["model"]))
+        self.model = load_causal_lm(load_source(model.manifest.source["model"], with_tokenizer=False))
         self.pad_id = (model.eos_ids or [0])[0]
 
     def _token_times(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:

@@ -17,6 +17,7 @@ import numpy as np
 from ..atomic import atomic_folder
 from ..bench.timing import measure_interleaved
 from ..errors import ConversionError, ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
+from ..generation.decoder import DecoderSession
 from ..manifest import Manifest, TokenizerSpec, Variant
 from . import source as src
 from . import variants as build
@@ -70,8 +71,10 @@ def load_causal_lm(source: src.SourceModel) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source.load_ref, dtype=torch.float32, **source.load_kwargs)
+    try:  # the config given: from_pretrained would read (for a GGUF file: parse) it again
+        with src.one_gguf_parse():
+            model = AutoModelForCausalLM.from_pretrained(source.load_ref, config=source.config, dtype=torch.float32,
+                                                         **source.load_kwargs)
     except ValueError as exc:
         raise UnsupportedArchitectureError(f"{source.ref}: {str(exc).splitlines()[0]}") from exc
     except Exception as exc:  # OSError, safetensors', gguf's and torch's errors: all mean unreadable weights
@@ -194,11 +197,15 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
             reference = torch_run(model, gate, GREEDY_TOKENS)
 
         variants: list[Variant] = []
+        sessions: dict[str, DecoderSession] = {}  # the gate's sessions, timed afterwards (loading one takes seconds)
 
         def check(name: str, path: Path, **details: Any) -> Variant:
             with steps(f"Validating {name} ({len(gate.prompts)} prompts, {GREEDY_TOKENS} greedy tokens each)"):
-                run = onnx_run(path, gate, GREEDY_TOKENS, cfg.threads, settings["max_context"])
+                session = DecoderSession(path, threads=cfg.threads)
+                run = onnx_run(session, gate, GREEDY_TOKENS, settings["max_context"])
             validation, found, reason = judge(reference, run, gate_cfg[name])
+            if validation.passed:
+                sessions[name] = session
             variant = Variant(name, name, "cpu", path.name, validation.passed, reason=reason, validation=validation,
                               details={**details, **found})
             variants.append(variant)
@@ -233,7 +240,8 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
                                     reason="needs a CUDA device (onnxruntime CUDAExecutionProvider); fp16 is slow on CPU"))
         passed = [v for v in variants if v.file and v.validation and v.validation.passed]
         with steps(f"Timing decode of {len(passed)} variants at batch 1, past {DECODE_PAST} (interleaved)"):
-            _time_decode(folder, passed, cfg.threads, max(cfg.timing_seconds, 1.0), shape)
+            _time_decode(sessions, passed, max(cfg.timing_seconds, 1.0), shape)
+        sessions.clear()
         for v in passed:
             if v is not fp32 and fp32.latency_ms is not None and v.latency_ms is not None and v.latency_ms >= fp32.latency_ms:
                 v.kept = False
@@ -255,18 +263,15 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
     return manifest
 
 
-def _time_decode(folder: Path, variants: list[Variant], threads: int | None, seconds: float, shape: DecoderShape) -> None:
+def _time_decode(sessions: dict[str, DecoderSession], variants: list[Variant], seconds: float, shape: DecoderShape) -> None:
     """ms per decode step at batch 1 with a past of DECODE_PAST tokens, variants interleaved."""
-    from ..generation.decoder import DecoderSession
-
     rng = np.random.default_rng(0)
     past = [rng.standard_normal((1, shape.kv_heads, DECODE_PAST, shape.head_dim)).astype(np.float32)
             for _ in shape.past_names]
     ids = np.asarray([[1]], dtype=np.int64)
     mask = np.ones((1, DECODE_PAST + 1), dtype=np.int64)
     pos = np.asarray([[DECODE_PAST]], dtype=np.int64)
-    sessions = {v.name: DecoderSession(folder / v.file, threads=threads) for v in variants}  # type: ignore[operator]
-    stats = measure_interleaved({n: (lambda s=s: s.forward(ids, mask, pos, past)) for n, s in sessions.items()},
+    stats = measure_interleaved({v.name: (lambda s=sessions[v.name]: s.forward(ids, mask, pos, past)) for v in variants},
                                 rounds=5, seconds_per_round=seconds / 5)
     for v in variants:
         v.latency_ms = round(stats[v.name].median, 4)

@@ -4,9 +4,11 @@ This is the only place that asks transformers what a model is and can do."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ class SourceModel:
 
     ref: str
     config: Any  # transformers.PretrainedConfig
-    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast; None when loaded without (load_source)
     folder: Path | None  # local folder (for sentence-transformers configs), None for hub ids
     gguf_file: str | None = None  # a .gguf file's name inside ``folder``: transformers dequantizes it to fp32
 
@@ -96,8 +98,53 @@ def find_gguf(ref: str) -> Path | None:
     return path
 
 
-def load_gguf_source(ref: str, path: Path) -> SourceModel:
+# The last GGUF file parsed (see ``one_gguf_parse``): (realpath, size, mtime) → gguf.GGUFReader.
+_parsed_gguf: dict[tuple[str, int, int], Any] = {}
+
+
+@contextlib.contextmanager
+def one_gguf_parse() -> Iterator[None]:
+    """Within this block, transformers' reads of a GGUF file share one parse of it.
+
+    transformers reads a GGUF file (for architectures its newer reader does not cover, Llama among
+    them) with gguf-py's ``GGUFReader``, which parses every metadata field in Python: SmolLM2's
+    49k-token vocabulary and merges are ~150k fields, 10-30 s on 2 busy cores. It does so anew for
+    the config, for the tokenizer and for the weights, so a conversion parsed the file four times
+    and ``kiln bench``'s PyTorch row four more. The reader memory-maps the file read-only and
+    transformers only reads from it, so one reader per file (kept for the next block: the weights
+    are loaded after the tokenizer) serves all of them. Keyed by size and mtime: a rewritten file
+    is parsed again."""
+    try:
+        import gguf
+    except ImportError:  # transformers says which package is missing when it needs it
+        yield
+        return
+    parse = gguf.GGUFReader
+
+    def shared_reader(path: Any, mode: str = "r") -> Any:
+        if mode != "r":
+            return parse(path, mode)
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+        if key not in _parsed_gguf:
+            _parsed_gguf.clear()  # one file at a time: a reader holds ~100 MB of parsed fields
+            _parsed_gguf[key] = parse(path, mode)
+        return _parsed_gguf[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse
+
+
+def load_gguf_source(ref: str, path: Path, with_tokenizer: bool = True) -> SourceModel:
     """Config and tokenizer from a GGUF file's metadata (transformers needs the gguf package)."""
+    with one_gguf_parse():
+        return _load_gguf_source(ref, path, with_tokenizer)
+
+
+def _load_gguf_source(ref: str, path: Path, with_tokenizer: bool) -> SourceModel:
     from transformers import AutoConfig, AutoTokenizer
 
     folder, name = path.resolve().parent, path.name
@@ -107,8 +154,10 @@ def load_gguf_source(ref: str, path: Path) -> SourceModel:
         raise UnsupportedArchitectureError(f"{ref}: {str(exc).splitlines()[0]}") from exc
     except Exception as exc:  # a truncated file, the gguf package missing...
         raise ModelLoadError(f"cannot read the GGUF metadata of {ref}: {str(exc).splitlines()[0]}") from exc
+    tokenizer = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+        if with_tokenizer:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
     except Exception as exc:  # transformers raises many kinds here; all mean "no usable tokenizer"
         raise ModelLoadError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}") from exc
     if not getattr(config, "architectures", None):
@@ -170,11 +219,12 @@ def check_hub_reachable(ref: str) -> None:
         ) from error
 
 
-def load_source(ref: str) -> SourceModel:
-    """Load config and fast tokenizer; one-line errors for missing or corrupt files."""
+def load_source(ref: str, with_tokenizer: bool = True) -> SourceModel:
+    """Load config and fast tokenizer (``with_tokenizer=False``: the config only, for a reference
+    that only runs the weights); one-line errors for missing or corrupt files."""
     gguf = find_gguf(ref)
     if gguf is not None:
-        return load_gguf_source(ref, gguf)
+        return load_gguf_source(ref, gguf, with_tokenizer)
     folder = Path(ref)
     is_local = folder.exists()
     # A hub id is "name" or "org/name"; anything else that does not exist is a missing folder.
@@ -194,6 +244,8 @@ def load_source(ref: str) -> SourceModel:
         raise UnsupportedArchitectureError(f"{ref}: {str(exc).splitlines()[0]}") from exc
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read the config of {ref}: {str(exc).splitlines()[0]}") from exc
+    if not with_tokenizer:
+        return SourceModel(ref=ref, config=config, tokenizer=None, folder=folder if is_local else None)
     try:
         tokenizer = AutoTokenizer.from_pretrained(ref)
     except Exception as exc:  # transformers raises many kinds here; all mean "no usable tokenizer"
