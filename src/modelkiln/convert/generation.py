@@ -22,7 +22,7 @@ from . import source as src
 from . import variants as build
 from .decoder_export import DecoderShape, export_decoder
 from .export import OPSET
-from .generation_gate import DEFAULT_GATE, GatePrompts, judge, onnx_run, torch_run
+from .generation_gate import DEFAULT_GATE, GatePrompts, check_batch_invariance, judge, onnx_run, torch_run
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,9 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
             with steps(f"Validating {name} ({len(gate.prompts)} prompts, {GREEDY_TOKENS} greedy tokens each)"):
                 run = onnx_run(path, gate, GREEDY_TOKENS, cfg.threads, settings["max_context"])
             validation, found, reason = judge(reference, run, gate_cfg[name])
+            with steps(f"Checking {name}'s batch invariance (each prompt alone vs among the others, batched)"):
+                reason = _refuse_batch_variant(check_batch_invariance(
+                    path, gate, run, GREEDY_TOKENS, cfg.threads, settings["max_context"]), validation, found, reason)
             variant = Variant(name, name, "cpu", path.name, validation.passed, reason=reason, validation=validation,
                               details={**details, **found})
             variants.append(variant)
@@ -244,6 +247,18 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         manifest.save(folder)
         folder.chmod(0o755)
     return manifest
+
+
+def _refuse_batch_variant(invariance: Any, validation: Any, details: dict[str, Any], reason: str) -> str:
+    """Record the batch check (manifest: ``validation.batch_agreement`` / ``batch_min_cosine``,
+    ``details.batch_invariance``); a prompt whose greedy tokens change with the batch refuses the variant."""
+    validation.batch_agreement, validation.batch_min_cosine = invariance.agreement, invariance.min_cosine
+    details["batch_invariance"] = {"prompts_differing": invariance.differing, "prompts": invariance.prompts,
+                                   "max_abs_diff_logits": invariance.max_abs_diff}
+    if not invariance.differing:
+        return reason
+    validation.passed = False
+    return "; ".join(r for r in (reason, invariance.reason()) if r)
 
 
 def _time_decode(folder: Path, variants: list[Variant], threads: int | None, seconds: float, shape: DecoderShape) -> None:
