@@ -212,8 +212,9 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         if "int8" in wanted:
             path = folder / "model.int8.onnx"
             # Weight-only (build.quantize_int8_weights): dynamic int8's per-tensor activation scale is broken by
-            # Llama-family outlier channels, and shared across the step's sequences; MatMulNBits quantizes
-            # activations (accuracy level 4) per row and block, so a sequence's tokens never depend on the others.
+            # Llama-family outlier channels, and shared across the step's sequences. MatMulNBits quantizes
+            # activations (accuracy level 4) per row and block, yet rounding still amplifies the fp32 noise the
+            # batch puts into a row: the gate's batch check decides (docs/batch-invariance.md, "Generation").
             with steps(f"Quantizing to int8 (weight-only MatMulNBits, block {INT8_BLOCK}, accuracy level {cfg.int4_accuracy_level})"):
                 build.quantize_int8_weights(fp32_path, path, INT8_BLOCK, cfg.int4_accuracy_level)
             check("int8", path, weight_only=True, block_size=INT8_BLOCK, accuracy_level=cfg.int4_accuracy_level)

@@ -4,7 +4,9 @@
 - the first ``new_tokens`` greedy tokens of each prompt (the ONNX side runs the product's own
   engine, prefill then decode steps); where they differ, the reference's top-2 logit margin at the
   first differing step says whether it is a near-tie that the numeric difference explains;
-- perplexity on held-out paragraphs, as a ratio to PyTorch's.
+- perplexity on held-out paragraphs, as a ratio to PyTorch's;
+- batch invariance: each prompt's greedy tokens alone vs decoded among the other prompts through the
+  engine's batched path (``batch_run``); any difference refuses the variant.
 
 Which thresholds a precision must meet is ``GateTolerance``'s job; fp32 must give PyTorch's greedy
 tokens on every prompt (near-ties excepted), quantized variants must keep perplexity within 3%."""
