@@ -74,6 +74,8 @@ def test_llama_gqa_every_variant_and_a_forced_gate_failure(tmp_path):
     int4 = by_name["int4"]
     assert int4.validation.passed and int4.details["block_size"] == 16 and int4.latency_ms is not None
     assert int4.kept == (int4.latency_ms < by_name["fp32"].latency_ms)  # kept only if faster
+    for variant in (by_name["fp32"], int4):  # kept (or refused for speed only): batch-invariant
+        assert variant.validation.batch_agreement == 1.0, variant.details["batch_invariance"]
     assert not by_name["fp16"].kept and "CUDA" in by_name["fp16"].reason
     saved = json.loads((out / "kiln.json").read_text())
     gen = saved["generation"]
@@ -186,3 +188,43 @@ def test_q4_1_gguf_int4_packs_the_files_own_blocks(tmp_path, accuracy_level):
     expected = _torch_greedy(gguf_path.parent, ids, 8, gguf_file=gguf_path.name)
     assert _engine_greedy(artifact, "fp32", ids, 8) == expected
     assert _engine_greedy(artifact, "int4", ids, 8, path=out / "model.int4.onnx") == expected
+
+
+def _leak_the_batch_into_logits(src, dst, *_options) -> None:
+    """A deliberately batch-variant decoder: every row's logits become the batch's element-wise
+    maximum, the way a batch-wide activation scale leaks neighbours into a row (only far more
+    visibly). Alone, a row is its own maximum: its logits, and so the lone gate run, are exact."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(src))
+    raw = "logits/own_row"
+    for node in model.graph.node:
+        node.output[:] = [raw if o == "logits" else o for o in node.output]
+    axis = onnx.numpy_helper.from_array(np.array([0], dtype=np.int64), "batch_axis")
+    model.graph.initializer.append(axis)
+    model.graph.node.extend([
+        helper.make_node("ReduceMax", [raw, "batch_axis"], ["logits/batch_max"], keepdims=1),
+        helper.make_node("Shape", [raw], ["logits/shape"]),
+        helper.make_node("Expand", ["logits/batch_max", "logits/shape"], ["logits"]),
+    ])
+    onnx.save(model, str(dst))
+
+
+def test_the_gate_refuses_a_batch_variant_decoder(tmp_path, monkeypatch):
+    from modelkiln.convert import variants
+
+    monkeypatch.setattr(variants, "quantize_int8_weights", _leak_the_batch_into_logits)
+    folder = make_tiny_causal_lm(tmp_path / "hf", "llama")
+    out = tmp_path / "art"
+    manifest = _convert(folder, out, task="text-generation", precisions=["fp32", "int8"])
+    fp32, int8 = manifest.variants
+    assert fp32.kept and fp32.validation.batch_agreement == 1.0, fp32.details["batch_invariance"]
+    # Alone the planted graph equals fp32: the accuracy checks pass, the batch check alone refuses it.
+    assert int8.details["greedy_tokens_equal"] == fp32.details["greedy_tokens_equal"]
+    assert not int8.kept and int8.file is None and not int8.validation.passed
+    assert "batch-variant" in int8.reason and "perplexity" not in int8.reason, int8.reason
+    assert int8.validation.batch_agreement < 1.0 and int8.details["batch_invariance"]["prompts_differing"]
+    assert not (out / "model.int8.onnx").exists()
+    saved = json.loads((out / "kiln.json").read_text())
+    assert saved["variants"][1]["validation"]["batch_agreement"] == int8.validation.batch_agreement

@@ -24,7 +24,7 @@ from . import variants as build
 from .decoder_export import DecoderShape, export_decoder
 from .export import OPSET
 from .gguf_blocks import has_packable_blocks, pack_gguf_blocks
-from .generation_gate import DEFAULT_GATE, GatePrompts, judge, onnx_run, torch_run
+from .generation_gate import DEFAULT_GATE, GatePrompts, check_batch_invariance, judge, onnx_run, torch_run
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,9 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
                 session = DecoderSession(path, threads=cfg.threads)
                 run = onnx_run(session, gate, GREEDY_TOKENS, settings["max_context"])
             validation, found, reason = judge(reference, run, gate_cfg[name])
+            with steps(f"Checking {name}'s batch invariance (each prompt alone vs among the others, batched)"):
+                reason = _refuse_batch_variant(check_batch_invariance(
+                    session, gate, run, GREEDY_TOKENS, settings["max_context"]), validation, found, reason)
             if validation.passed:
                 sessions[name] = session
             variant = Variant(name, name, "cpu", path.name, validation.passed, reason=reason, validation=validation,
@@ -217,8 +220,9 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         if "int8" in wanted:
             path = folder / "model.int8.onnx"
             # Weight-only (build.quantize_int8_weights): dynamic int8's per-tensor activation scale is broken by
-            # Llama-family outlier channels, and shared across the step's sequences; MatMulNBits quantizes
-            # activations (accuracy level 4) per row and block, so a sequence's tokens never depend on the others.
+            # Llama-family outlier channels, and shared across the step's sequences. MatMulNBits quantizes
+            # activations (accuracy level 4) per row and block, yet rounding still amplifies the fp32 noise the
+            # batch puts into a row: the gate's batch check decides (docs/batch-invariance.md, "Generation").
             with steps(f"Quantizing to int8 (weight-only MatMulNBits, block {INT8_BLOCK}, accuracy level {cfg.int4_accuracy_level})"):
                 build.quantize_int8_weights(fp32_path, path, INT8_BLOCK, cfg.int4_accuracy_level)
             check("int8", path, weight_only=True, block_size=INT8_BLOCK, accuracy_level=cfg.int4_accuracy_level)
@@ -261,6 +265,18 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         manifest.save(folder)
         folder.chmod(0o755)
     return manifest
+
+
+def _refuse_batch_variant(invariance: Any, validation: Any, details: dict[str, Any], reason: str) -> str:
+    """Record the batch check (manifest: ``validation.batch_agreement`` / ``batch_min_cosine``,
+    ``details.batch_invariance``); a prompt whose greedy tokens change with the batch refuses the variant."""
+    validation.batch_agreement, validation.batch_min_cosine = invariance.agreement, invariance.min_cosine
+    details["batch_invariance"] = {"prompts_differing": invariance.differing, "prompts": invariance.prompts,
+                                   "max_abs_diff_logits": invariance.max_abs_diff}
+    if not invariance.differing:
+        return reason
+    validation.passed = False
+    return "; ".join(r for r in (reason, invariance.reason()) if r)
 
 
 def _time_decode(sessions: dict[str, DecoderSession], variants: list[Variant], seconds: float, shape: DecoderShape) -> None:

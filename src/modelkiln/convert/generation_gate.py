@@ -4,7 +4,9 @@
 - the first ``new_tokens`` greedy tokens of each prompt (the ONNX side runs the product's own
   engine, prefill then decode steps); where they differ, the reference's top-2 logit margin at the
   first differing step says whether it is a near-tie that the numeric difference explains;
-- perplexity on held-out paragraphs, as a ratio to PyTorch's.
+- perplexity on held-out paragraphs, as a ratio to PyTorch's;
+- batch invariance: each prompt's greedy tokens alone vs decoded among the other prompts through the
+  engine's batched path (``batch_run``); any difference refuses the variant.
 
 Which thresholds a precision must meet is ``GateTolerance``'s job; fp32 must give PyTorch's greedy
 tokens on every prompt (near-ties excepted), quantized variants must keep perplexity within 3%."""
@@ -190,3 +192,76 @@ def judge(reference: Run, candidate: Run, tolerance: GateTolerance) -> tuple[Val
                "perplexity_change": round(ratio - 1, 5), "divergences": divergences,
                "greedy_tokens_equal": f"{len(reference.tokens) - len(divergences)}/{len(reference.tokens)}"}
     return validation, details, "; ".join(reasons)
+
+
+# --- batch invariance ---------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchInvariance:
+    """Each prompt's greedy tokens alone vs decoded among the other prompts (``batch_run``)."""
+
+    differing: list[int]  # prompts whose batched greedy tokens differ from their lone run's
+    prompts: int
+    max_abs_diff: float  # largest |Δ| of a step's logits, alone vs batched, before tokens part
+    min_cosine: float  # lowest cosine of a step's logits, alone vs batched, same steps
+
+    @property
+    def agreement(self) -> float:
+        return 1.0 - len(self.differing) / max(self.prompts, 1)
+
+    def reason(self) -> str:
+        if not self.differing:
+            return ""
+        return (f"batch-variant: {len(self.differing)} of {self.prompts} prompts decode other greedy tokens "
+                f"among other prompts than alone (first: prompt {self.differing[0]}; logits |Δ| up to "
+                f"{self.max_abs_diff:.2e})")
+
+
+def batch_run(engine: GenerationEngine, prompts: list[list[int]], new_tokens: int) -> Run:
+    """Greedy decoding of every prompt through the engine's batched decode path, the way
+    ``kiln serve``'s scheduler drives it: prompt i is prefilled and joins the running batch before
+    step i (so rows of mixed lengths, left-padded, enter and leave mid-way) and leaves after its
+    ``new_tokens`` tokens."""
+    run = Run(tokens=[[] for _ in prompts], step_logits=[[] for _ in prompts])  # type: ignore[list-item]
+    last: dict[int, np.ndarray] = {}
+    waiting = list(range(len(prompts)))
+    while waiting or engine.rows:
+        if waiting:
+            i = waiting.pop(0)
+            last[i] = engine.add(("batch", i), prompts[i])
+        feed = {}
+        for seq in list(engine.rows):
+            i = seq[1]
+            run.step_logits[i].append(last[i])
+            run.tokens[i].append(int(np.argmax(last[i])))
+            if len(run.tokens[i]) == new_tokens:
+                engine.remove(seq)
+            else:
+                feed[seq] = run.tokens[i][-1]
+        if feed:
+            logits = engine.step(feed)
+            last = {seq[1]: row for seq, row in zip(engine.rows, logits)}
+    run.step_logits = [np.stack(s) for s in run.step_logits]
+    return run
+
+
+def batch_invariance(alone: Run, batched: Run) -> BatchInvariance:
+    """Compare greedy tokens, and the logits of the steps both runs fed the same tokens."""
+    differing, max_diff, min_cos = [], 0.0, 1.0
+    for i, (a, b) in enumerate(zip(alone.tokens, batched.tokens)):
+        if a != b:
+            differing.append(i)
+        same = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) + 1  # step k's logits precede token k
+        same = min(same, len(a))
+        la, lb = alone.step_logits[i][:same], batched.step_logits[i][:same]
+        max_diff = max(max_diff, float(np.abs(la - lb).max()))
+        min_cos = min(min_cos, float(_row_cosines(la, lb).min()))
+    return BatchInvariance(differing, len(alone.tokens), max_diff, min_cos)
+
+
+def check_batch_invariance(decoder: DecoderSession, gate: GatePrompts, alone: Run, new_tokens: int,
+                           max_context: int | None) -> BatchInvariance:
+    """The gate's batch check for one variant: ``alone`` is its ``onnx_run`` on the same session."""
+    engine = GenerationEngine(decoder, max_context)
+    return batch_invariance(alone, batch_run(engine, gate.prompts, new_tokens))
