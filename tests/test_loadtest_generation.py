@@ -234,3 +234,45 @@ def test_compare_vectors_and_labels():
     assert check.compare(ref, {"E": ref["E"] + [[0, 0, 0.05], [0, 0, 0]], "L": ["a", "b"]})[0] == "vector"
     assert check.compare(ref, {"E": ref["E"], "L": ["a", "c"]})[0] == "label"
     assert check.compare({"score": 0.9}, {"score": 0.901})[0] == "vector"
+
+
+# --- a server that closes kept-alive connections ------------------------------------------------
+
+def test_a_kept_alive_connection_the_server_closed_is_not_a_server_error():
+    """llama.cpp's server closes a connection after a streamed answer without saying
+    `connection: close`; the next request on it then meets a closed socket before any byte of its
+    answer. That is no failure of the server: the request goes again on a new connection (as HTTP
+    clients do). Found as 55 "connection errors" against llama-server that disappeared with this."""
+    import asyncio
+
+    from modelkiln.loadtest.generators import StepState
+    from modelkiln.loadtest.streaming import send_stream
+
+    events = (b'data: {"choices":[{"index":0,"delta":{"content":" hi"},"finish_reason":"stop"}]}\n\n'
+              b"data: [DONE]\n\n")
+    answer = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+              + f"{len(events):x}\r\n".encode() + events + b"\r\n0\r\n\r\n")
+    served = []
+
+    async def answer_once_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # the body is small and ignored
+        writer.write(answer)
+        await writer.drain()
+        served.append(1)
+        await asyncio.sleep(0.05)  # the client has the answer and may already reuse the connection
+        writer.close()
+
+    async def main() -> tuple[StepState, int]:
+        server = await asyncio.start_server(answer_once_then_close, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                   b"content-length: 2\r\n\r\n{}")
+        state = StepState([request], rate=None, seed=0, protocol="openai-chat")
+        conn = None
+        for _ in range(4):
+            conn = await send_stream(state, conn, "127.0.0.1", port, timeout=5)  # reused at once: the close crosses it
+        server.close()
+        return state, len(served)
+
+    state, served_count = asyncio.run(main())
+    assert state.codes == [200, 200, 200, 200] and state.sent == 4 and served_count == 4

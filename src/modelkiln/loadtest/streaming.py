@@ -189,6 +189,7 @@ class StreamConnection(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.buf.clear()
+        self.received = False  # any byte of this request's answer
         self.status = 0
         self.head_done = False
         self.chunked = False
@@ -216,6 +217,7 @@ class StreamConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._done is None or self._done.done():
             return
+        self.received = True
         self.buf += data
         try:
             self._parse(time.perf_counter())
@@ -324,23 +326,36 @@ async def send_stream(state: StepState, conn: StreamConnection | None, host: str
                       start: float | None = None) -> StreamConnection | None:
     """One streamed request on ``conn`` (opened if needed), recorded into ``state`` with its
     StreamRecord (and its --check verdict), timed from ``start`` (default: when it is sent)
-    → the connection to reuse (None after a failure)."""
+    → the connection to reuse (None after a failure).
+
+    A kept-alive connection that the server closed before answering a byte (servers close idle
+    ones, and a close can cross the next request on the wire) is not the server failing the
+    request: it is sent once more on a new connection, as HTTP clients do, timed from the first try."""
     index, raw = state.next_indexed()
-    record = StreamRecord(state.protocol)
-    try:
-        if conn is None or conn.closed:
-            conn = await asyncio.wait_for(StreamConnection.open(host, port), timeout)
-        state.sent += 1
-        record.start = time.perf_counter() if start is None else start
-        code = outcome_code(await conn.stream(raw, record, timeout), record)
-    except (TimeoutError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
-        code = error_code(exc)
-        if conn is not None:
-            conn.abort()  # its answer may still come: never reuse it
-        conn = None
+    first_start = start
+    for attempt in (1, 2):
+        record = StreamRecord(state.protocol)
+        reused = conn is not None and not conn.closed
+        try:
+            if conn is None or conn.closed:
+                conn = await asyncio.wait_for(StreamConnection.open(host, port), timeout)
+            if attempt == 1:
+                state.sent += 1
+            record.start = first_start = time.perf_counter() if first_start is None else first_start
+            code = outcome_code(await conn.stream(raw, record, timeout), record)
+            break
+        except (TimeoutError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
+            stale = reused and isinstance(exc, ConnectionError) and conn is not None and not conn.received
+            if conn is not None:
+                conn.abort()  # its answer may still come: never reuse it
+            conn = None
+            if stale and attempt == 1:
+                continue
+            code = error_code(exc)
+            break
     record.end = time.perf_counter()
     if not record.start:
-        record.start = record.end if start is None else start
+        record.start = record.end if first_start is None else first_start
     state.record_stream(index, record, code)
     return conn
 
