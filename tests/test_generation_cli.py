@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from generation_helpers import tiny_generation_artifact  # noqa: F401 (a session fixture)
 from helpers import kiln
 
 

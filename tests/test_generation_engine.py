@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from generation_helpers import tiny_generation_artifact  # noqa: F401 (a session fixture)
 from modelkiln.errors import InvalidInputError
 from modelkiln.generation.decoder import DecoderSession
 from modelkiln.generation.detokenizer import IncrementalDetokenizer

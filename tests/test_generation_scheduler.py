@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from generation_helpers import tiny_generation_artifact  # noqa: F401 (a session fixture)
 from modelkiln.errors import InvalidInputError, OverloadedError, RequestTimeoutError
 from modelkiln.generation.decoder import DecoderSession
 from modelkiln.generation.engine import GenerationEngine

@@ -20,7 +20,6 @@ from helpers import kiln
 from test_grpc import GrpcServer
 from test_serve import Server, free_port
 
-from generation_helpers import tiny_generation_artifact  # noqa: F401 (a session fixture)
 from modelkiln.loadtest import check
 from modelkiln.loadtest.api import LoadtestOptions, prepare, run_loadtest
 from modelkiln.loadtest.client import render_request, run_async

@@ -19,7 +19,6 @@ import numpy as np
 import openai
 import pytest
 
-from generation_helpers import tiny_generation_artifact  # noqa: F401 (a session fixture)
 from test_grpc import GrpcServer
 
 PROMPT = "The quick brown fox"

@@ -12,7 +12,6 @@ import httpx
 import numpy as np
 import pytest
 
-from generation_helpers import tiny_generation_artifact  # noqa: F401 (a session fixture)
 from helpers import kiln
 
 pytest.importorskip("pytriton")
