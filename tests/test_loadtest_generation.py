@@ -275,3 +275,10 @@ def test_a_kept_alive_connection_the_server_closed_is_not_a_server_error():
 
     state, served_count = asyncio.run(main())
     assert state.codes == [200, 200, 200, 200] and state.sent == 4 and served_count == 4
+
+
+def test_nothing_listening_is_one_line():
+    r = kiln("loadtest", f"http://127.0.0.1:{free_port()}", "-m", "tiny", "--protocol", "openai-chat",
+             "--max-tokens", "4", "--concurrency", "1", timeout=60)
+    assert r.returncode == 2 and "cannot connect to 127.0.0.1" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

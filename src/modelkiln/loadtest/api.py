@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 from ..errors import KilnError
 from . import inputs as text_inputs
-from .client import parse_url, render_request, run_async
+from .client import fetch, parse_url, render_request, run_async
 from .protocols import InputLayout, PreparedRequest, make_protocol
 from .runner import Load, Measurement, RunConfig, RunResult, StepResult, model_metadata, run_step
 from .streaming import build_requests, is_generation
@@ -60,6 +60,7 @@ async def prepare(opts: LoadtestOptions) -> tuple[list[PreparedRequest], int]:
     host, port, prefix = parse_url(opts.url)
     base = f"http://{host}:{port}{prefix}"
     if opts.generation:  # one prompt per request; a SQuAD (question, context) pair makes one prompt
+        await fetch(base + "/", headers=opts.headers)  # any answer will do: nothing listening is one line, not a table
         items = text_inputs.select(text_inputs.load_items(opts.inputs, question_answering=True), opts.length,
                                    opts.max_inputs if opts.max_inputs is not None else GENERATION_PROMPTS, opts.seed)
         return build_requests(opts.protocol, opts.model, items, opts.max_tokens, opts.ignore_eos), len(items)
