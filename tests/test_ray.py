@@ -155,11 +155,13 @@ def test_serve_deploy_of_kiln_ray_config_on_a_ray_start_cluster(emb, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cluster(emb, cls):
+def cluster(emb, cls, tiny_generation_artifact):
     pytest.importorskip("ray")
     from modelkiln.ray.process import RayProcess
 
-    server = RayProcess([f"emb={emb}", f"cls={cls}", "--replicas", "2", "--num-cpus", "4", "--variant", "fp32"])
+    # 3 models x 2 replicas x 1 CPU: Ray's logical CPUs, not the host's cores
+    server = RayProcess([f"emb={emb}", f"cls={cls}", f"gen={tiny_generation_artifact}", "--replicas", "2",
+                         "--num-cpus", "6", "--variant", "fp32"])
     yield server
     code = server.stop()
     assert code == 0, server.output()[-3000:]
@@ -167,10 +169,10 @@ def cluster(emb, cls):
 
 
 @pytest.fixture(scope="module")
-def reference_server(emb, cls):
+def reference_server(emb, cls, tiny_generation_artifact):
     from test_serve import Server
 
-    server = Server([f"emb={emb}", f"cls={cls}", "--variant", "fp32"])
+    server = Server([f"emb={emb}", f"cls={cls}", f"gen={tiny_generation_artifact}", "--variant", "fp32"])
     yield server
     server.stop()
 
@@ -214,6 +216,32 @@ def test_answers_equal_kiln_serve(cluster, reference_server):
                        ("/v2/models/nope/predict", {"inputs": "x"}), ("/v1/embeddings", {"input": 3, "model": "emb"})]:
         ours, theirs = post(cluster.url + path, body), post(reference_server.url + path, body)
         assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json()), path
+
+
+@pytest.mark.slow
+def test_generation_routes_equal_kiln_serve(cluster, reference_server):
+    """A text-generation model under Ray: Triton's generate and generate_stream (routed to a replica by
+    the proxy) and OpenAI completions, streamed too (forwarded by the router), give kiln serve's greedy text."""
+    import openai
+    from test_serve_generation import sse_events
+
+    body = {"text_input": "The quick brown fox", "parameters": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    texts: dict[str, list[str]] = {}
+    for name, url in (("ray", cluster.url), ("serve", reference_server.url)):
+        whole = post(url + "/v2/models/gen/generate", body)
+        assert whole.status_code == 200, whole.text
+        with httpx.stream("POST", url + "/v2/models/gen/generate_stream", json=body, timeout=60) as response:
+            assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+            streamed = "".join(json.loads(e)["text_output"] for e in sse_events(response))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        completion = client.completions.create(model="gen", prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        chunks = client.completions.create(model="gen", prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        texts[name] = [whole.json()["text_output"], streamed, completion.choices[0].text,
+                       "".join(c.choices[0].text for c in chunks if c.choices)]
+        assert completion.usage.completion_tokens == 8
+    assert len(set(texts["ray"])) == 1 and texts["ray"] == texts["serve"], texts
 
 
 def _numbers(answer) -> list[float]:
