@@ -33,7 +33,11 @@ def serve_until_interrupted(config: dict[str, Any], address: str | None, num_cpu
         serve.start(http_options={"host": http["host"], "port": http["port"]})
         for application in config["applications"]:  # the models first, the router (at /) last
             started = time.perf_counter()
-            serve.run(build(application), name=application["name"], route_prefix=application["route_prefix"])
+            try:
+                serve.run(build(application), name=application["name"], route_prefix=application["route_prefix"])
+            except RuntimeError as exc:  # Serve's "Deploying application X failed": the cause is in the replica logs
+                raise KilnError(f"{str(exc).splitlines()[0]} (the replica's error is in Ray's log folder, "
+                                "session_latest/logs/serve/replica_*.log)") from None
             deployed.append(application["name"])
             replicas = _replicas(application["deployments"][0])
             print(f"✓ {application['name']}: {replicas} at {application['route_prefix']} "

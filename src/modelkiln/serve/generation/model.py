@@ -64,15 +64,18 @@ class GenerationModel:
         self.max_context = self.artifact.max_context or self.manifest.max_length
         self.tokenizer = self.artifact.tokenizer
         self.defaults = self.artifact.default_params()
+        # One engine (one scheduler batches every stream) using every CPU this server may use: `--cpus`
+        # under Ray sizes it from the replica's reservation, not from the host's cores.
+        self.instances = 1
+        self.threads = settings.threads or settings.cpus or os.cpu_count() or 1
         special = self.artifact.settings.get("special_tokens") or {}
         self._special_tokens = {k: v for k, v in special.items() if isinstance(v, str)}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         started = time.perf_counter()
-        threads = self.settings.threads or os.cpu_count() or 1
         assert self.variant.file is not None
-        decoder = DecoderSession(self.folder / self.variant.file, device=self.settings.device, threads=threads)
+        decoder = DecoderSession(self.folder / self.variant.file, device=self.settings.device, threads=self.threads)
         engine = GenerationEngine(decoder, self.max_context)
         self.kv_budget = self.settings.max_kv_tokens or self._default_kv_budget(decoder)
         if self.settings.warmup:  # the first requests should not pay for onnxruntime's first runs
@@ -86,7 +89,7 @@ class GenerationModel:
         self.scheduler.start()
         self.ready = True
         log.info("loaded text-generation model %s (variant %s, %d thread(s), KV budget %d tokens, context %d) in %.1fs",
-                 self.name, self.variant.name, threads, self.kv_budget, self.max_context, time.perf_counter() - started)
+                 self.name, self.variant.name, self.threads, self.kv_budget, self.max_context, time.perf_counter() - started)
 
     def _default_kv_budget(self, decoder: DecoderSession) -> int:
         per_token = 2 * decoder.layers * decoder.kv_heads * decoder.head_dim * np.dtype(decoder.cache_dtype).itemsize
