@@ -101,3 +101,52 @@ def test_cli_errors(server, tmp_path):
     assert "404" in r.stdout
     r = kiln("loadtest", server.url, "--model", "cls", "--concurrency", "1", "--rate", "5", timeout=60)
     assert r.returncode == 2 and "not both" in r.stderr
+
+
+# --- a server that closes kept-alive connections ------------------------------------------------
+
+def test_a_kept_alive_connection_the_server_closed_is_sent_again():
+    """A server may close an idle kept-alive connection (llama-server does after every streamed
+    answer) while the client is already sending the next request on it. No byte of an answer came,
+    so it is no failure of the server: both the closed loop and the open loop's sender send the
+    request again on a new connection, counted once (the generation client does the same)."""
+    import asyncio
+
+    from modelkiln.loadtest.generators import ClosedLoop, StepState, send_one
+
+    body = b'{"ok": true}'
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    served = []
+
+    async def answer_once_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(answer)
+        await writer.drain()
+        served.append(1)
+        await asyncio.sleep(0.05)  # the client has its answer and sends the next request on this connection
+        writer.close()
+
+    request = b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
+
+    async def main() -> tuple[StepState, StepState]:
+        server = await asyncio.start_server(answer_once_then_close, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        opened = StepState([request], rate=None, seed=0)
+        conn = None
+        for _ in range(4):
+            conn = await send_one(opened, conn, "127.0.0.1", port, timeout=5)
+        closed = StepState([request], rate=None, seed=0)
+        client = ClosedLoop(closed, "127.0.0.1", port, timeout=5)
+        task = asyncio.create_task(client.run())
+        while len(closed.codes) < 4:
+            await asyncio.sleep(0.01)
+        closed.stop = True
+        await asyncio.wait_for(task, 5)
+        server.close()
+        return opened, closed
+
+    opened, closed = asyncio.run(main())
+    assert opened.codes == [200] * 4 and opened.sent == 4
+    assert set(closed.codes) == {200} and closed.sent == len(closed.codes), (closed.codes, closed.sent)
+    assert len(served) == 4 + len(closed.codes)

@@ -63,6 +63,8 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.keep_body = False
         self.until_close: tuple[int, int] | None = None  # (status, body start) of a body read to EOF
+        self.answered = 0  # whole responses read on this connection
+        self.received = False  # any byte of the answer to the request in flight
         self._done: Callable[[Outcome], None] | None = None  # set while a request is in flight
 
     @classmethod
@@ -81,6 +83,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
+        self.received = True
         if self._done is None:
             return
         try:
@@ -90,6 +93,7 @@ class Connection(asyncio.Protocol):
             self._finish(ConnectionError(f"bad HTTP response: {exc}"))
             return
         if response is not None:
+            self.answered += 1
             if response.close:
                 self.abort()
             self._finish(response)
@@ -156,7 +160,15 @@ class Connection(asyncio.Protocol):
             done(ConnectionError("connection is closed"))
             return
         self._done = done
+        self.received = bool(self.buf)  # bytes already here belong to this answer
         self.transport.write(raw)
+
+    def closed_unanswered(self, outcome: Outcome) -> bool:
+        """The server closed this kept-alive connection before a byte of the request's answer.
+        Servers close idle connections (llama-server after every streamed answer, without
+        ``connection: close``), and such a close can cross the next request on the wire: that is no
+        answer from the server, and HTTP clients send the request again on a new connection."""
+        return isinstance(outcome, ConnectionError) and self.answered > 0 and not self.received
 
     def fail(self, exc: BaseException) -> None:
         """End the request in flight with ``exc`` (a client-side timeout) and drop the connection."""

@@ -108,19 +108,25 @@ async def send_one(state: StepState, conn: Connection | None, host: str, port: i
     """One request on ``conn`` (opened if needed), recorded into ``state`` with its latency from
     ``start`` (default: when it is sent) → the connection to reuse."""
     index, raw = state.next_indexed()
-    try:
-        if conn is None or conn.closed:
-            conn = await asyncio.wait_for(Connection.open(host, port), timeout)
-            conn.keep_body = state.checker is not None
-        state.sent += 1
-        start = time.perf_counter() if start is None else start
-        response = await conn.request(raw, timeout)
-        state.record_answer(start, time.perf_counter(), response.status, index, response.body)
-        return conn
-    except (TimeoutError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
-        state.record(time.perf_counter() if start is None else start, time.perf_counter(), error_code(exc))
-    if conn is not None:
-        conn.abort()  # its response may still come: never reuse it
+    for attempt in (1, 2):  # a second time only on a new connection, after Connection.closed_unanswered
+        try:
+            if conn is None or conn.closed:
+                conn = await asyncio.wait_for(Connection.open(host, port), timeout)
+                conn.keep_body = state.checker is not None
+            if attempt == 1:
+                state.sent += 1
+            start = time.perf_counter() if start is None else start
+            response = await conn.request(raw, timeout)
+            state.record_answer(start, time.perf_counter(), response.status, index, response.body)
+            return conn
+        except (TimeoutError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
+            again = attempt == 1 and conn is not None and conn.closed_unanswered(exc)
+            if conn is not None:
+                conn.abort()  # its response may still come: never reuse it
+            conn = None
+            if not again:
+                state.record(time.perf_counter() if start is None else start, time.perf_counter(), error_code(exc))
+                return None
     return None
 
 
@@ -136,7 +142,10 @@ class ClosedLoop:
         self.conn: Connection | None = None
         self.started = 0.0
         self.index = 0  # of the request in flight
+        self.raw = b""
         self.last_code = 0
+        self._again = False  # the next _fire sends the last request again (Connection.closed_unanswered)
+        self._retried = False  # the request in flight is already a second try
         self._chain: asyncio.Future[None] | None = None
 
     async def run(self) -> None:
@@ -148,7 +157,8 @@ class ClosedLoop:
                     self.conn = await asyncio.wait_for(Connection.open(self.host, self.port), self.timeout)
                     self.conn.keep_body = self.state.checker is not None  # --check reads every answer
                 except (OSError, asyncio.TimeoutError):
-                    self.state.record(start, time.perf_counter(), CONNECT_ERROR)
+                    self.state.record(self.started if self._again else start, time.perf_counter(), CONNECT_ERROR)
+                    self._again = False  # that request has its answer now: a connection error
                     await asyncio.sleep(0.01)  # a dead server must not turn the loop into a busy spin
                     continue
             self._chain = loop.create_future()
@@ -156,6 +166,8 @@ class ClosedLoop:
             await self._chain  # until the chain of requests ends: stop, an error, or a closed connection
             if self.last_code == CONNECT_ERROR:
                 await asyncio.sleep(0.01)
+        if self._again:  # the step ended before the second try: the request was never answered
+            self.state.sent -= 1
         if self.conn is not None:
             self.conn.abort()
 
@@ -166,14 +178,24 @@ class ClosedLoop:
 
     def _fire(self) -> None:
         assert self.conn is not None
-        self.state.sent += 1
-        self.started = time.perf_counter()
-        self.index, raw = self.state.next_indexed()
-        self.conn.send(raw, self._done)
+        self._retried, again = self._again, self._again
+        self._again = False
+        if not again:  # a second try keeps its request, its count and its start time
+            self.state.sent += 1
+            self.started = time.perf_counter()
+            self.index, self.raw = self.state.next_indexed()
+        self.conn.send(self.raw, self._done)
 
     def _done(self, outcome: Outcome) -> None:
         end = time.perf_counter()
         assert self.conn is not None
+        if not self._retried and self.conn.closed_unanswered(outcome):
+            self.conn.abort()
+            self._again = True  # run() opens a new connection and _fire sends this request again
+            self.last_code = 0
+            if self._chain is not None and not self._chain.done():
+                self._chain.set_result(None)
+            return
         if isinstance(outcome, BaseException):
             self.last_code = error_code(outcome)
             self.conn.abort()  # its response may still come: never reuse it
