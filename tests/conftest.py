@@ -50,3 +50,17 @@ class TinyZoo:
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory) -> TinyZoo:
     return TinyZoo(tmp_path_factory.mktemp("zoo"))
+
+
+@pytest.fixture(scope="session")
+def encoder_server(zoo):
+    """A real `kiln serve` of the tiny classifier (``cls``) and QA model (``qa``), fp32, HTTP and gRPC:
+    the server both loadtest test modules measure, started once."""
+    from test_grpc import GrpcServer
+
+    srv = GrpcServer([f"cls={zoo.artifact('bert', 'text-classification')}",
+                      f"qa={zoo.artifact('bert', 'question-answering')}",
+                      "--variant", "fp32", "--max-inputs-per-request", "8"])
+    yield srv
+    code, err = srv.stop()
+    assert code == 0, err[-2000:]

@@ -11,7 +11,6 @@ import re
 import httpx
 import pytest
 from helpers import kiln
-from test_serve import Server  # the serve tests' real-process helper (free port, wait for ready)
 
 from modelkiln.loadtest.api import LoadtestOptions, run_loadtest
 from modelkiln.loadtest.report import read_json
@@ -21,13 +20,8 @@ SHORT = dict(warmup_s=0.2, window_s=0.3, stable_windows=2, max_windows=2)
 
 
 @pytest.fixture(scope="module")
-def server(zoo):
-    srv = Server([f"cls={zoo.artifact('bert', 'text-classification')}",
-                  f"qa={zoo.artifact('bert', 'question-answering')}",
-                  "--variant", "fp32", "--max-inputs-per-request", "8"])
-    yield srv
-    code, err = srv.stop()
-    assert code == 0, err[-2000:]
+def server(encoder_server):
+    return encoder_server  # conftest.py: one encoder server for both loadtest modules
 
 
 def server_count(url: str, model: str, route: str, status: str) -> int:

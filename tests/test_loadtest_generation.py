@@ -17,7 +17,6 @@ import httpx
 import openai
 import pytest
 from helpers import kiln
-from test_grpc import GrpcServer
 from test_serve import Server, free_port
 
 from modelkiln.loadtest import check
@@ -191,21 +190,11 @@ def test_encoder_check_catches_a_changed_vector(fake):
 
 # --- encoders on kiln serve --------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def encoders(zoo):
-    srv = GrpcServer([f"cls={zoo.artifact('bert', 'text-classification')}",
-                      f"qa={zoo.artifact('bert', 'question-answering')}",
-                      "--variant", "fp32", "--max-inputs-per-request", "8"])
-    yield srv
-    code, err = srv.stop()
-    assert code == 0, err[-2000:]
-
-
 @pytest.mark.parametrize("model, protocol", [("cls", "oip-json"), ("qa", "oip-binary"), ("cls", "task"),
                                              ("qa", "grpc")])
-def test_encoder_check_on_kiln_serve(encoders, model, protocol):
-    result = run_loadtest(LoadtestOptions(url=encoders.url, model=model, protocol=protocol, check=True, batch=2,
-                                          grpc_url=encoders.grpc_url, loads=(Load("concurrency", 4),),
+def test_encoder_check_on_kiln_serve(encoder_server, model, protocol):
+    result = run_loadtest(LoadtestOptions(url=encoder_server.url, model=model, protocol=protocol, check=True, batch=2,
+                                          grpc_url=encoder_server.grpc_url, loads=(Load("concurrency", 4),),
                                           warmup_s=0.1, window_s=0.3, stable_windows=2, max_windows=2))
     step = result.steps[0]
     assert step.errors == {} and step.checked > 0 and step.mismatches == 0, result.mismatch_examples
