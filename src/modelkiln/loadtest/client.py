@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import KilnError
@@ -49,6 +49,15 @@ class _Response:
 
 
 Outcome = _Response | BaseException
+
+
+def closed_unanswered(conn: Any, outcome: object) -> bool:
+    """The server closed a kept-alive connection (one that has answered before) before a byte of
+    the request's answer; ``conn`` is a ``Connection`` or a ``streaming.StreamConnection``.
+    Servers close idle connections (llama-server after every streamed answer, without
+    ``connection: close``), and such a close can cross the next request on the wire: that is no
+    answer from the server, and HTTP clients send the request again on a new connection."""
+    return isinstance(outcome, ConnectionError) and conn.answered > 0 and not conn.received
 
 
 class Connection(asyncio.Protocol):
@@ -163,12 +172,6 @@ class Connection(asyncio.Protocol):
         self.received = bool(self.buf)  # bytes already here belong to this answer
         self.transport.write(raw)
 
-    def closed_unanswered(self, outcome: Outcome) -> bool:
-        """The server closed this kept-alive connection before a byte of the request's answer.
-        Servers close idle connections (llama-server after every streamed answer, without
-        ``connection: close``), and such a close can cross the next request on the wire: that is no
-        answer from the server, and HTTP clients send the request again on a new connection."""
-        return isinstance(outcome, ConnectionError) and self.answered > 0 and not self.received
 
     def fail(self, exc: BaseException) -> None:
         """End the request in flight with ``exc`` (a client-side timeout) and drop the connection."""

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from typing import TYPE_CHECKING, Any
 
-from .client import Connection, Outcome
+from .client import Connection, Outcome, closed_unanswered
 
 if TYPE_CHECKING:
     from .check import Checker
@@ -108,7 +108,7 @@ async def send_one(state: StepState, conn: Connection | None, host: str, port: i
     """One request on ``conn`` (opened if needed), recorded into ``state`` with its latency from
     ``start`` (default: when it is sent) → the connection to reuse."""
     index, raw = state.next_indexed()
-    for attempt in (1, 2):  # a second time only on a new connection, after Connection.closed_unanswered
+    for attempt in (1, 2):  # a second time only on a new connection, after client.closed_unanswered
         try:
             if conn is None or conn.closed:
                 conn = await asyncio.wait_for(Connection.open(host, port), timeout)
@@ -120,7 +120,7 @@ async def send_one(state: StepState, conn: Connection | None, host: str, port: i
             state.record_answer(start, time.perf_counter(), response.status, index, response.body)
             return conn
         except (TimeoutError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
-            again = attempt == 1 and conn is not None and conn.closed_unanswered(exc)
+            again = attempt == 1 and conn is not None and closed_unanswered(conn, exc)
             if conn is not None:
                 conn.abort()  # its response may still come: never reuse it
             conn = None
@@ -144,7 +144,7 @@ class ClosedLoop:
         self.index = 0  # of the request in flight
         self.raw = b""
         self.last_code = 0
-        self._again = False  # the next _fire sends the last request again (Connection.closed_unanswered)
+        self._again = False  # the next _fire sends the last request again (client.closed_unanswered)
         self._retried = False  # the request in flight is already a second try
         self._chain: asyncio.Future[None] | None = None
 
@@ -189,7 +189,7 @@ class ClosedLoop:
     def _done(self, outcome: Outcome) -> None:
         end = time.perf_counter()
         assert self.conn is not None
-        if not self._retried and self.conn.closed_unanswered(outcome):
+        if not self._retried and closed_unanswered(self.conn, outcome):
             self.conn.abort()
             self._again = True  # run() opens a new connection and _fire sends this request again
             self.last_code = 0

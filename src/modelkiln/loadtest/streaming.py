@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 
 from ..errors import KilnError
+from .client import closed_unanswered
 from .generators import CONNECT_ERROR, MID_STREAM_CODE, StepState, error_code
 from .inputs import Item
 from .protocols import GENERATION_PROTOCOLS, PreparedRequest
@@ -185,6 +186,7 @@ class StreamConnection(asyncio.Protocol):
         self.buf = bytearray()
         self._record: StreamRecord | None = None
         self._done: asyncio.Future[int] | None = None
+        self.answered = 0  # whole responses read on this connection
         self._reset()
 
     def _reset(self) -> None:
@@ -285,6 +287,7 @@ class StreamConnection(asyncio.Protocol):
             self._record.framing.append(f"the stream ended inside an event (no blank line after it): "
                                         f"{bytes(self.sse[:80])!r}")
             self._record.event(bytes(self.sse).strip(b"\n"), time.perf_counter())  # still read it
+        self.answered += 1
         if self.close_after:
             self.abort()
         if not self._done.done():
@@ -328,14 +331,13 @@ async def send_stream(state: StepState, conn: StreamConnection | None, host: str
     StreamRecord (and its --check verdict), timed from ``start`` (default: when it is sent)
     → the connection to reuse (None after a failure).
 
-    A kept-alive connection that the server closed before answering a byte (servers close idle
-    ones, and a close can cross the next request on the wire) is not the server failing the
-    request: it is sent once more on a new connection, as HTTP clients do, timed from the first try."""
+    A kept-alive connection that the server closed before answering a byte (``client.closed_unanswered``)
+    is not the server failing the request: it is sent once more on a new connection, timed from the
+    first try."""
     index, raw = state.next_indexed()
     first_start = start
     for attempt in (1, 2):
         record = StreamRecord(state.protocol)
-        reused = conn is not None and not conn.closed
         try:
             if conn is None or conn.closed:
                 conn = await asyncio.wait_for(StreamConnection.open(host, port), timeout)
@@ -345,7 +347,7 @@ async def send_stream(state: StepState, conn: StreamConnection | None, host: str
             code = outcome_code(await conn.stream(raw, record, timeout), record)
             break
         except (TimeoutError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
-            stale = reused and isinstance(exc, ConnectionError) and conn is not None and not conn.received
+            stale = conn is not None and closed_unanswered(conn, exc)
             if conn is not None:
                 conn.abort()  # its answer may still come: never reuse it
             conn = None
