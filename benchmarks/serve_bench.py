@@ -1,4 +1,4 @@
-"""Load-test ``kiln serve`` with wrk, driving STS-B sentences (../shared/data), and compare with the
+"""Load-test ``kiln serve`` with wrk, driving STS-B sentences (packaged with modelkiln), and compare with the
 in-process batch-1 latency of the same artifact.
 
     python benchmarks/serve_bench.py --artifact artifacts/all-MiniLM-L6-v2 --duration 20 --rounds 3

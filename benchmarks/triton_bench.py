@@ -1,6 +1,6 @@
 """Load-test the Triton ensemble that ``kiln triton --model-backend python`` writes, on the
 tritonserver bundled in nvidia-pytriton (python backend, CPU), with the same load generator (wrk),
-sentences (STS-B dev, ../shared/data) and concurrency levels as ``benchmarks/serve_bench.py``
+sentences (STS-B dev, packaged with modelkiln) and concurrency levels as ``benchmarks/serve_bench.py``
 uses for ``kiln serve``, so the two tables sit side by side in the README.
 
     python benchmarks/triton_bench.py --artifact /tmp/triton-art/all-MiniLM-L6-v2 --duration 20

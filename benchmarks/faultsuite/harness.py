@@ -243,7 +243,7 @@ EQUAL_COSINE = 0.99999  # "the same answer": issue 15's bar for batch invariance
 
 def load_texts(short_limit: int | None) -> tuple[list[str], list[str]]:
     """(short texts: STS-B sentences and SQuAD questions, long texts: SQuAD paragraphs), real data
-    read from ``../shared/data``; ``short_limit`` keeps the first N short ones."""
+    read packaged with modelkiln; ``short_limit`` keeps the first N short ones."""
     from modelkiln.data import read_squad, sts_sentences
 
     paragraphs, questions = read_squad()

