@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
 
-from ..generation._names import (ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, past_key_name, past_value_name,
+from ..generation.graph_io import (ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, past_key_name, past_value_name,
                                  present_key_name, present_value_name)
 
 log = logging.getLogger(__name__)

@@ -55,6 +55,16 @@ class Blocks:
     zero: int
     offset: np.ndarray | None = None  # Q4_1's minimum m per block
 
+    @staticmethod
+    def concat(parts: list[Blocks]) -> Blocks | None:
+        """Several weights' blocks stacked along N (fused projections), or None when their types differ."""
+        first = parts[0]
+        if any((p.kind, p.bits, p.zero) != (first.kind, first.bits, first.zero) for p in parts):
+            return None
+        offset = None if first.offset is None else np.concatenate([p.offset for p in parts])  # type: ignore[misc]
+        return Blocks(first.kind, np.concatenate([p.codes for p in parts]), np.concatenate([p.scale for p in parts]),
+                      first.bits, first.zero, offset)
+
     def take_rows(self, rows: np.ndarray) -> Blocks:
         return Blocks(self.kind, self.codes[rows], self.scale[rows], self.bits, self.zero,
                       None if self.offset is None else self.offset[rows])
@@ -103,13 +113,14 @@ def has_packable_blocks(gguf_path: Path) -> bool:
     return any(t.tensor_type in (T.Q4_0, T.Q4_1) for t in GGUFReader(str(gguf_path)).tensors)
 
 
-class _RowIndex:
+class GgufRowIndex:
     """Every row of every packable GGUF tensor, dequantized the way transformers does it
     (``gguf.dequantize``), keyed by its bytes."""
 
     def __init__(self, reader: Any) -> None:
         from gguf import dequantize
 
+        self._blocks: dict[str, Blocks] = {}
         self.tensors = {t.name: t for t in reader.tensors if t.tensor_type.name in PACKABLE}
         self.rows: dict[bytes, list[tuple[str, int]]] = {}
         for name, t in self.tensors.items():
@@ -129,8 +140,23 @@ class _RowIndex:
         name = sorted(names)[0]
         return name, np.asarray([next(i for n, i in f if n == name) for f in found])  # type: ignore[union-attr]
 
+    def blocks_for(self, weight: np.ndarray) -> Blocks | None:
+        """The GGUF blocks that dequantize to exactly ``weight`` ([K, N], a MatMul's), or None."""
+        found = self.match(weight) if weight.ndim == 2 and weight.shape[0] % BLOCK == 0 else None
+        if found is None:
+            return None
+        name, rows = found
+        if name not in self._blocks:
+            self._blocks[name] = read_blocks(self.tensors[name])  # type: ignore[assignment]
+        blocks = self._blocks[name].take_rows(rows)
+        error = float(np.abs(blocks.dequantized() - weight.T).max())
+        if error > 1e-5 * max(float(np.abs(weight).max()), 1.0):
+            raise ConversionError(f"GGUF tensor {name} does not reproduce a graph weight [{weight.shape[0]}, "
+                                  f"{weight.shape[1]}] (max |Δ| {error:.3g}); cannot pack its blocks")
+        return blocks
 
-def _packed(blocks: Blocks) -> np.ndarray:
+
+def packed_codes(blocks: Blocks) -> np.ndarray:
     """MatMulNBits' B: [N, blocks, 32·bits/8] bytes, 4-bit codes two to a byte, the first in the low nibble."""
     if blocks.bits == 8:
         return blocks.codes
@@ -152,8 +178,7 @@ def pack_gguf_blocks(src: Path, dst: Path, gguf_path: Path, accuracy_level: int)
     materialize_transposed_weights(model)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    index = _RowIndex(GGUFReader(str(gguf_path)))
-    block_cache: dict[str, Blocks] = {}
+    index = GgufRowIndex(GGUFReader(str(gguf_path)))
     blocksums: dict[str, str] = {}  # MatMul input → its per-block sums
     counts: Counter[str] = Counter()
     new_nodes: list[Any] = []
@@ -175,22 +200,14 @@ def pack_gguf_blocks(src: Path, dst: Path, gguf_path: Path, accuracy_level: int)
             new_nodes.append(node)
             continue
         weight = numpy_helper.to_array(weight_init)
-        found = index.match(weight) if weight.ndim == 2 and weight.shape[0] % BLOCK == 0 else None
-        if found is None:
+        blocks = index.blocks_for(weight)
+        if blocks is None:
             counts["fp32"] += 1
             new_nodes.append(node)
             continue
-        name, rows = found
-        if name not in block_cache:
-            block_cache[name] = read_blocks(index.tensors[name])  # type: ignore[assignment]
-        blocks = block_cache[name].take_rows(rows)
-        error = float(np.abs(blocks.dequantized() - weight.T).max())
-        if error > 1e-5 * max(float(np.abs(weight).max()), 1.0):
-            raise ConversionError(f"GGUF tensor {name} does not reproduce graph weight {weight_init.name} "
-                                  f"(max |Δ| {error:.3g}); cannot pack its blocks")
         k, n = weight.shape
         stem = f"{weight_init.name}.gguf_{blocks.kind.lower()}"
-        packed = numpy_helper.from_array(_packed(blocks), f"{stem}.codes")
+        packed = numpy_helper.from_array(packed_codes(blocks), f"{stem}.codes")
         scales = numpy_helper.from_array(blocks.scale.reshape(-1).astype(np.float32), f"{stem}.scales")
         graph.initializer.extend([packed, scales])
         x, out = node.input[0], node.output[0]

@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from ..errors import ArtifactError
 from ..runtime.onnx import _PROVIDERS, session_options
-from ._names import INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS, past_key_name, past_value_name, present_key_name, present_value_name
+from .graph_io import INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS, past_key_name, past_value_name, present_key_name, present_value_name
 
 # 2 × layers tensors, key then value per layer: [batch, kv_heads, past, head_dim]: numpy arrays, or
 # OrtValues with ``io_binding``.
@@ -36,18 +36,24 @@ _NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "te
                  "tensor(int32)": np.int32}
 
 
+def open_session(path: Path | str, device: str = "cpu", threads: int | None = None,
+                 memory_arena: bool = True) -> ort.InferenceSession:
+    if device not in _PROVIDERS:
+        raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(_PROVIDERS)})")
+    try:
+        return ort.InferenceSession(str(path), session_options(threads, memory_arena), providers=list(_PROVIDERS[device]))
+    except Exception as exc:  # onnxruntime raises its own untyped errors for bad files
+        raise ArtifactError(f"cannot load {path}: {exc}") from exc
+
+
 class DecoderSession:
     """The decoder graph and what its inputs say about the model (layers, KV heads, head size)."""
 
     def __init__(self, path: Path | str, device: str = "cpu", threads: int | None = None,
-                 io_binding: bool | None = None, memory_arena: bool = True):
-        if device not in _PROVIDERS:
-            raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(_PROVIDERS)})")
-        try:
-            self.session = ort.InferenceSession(str(path), session_options(threads, memory_arena),
-                                                providers=list(_PROVIDERS[device]))
-        except Exception as exc:  # onnxruntime raises its own untyped errors for bad files
-            raise ArtifactError(f"cannot load {path}: {exc}") from exc
+                 io_binding: bool | None = None, memory_arena: bool = True,
+                 session: ort.InferenceSession | None = None):
+        """``session``: the graph already loaded (``engine.open_engine`` reads its kind first)."""
+        self.session = session or open_session(path, device, threads, memory_arena)
         inputs = {i.name: i for i in self.session.get_inputs()}
         for required in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, past_key_name(0)):
             if required not in inputs:
