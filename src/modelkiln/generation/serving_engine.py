@@ -1,0 +1,225 @@
+"""The engine over the serving graph (convert/serving_graph.py): prefill into a staging row, join
+the decode batch, decode steps, leave. The same five calls as the export graph's engine
+(``engine.py``), so the engine core drives either.
+
+Why a sequence's answer does not depend on its batch
+    GroupQueryAttention computes each (row, head) over that row's own length, single-threaded per
+    unit, whatever else is in the call (checked bit for bit: docs/generation-internals.md); every
+    other node works row by row. The one exception is a kernel's shape-dependent path: some
+    machines' int4/int8 MatMulNBits round a tile of one row (M = 1, or the last row when
+    M % 128 == 1) differently from the same row among others. ``load`` asks the decode graph
+    itself whether a lone row decodes bit-identically to the same row among others on this
+    machine; where it does not, the step gets a ghost row (a throw-away row with no past) whenever
+    the batch would make such a tile."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import InvalidInputError, KilnError
+from . import graph_io as io
+from .kv_cache import CacheShape, RowRegion
+
+SeqId = Hashable
+TILE_ROWS = 128  # MatMulNBits' row tile: a tile holding one row takes its lone-row path
+
+
+@dataclass
+class _Staged:
+    row: int  # staging row
+    length: int  # tokens in its cache
+
+
+class ServingEngine:
+    def __init__(self, session: ort.InferenceSession, heads: int, threads: int, max_context: int | None,
+                 max_rows: int = 32, staging_rows: int = 4, max_length: int | None = None):
+        inputs = {i.name: i for i in session.get_inputs()}
+        for required in (io.INPUT_IDS, io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH, io.LOGIT_POSITIONS, io.past_key_name(0)):
+            if required not in inputs:
+                raise KilnError(f"not a serving decoder graph (no input '{required}')")
+        self.session = session
+        self.layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
+        _, kv_heads, _, head_dim = inputs[io.past_key_name(0)].shape
+        self.max_context = max_context
+        length = int(max_length or max_context or 4096)
+        self.shape = CacheShape(self.layers, int(kv_heads), int(head_dim), length)
+        # rows × heads units share the threads of GroupQueryAttention; with fewer units than threads a
+        # newer onnxruntime splits one row's keys across threads (another summation order): keep enough rows
+        self.min_rows = -(-threads // heads)
+        self.max_rows = max_rows
+        self.running = RowRegion(self.shape, max_rows + self.min_rows + 1)  # room for ghost rows
+        self.staging = RowRegion(self.shape, staging_rows)
+        self.rows: list[SeqId] = []
+        self._lengths = np.zeros(0, dtype=np.int32)
+        self._staged: dict[SeqId, _Staged] = {}
+        self._free_staging = list(range(staging_rows))
+        self._binding: tuple[int, ort.IOBinding] | None = None  # (rows bound, binding)
+        self._past_names = [n for i in range(self.layers) for n in (io.past_key_name(i), io.past_value_name(i))]
+        self._present_names = [n for i in range(self.layers) for n in (io.present_key_name(i), io.present_value_name(i))]
+        self._first_position = np.zeros(1, dtype=np.int64)
+        self.ghost_rows = False
+        self.ghost_rows = self._lone_row_differs()
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the caches hold now (running and staged): what RAM they take, in tokens."""
+        return int(self._lengths.sum()) + sum(s.length for s in self._staged.values())
+
+    @staticmethod
+    def kv_tokens_needed(reserves: Sequence[int]) -> int:
+        """Cache tokens (RAM) for sequences that may reach ``reserves`` tokens: each its own."""
+        return sum(reserves)
+
+    def length(self, seq_id: SeqId) -> int:
+        if seq_id in self._staged:
+            return self._staged[seq_id].length
+        return int(self._lengths[self.rows.index(seq_id)])
+
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._staged or seq_id in self.rows
+
+    # -- prefill ---------------------------------------------------------------------------
+    def prefill(self, seq_id: SeqId, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Run ``token_ids`` through a sequence that is not running (new, or prefilled in part).
+        Returns the last position's logits [vocab] (every position's [len, vocab] with ``all_logits``)."""
+        if seq_id in self.rows:
+            raise InvalidInputError(f"sequence {seq_id!r} is already running")
+        if not token_ids:
+            raise InvalidInputError("a prompt needs at least one token")
+        staged = self._staged.get(seq_id)
+        if staged is None:
+            if not self._free_staging:
+                raise KilnError(f"all {self.staging.rows} staging rows are prefilling")
+            staged = _Staged(self._free_staging.pop(), 0)
+            self._staged[seq_id] = staged
+        n = len(token_ids)
+        total = staged.length + n
+        self._check_length(total)
+        binding = self._binding_of(self.staging.views(staged.row, staged.row + 1))
+        positions = np.arange(n, dtype=np.int64) if all_logits else np.asarray([n - 1], dtype=np.int64)
+        logits = self._run(binding, np.asarray([token_ids], dtype=np.int64), np.asarray([total - 1], dtype=np.int32),
+                           total, positions)
+        staged.length = total
+        return logits[0] if all_logits else logits[0, -1]
+
+    def join(self, seq_id: SeqId) -> None:
+        """Move a prefilled sequence into the decode batch (it takes part in the next step)."""
+        staged = self._staged.pop(seq_id)
+        if len(self.rows) >= self.max_rows:
+            self._staged[seq_id] = staged
+            raise KilnError(f"the decode batch is full ({self.max_rows} rows)")
+        row = len(self.rows)
+        self.running.copy_row(self.staging, staged.row, row, staged.length)
+        self._free_staging_row(staged.row)
+        self.rows.append(seq_id)
+        self._lengths = np.append(self._lengths, np.int32(staged.length))
+
+    def add(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> np.ndarray:
+        """Prefill a whole prompt and join: returns the logits for the first new token."""
+        logits = self.prefill(seq_id, prompt_ids)
+        self.join(seq_id)
+        return logits
+
+    # -- decode ----------------------------------------------------------------------------
+    def step(self, next_tokens: Mapping[SeqId, int]) -> np.ndarray:
+        """Feed each running sequence its next token; return logits [rows, vocab] in ``rows`` order."""
+        if len(next_tokens) != len(self.rows) or any(s not in next_tokens for s in self.rows):
+            raise InvalidInputError(f"step needs one token for each running sequence {self.rows}, got {list(next_tokens)}")
+        n = len(self.rows)
+        if not n:
+            return np.zeros((0, 0), dtype=np.float32)
+        self._check_length(int(self._lengths.max()) + 1)
+        bound = self._rows_to_bind(n)
+        ids = np.empty((bound, 1), dtype=np.int64)
+        ids[:n, 0] = [next_tokens[s] for s in self.rows]
+        seqlens = np.zeros(bound, dtype=np.int32)  # ghost rows: no past, their one token at position 0
+        seqlens[:n] = self._lengths
+        ids[n:, 0] = ids[0, 0]
+        logits = self._run(self._decode_binding(bound), ids, seqlens, int(seqlens.max()) + 1, self._first_position)
+        self._lengths += 1
+        return logits[:n, 0]
+
+    def _rows_to_bind(self, n: int) -> int:
+        bound = max(n, self.min_rows)
+        if self.ghost_rows and bound % TILE_ROWS == 1:
+            bound += 1
+        return bound
+
+    # -- leaving ---------------------------------------------------------------------------
+    def remove(self, seq_id: SeqId) -> None:
+        """Drop a sequence (running or staged) and give its cache's memory back."""
+        staged = self._staged.pop(seq_id, None)
+        if staged is not None:
+            self._free_staging_row(staged.row)
+            return
+        row, last = self.rows.index(seq_id), len(self.rows) - 1
+        if row != last:  # the batch stays rows 0..n-1: the last row fills the hole
+            self.running.copy_row(self.running, last, row, int(self._lengths[last]))
+            self.rows[row] = self.rows[last]
+            self._lengths[row] = self._lengths[last]
+        self.rows.pop()
+        self._lengths = self._lengths[:-1].copy()
+        self.running.release(last)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _free_staging_row(self, row: int) -> None:
+        self.staging.release(row)
+        self._free_staging.append(row)
+
+    def _check_length(self, tokens: int) -> None:
+        if self.max_context is not None and tokens > self.max_context:
+            raise InvalidInputError(f"{tokens} tokens exceed the model's context of {self.max_context}")
+        if tokens > self.shape.max_length:
+            raise InvalidInputError(f"{tokens} tokens exceed the engine's {self.shape.max_length}-token rows")
+
+    def _decode_binding(self, rows: int) -> ort.IOBinding:
+        """The binding of running rows 0..rows-1, made again only when the batch size changes."""
+        if self._binding is None or self._binding[0] != rows:
+            self._binding = (rows, self._binding_of(self.running.views(0, rows)))
+        return self._binding[1]
+
+    def _binding_of(self, views: list[np.ndarray]) -> ort.IOBinding:
+        """Each cache view bound as both past and present (GroupQueryAttention then writes in place);
+        logits bound first, so they are output 0."""
+        binding = self.session.io_binding()
+        binding.bind_output(io.LOGITS)
+        for name, present, view in zip(self._past_names, self._present_names, views):
+            value = ort.OrtValue.ortvalue_from_numpy(view)
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(present, value)
+        return binding
+
+    def _run(self, binding: ort.IOBinding, ids: np.ndarray, seqlens: np.ndarray, total: int,
+             positions: np.ndarray) -> np.ndarray:
+        # bind_cpu_input keeps a pointer, not the array: every array bound must outlive the run
+        total_length = np.asarray(total, dtype=np.int32)
+        binding.bind_cpu_input(io.INPUT_IDS, ids)
+        binding.bind_cpu_input(io.SEQLENS_K, seqlens)
+        binding.bind_cpu_input(io.TOTAL_SEQUENCE_LENGTH, total_length)
+        binding.bind_cpu_input(io.LOGIT_POSITIONS, positions)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
+
+    def _lone_row_differs(self) -> bool:
+        """Whether a row decoded alone (and, where the batch can reach it, last of 129) gets other
+        logits than the same row among others, on this machine. Every row holds the same token with
+        no past, so only the kernels' shape-dependent paths can tell the rows apart."""
+        probes = [(1, 2)] + ([(TILE_ROWS + 1, TILE_ROWS + 2)] if self.max_rows > TILE_ROWS else [])
+        for alone, among in probes:
+            tokens = np.full(among, 1, dtype=np.int64)
+            if not np.array_equal(self._probe(tokens[:alone])[alone - 1], self._probe(tokens)[alone - 1]):
+                return True
+        return False
+
+    def _probe(self, tokens: np.ndarray) -> np.ndarray:
+        rows = len(tokens)
+        binding = self._decode_binding(rows)
+        logits = self._run(binding, tokens[:, None], np.zeros(rows, dtype=np.int32), 1, self._first_position)
+        for row in range(rows):
+            self.running.release(row)
+        return logits[:, 0].copy()
