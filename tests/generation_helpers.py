@@ -40,7 +40,7 @@ def make_tiny_llama(folder: Path) -> Path:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = tf.LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id)
     model = tf.LlamaForCausalLM(cfg).eval()
@@ -114,7 +114,8 @@ def make_tiny_causal_lm(folder: Path, family: str) -> Path:
     fast = _save_tokenizer(folder)
     ids = dict(vocab_size=400, eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id,
                pad_token_id=fast.pad_token_id)
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    # head size 16: the smallest GroupQueryAttention takes on CPU (the serving graph)
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=1024, **ids)
     if family == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **common))
@@ -147,7 +148,7 @@ def write_tiny_gguf(path: Path, matrices: str = "F32", embedding: str = "F32") -
     spec = json.loads((folder / "tokenizer.json").read_text())
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    hidden, ff, layers, heads, kv_heads, n_vocab = 32, 64, 2, 4, 2, len(vocab)
+    hidden, ff, layers, heads, kv_heads, n_vocab = 64, 96, 2, 4, 2, len(vocab)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(512)
     w.add_embedding_length(hidden)

@@ -13,9 +13,9 @@ from generation_helpers import make_tiny_causal_lm, write_tiny_gguf
 from modelkiln.convert.generation_gate import GatePrompts, GateTolerance, torch_run
 from modelkiln.convert.pipeline import ConvertConfig, convert
 from modelkiln.errors import ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
-from modelkiln.generation.decoder import DecoderSession
-from modelkiln.generation.engine import GenerationEngine
 from modelkiln.generation.model import TextGenerationModel
+from modelkiln.generation.padded_engine import PaddedEngine
+from modelkiln.generation.serving_engine import ServingEngine
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -27,7 +27,7 @@ def _convert(model, out, **options):
 
 def _engine_greedy(artifact, variant: str, ids: list[int], n: int, path=None) -> list[int]:
     path = path or artifact.variant_path(variant)[1]
-    engine = GenerationEngine(DecoderSession(path, threads=1), artifact.max_context)
+    engine = artifact.engine_for_file(path, threads=1)
     logits, tokens = engine.add(0, ids), []
     for _ in range(n):
         tokens.append(int(np.argmax(logits)))
@@ -46,11 +46,18 @@ def _torch_greedy(model_folder, ids: list[int], n: int, **load) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen2", "gpt_neox"])
-def test_families_convert_and_generate_pytorchs_greedy_tokens(tmp_path, family):
+@pytest.mark.parametrize("family, graph", [("gpt2", "export"), ("qwen2", "serving"), ("gpt_neox", "export")])
+def test_families_convert_and_generate_pytorchs_greedy_tokens(tmp_path, family, graph):
+    """Qwen2 (q/k/v biases) gets the serving graph; GPT-2 and GPT-NeoX the torch export, and the
+    manifest says why."""
     folder = make_tiny_causal_lm(tmp_path / "hf", family)
     manifest = _convert(folder, tmp_path / "art", precisions=["fp32"])  # --task auto: *ForCausalLM / *LMHeadModel
     assert manifest.task == "text-generation"
+    assert manifest.generation["graph"]["kind"] == graph
+    if graph == "export":
+        assert family in manifest.generation["graph"]["why"] and manifest.opset == 23
+    engine = TextGenerationModel(tmp_path / "art").engine("fp32", threads=1)
+    assert isinstance(engine, ServingEngine if graph == "serving" else PaddedEngine)
     fp32 = manifest.variants[0]
     assert fp32.kept and fp32.validation.agreement == 1.0 and fp32.validation.max_abs_diff < 1e-3
     assert abs(fp32.details["perplexity_change"]) < 1e-3
@@ -79,7 +86,7 @@ def test_llama_gqa_every_variant_and_a_forced_gate_failure(tmp_path):
     assert not by_name["fp16"].kept and "CUDA" in by_name["fp16"].reason
     saved = json.loads((out / "kiln.json").read_text())
     gen = saved["generation"]
-    assert gen["layers"] == 2 and gen["kv_heads"] == 2 and gen["heads"] == 4 and gen["head_dim"] == 8
+    assert gen["layers"] == 2 and gen["kv_heads"] == 2 and gen["heads"] == 4 and gen["head_dim"] == 16
     assert gen["max_context"] == 1024 and gen["chat_template"] and gen["eos_token_ids"]
     assert gen["special_tokens"]["eos_token"] == "<|im_end|>"
     artifact = TextGenerationModel(out)
@@ -157,30 +164,32 @@ def test_q4_1_gguf_int4_packs_the_files_own_blocks(tmp_path, accuracy_level):
     the same weights as the fp32 graph, so the same logits (to float rounding at accuracy level 0;
     level 4 quantizes activations to int8 inside the kernel) and the same greedy tokens."""
     import onnx
-    import onnxruntime as ort
 
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_1", embedding="Q8_0")
     out = tmp_path / "art"
     manifest = _convert(gguf_path, out, precisions=["fp32", "int4"], int4_accuracy_level=accuracy_level)
     int4 = {v.name: v for v in manifest.variants}["int4"]
     assert int4.validation.passed and int4.details["block_size"] == 32
-    assert int4.details["from_gguf_blocks"] == {"Q4_1": 14, "Q8_0": 1}  # 2 layers × 7 matrices, the head
+    # 2 layers × (q/k/v, o, gate/up, down: four projections, fused), and the head
+    assert int4.details["from_gguf_blocks"] == {"Q4_1": 8, "Q8_0": 1}
     if not int4.kept:  # dropped as not faster than fp32 on a tiny model: rebuild it to compare
-        from modelkiln.convert.gguf_blocks import pack_gguf_blocks
+        import torch
+        import transformers as tf
 
-        pack_gguf_blocks(out / "model.onnx", out / "model.int4.onnx", gguf_path, accuracy_level)
+        from modelkiln.convert.linear_weights import GgufWeights
+        from modelkiln.convert.serving_graph import build_serving_graph
+
+        model = tf.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                        dtype=torch.float32).eval()
+        build_serving_graph(model, GgufWeights(gguf_path, accuracy_level), out / "model.int4.onnx")
     graph = onnx.load(str(out / "model.int4.onnx"), load_external_data=False).graph
-    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 15
+    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 9
     artifact = TextGenerationModel(out)
     ids = artifact.prompt_ids(PROMPT)
     logits = {}
     for name in ("model.onnx", "model.int4.onnx"):
-        session = ort.InferenceSession(str(out / name), providers=["CPUExecutionProvider"])
-        feeds = {"input_ids": np.asarray([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
-                 "position_ids": np.arange(len(ids))[None]}
-        for i in session.get_inputs()[3:]:
-            feeds[i.name] = np.zeros((1, 2, 0, 8), np.float32)
-        logits[name] = session.run(["logits"], feeds)[0]
+        engine = artifact.engine_for_file(out / name, threads=1)
+        logits[name] = engine.prefill("p", ids, all_logits=True)
     scale = float(np.abs(logits["model.onnx"]).max())
     diff = float(np.abs(logits["model.int4.onnx"] - logits["model.onnx"]).max())
     assert diff < (1e-4 if accuracy_level == 0 else 0.02) * scale, (diff, scale)

@@ -1,5 +1,6 @@
-"""The serving scheduler in process (no HTTP): chunked prefill interleaved with running streams,
-the KV budget's admission rule, cancellation and timeouts, on the tiny fp32 Llama."""
+"""The engine core behind ``kiln serve``'s scheduler thread, in process (no HTTP): chunked prefill
+interleaved with running streams, the KV budget's admission rule, the running-rows bound,
+cancellation and timeouts, on the tiny fp32 Llama."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import time
 import pytest
 
 from modelkiln.errors import InvalidInputError, OverloadedError, RequestTimeoutError
-from modelkiln.generation.decoder import DecoderSession
-from modelkiln.generation.engine import GenerationEngine
+from modelkiln.generation.core import CoreHooks, EngineCore
 from modelkiln.generation.model import TextGenerationModel
 from modelkiln.generation.sampling import SamplingParams
-from modelkiln.serve.generation.scheduler import Job, Scheduler, SchedulerHooks
+from modelkiln.serve.generation.scheduler import Job, Scheduler
+
+_ids = iter(range(1, 1 << 30))
 
 
-class Recorder(SchedulerHooks):
+class Recorder(CoreHooks):
     def __init__(self) -> None:
         self.iterations: list[tuple[int, int, int]] = []
 
@@ -30,20 +32,19 @@ def tiny(tiny_generation_artifact):
 
 
 def make(tiny, **kw) -> tuple[Scheduler, Recorder]:
-    _, path = tiny.variant_path("fp32")
-    engine = GenerationEngine(DecoderSession(path, threads=1), tiny.max_context)
     hooks = Recorder()
     options = dict(max_running=8, max_waiting=8, kv_budget=100_000, prefill_chunk=16)
     options.update(kw)
-    scheduler = Scheduler(engine, tiny.tokenizer, frozenset(tiny.eos_ids), hooks=hooks, **options)
+    engine = tiny.engine("fp32", threads=1, max_rows=options["max_running"])
+    scheduler = Scheduler(EngineCore(engine, tiny.tokenizer, tiny.eos_ids, hooks=hooks, **options))
     scheduler.start()
     return scheduler, hooks
 
 
 def job(prompt: list[int], n: int, timeout: float = 60.0) -> Job:
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-    return Job(prompt, params, time.monotonic() + timeout, asyncio.get_running_loop(), asyncio.Queue(),
-               len(prompt) + n)
+    return Job(next(_ids), prompt, params, deadline=time.monotonic() + timeout, loop=asyncio.get_running_loop(),
+               queue=asyncio.Queue())
 
 
 async def collect(j: Job) -> list:
@@ -86,6 +87,8 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_runs(tiny):
 
 
 def test_kv_budget_admits_what_fits_and_refuses_what_never_can(tiny):
+    """The budget is the sum of each sequence's reserve (prompt + max new tokens): the serving
+    engine's cache holds each sequence's own length."""
     async def run() -> None:
         # each job may reach 10 + 20 = 30 tokens: two fit in 64, a third waits for one to leave
         scheduler, hooks = make(tiny, kv_budget=64)
@@ -118,6 +121,7 @@ def test_queue_bound_cancel_and_timeout(tiny):
             scheduler.cancel(running)  # its client left: the waiting one gets the slot
             assert len(await collect(waiting)) == 5
             assert running.state is not None and len(running.state.generated_ids) < 1000 - 4
+            await asyncio.sleep(0.05)
             assert scheduler.running == 0 and scheduler.engine.cache_tokens == 0
             slow = job([1, 2, 3], 1000 - 4, timeout=0.05)  # runs out of time mid-answer
             scheduler.submit(slow)
@@ -126,6 +130,46 @@ def test_queue_bound_cancel_and_timeout(tiny):
             await asyncio.sleep(0.1)
             assert scheduler.running == 0 and scheduler.engine.cache_tokens == 0
         finally:
+            scheduler.stop(10)
+
+    asyncio.run(run())
+
+
+def test_running_rows_never_exceed_max_running(tiny):
+    """Ten requests at once with room for three: never more than three run, all finish."""
+    async def run() -> None:
+        scheduler, hooks = make(tiny, max_running=3, max_waiting=16)
+        try:
+            jobs = [job([1, 2, 3 + i], 6) for i in range(10)]
+            for j in jobs:
+                scheduler.submit(j)
+            results = await asyncio.gather(*[collect(j) for j in jobs])
+            assert all(len(r) == 6 for r in results)
+            assert max(running for running, _, _ in hooks.iterations) == 3
+        finally:
+            scheduler.stop(10)
+
+    asyncio.run(run())
+
+
+def test_an_engine_failure_fails_the_active_requests_and_the_next_ones_are_served(tiny):
+    """A step that raises ends what was running with an error; the core goes on with later requests."""
+    async def run() -> None:
+        scheduler, _ = make(tiny)
+        engine = scheduler.engine
+        real_step = engine.step
+        try:
+            engine.step = lambda tokens: (_ for _ in ()).throw(RuntimeError("kernel failed"))
+            failing = job([1, 2, 3], 5)
+            scheduler.submit(failing)
+            events = await collect(failing)
+            assert isinstance(events[-1], Exception) and "kernel failed" in str(events[-1])
+            engine.step = real_step
+            later = job([1, 2, 3], 5)
+            scheduler.submit(later)
+            assert len(await collect(later)) == 5 and scheduler.running == 0
+        finally:
+            engine.step = real_step
             scheduler.stop(10)
 
     asyncio.run(run())

@@ -16,8 +16,6 @@ from typing import Any, ContextManager
 import numpy as np
 
 from ..errors import KilnError
-from ..generation.decoder import DecoderSession
-from ..generation.engine import GenerationEngine
 from ..generation.model import TextGenerationModel
 from .runner import machine_info
 from .timing import Stats
@@ -86,7 +84,7 @@ def real_token_windows(model: TextGenerationModel, length: int, count: int) -> l
 class OnnxBackend:
     def __init__(self, model: TextGenerationModel, variant: str | None, threads: int | None, path: Path | None = None):
         """``path``: a graph file to run instead of the artifact's ``variant`` (benchmarks of candidates)."""
-        self.engine = GenerationEngine(DecoderSession(path, threads=threads) if path else model.decoder(variant, threads))
+        self.engine = model.engine_for_file(path, threads) if path else model.engine(variant, threads)
 
     def prefill_seconds(self, ids: list[int]) -> float:
         started = time.perf_counter()

@@ -18,7 +18,7 @@ from typing import ContextManager
 import numpy as np
 
 from ..data import SquadQuestion, read_squad
-from ..generation.generator import Request
+from ..generation.core import Request, complete
 from ..generation.model import TextGenerationModel
 from ..generation.sampling import SamplingParams
 
@@ -110,9 +110,9 @@ def evaluate_generation(model: TextGenerationModel, threads: int | None, referen
     for v in model.manifest.kept_variants():
         if v.device != "cpu" or (variants and v.name not in variants):
             continue
-        generator = model.generator(v.name, threads, max_batch=8)
+        core = model.core(v.name, threads, max_running=8)
 
-        def logits(ids: list[int], engine=generator.engine) -> np.ndarray:
+        def logits(ids: list[int], engine=core.engine) -> np.ndarray:
             out = engine.prefill("ppl", ids, all_logits=True)
             engine.remove("ppl")
             return out
@@ -120,7 +120,7 @@ def evaluate_generation(model: TextGenerationModel, threads: int | None, referen
         with steps(f"{v.name}: perplexity on {len(texts)} paragraphs"):
             ppl = perplexity_of(logits, texts)
         with steps(f"{v.name}: {len(prompts)} SQuAD questions"):
-            done = generator.generate([Request(i, p, params) for i, p in enumerate(prompts)])
+            done = complete(core, [Request(i, p, params) for i, p in enumerate(prompts)])
         scores.append(GenerationScore(f"onnxruntime {v.name}", ppl, *squad_scores([c.text for c in done], answerable),
                                       len(texts), len(prompts)))
     base = next((s.perplexity for s in scores if s.backend.startswith("pytorch")), None)

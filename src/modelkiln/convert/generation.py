@@ -2,12 +2,17 @@
 file) to an artifact the generation engine runs: one decoder graph with its KV cache per variant
 (fp32, int8, int4; fp16 with a GPU), each through the gate on real text (``generation_gate.py``)
 and kept only if it passes and decodes faster than fp32; the tokenizer, chat template, special
-and end-of-sequence ids and generation defaults in ``kiln.json``'s ``generation`` section."""
+and end-of-sequence ids and generation defaults in ``kiln.json``'s ``generation`` section.
+
+The graph is the serving graph (``serving_graph.py``: GroupQueryAttention, in-place cache, fused
+projections) for the Llama family; other architectures (GPT-2, GPT-NeoX, ...) get the torch
+export (``decoder_export.py``), and the manifest says which and why (``generation.graph``)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,16 +20,17 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_folder
-from ..bench.timing import measure_interleaved
 from ..errors import ConversionError, ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
-from ..generation.decoder import DecoderSession
+from ..generation.core import EngineCore
+from ..generation.model import TextGenerationModel
 from ..manifest import Manifest, TokenizerSpec, Variant
 from . import source as src
 from . import variants as build
-from .decoder_export import DecoderShape, export_decoder
-from .export import OPSET
+from .decoder_export import DECODER_OPSET, DecoderShape, export_decoder
 from .gguf_blocks import has_packable_blocks, pack_gguf_blocks
 from .generation_gate import DEFAULT_GATE, GatePrompts, check_batch_invariance, judge, onnx_run, torch_run
+from .linear_weights import Fp32Weights, GgufWeights
+from .serving_graph import SERVING_GRAPH_OPSET, DecoderSpec, build_serving_graph
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,8 @@ GREEDY_TOKENS = 32  # greedy tokens compared per gate prompt
 PARAGRAPH_TOKENS = 256  # perplexity paragraphs are cut to this many tokens
 INT8_BLOCK = 32  # weights per int8 scale: SmolLM2 perplexity +0.7% (docs/generation.md)
 DECODE_PAST = 64  # variants are timed decoding one token at batch 1 after this many
+DECODE_STEPS = 32  # steps timed per round and variant
+TIMING_ROUNDS = 20  # at most; fewer when the time budget (--timing-seconds) runs out
 EXPORT_MEMORY_FACTOR = 3  # export holds the weights ~3 times: PyTorch's, the traced program's, the ONNX file's
 
 
@@ -157,8 +165,6 @@ def gate_prompts(artifact: Any, source: src.SourceModel, texts: Sequence[str] | 
 
 def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifest:
     """``cfg`` is convert.pipeline.ConvertConfig; ``source`` is loaded already."""
-    from ..generation.model import TextGenerationModel
-
     wanted = list(cfg.precisions or default_precisions(cfg.device))
     unknown = [p for p in wanted if p not in PRECISIONS]
     if unknown:
@@ -170,6 +176,13 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         model = load_causal_lm(source)
     shape = DecoderShape.of(model.config)
     settings = generation_settings(source, model, shape)
+    try:
+        DecoderSpec.of(model)
+        settings["graph"] = {"kind": "serving", "opset": SERVING_GRAPH_OPSET}
+    except UnsupportedArchitectureError as exc:  # covered by the torch export instead: say why
+        settings["graph"] = {"kind": "export", "opset": DECODER_OPSET, "why": str(exc)}
+        log.info("decoder graph: the torch export (%s)", exc)
+    serving = settings["graph"]["kind"] == "serving"
     tok = source.tokenizer
     pad = tok.pad_token if isinstance(tok.pad_token, str) else (tok.eos_token or "")
     manifest = Manifest(
@@ -179,16 +192,23 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         variants=[Variant("fp32", "fp32", "cpu", "model.onnx", True)], generation=settings,
         source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture,
                 "gguf_file": source.gguf_file, "max_positions": settings["max_context"]},
-        versions=_versions(), opset=OPSET,
+        versions=_versions(), opset=settings["graph"]["opset"],
     )
     gate_cfg = dict(DEFAULT_GATE, **(cfg.generation_gate or {}))
+    gguf_path = source.folder / source.gguf_file if source.folder and source.gguf_file else None
     with atomic_folder(Path(cfg.out), cfg.force) as folder:
         tok.backend_tokenizer.save(str(folder / manifest.tokenizer.file))
         model.config.to_json_file(str(folder / "config.json"))
         manifest.save(folder)  # provisional: the gate reads prompts through the artifact's own code
         fp32_path = folder / "model.onnx"
-        with steps("Exporting to ONNX with a KV cache (torch.export)"):
-            export_decoder(model, fp32_path)
+        if serving:
+            with steps("Writing the serving graph (GroupQueryAttention, fused projections)"):
+                build_serving_graph(model, Fp32Weights(), fp32_path)
+        else:
+            with steps(f"Exporting to ONNX with a KV cache (torch.export; {settings['graph']['why']})"):
+                export_decoder(model, fp32_path)
+        manifest.input_names, manifest.output_names = _graph_io_names(fp32_path)
+        manifest.save(folder)
         artifact = TextGenerationModel(folder)
         limit = min(settings["max_context"] or 4096, 4096) - GREEDY_TOKENS
         texts = [t if isinstance(t, str) else " ".join(t) for t in cfg.calibration_texts or []]
@@ -197,18 +217,18 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
             reference = torch_run(model, gate, GREEDY_TOKENS)
 
         variants: list[Variant] = []
-        sessions: dict[str, DecoderSession] = {}  # the gate's sessions, timed afterwards (loading one takes seconds)
+        cores: dict[str, EngineCore] = {}  # the gate's engines, timed afterwards (loading one takes seconds)
 
         def check(name: str, path: Path, **details: Any) -> Variant:
             with steps(f"Validating {name} ({len(gate.prompts)} prompts, {GREEDY_TOKENS} greedy tokens each)"):
-                session = DecoderSession(path, threads=cfg.threads)
-                run = onnx_run(session, gate, GREEDY_TOKENS, settings["max_context"])
+                core = artifact.core_for_file(path, cfg.threads, keep_logits=True)
+                run = onnx_run(core.engine, core, gate, GREEDY_TOKENS)
             validation, found, reason = judge(reference, run, gate_cfg[name])
             with steps(f"Checking {name}'s batch invariance (each prompt alone vs among the others, batched)"):
-                reason = _refuse_batch_variant(check_batch_invariance(
-                    session, gate, run, GREEDY_TOKENS, settings["max_context"]), validation, found, reason)
+                reason = _refuse_batch_variant(check_batch_invariance(core, gate, run, GREEDY_TOKENS),
+                                               validation, found, reason)
             if validation.passed:
-                sessions[name] = session
+                cores[name] = core
             variant = Variant(name, name, "cpu", path.name, validation.passed, reason=reason, validation=validation,
                               details={**details, **found})
             variants.append(variant)
@@ -219,21 +239,21 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
             fp32.kept, fp32.reason = False, fp32.reason or "not requested (built as the base of the others)"
         if "int8" in wanted:
             path = folder / "model.int8.onnx"
-            # Weight-only (build.quantize_int8_weights): dynamic int8's per-tensor activation scale is broken by
-            # Llama-family outlier channels, and shared across the step's sequences. MatMulNBits quantizes
-            # activations (accuracy level 4) per row and block, yet rounding still amplifies the fp32 noise the
-            # batch puts into a row: the gate's batch check decides (docs/batch-invariance.md, "Generation").
+            # Weight-only MatMulNBits: dynamic int8's per-tensor activation scale is broken by Llama-family
+            # outlier channels, and shared across the step's sequences.
             with steps(f"Quantizing to int8 (weight-only MatMulNBits, block {INT8_BLOCK}, accuracy level {cfg.int4_accuracy_level})"):
                 build.quantize_int8_weights(fp32_path, path, INT8_BLOCK, cfg.int4_accuracy_level)
             check("int8", path, weight_only=True, block_size=INT8_BLOCK, accuracy_level=cfg.int4_accuracy_level)
         if "int4" in wanted:
             path = folder / "model.int4.onnx"
-            gguf_path = source.folder / source.gguf_file if source.folder and source.gguf_file else None
             if gguf_path is not None and has_packable_blocks(gguf_path):
                 # The GGUF's own 4-bit blocks (gguf_blocks.py): re-quantizing its dequantized weights
                 # on a second grid cost SmolLM2 +28% perplexity; packing them costs nothing.
-                with steps(f"Packing the GGUF's 4-bit blocks into MatMulNBits (block 32, accuracy level {cfg.int4_accuracy_level})"):
-                    packed = pack_gguf_blocks(fp32_path, path, gguf_path, cfg.int4_accuracy_level)
+                with steps(f"Packing the GGUF's own quantized blocks into MatMulNBits (block 32, accuracy level {cfg.int4_accuracy_level})"):
+                    if serving:
+                        packed = build_serving_graph(model, GgufWeights(gguf_path, cfg.int4_accuracy_level), path)
+                    else:
+                        packed = pack_gguf_blocks(fp32_path, path, gguf_path, cfg.int4_accuracy_level)
                 check("int4", path, block_size=32, accuracy_level=cfg.int4_accuracy_level, from_gguf_blocks=packed)
             else:
                 with steps(f"Quantizing to int4 (MatMulNBits, block {cfg.int4_block_size}, accuracy level {cfg.int4_accuracy_level})"):
@@ -244,8 +264,8 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
                                     reason="needs a CUDA device (onnxruntime CUDAExecutionProvider); fp16 is slow on CPU"))
         passed = [v for v in variants if v.file and v.validation and v.validation.passed]
         with steps(f"Timing decode of {len(passed)} variants at batch 1, past {DECODE_PAST} (interleaved)"):
-            _time_decode(sessions, passed, max(cfg.timing_seconds, 1.0), shape)
-        sessions.clear()
+            _time_decode(cores, passed, max(cfg.timing_seconds, 1.0))
+        cores.clear()
         for v in passed:
             if v is not fp32 and fp32.latency_ms is not None and v.latency_ms is not None and v.latency_ms >= fp32.latency_ms:
                 v.kept = False
@@ -254,7 +274,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
             if v.kept:  # the table's note: what the gate saw
                 d = v.details
                 v.reason = (f"ppl {d['perplexity']:.3f} ({d['perplexity_change'] * 100:+.2f}% vs PyTorch), greedy "
-                            f"{d['greedy_tokens_equal']} equal, decode ms/token at past {DECODE_PAST}")
+                            f"{d['greedy_tokens_equal']} equal, alone = batched, decode ms/token at past {DECODE_PAST}")
             if v.file and not v.kept:
                 _remove_onnx(folder / v.file)
                 v.file = None
@@ -279,20 +299,37 @@ def _refuse_batch_variant(invariance: Any, validation: Any, details: dict[str, A
     return "; ".join(r for r in (reason, invariance.reason()) if r)
 
 
-def _time_decode(sessions: dict[str, DecoderSession], variants: list[Variant], seconds: float, shape: DecoderShape) -> None:
-    """ms per decode step at batch 1 with a past of DECODE_PAST tokens, variants interleaved."""
-    rng = np.random.default_rng(0)
-    past = [rng.standard_normal((1, shape.kv_heads, DECODE_PAST, shape.head_dim)).astype(np.float32)
-            for _ in shape.past_names]
-    ids = np.asarray([[1]], dtype=np.int64)
-    mask = np.ones((1, DECODE_PAST + 1), dtype=np.int64)
-    pos = np.asarray([[DECODE_PAST]], dtype=np.int64)
-    stats = measure_interleaved({v.name: (lambda s=sessions[v.name]: s.forward(ids, mask, pos, past)) for v in variants},
-                                rounds=5, seconds_per_round=seconds / 5)
+def _time_decode(cores: dict[str, EngineCore], variants: list[Variant], seconds: float) -> None:
+    """ms per decode step at batch 1, past DECODE_PAST to DECODE_PAST + DECODE_STEPS tokens: each
+    round prefills a prompt on every variant in turn and times its steps one by one (interleaved,
+    so a burst of load elsewhere hits every variant alike)."""
+    prompt = list(range(1, DECODE_PAST + 1))
+    samples: dict[str, list[float]] = {v.name: [] for v in variants}
+    deadline = time.perf_counter() + seconds
+    for round_ in range(TIMING_ROUNDS):
+        for v in variants:
+            engine = cores[v.name].engine
+            engine.prefill("timing", prompt)
+            engine.join("timing")
+            for step in range(DECODE_STEPS):
+                started = time.perf_counter()
+                engine.step({"timing": 1})
+                if round_ or step >= 2:  # the first steps of the first round warm the session up
+                    samples[v.name].append(time.perf_counter() - started)
+            engine.remove("timing")
+        if round_ >= 1 and time.perf_counter() > deadline:
+            break
     for v in variants:
-        v.latency_ms = round(stats[v.name].median, 4)
+        v.latency_ms = round(float(np.median(samples[v.name])) * 1000, 4)
         v.latency_shape = [1, 1]
         v.details["decode_past"] = DECODE_PAST
+
+
+def _graph_io_names(path: Path) -> tuple[list[str], list[str]]:
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return [i.name for i in graph.input], [o.name for o in graph.output]
 
 
 def _remove_onnx(path: Path) -> None:

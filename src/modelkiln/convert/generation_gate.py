@@ -1,12 +1,14 @@
 """The validation gate for a text-generation variant, on real text, against PyTorch:
 
 - next-token logits at every prompt position: max |Δ| and cosine;
-- the first ``new_tokens`` greedy tokens of each prompt (the ONNX side runs the product's own
-  engine, prefill then decode steps); where they differ, the reference's top-2 logit margin at the
-  first differing step says whether it is a near-tie that the numeric difference explains;
+- the first ``new_tokens`` greedy tokens of each prompt, decoded alone through the engine core that
+  ``kiln serve`` runs (chunked prefill, then decode steps); where they differ, the reference's top-2
+  logit margin at the first differing step says whether it is a near-tie that the numeric
+  difference explains;
 - perplexity on held-out paragraphs, as a ratio to PyTorch's;
-- batch invariance: each prompt's greedy tokens alone vs decoded among the other prompts through the
-  engine's batched path (``batch_run``); any difference refuses the variant.
+- batch invariance: each prompt's greedy tokens alone vs decoded among all the other prompts at
+  once, through the same core (prompts prefilled chunk by chunk while others decode, rows joining
+  and leaving); any difference refuses the variant.
 
 Which thresholds a precision must meet is ``GateTolerance``'s job; fp32 must give PyTorch's greedy
 tokens on every prompt (near-ties excepted), quantized variants must keep perplexity within 3%."""
@@ -18,9 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..generation.core import Engine, EngineCore, Request, complete, greedy
 from ..manifest import Validation
-from ..generation.decoder import DecoderSession
-from ..generation.engine import GenerationEngine
 
 
 @dataclass(frozen=True)
@@ -124,29 +125,30 @@ def _padded_prefill(model, rows: list[list[int]], torch):  # type: ignore[no-unt
     return out.logits.float(), out.past_key_values, mask, positions
 
 
-def onnx_run(decoder: DecoderSession, gate: GatePrompts, new_tokens: int, max_context: int | None) -> Run:
-    """The same through the product's engine (prefill, then one decode step per token)."""
-    engine = GenerationEngine(decoder, max_context)
-    run = Run()
+def core_run(core: EngineCore, prompts: list[list[int]], new_tokens: int, together: bool) -> Run:
+    """Greedy tokens and the logits each was chosen from, through the engine core: every prompt
+    alone (one after another), or all submitted at once."""
+    requests = [Request(i, ids, greedy(new_tokens)) for i, ids in enumerate(prompts)]
+    done = complete(core, requests) if together else [complete(core, [r])[0] for r in requests]
+    return Run(tokens=[c.token_ids for c in done], step_logits=[np.stack(c.logits) for c in done])
+
+
+def onnx_run(engine: Engine, core: EngineCore, gate: GatePrompts, new_tokens: int) -> Run:
+    """The same through the product: every prompt position's logits from the engine's prefill, the
+    greedy tokens from ``core`` (made with ``keep_logits``) with each prompt alone."""
+    run = core_run(core, gate.prompts, new_tokens, together=False)
     for i, ids in enumerate(gate.prompts):
-        logits = engine.prefill(i, ids, all_logits=True)
-        engine.join(i)
-        run.prompt_logits.append(logits)
-        last, tokens, steps = logits[-1], [], []
-        for k in range(new_tokens):
-            steps.append(last)
-            tokens.append(int(np.argmax(last)))
-            if k < new_tokens - 1:
-                last = engine.step({i: tokens[-1]})[0]
-        engine.remove(i)
-        run.tokens.append(tokens)
-        run.step_logits.append(np.stack(steps))
-    para = []
-    for j, ids in enumerate(gate.paragraphs):
-        para.append(engine.prefill(("p", j), ids, all_logits=True))
-        engine.remove(("p", j))
-    run.perplexity = perplexity(para, gate.paragraphs)
+        run.prompt_logits.append(_all_logits(engine, ("prompt", i), ids))
+    run.perplexity = perplexity([_all_logits(engine, ("p", j), ids) for j, ids in enumerate(gate.paragraphs)],
+                                gate.paragraphs)
     return run
+
+
+def _all_logits(engine: Engine, seq_id: object, ids: list[int]) -> np.ndarray:
+    try:
+        return engine.prefill(seq_id, ids, all_logits=True)
+    finally:
+        engine.remove(seq_id)
 
 
 def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -199,7 +201,7 @@ def judge(reference: Run, candidate: Run, tolerance: GateTolerance) -> tuple[Val
 
 @dataclass
 class BatchInvariance:
-    """Each prompt's greedy tokens alone vs decoded among the other prompts (``batch_run``)."""
+    """Each prompt's greedy tokens alone vs decoded among all the other prompts (``core_run``)."""
 
     differing: list[int]  # prompts whose batched greedy tokens differ from their lone run's
     prompts: int
@@ -218,34 +220,6 @@ class BatchInvariance:
                 f"{self.max_abs_diff:.2e})")
 
 
-def batch_run(engine: GenerationEngine, prompts: list[list[int]], new_tokens: int) -> Run:
-    """Greedy decoding of every prompt through the engine's batched decode path, the way
-    ``kiln serve``'s scheduler drives it: prompt i is prefilled and joins the running batch before
-    step i (so rows of mixed lengths, left-padded, enter and leave mid-way) and leaves after its
-    ``new_tokens`` tokens."""
-    run = Run(tokens=[[] for _ in prompts], step_logits=[[] for _ in prompts])  # type: ignore[list-item]
-    last: dict[int, np.ndarray] = {}
-    waiting = list(range(len(prompts)))
-    while waiting or engine.rows:
-        if waiting:
-            i = waiting.pop(0)
-            last[i] = engine.add(("batch", i), prompts[i])
-        feed = {}
-        for seq in list(engine.rows):
-            i = seq[1]
-            run.step_logits[i].append(last[i])
-            run.tokens[i].append(int(np.argmax(last[i])))
-            if len(run.tokens[i]) == new_tokens:
-                engine.remove(seq)
-            else:
-                feed[seq] = run.tokens[i][-1]
-        if feed:
-            logits = engine.step(feed)
-            last = {seq[1]: row for seq, row in zip(engine.rows, logits)}
-    run.step_logits = [np.stack(s) for s in run.step_logits]
-    return run
-
-
 def batch_invariance(alone: Run, batched: Run) -> BatchInvariance:
     """Compare greedy tokens, and the logits of the steps both runs fed the same tokens."""
     differing, max_diff, min_cos = [], 0.0, 1.0
@@ -260,8 +234,6 @@ def batch_invariance(alone: Run, batched: Run) -> BatchInvariance:
     return BatchInvariance(differing, len(alone.tokens), max_diff, min_cos)
 
 
-def check_batch_invariance(decoder: DecoderSession, gate: GatePrompts, alone: Run, new_tokens: int,
-                           max_context: int | None) -> BatchInvariance:
-    """The gate's batch check for one variant: ``alone`` is its ``onnx_run`` on the same session."""
-    engine = GenerationEngine(decoder, max_context)
-    return batch_invariance(alone, batch_run(engine, gate.prompts, new_tokens))
+def check_batch_invariance(core: EngineCore, gate: GatePrompts, alone: Run, new_tokens: int) -> BatchInvariance:
+    """The gate's batch check for one variant: ``alone`` is its ``onnx_run`` on the same core."""
+    return batch_invariance(alone, core_run(core, gate.prompts, new_tokens, together=True))

@@ -29,7 +29,7 @@ def generate(
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, timings) instead of streaming."),
 ) -> None:
     """Generate text from PROMPT with a text-generation artifact, streaming tokens as they come."""
-    from .generator import Request
+    from .core import Request, run_to_completion
     from .model import TextGenerationModel
 
     model = TextGenerationModel(artifact)
@@ -38,13 +38,15 @@ def generate(
                                   ignore_eos=ignore_eos or None)
     ids = model.prompt_ids(prompt, chat=chat, system=system)
     variant_name, _ = model.variant_path(variant)
-    generator = model.generator(variant_name, threads, max_batch=1)
+    core = model.core(variant_name, threads, max_running=1)
     started = time.perf_counter()
     first_token_at = None
     pieces: list[str] = []
     tokens: list[int] = []
     finish_reason = None
-    for event in generator.stream([Request("cli", ids, params)]):
+    for event in run_to_completion(core, [Request("cli", ids, params)]):
+        if event.error is not None:
+            raise event.error
         first_token_at = first_token_at or time.perf_counter()
         tokens.append(event.delta.token_id)
         pieces.append(event.delta.text)

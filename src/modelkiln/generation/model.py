@@ -1,5 +1,5 @@
 """A text-generation artifact, loaded without torch or transformers: its tokenizer, chat template,
-end-of-sequence ids and decoder variants, and the engine and generator built on them."""
+end-of-sequence ids and decoder variants, and the engine and engine core built on them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from tokenizers import Tokenizer
 from ..errors import ArtifactError
 from ..manifest import Manifest
 from .chat import chat_messages, render_chat
-from .decoder import DecoderSession
-from .engine import GenerationEngine
-from .generator import Generator
+from .core import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, Engine, EngineCore
+from .engine import open_engine
 from .sampling import SamplingParams
 
 
@@ -67,14 +66,33 @@ class TextGenerationModel:
         assert chosen.file is not None
         return chosen.name, self.folder / chosen.file
 
-    def decoder(self, variant: str | None = None, threads: int | None = None, device: str = "cpu") -> DecoderSession:
-        _, path = self.variant_path(variant, device)
-        return DecoderSession(path, device=device, threads=threads)
+    @property
+    def heads(self) -> int:
+        return int(self.settings.get("heads") or 1)
 
-    def generator(self, variant: str | None = None, threads: int | None = None, max_batch: int = 32,
-                  device: str = "cpu") -> Generator:
-        engine = GenerationEngine(self.decoder(variant, threads, device), self.max_context)
-        return Generator(engine, self.tokenizer, self.eos_ids, max_batch)
+    def engine(self, variant: str | None = None, threads: int | None = None, device: str = "cpu",
+               max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True) -> Engine:
+        _, path = self.variant_path(variant, device)
+        return self.engine_for_file(path, threads, device, max_rows, memory_arena)
+
+    def engine_for_file(self, path: Path, threads: int | None = None, device: str = "cpu",
+                        max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True) -> Engine:
+        """An engine on a graph file of this model (the converter's candidates are not variants yet)."""
+        return open_engine(path, heads=self.heads, max_context=self.max_context, threads=threads, device=device,
+                           max_rows=max_rows, memory_arena=memory_arena)
+
+    def core(self, variant: str | None = None, threads: int | None = None, max_running: int = DEFAULT_MAX_RUNNING,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, keep_logits: bool = False, device: str = "cpu") -> EngineCore:
+        """An engine core on one variant, with nothing queued: ``core.complete`` or ``run_to_completion`` drive it."""
+        _, path = self.variant_path(variant, device)
+        return self.core_for_file(path, threads, max_running, prefill_chunk, keep_logits, device)
+
+    def core_for_file(self, path: Path, threads: int | None = None, max_running: int = DEFAULT_MAX_RUNNING,
+                      prefill_chunk: int = DEFAULT_PREFILL_CHUNK, keep_logits: bool = False,
+                      device: str = "cpu") -> EngineCore:
+        engine = self.engine_for_file(path, threads, device, max_rows=max_running)
+        return EngineCore(engine, self.tokenizer, self.eos_ids, max_running=max_running, prefill_chunk=prefill_chunk,
+                          keep_logits=keep_logits)
 
 
 def _generation_section(manifest: Manifest) -> dict:

@@ -32,12 +32,12 @@ INPUTS = [
 ]
 OUTPUTS = [TensorSpec("text_output", "TYPE_STRING", (1,)), TensorSpec("finish_reason", "TYPE_STRING", (1,))]
 
-# What the generation model imports from modelkiln (numpy, tokenizers, onnxruntime and jinja2 besides).
+# What the generation model imports from modelkiln (numpy, tokenizers, onnxruntime and jinja2 besides):
+# the generation package but its command line, and what it imports from the package root.
 GENERATION_SNAPSHOT = (
     "__init__.py", "errors.py", "manifest.py", "runtime/__init__.py", "runtime/onnx.py",
-    "generation/_names.py", "generation/chat.py", "generation/decoder.py",
-    "generation/detokenizer.py", "generation/engine.py", "generation/generator.py", "generation/model.py",
-    "generation/sampling.py", "generation/sequence.py", "generation/stopping.py",
+    *sorted(f"generation/{p.name}" for p in (Path(__file__).parent.parent / "generation").glob("*.py")
+            if p.name != "command.py"),
 )
 
 

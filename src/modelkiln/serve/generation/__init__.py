@@ -1,5 +1,5 @@
-"""Text generation in ``kiln serve``: a continuous-batching scheduler around part 1's
-``GenerationEngine`` (scheduler.py), the served model (model.py), request parameters (params.py),
+"""Text generation in ``kiln serve``: a thread stepping the engine core (scheduler.py; the
+scheduling itself is generation/core.py), the served model (model.py), request parameters (params.py),
 and the protocol edges: OpenAI (openai_routes.py), Triton's generate extension
 (generate_routes.py); OIP infer and gRPC streaming go through the data plane and servicer."""
 

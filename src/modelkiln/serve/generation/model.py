@@ -1,5 +1,5 @@
 """A served text-generation model: the artifact (tokenizer, chat template, end-of-sequence ids),
-one decoder session, its ``GenerationEngine`` and the ``Scheduler`` thread that drives it.
+one engine, the engine core that schedules it and the ``Scheduler`` thread that steps the core.
 
 It has the lifecycle of an encoder's ``ServedModel`` (load, stop, release, ready, in_flight,
 stats), so the data plane and the model repository handle both alike; requests come in through
@@ -9,6 +9,7 @@ OIP infer, gRPC stream) turn into their own wire format."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -16,12 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from ...errors import InvalidInputError
 from ...generation.chat import render_chat
-from ...generation.decoder import DecoderSession
-from ...generation.engine import GenerationEngine
+from ...generation.core import EngineCore
 from ...generation.model import TextGenerationModel
 from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
@@ -31,11 +30,13 @@ from ..model import Stats
 from ..settings import ModelSpec, ServeSettings
 from ..types import TensorSpec
 from .params import sampling_params
-from .scheduler import Job, Scheduler, SchedulerHooks
+from .scheduler import CoreHooks, Job, Scheduler
 
 log = logging.getLogger("modelkiln.serve")
 
-KV_MEMORY_FRACTION = 8  # default KV budget: 1/8 of memory (joining a sequence and each step copy the cache)
+_job_ids = itertools.count(1)
+
+KV_MEMORY_FRACTION = 4  # default KV budget: 1/4 of memory
 
 
 class GenerationTask:
@@ -74,25 +75,26 @@ class GenerationModel:
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         started = time.perf_counter()
-        assert self.variant.file is not None
-        decoder = DecoderSession(self.folder / self.variant.file, device=self.settings.device, threads=self.threads)
-        engine = GenerationEngine(decoder, self.max_context)
-        self.kv_budget = self.settings.max_kv_tokens or self._default_kv_budget(decoder)
+        engine = self.artifact.engine(self.variant.name, self.threads, self.settings.device,
+                                      max_rows=self.settings.max_batch_size)
+        self.kv_budget = self.settings.max_kv_tokens or self._default_kv_budget()
         if self.settings.warmup:  # the first requests should not pay for onnxruntime's first runs
-            engine.add("warm-up", [0, 1, 2, 3])
+            engine.prefill("warm-up", [0, 1, 2, 3])
+            engine.join("warm-up")
             engine.step({"warm-up": 4})
             engine.remove("warm-up")
-        self.scheduler = Scheduler(engine, self.tokenizer, frozenset(self.artifact.eos_ids),
-                                   max_running=self.settings.max_batch_size, max_waiting=self.settings.max_queue_size,
-                                   kv_budget=self.kv_budget, prefill_chunk=self.settings.prefill_chunk,
-                                   hooks=_MetricHooks(self.metrics, self.name, self.kv_budget), name=self.name)
+        core = EngineCore(engine, self.tokenizer, self.artifact.eos_ids, max_running=self.settings.max_batch_size,
+                          max_waiting=self.settings.max_queue_size, kv_budget=self.kv_budget,
+                          prefill_chunk=self.settings.prefill_chunk, hooks=_MetricHooks(self.metrics, self.name, self.kv_budget))
+        self.scheduler = Scheduler(core, name=self.name)
         self.scheduler.start()
         self.ready = True
         log.info("loaded text-generation model %s (variant %s, %d thread(s), KV budget %d tokens, context %d) in %.1fs",
                  self.name, self.variant.name, self.threads, self.kv_budget, self.max_context, time.perf_counter() - started)
 
-    def _default_kv_budget(self, decoder: DecoderSession) -> int:
-        per_token = 2 * decoder.layers * decoder.kv_heads * decoder.head_dim * np.dtype(decoder.cache_dtype).itemsize
+    def _default_kv_budget(self) -> int:
+        settings = self.artifact.settings
+        per_token = 2 * int(settings.get("layers") or 1) * int(settings.get("kv_heads") or 1) * int(settings.get("head_dim") or 1) * 4
         try:
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
@@ -169,9 +171,8 @@ class GenerationModel:
         """Submit now (``OverloadedError`` at once when the wait queue is full, before any answer is
         sent); the returned stream yields the answer's deltas, the last with ``finish_reason``."""
         timeout_s = timeout_s or self.settings.generation_timeout_s
-        reserve = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
-        job = Job(prompt_ids, params, time.monotonic() + timeout_s, asyncio.get_running_loop(), asyncio.Queue(),
-                  reserve)
+        job = Job(next(_job_ids), prompt_ids, params, deadline=time.monotonic() + timeout_s,
+                  loop=asyncio.get_running_loop(), queue=asyncio.Queue())
         self.scheduler.submit(job)
         return Stream(self, job)
 
@@ -202,6 +203,7 @@ class Stream:
     async def __anext__(self) -> Delta:
         if self.finish_reason is not None or not self._open:
             raise StopAsyncIteration
+        assert self.job.queue is not None
         event = await self.job.queue.get()
         if isinstance(event, Exception):
             self._close(cancel=False)
@@ -229,7 +231,7 @@ class Stream:
                 self.model.scheduler.cancel(self.job)
 
 
-class _MetricHooks(SchedulerHooks):
+class _MetricHooks(CoreHooks):
     """Scheduler events → vLLM-named Prometheus metrics (called on the scheduler thread)."""
 
     def __init__(self, metrics: Metrics, name: str, kv_budget: int):
@@ -243,7 +245,7 @@ class _MetricHooks(SchedulerHooks):
         self.kv_usage = metrics.kv_cache_usage.labels(name)
         self.kv_budget = kv_budget
 
-    def token(self, job: Job, now: float) -> None:
+    def token(self, job, now: float) -> None:  # type: ignore[no-untyped-def]
         if job.first_token_at == 0.0:
             self.ttft.observe(now - job.arrived)
             self.prompt_tokens.inc(len(job.prompt_ids))
@@ -251,7 +253,7 @@ class _MetricHooks(SchedulerHooks):
             self.itl.observe(now - job.last_token_at)
         self.generation_tokens.inc()
 
-    def finished(self, job: Job, now: float) -> None:
+    def finished(self, job, now: float) -> None:  # type: ignore[no-untyped-def]
         self.e2e.observe(now - job.arrived)
 
     def iteration(self, running: int, waiting: int, cache_tokens: int) -> None:

@@ -7,14 +7,13 @@ inputs (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``repetition_pena
 response with the whole answer, which is what ``/generate`` needs. The same names are read from
 the request's parameters too (``"parameters": {...}`` in the JSON body), the tensors winning.
 
-Requests are batched across one another: a scheduler thread owns the ``GenerationEngine`` and,
-between two decode steps, lets finished sequences leave and new ones join (prefill), as
-``kiln generate``'s generator does; ``execute`` only hands requests to it. Runs the project's own
-code from the modelkiln snapshot next to this file."""
+Requests are batched across one another by modelkiln's engine core (the one ``kiln serve``
+runs: admission, chunked prefill, decode steps); a thread steps it and ``execute`` only hands
+requests to it. Runs the project's own code from the modelkiln snapshot next to this file."""
 
 import json
+import logging
 import os
-import queue
 import sys
 import threading
 
@@ -25,9 +24,10 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402  (provided by Triton's python backend)
 
 from modelkiln.errors import KilnError  # noqa: E402
-from modelkiln.generation.engine import GenerationEngine  # noqa: E402
+from modelkiln.generation.core import EngineCore, Request  # noqa: E402
 from modelkiln.generation.model import TextGenerationModel  # noqa: E402
-from modelkiln.generation.sequence import SequenceState  # noqa: E402
+
+log = logging.getLogger("modelkiln.triton")
 
 # input name → (SamplingParams field, type)
 SAMPLING_INPUTS = {"max_tokens": ("max_new_tokens", int), "temperature": ("temperature", float),
@@ -36,11 +36,11 @@ SAMPLING_INPUTS = {"max_tokens": ("max_new_tokens", int), "temperature": ("tempe
                    "ignore_eos": ("ignore_eos", bool)}
 
 
-class Job:
-    """One request being generated: its state, how it answers, what it has said."""
+class Job(Request):
+    """A request, how it answers (``sender``, streamed or whole) and what it has said so far."""
 
-    def __init__(self, state, sender, stream):
-        self.state = state
+    def __init__(self, request_id, prompt_ids, params, sender, stream):
+        super().__init__(request_id, prompt_ids, params)
         self.sender = sender
         self.stream = stream
         self.pieces = []
@@ -51,13 +51,12 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         threads = int(parameters.get("threads") or 0) or None
-        self.max_batch = int(parameters.get("max_batch") or 32)
+        max_batch = int(parameters.get("max_batch") or 32)
         self.model = TextGenerationModel(HERE)
-        decoder = self.model.decoder(parameters.get("variant") or None, threads)
-        self.engine = GenerationEngine(decoder, self.model.max_context)
-        self.eos_ids = frozenset(self.model.eos_ids)
-        self.inbox = queue.Queue()
+        engine = self.model.engine(parameters.get("variant") or None, threads, max_rows=max_batch)
+        self.core = EngineCore(engine, self.model.tokenizer, self.model.eos_ids, max_running=max_batch)
         self.ids = iter(range(1, 1 << 62))
+        self.wake = threading.Condition()
         self.running = True
         self.scheduler = threading.Thread(target=self._schedule, name="kiln-generate", daemon=True)
         self.scheduler.start()
@@ -68,11 +67,12 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 job = self._job(request, sender)
+                with self.wake:
+                    self.core.add_request(job)
+                    self.wake.notify()
             except (KilnError, ValueError, TypeError, UnicodeDecodeError) as exc:  # the request's fault: 400
                 error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                continue
-            self.inbox.put(job)
         return None  # decoupled: answers go through the senders
 
     def _job(self, request, sender):
@@ -90,72 +90,35 @@ class TritonPythonModel:
         stream = _scalar(request, "stream")
         stream = bool(given.get("stream", False) if stream is None else stream)
         params = self.model.default_params(**overrides)
-        prompt_ids = self.model.prompt_ids(prompt)
-        state = SequenceState(next(self.ids), prompt_ids, params, self.model.tokenizer, self.eos_ids,
-                              self.model.max_context)
-        return Job(state, sender, stream)
+        return Job(next(self.ids), self.model.prompt_ids(prompt), params, sender, stream)
 
     # -- the scheduler thread -------------------------------------------------------------------
     def _schedule(self):
-        running = {}  # sequence id → Job
-        next_tokens = {}
-        while self.running:
-            try:
-                # idle: wait for work; busy: take whatever arrived since the last step
-                job = self.inbox.get(timeout=0.5) if not running else self.inbox.get_nowait()
-            except queue.Empty:
-                job = None
-            while job is not None:
-                if job is _STOP:
+        while True:
+            with self.wake:
+                while self.running and not self.core.has_work():
+                    self.wake.wait()
+                if not self.running:
                     return
-                self._join(job, running, next_tokens)
-                if len(running) >= self.max_batch:
-                    break
+            for output in self.core.step():  # the core fails its own requests on an engine error
                 try:
-                    job = self.inbox.get_nowait()
-                except queue.Empty:
-                    job = None
-            if running:
-                try:
-                    logits = self.engine.step(next_tokens)
-                except Exception as exc:  # the whole batch fails alike; the engine is reset by removal
-                    for seq_id, failed in list(running.items()):
-                        self._fail(failed, exc)
-                        self.engine.remove(seq_id)
-                    running.clear()
-                    next_tokens.clear()
-                    continue
-                for row, seq_id in enumerate(list(self.engine.rows)):
-                    self._advance(running[seq_id], logits[row], running, next_tokens)
+                    self._answer(output)
+                except Exception:  # a client gone or a bad response: that request only, the thread goes on
+                    log.exception("could not answer generation request %s", output.request_id)
 
-    def _join(self, job, running, next_tokens):
-        state = job.state
-        try:
-            logits = self.engine.add(state.request_id, state.prompt_ids)
-        except Exception as exc:  # a prompt longer than the context, ...: this request only
-            if state.request_id in self.engine:
-                self.engine.remove(state.request_id)
-            self._fail(job, exc)
+    def _answer(self, output):
+        job = output.request
+        if output.error is not None:
+            self._fail(job, output.error)
             return
-        running[state.request_id] = job
-        self._advance(job, logits, running, next_tokens)
-
-    def _advance(self, job, logits, running, next_tokens):
-        state = job.state
-        token = state.choose(logits)
-        delta = state.accept(token)
-        if state.finished:
-            running.pop(state.request_id, None)
-            next_tokens.pop(state.request_id, None)
-            self.engine.remove(state.request_id)
-        else:
-            next_tokens[state.request_id] = token
+        delta = output.delta
+        final = delta.finish_reason is not None
         if job.stream:
-            if delta.text or state.finished:
-                self._send(job, delta.text, state.finished)
+            if delta.text or final:
+                self._send(job, delta.text, final)
         else:
             job.pieces.append(delta.text)
-            if state.finished:
+            if final:
                 self._send(job, "".join(job.pieces), True)
 
     def _send(self, job, text, final):
@@ -172,12 +135,10 @@ class TritonPythonModel:
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
-        self.running = False
-        self.inbox.put(_STOP)
+        with self.wake:
+            self.running = False
+            self.wake.notify()
         self.scheduler.join(timeout=10)
-
-
-_STOP = object()
 
 
 def _scalar(request, name):
