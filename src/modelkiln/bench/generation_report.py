@@ -7,16 +7,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .generation import GenerationBenchResult, best_ratio
 from .generation_eval import GenerationScore
+from .runner import machine_title
 
 
 def print_generation_bench(console: Console, result: GenerationBenchResult) -> None:
-    m = result.machine
-    table = Table(title=f"{result.model} ({result.task}) — {m['cpu']}, {m['threads']} threads, onnxruntime {m['onnxruntime']}",
-                  title_justify="left")
+    table = Table(title=escape(f"{result.model} ({result.task}) — {machine_title(result.machine)}"), title_justify="left")
     for col in ("phase", "batch", "tokens", "backend", "median ms", "p95 ms", "tokens/s", "speed-up"):
         table.add_column(col, justify="left" if col in ("phase", "backend") else "right")
     previous = None

@@ -15,6 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..errors import KilnError
+from ..machine import cpu_description
 from ..manifest import Manifest, is_artifact
 from ..runtime.engine import Engine
 from ..runtime.onnx import OnnxEngine, cuda_available
@@ -64,18 +65,19 @@ class BenchResult:
 
 
 def machine_info(threads: int | None) -> dict[str, Any]:
+    """The CPU (model, vector extensions, cores) and the runtime a bench ran with."""
     import os
 
     import onnxruntime
 
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads or os.cpu_count(),
-            "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
+    return {**cpu_description(), "threads": threads or os.cpu_count(), "onnxruntime": onnxruntime.__version__,
+            "python": platform.python_version()}
+
+
+def machine_title(machine: dict[str, Any]) -> str:
+    """The machine part of a bench table's title: "Intel(R) Xeon(R) … (AVX2 FMA AVX-512 VNNI AMX), 2 threads, …"."""
+    isa = f" ({machine['isa']})" if machine.get("isa") else ""
+    return f"{machine['cpu']}{isa}, {machine['threads']} threads, onnxruntime {machine['onnxruntime']}"
 
 
 def real_token_ids(folder: Path, manifest: Manifest, length: int) -> list[int]:

@@ -18,6 +18,7 @@ from ..atomic import atomic_folder
 from ..bench.timing import measure_interleaved
 from ..errors import ConversionError, ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
 from ..generation.decoder import DecoderSession
+from ..machine import cpu_description
 from ..manifest import Manifest, TokenizerSpec, Variant
 from . import source as src
 from . import variants as build
@@ -179,7 +180,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         variants=[Variant("fp32", "fp32", "cpu", "model.onnx", True)], generation=settings,
         source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture,
                 "gguf_file": source.gguf_file, "max_positions": settings["max_context"]},
-        versions=_versions(), opset=OPSET,
+        versions=_versions(), opset=OPSET, machine=cpu_description(),
     )
     gate_cfg = dict(DEFAULT_GATE, **(cfg.generation_gate or {}))
     with atomic_folder(Path(cfg.out), cfg.force) as folder:
