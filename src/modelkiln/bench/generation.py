@@ -21,7 +21,7 @@ from ..generation.engine import GenerationEngine
 from ..generation.model import TextGenerationModel
 from .runner import machine_info
 from .timing import Stats
-from .generation_backends import LLAMA_CPP_HINT, LlamaCppBackend, TorchBackend, gguf_path, llama_cpp_available
+from .generation_backends import LlamaCppBackend, TorchBackend, gguf_path, llama_cpp_available, llama_cpp_install_hint
 
 Steps = Callable[[str], ContextManager[None]]
 
@@ -119,7 +119,7 @@ def _backends(model: TextGenerationModel, cfg: GenerationBenchConfig, notes: lis
         if not gguf:
             notes.append("llama.cpp: the artifact was not converted from a GGUF file")
         elif not llama_cpp_available():
-            notes.append(f"llama.cpp: not installed ({LLAMA_CPP_HINT})")
+            notes.append(f"llama.cpp: not installed ({llama_cpp_install_hint()})")
         else:
             yield "llama.cpp (same GGUF)", lambda: LlamaCppBackend(gguf, cfg.threads, max(cfg.prompt_lengths + [cfg.past + cfg.decode_steps + 8]))
     for v in model.manifest.kept_variants():

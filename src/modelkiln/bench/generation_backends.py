@@ -11,9 +11,36 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..extras import install_hint
 from ..generation.model import TextGenerationModel
+from ..machine import cpu_flags
 
-LLAMA_CPP_HINT = "CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install 'modelkiln[llamacpp]' (compiles llama.cpp, minutes)"
+# llama.cpp's CMake switch for each vector extension, and the /proc/cpuinfo flag that must be there for it.
+GGML_EXTENSIONS = (("GGML_AVX2", "avx2"), ("GGML_FMA", "fma"), ("GGML_F16C", "f16c"), ("GGML_AVX512", "avx512f"),
+                   ("GGML_AVX512_VNNI", "avx512_vnni"), ("GGML_AVX512_BF16", "avx512_bf16"),
+                   ("GGML_AVX512_VBMI", "avx512vbmi"))
+GGML_AMX = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+
+
+def llama_cpp_cmake_args(flags: set[str]) -> str:
+    """CMake flags that build llama.cpp for a CPU with these /proc/cpuinfo ``flags``. Not llama.cpp's
+    own -DGGML_NATIVE=ON: on a CPU with AMX that build turns on llama.cpp's AMX code, which crashed with
+    SIGSEGV on this project's Xeons (llama-cpp-python in process and llama-server alike); llama-server
+    built with each extension named and AMX off runs there. Empty for a CPU without AVX2 (llama.cpp's
+    default build)."""
+    if "avx2" not in flags:
+        return ""
+    args = ["-DGGML_NATIVE=OFF"] + [f"-D{option}=ON" for option, flag in GGML_EXTENSIONS if flag in flags]
+    if any(flag.startswith("amx") for flag in flags):
+        args += [f"-D{option}=OFF" for option in GGML_AMX]
+    return " ".join(args)
+
+
+def llama_cpp_install_hint(flags: set[str] | None = None) -> str:
+    """How to install llama.cpp for the bench's llama.cpp row on this machine (or one with ``flags``)."""
+    cmake_args = llama_cpp_cmake_args(cpu_flags() if flags is None else flags)
+    prefix = f'CMAKE_ARGS="{cmake_args}" ' if cmake_args else ""
+    return f"{prefix}{install_hint('llamacpp')} (compiles llama.cpp, minutes)"
 
 
 def gguf_path(source: dict) -> str | None:

@@ -37,7 +37,8 @@ def print_generation_bench(console: Console, result: GenerationBenchResult) -> N
         if parts:
             console.print(f"fastest variant, {label} ({tokens} tokens) tokens/s against " + ", ".join(parts))
     for note in result.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        # escaped: a note may carry an install hint, and rich would take "[llamacpp]" for a markup tag
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)  # one line, e.g. a command to copy
 
 
 def generation_bench_dict(result: GenerationBenchResult) -> dict:

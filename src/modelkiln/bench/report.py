@@ -34,7 +34,7 @@ def print_table(console: Console, result: BenchResult) -> None:
     footer = "latencies in ms; throughput from the median"
     console.print(f"[dim]{footer}; speed-up against pytorch fp32 in this run[/]" if has_reference else f"[dim]{footer}[/]")
     for note in result.skipped:
-        console.print(f"[yellow]skipped:[/] {escape(note)}")
+        console.print(f"[yellow]skipped:[/] {escape(note)}", soft_wrap=True)  # one line, e.g. a log's path to copy
     warnings = timing_warnings(result.cells)
     for warning in warnings:
         console.print(f"[yellow]unstable:[/] {escape(warning)}")
