@@ -32,12 +32,12 @@ class Server:
     """``python -m modelkiln serve ...`` on a free port; waits until /v2/health/ready answers 200."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, python_flags: tuple[str, ...] = (),
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, cwd: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {**os.environ, "KILN_THREADS": "1", "KILN_PORT": str(self.port), **(env or {})}
         self.proc = subprocess.Popen([sys.executable, *python_flags, "-m", "modelkiln", "serve", *args],
-                                     env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

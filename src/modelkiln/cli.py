@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from .bench.isolation import DEFAULT_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from .errors import KilnError
 from .option_lists import number_list, split_list
 
@@ -163,6 +164,7 @@ def bench(
     min_iters: int = typer.Option(10, help="At least this many timed runs per cell."),
     min_seconds: float = typer.Option(1.0, help="And at least this long per cell."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
+    peer_timeout: float = typer.Option(DEFAULT_PEER_TIMEOUT_S, help="Seconds a peer row (PyTorch, llama.cpp: each runs in a child process) may take; one that runs longer is stopped and noted, as a crash is."),
 ) -> None:
     """Latency and throughput of PyTorch and every ONNX variant over batch × sequence length
     (text generation: prefill by prompt length, decode by batch size, llama.cpp too when installed)."""
@@ -182,10 +184,11 @@ def bench(
     from .bench.runner import BenchConfig, run_bench
 
     if generation_artifact(target):
-        return bench_generation(target, batch, seq, past, threads, variants, reference, json_path, out, step)
+        return bench_generation(target, batch, seq, past, threads, variants, reference, json_path, out, step,
+                                peer_timeout=peer_timeout)
     cfg = BenchConfig(batches=number_list(batch, "--batch"), seqs=number_list(seq or "16,128,384", "--seq"), threads=threads,
                       variants=split_list(variants), reference=reference, warmup=warmup, min_iters=min_iters,
-                      min_seconds=min_seconds)
+                      min_seconds=min_seconds, peer_timeout=peer_timeout)
     result = run_bench(target, cfg, steps=step)
     print_table(out, result)
     if json_path:

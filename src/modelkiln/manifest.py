@@ -75,6 +75,9 @@ class Manifest:
     generation: dict[str, Any] | None = None
     source: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+    # The CPU the variants were validated and timed on (machine.cpu_description: model, vector extensions,
+    # cores): the latencies above mean little without it. Empty in artifacts written before it was recorded.
+    machine: dict[str, Any] = field(default_factory=dict)
     opset: int | None = None
     format_version: int = FORMAT_VERSION
 

@@ -1,7 +1,11 @@
 """``kiln bench`` for a text-generation artifact: prefill latency by prompt length, decode latency
 per step and tokens/s by batch size (every sequence with a past of ``past`` tokens), for every
 variant, PyTorch ``generate`` with its cache, and llama.cpp on the same GGUF file when
-``llama-cpp-python`` is installed. All inputs are real text (SQuAD paragraphs)."""
+``llama-cpp-python`` is installed. All inputs are real text (SQuAD paragraphs).
+
+The artifact's own variants are timed in this process; the peers (PyTorch, llama.cpp) each in a child
+process (bench/isolation.py), so that one that crashes, hangs or is missing becomes a note, not the end
+of the command. Every backend runs the same loop, ``measure_backend``."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -17,9 +21,10 @@ import numpy as np
 
 from ..errors import KilnError
 from ..generation.model import TextGenerationModel
+from .generation_backends import gguf_path, llama_cpp_available, llama_cpp_install_hint, measure_peer
+from .isolation import DEFAULT_TIMEOUT_S, ChildFailed, run_in_child
 from .runner import machine_info
 from .timing import Stats
-from .generation_backends import LLAMA_CPP_HINT, LlamaCppBackend, TorchBackend, gguf_path, llama_cpp_available
 
 Steps = Callable[[str], ContextManager[None]]
 
@@ -35,6 +40,7 @@ class GenerationBenchConfig:
     variants: list[str] | None = None
     reference: bool = True
     llama_cpp: bool = True
+    peer_timeout: float = DEFAULT_TIMEOUT_S  # seconds one peer row (PyTorch, llama.cpp) may run
 
 
 @dataclass
@@ -50,6 +56,22 @@ class GenerationCell:
     def tokens_per_s(self) -> float:
         per_call = self.tokens if self.phase == "prefill" else self.batch
         return per_call / (self.stats.median / 1000.0)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationCell:
+        return cls(**{**data, "stats": Stats(**data["stats"])})
+
+
+@dataclass
+class GenerationInputs:
+    """The token ids every backend is timed on: one prompt per length, and the decode cells' prompts."""
+
+    prompts: dict[int, list[int]]
+    decode_prompts: list[list[int]]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationInputs:  # JSON made the lengths strings
+        return cls({int(n): ids for n, ids in data["prompts"].items()}, data["decode_prompts"])
 
 
 @dataclass
@@ -109,17 +131,55 @@ class OnnxBackend:
         return samples
 
 
-def _backends(model: TextGenerationModel, cfg: GenerationBenchConfig, notes: list[str]) -> Iterator[tuple[str, Callable[[], Any]]]:
+def measure_backend(backend: Any, label: str, inputs: GenerationInputs, cfg: GenerationBenchConfig,
+                    steps: Steps = lambda d: contextlib.nullcontext()) -> tuple[list[GenerationCell], list[str]]:
+    """Every prefill and decode cell of one backend (anything with ``prefill_seconds`` and
+    ``decode_step_seconds``), and notes on the cells it cannot run."""
+    cells: list[GenerationCell] = []
+    notes: list[str] = []
+    for n, ids in inputs.prompts.items():
+        with steps(f"{label}: prefill {n} tokens"):
+            backend.prefill_seconds(ids)  # warm-up
+            samples = [backend.prefill_seconds(ids) for _ in range(cfg.repeats)]
+        cells.append(GenerationCell(label, "prefill", 1, n, Stats.of(samples)))
+    for b in cfg.batches:
+        if b > 1 and not getattr(backend, "batched", True):
+            notes.append(f"{label}: batch {b} not measured (llama-cpp-python's Llama runs one sequence)")
+            continue
+        with steps(f"{label}: decode at batch {b}, past {cfg.past}"):
+            samples = backend.decode_step_seconds(inputs.decode_prompts[:b], cfg.decode_steps)
+        cells.append(GenerationCell(label, "decode", b, cfg.past, Stats.of(samples)))
+    return cells, notes
+
+
+def _peers(model: TextGenerationModel, cfg: GenerationBenchConfig, notes: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(label, what the child builds) for every peer row to run."""
     if cfg.reference:
-        yield "pytorch fp32 (generate)", lambda: TorchBackend(model, cfg.threads)
+        yield "pytorch fp32 (generate)", {"peer": "pytorch", "artifact": str(model.folder)}
     if cfg.llama_cpp:
         gguf = gguf_path(model.manifest.source)
         if not gguf:
             notes.append("llama.cpp: the artifact was not converted from a GGUF file")
         elif not llama_cpp_available():
-            notes.append(f"llama.cpp: not installed ({LLAMA_CPP_HINT})")
+            notes.append(f"llama.cpp: not installed ({llama_cpp_install_hint()})")
         else:
-            yield "llama.cpp (same GGUF)", lambda: LlamaCppBackend(gguf, cfg.threads, max(cfg.prompt_lengths + [cfg.past + cfg.decode_steps + 8]))
+            yield "llama.cpp (same GGUF)", {"peer": "llama.cpp", "gguf": gguf,
+                                            "context": max(cfg.prompt_lengths + [cfg.past + cfg.decode_steps + 8])}
+
+
+def _run_peer(label: str, peer: dict[str, Any], inputs: GenerationInputs, cfg: GenerationBenchConfig,
+              steps: Steps) -> tuple[list[GenerationCell], list[str]]:
+    argument = {**peer, "label": label, "config": asdict(cfg), "inputs": asdict(inputs)}
+    try:
+        with steps(f"{label}: prefill and decode (in a child process)"):
+            out = run_in_child(measure_peer, argument, cfg.peer_timeout, log_name=label)
+    except ChildFailed as exc:
+        missing_llama = peer["peer"] == "llama.cpp" and exc.missing == "llama_cpp"
+        return [], [f"{label}: " + (f"not installed ({llama_cpp_install_hint()})" if missing_llama else str(exc))]
+    return [GenerationCell.from_dict(c) for c in out["cells"]], out["notes"]
+
+
+def _own_variants(model: TextGenerationModel, cfg: GenerationBenchConfig) -> Iterator[tuple[str, Callable[[], Any]]]:
     for v in model.manifest.kept_variants():
         if v.device != "cpu" or (cfg.variants and v.name not in cfg.variants):
             continue
@@ -133,25 +193,20 @@ def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
     limit = model.max_context or 10**9
     lengths = [n for n in cfg.prompt_lengths if n <= limit]
     notes = [f"prompt length {n}: longer than the model's context of {limit}" for n in cfg.prompt_lengths if n > limit]
-    prompts = {n: real_token_windows(model, n, 1)[0] for n in lengths}
-    decode_prompts = real_token_windows(model, cfg.past, max(cfg.batches))
+    inputs = GenerationInputs({n: real_token_windows(model, n, 1)[0] for n in lengths},
+                              real_token_windows(model, cfg.past, max(cfg.batches)))
     cells: list[GenerationCell] = []
-    for label, factory in _backends(model, cfg, notes):
+    for label, peer in _peers(model, cfg, notes):
+        peer_cells, peer_notes = _run_peer(label, peer, inputs, cfg, steps)
+        cells += peer_cells
+        notes += peer_notes
+    for label, factory in _own_variants(model, cfg):
         with steps(f"Loading {label}"):
             backend = factory()
-        for n in lengths:
-            with steps(f"{label}: prefill {n} tokens"):
-                backend.prefill_seconds(prompts[n])  # warm-up
-                samples = [backend.prefill_seconds(prompts[n]) for _ in range(cfg.repeats)]
-            cells.append(GenerationCell(label, "prefill", 1, n, Stats.of(samples)))
-        for b in cfg.batches:
-            if b > 1 and not getattr(backend, "batched", True):
-                notes.append(f"{label}: batch {b} not measured (llama-cpp-python's Llama runs one sequence)")
-                continue
-            with steps(f"{label}: decode at batch {b}, past {cfg.past}"):
-                samples = backend.decode_step_seconds(decode_prompts[:b], cfg.decode_steps)
-            cells.append(GenerationCell(label, "decode", b, cfg.past, Stats.of(samples)))
-        del backend
+        own_cells, own_notes = measure_backend(backend, label, inputs, cfg, steps)
+        cells += own_cells
+        notes += own_notes
+        del backend  # free it before the next variant loads
     reference = {(c.phase, c.batch, c.tokens): c.stats.median for c in cells if c.backend.startswith("pytorch")}
     for c in cells:
         base = reference.get((c.phase, c.batch, c.tokens))

@@ -1,5 +1,6 @@
-"""The reference backends of the generation bench: PyTorch ``generate`` with its KV cache, and
-llama.cpp (through llama-cpp-python) on the GGUF file the artifact was converted from.
+"""The peer backends of the generation bench: PyTorch ``generate`` with its KV cache, and
+llama.cpp (through llama-cpp-python) on the GGUF file the artifact was converted from. The bench runs
+each in a child process (``measure_peer``, started through bench/isolation.py).
 
 PyTorch is timed inside ``generate`` itself: a logits processor records the time each token's
 logits arrive, so prefill is the time to the first token and each decode step is the gap between
@@ -7,13 +8,42 @@ two tokens, generate's own loop and cache included."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..extras import install_hint
 from ..generation.model import TextGenerationModel
+from ..machine import cpu_flags
 
-LLAMA_CPP_HINT = "CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install 'modelkiln[llamacpp]' (compiles llama.cpp, minutes)"
+# llama.cpp's CMake switch for each vector extension, and the /proc/cpuinfo flag that must be there for it.
+GGML_EXTENSIONS = (("GGML_AVX2", "avx2"), ("GGML_FMA", "fma"), ("GGML_F16C", "f16c"), ("GGML_AVX512", "avx512f"),
+                   ("GGML_AVX512_VNNI", "avx512_vnni"), ("GGML_AVX512_BF16", "avx512_bf16"),
+                   ("GGML_AVX512_VBMI", "avx512vbmi"))
+GGML_AMX = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+
+
+def llama_cpp_cmake_args(flags: set[str]) -> str:
+    """CMake flags that build llama.cpp for a CPU with these /proc/cpuinfo ``flags``. Not llama.cpp's
+    own -DGGML_NATIVE=ON: on a CPU with AMX that build turns on llama.cpp's AMX code, which crashed with
+    SIGSEGV on this project's Xeons (llama-cpp-python in process and llama-server alike); llama-server
+    built with each extension named and AMX off runs there. Empty for a CPU without AVX2 (llama.cpp's
+    default build)."""
+    if "avx2" not in flags:
+        return ""
+    args = ["-DGGML_NATIVE=OFF"] + [f"-D{option}=ON" for option, flag in GGML_EXTENSIONS if flag in flags]
+    if any(flag.startswith("amx") for flag in flags):
+        args += [f"-D{option}=OFF" for option in GGML_AMX]
+    return " ".join(args)
+
+
+def llama_cpp_install_hint(flags: set[str] | None = None) -> str:
+    """How to install llama.cpp for the bench's llama.cpp row on this machine (or one with ``flags``)."""
+    cmake_args = llama_cpp_cmake_args(cpu_flags() if flags is None else flags)
+    prefix = f'CMAKE_ARGS="{cmake_args}" ' if cmake_args else ""
+    return f"{prefix}{install_hint('llamacpp')} (compiles llama.cpp, minutes)"
 
 
 def gguf_path(source: dict) -> str | None:
@@ -25,11 +55,32 @@ def gguf_path(source: dict) -> str | None:
 
 
 def llama_cpp_available() -> bool:
+    """Whether llama-cpp-python is installed, found without importing it (importing loads llama.cpp)."""
     try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
+        return importlib.util.find_spec("llama_cpp") is not None
+    except (ImportError, ValueError):
         return False
-    return True
+
+
+def measure_peer(argument: dict[str, Any]) -> dict[str, Any]:
+    """One peer row, in the child process the bench starts: build the backend, run the bench's loop on
+    the inputs it was given, return its cells and notes (as JSON)."""
+    from .generation import GenerationBenchConfig, GenerationInputs, measure_backend
+
+    cfg = GenerationBenchConfig(**argument["config"])
+    backend = _peer_backend(argument, cfg.threads)
+    cells, notes = measure_backend(backend, argument["label"], GenerationInputs.from_dict(argument["inputs"]), cfg)
+    return {"cells": [asdict(c) for c in cells], "notes": notes}
+
+
+def _peer_backend(argument: dict[str, Any], threads: int | None) -> Any:
+    """The backend ``argument["peer"]`` names (a new peer engine is one more branch here, and its row in
+    bench/generation.py's ``_peers``)."""
+    if argument["peer"] == "pytorch":
+        return TorchBackend(TextGenerationModel(argument["artifact"]), threads)
+    if argument["peer"] == "llama.cpp":
+        return LlamaCppBackend(argument["gguf"], threads, argument["context"])
+    raise ValueError(f"unknown peer {argument['peer']!r}")
 
 
 class TorchBackend:

@@ -7,16 +7,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .generation import GenerationBenchResult, best_ratio
 from .generation_eval import GenerationScore
+from .runner import machine_title
 
 
 def print_generation_bench(console: Console, result: GenerationBenchResult) -> None:
-    m = result.machine
-    table = Table(title=f"{result.model} ({result.task}) — {m['cpu']}, {m['threads']} threads, onnxruntime {m['onnxruntime']}",
-                  title_justify="left")
+    table = Table(title=escape(f"{result.model} ({result.task}) — {machine_title(result.machine)}"), title_justify="left")
     for col in ("phase", "batch", "tokens", "backend", "median ms", "p95 ms", "tokens/s", "speed-up"):
         table.add_column(col, justify="left" if col in ("phase", "backend") else "right")
     previous = None
@@ -37,7 +37,8 @@ def print_generation_bench(console: Console, result: GenerationBenchResult) -> N
         if parts:
             console.print(f"fastest variant, {label} ({tokens} tokens) tokens/s against " + ", ".join(parts))
     for note in result.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        # escaped: a note may carry an install hint, and rich would take "[llamacpp]" for a markup tag
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)  # one line, e.g. a command to copy
 
 
 def generation_bench_dict(result: GenerationBenchResult) -> dict:

@@ -10,14 +10,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .runner import BenchResult
+from .runner import BenchResult, machine_title
 from .stability import timing_warnings
 
 
 def print_table(console: Console, result: BenchResult) -> None:
-    m = result.machine
-    table = Table(title=f"{escape(result.model)} ({result.task}) — {m['cpu']}, {m['threads']} threads, onnxruntime {m['onnxruntime']}",
-                  title_justify="left")
+    table = Table(title=escape(f"{result.model} ({result.task}) — {machine_title(result.machine)}"), title_justify="left")
     has_reference = any(c.speedup for c in result.cells)
     columns = ["batch", "seq", "backend", "mean", "sd", "min", "max", "median", "p95", "p99", "seq/s", "tokens/s"]
     for col in columns + (["speed-up"] if has_reference else []):
@@ -36,7 +34,7 @@ def print_table(console: Console, result: BenchResult) -> None:
     footer = "latencies in ms; throughput from the median"
     console.print(f"[dim]{footer}; speed-up against pytorch fp32 in this run[/]" if has_reference else f"[dim]{footer}[/]")
     for note in result.skipped:
-        console.print(f"[yellow]skipped:[/] {escape(note)}")
+        console.print(f"[yellow]skipped:[/] {escape(note)}", soft_wrap=True)  # one line, e.g. a log's path to copy
     warnings = timing_warnings(result.cells)
     for warning in warnings:
         console.print(f"[yellow]unstable:[/] {escape(warning)}")

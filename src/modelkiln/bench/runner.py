@@ -1,4 +1,8 @@
-"""``kiln bench``: time every backend over a grid of batch sizes × sequence lengths."""
+"""``kiln bench``: time every backend over a grid of batch sizes × sequence lengths.
+
+The artifact's own variants are timed in this process; the PyTorch reference rows each in a child
+process (bench/isolation.py), so that one that crashes, hangs or is missing becomes a ``skipped:`` line
+instead of the end of the command. Both run the same loop, ``measure_engine``."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import platform
 import tempfile
 from functools import partial
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -15,9 +19,11 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..errors import KilnError
+from ..machine import cpu_description
 from ..manifest import Manifest, is_artifact
 from ..runtime.engine import Engine
 from ..runtime.onnx import OnnxEngine, cuda_available
+from .isolation import DEFAULT_TIMEOUT_S, ChildFailed, run_in_child
 from .timing import Stats, measure
 
 Steps = Callable[[str], ContextManager[None]]
@@ -33,6 +39,7 @@ class BenchConfig:
     warmup: int = 3
     min_iters: int = 10
     min_seconds: float = 1.0
+    peer_timeout: float = DEFAULT_TIMEOUT_S  # seconds one PyTorch row may run
 
 
 @dataclass
@@ -64,18 +71,19 @@ class BenchResult:
 
 
 def machine_info(threads: int | None) -> dict[str, Any]:
+    """The CPU (model, vector extensions, cores) and the runtime a bench ran with."""
     import os
 
     import onnxruntime
 
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads or os.cpu_count(),
-            "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
+    return {**cpu_description(), "threads": threads or os.cpu_count(), "onnxruntime": onnxruntime.__version__,
+            "python": platform.python_version()}
+
+
+def machine_title(machine: dict[str, Any]) -> str:
+    """The machine part of a bench table's title: "Intel(R) Xeon(R) … (AVX2 FMA AVX-512 VNNI AMX), 2 threads, …"."""
+    isa = f" ({machine['isa']})" if machine.get("isa") else ""
+    return f"{machine['cpu']}{isa}, {machine['threads']} threads, onnxruntime {machine['onnxruntime']}"
 
 
 def real_token_ids(folder: Path, manifest: Manifest, length: int) -> list[int]:
@@ -112,14 +120,16 @@ def make_feeds(folder: Path, manifest: Manifest, batch: int, seq: int) -> dict[s
     return feeds
 
 
-def _engines(folder: Path, manifest: Manifest, cfg: BenchConfig, skipped: list[str]) -> Iterator[tuple[str, str, Callable[[], Engine]]]:
-    """(backend label, device, engine factory) for every backend to run, reference first."""
+def _reference_rows(cfg: BenchConfig) -> Iterator[tuple[str, str, bool]]:
+    """(label, device, half) of every PyTorch row to run."""
     if cfg.reference:
-        from ..convert.reference import reference_engine
-
-        yield "pytorch fp32", "cpu", lambda: reference_engine(manifest, cfg.threads)
+        yield "pytorch fp32", "cpu", False
         if _torch_cuda():
-            yield "pytorch fp16", "cuda", lambda: reference_engine(manifest, cfg.threads, device="cuda", half=True)
+            yield "pytorch fp16", "cuda", True
+
+
+def _own_engines(folder: Path, manifest: Manifest, cfg: BenchConfig, skipped: list[str]) -> Iterator[tuple[str, str, Callable[[], Engine]]]:
+    """(backend label, device, engine factory) for every variant of the artifact to run."""
     for v in manifest.kept_variants():
         if cfg.variants and v.name not in cfg.variants:
             continue
@@ -130,6 +140,42 @@ def _engines(folder: Path, manifest: Manifest, cfg: BenchConfig, skipped: list[s
         path = folder / v.file
         yield (f"onnxruntime {v.name}", v.device,
                lambda path=path, v=v: OnnxEngine(path, device=v.device, threads=cfg.threads, label=v.name))
+
+
+def measure_engine(engine: Engine, label: str, feeds: dict[tuple[int, int], dict[str, np.ndarray]], cfg: BenchConfig,
+                   steps: Steps = lambda d: contextlib.nullcontext()) -> dict[tuple[int, int], Stats]:
+    """Every (batch, seq) cell of one engine."""
+    stats = {}
+    for (b, s), f in feeds.items():
+        with steps(f"{label}: batch {b} × seq {s}"):
+            stats[(b, s)] = measure(partial(engine.run, f), cfg.warmup, cfg.min_iters, cfg.min_seconds)
+    return stats
+
+
+def measure_reference(argument: dict[str, Any]) -> list[dict[str, Any]]:
+    """One PyTorch row, in the child process the bench starts: the same feeds (rebuilt from the same
+    text), the same loop; its cells as JSON."""
+    from ..convert.reference import reference_engine
+
+    folder, cfg = Path(argument["folder"]), BenchConfig(**argument["config"])
+    manifest = Manifest.load(folder)
+    engine = reference_engine(manifest, cfg.threads, device=argument["device"], half=argument["half"])
+    feeds = {(b, s): make_feeds(folder, manifest, b, s) for b, s in argument["shapes"]}
+    return [{"batch": b, "seq": s, "stats": asdict(stats)}
+            for (b, s), stats in measure_engine(engine, argument["label"], feeds, cfg).items()]
+
+
+def _run_reference(label: str, device: str, half: bool, folder: Path, shapes: list[tuple[int, int]], cfg: BenchConfig,
+                   steps: Steps, skipped: list[str]) -> list[Cell]:
+    argument = {"label": label, "device": device, "half": half, "folder": str(folder), "shapes": shapes,
+                "config": asdict(cfg)}
+    try:
+        with steps(f"{label}: {len(shapes)} cells (in a child process)"):
+            rows = run_in_child(measure_reference, argument, cfg.peer_timeout, log_name=label)
+    except ChildFailed as exc:
+        skipped.append(f"{label}: {exc}")
+        return []
+    return [Cell(label, device, r["batch"], r["seq"], Stats(**r["stats"])) for r in rows]
 
 
 def _torch_cuda() -> bool:
@@ -166,13 +212,12 @@ def run_bench(target: str, cfg: BenchConfig, steps: Steps) -> BenchResult:
         cells: list[Cell] = []
         feeds = {(b, s): make_feeds(folder, manifest, b, s) for b in cfg.batches for s in cfg.seqs if s <= max_positions}
         skipped += [f"seq {s}: longer than the model's {max_positions} positions" for s in cfg.seqs if s > max_positions]
-        for label, device, factory in _engines(folder, manifest, cfg, skipped):
+        for label, device, half in _reference_rows(cfg):
+            cells += _run_reference(label, device, half, folder, list(feeds), cfg, steps, skipped)
+        for label, device, factory in _own_engines(folder, manifest, cfg, skipped):
             with steps(f"Loading {label}"):
                 engine = factory()
-            for (b, s), f in feeds.items():
-                with steps(f"{label}: batch {b} × seq {s}"):
-                    stats = measure(partial(engine.run, f), cfg.warmup, cfg.min_iters, cfg.min_seconds)
-                cells.append(Cell(label, device, b, s, stats))
+            cells += [Cell(label, device, b, s, stats) for (b, s), stats in measure_engine(engine, label, feeds, cfg, steps).items()]
             del engine  # free it before the next backend loads
     baseline = {(c.batch, c.seq): c.stats.median for c in cells if c.backend == "pytorch fp32"}
     for c in cells:

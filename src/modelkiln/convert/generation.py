@@ -23,6 +23,7 @@ from ..atomic import atomic_folder
 from ..errors import ConversionError, ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
 from ..generation.core import EngineCore
 from ..generation.model import TextGenerationModel
+from ..machine import cpu_description
 from ..manifest import Manifest, TokenizerSpec, Variant
 from . import source as src
 from . import variants as build
@@ -192,7 +193,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         variants=[Variant("fp32", "fp32", "cpu", "model.onnx", True)], generation=settings,
         source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture,
                 "gguf_file": source.gguf_file, "max_positions": settings["max_context"]},
-        versions=_versions(), opset=settings["graph"]["opset"],
+        versions=_versions(), opset=settings["graph"]["opset"], machine=cpu_description(),
     )
     gate_cfg = dict(DEFAULT_GATE, **(cfg.generation_gate or {}))
     gguf_path = source.folder / source.gguf_file if source.folder and source.gguf_file else None

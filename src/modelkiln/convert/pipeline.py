@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from ..atomic import atomic_folder, check_output
 from ..bench.timing import measure_interleaved
 from ..errors import ConversionError, ValidationFailedError
+from ..machine import cpu_description
 from ..manifest import Manifest, TokenizerSpec, Variant
 from ..runtime.onnx import OnnxEngine, cuda_available
 from ..runtime.tokenizer import TextEncoder
@@ -193,6 +194,7 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
         source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture,
                 "max_positions": src.max_positions(source)},
         versions=versions(),
+        machine=cpu_description(),
         opset=OPSET,
     )
     task = make_task(manifest)

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from ..errors import KilnError
+from ..extras import install_hint
 from .generators import CONNECT_ERROR, TIMEOUT, StepState
 from .protocols import InputLayout, PreparedRequest, Protocol
 
@@ -61,7 +62,7 @@ def make_grpc_protocol(model: str, layout: InputLayout) -> GrpcInfer:
     try:
         import tritonclient.grpc  # noqa: F401
     except ImportError:
-        raise KilnError("--protocol grpc needs tritonclient: pip install 'modelkiln[loadtest]'") from None
+        raise KilnError(f"--protocol grpc needs tritonclient: {install_hint('loadtest')}") from None
     return GrpcInfer(model, layout)
 
 

@@ -15,6 +15,7 @@ from typer.core import TyperGroup
 
 from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
 from ..errors import KilnError
+from ..extras import install_hint
 
 
 class RunByDefault(TyperGroup):
@@ -117,7 +118,7 @@ def write_config(
     try:
         import yaml
     except ImportError:
-        raise KilnError("kiln ray config needs PyYAML: pip install 'modelkiln[ray]'") from None
+        raise KilnError(f"kiln ray config needs PyYAML: {install_hint('ray')}") from None
 
     plan = _plan(ctx, artifacts, replicas, min_replicas, max_replicas, target_ongoing_requests, cpus_per_replica,
                  config)

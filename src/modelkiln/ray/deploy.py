@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ..errors import KilnError
+from ..extras import install_hint
 
 
 def serve_until_interrupted(config: dict[str, Any], address: str | None, num_cpus: int | None) -> None:
@@ -16,7 +17,7 @@ def serve_until_interrupted(config: dict[str, Any], address: str | None, num_cpu
         import ray
         from ray import serve
     except ImportError:
-        raise KilnError("kiln ray needs Ray Serve: pip install 'modelkiln[ray]'") from None
+        raise KilnError(f"kiln ray needs Ray Serve: {install_hint('ray')}") from None
     from .deployments import build
 
     stop = threading.Event()

@@ -1,0 +1,114 @@
+"""`kiln bench` when a peer row (an engine that is not the artifact's own) fails: each peer runs in a
+child process, so a crash (SIGSEGV, as llama.cpp's AMX code on Xeons), a hang past --peer-timeout or a
+missing package becomes one note in the table, the artifact's own rows print, and the exit code is 0.
+The llama.cpp peer is a fake ``llama_cpp`` package put first on PYTHONPATH of a real `kiln bench`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from generation_helpers import write_tiny_gguf
+from helpers import SRC, kiln
+from modelkiln.bench.generation_backends import llama_cpp_install_hint
+from modelkiln.manifest import Manifest
+from test_first_run import kiln_without
+
+# The smallest grid: one prompt length, decode at batch 1, no PyTorch row.
+GRID = ("--seq", "8", "--batch", "1", "--past", "8", "--threads", "1", "--no-reference")
+
+FAKE_LLAMA_CPP = {
+    "crash": "import os, signal\n"
+             "class Llama:\n"
+             "    def __init__(self, *args, **kwargs):\n"
+             "        print('llama_model_loader: loaded meta data')  # native libraries print on stdout\n"
+             "        os.kill(os.getpid(), signal.SIGSEGV)\n",
+    "hang": "import time\n"
+            "class Llama:\n"
+            "    def __init__(self, *args, **kwargs):\n"
+            "        time.sleep(600)\n",
+    "missing": "import llama_cpp_native_library_not_here  # noqa: F401\n",
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_artifact(tmp_path_factory) -> Path:
+    """A tiny GGUF converted by kiln convert (fp32): its manifest names the GGUF file, so the bench adds
+    the llama.cpp row."""
+    from modelkiln.convert.pipeline import ConvertConfig, convert
+
+    root = tmp_path_factory.mktemp("gguf-artifact")
+    gguf = write_tiny_gguf(root / "gguf" / "tiny.gguf")
+    out = root / "tiny-gguf"
+    convert(ConvertConfig(model=str(gguf), out=out, task="text-generation", precisions=["fp32"], threads=1,
+                          gate_short=2, gate_squad=1, timing_seconds=0.05))
+    return out
+
+
+def bench_with_fake_llama_cpp(artifact: Path, tmp_path: Path, kind: str, *args: str):
+    fake = tmp_path / "fake" / "llama_cpp"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_LLAMA_CPP[kind])
+    env = {"PYTHONPATH": os.pathsep.join([str(fake.parent), str(SRC)]), "TMPDIR": str(tmp_path)}
+    return kiln("bench", str(artifact), *GRID, "--json", str(tmp_path / "bench.json"), *args, env=env, timeout=120)
+
+
+def own_rows_printed(res) -> None:
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line for line in res.stdout.splitlines() if "│ onnxruntime fp32" in line]
+    assert [r.split("│")[1].strip() for r in rows] == ["prefill", "decode"], res.stdout
+
+
+def note(res, label: str) -> str:
+    [line] = [line for line in res.stdout.splitlines() if line.startswith(f"note: {label}: ")]
+    return line[len(f"note: {label}: "):]
+
+
+def test_a_peer_that_crashes_is_a_note(gguf_artifact, tmp_path):
+    res = bench_with_fake_llama_cpp(gguf_artifact, tmp_path, "crash")
+    own_rows_printed(res)
+    [log] = tmp_path.glob("kiln-llama-cpp-same-gguf-*.log")
+    assert note(res, "llama.cpp (same GGUF)") == f"crashed with SIGSEGV; see {log}"
+    assert "loaded meta data" in log.read_text() and "Segmentation fault" in log.read_text()
+    assert "loaded meta data" not in res.stdout  # the child's output stays in its log
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert f"llama.cpp (same GGUF): crashed with SIGSEGV; see {log}" in data["notes"]
+    assert {c["backend"] for c in data["cells"]} == {"onnxruntime fp32"}
+
+
+def test_a_peer_that_hangs_is_stopped_at_the_time_limit(gguf_artifact, tmp_path):
+    res = bench_with_fake_llama_cpp(gguf_artifact, tmp_path, "hang", "--peer-timeout", "3")
+    own_rows_printed(res)
+    assert note(res, "llama.cpp (same GGUF)").startswith("did not finish within 3 s (stopped); see ")
+
+
+def test_a_peer_missing_a_package_is_a_note(gguf_artifact, tmp_path):
+    res = bench_with_fake_llama_cpp(gguf_artifact, tmp_path, "missing")
+    own_rows_printed(res)
+    assert note(res, "llama.cpp (same GGUF)") == "llama_cpp_native_library_not_here is not installed"
+
+
+def test_without_llama_cpp_the_note_is_the_install_hint_for_this_cpu(gguf_artifact):
+    res = kiln_without(("llama_cpp",), "bench", str(gguf_artifact), *GRID)
+    own_rows_printed(res)
+    hint = note(res, "llama.cpp")
+    assert hint == f"not installed ({llama_cpp_install_hint()})"
+    assert "pip install 'modelkiln[llamacpp]'" in hint and "GGML_NATIVE=ON" not in hint
+
+
+def test_an_encoder_reference_that_fails_is_a_skipped_line(zoo, tmp_path):
+    folder = tmp_path / "artifact"
+    shutil.copytree(zoo.artifact("bert", "sentence-embeddings"), folder)
+    manifest = Manifest.load(folder)
+    manifest.source["model"] = str(tmp_path / "deleted-model")  # the model it came from is gone
+    manifest.save(folder)
+    res = kiln("bench", str(folder), "--batch", "1", "--seq", "16", "--threads", "1", "--variants", "fp32",
+               "--min-iters", "3", "--min-seconds", "0.01")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "│ onnxruntime fp32" in res.stdout and "speed-up" not in res.stdout
+    [line] = [line for line in res.stdout.splitlines() if line.startswith("skipped: pytorch fp32: ")]
+    assert f"the source model of '{manifest.name}' is not available" in line and "deleted-model does not exist" in line
