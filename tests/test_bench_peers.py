@@ -18,8 +18,9 @@ from modelkiln.bench.generation_backends import llama_cpp_install_hint
 from modelkiln.manifest import Manifest
 from test_first_run import kiln_without
 
-# The smallest grid: one prompt length, decode at batch 1, no PyTorch row.
-GRID = ("--seq", "8", "--batch", "1", "--past", "8", "--threads", "1", "--no-reference")
+# The smallest grid: one prompt length, decode at batch 1, no PyTorch row; llama.cpp the only peer.
+SMALL = ("--seq", "8", "--past", "8", "--threads", "1", "--no-reference")
+GRID = (*SMALL, "--batch", "1", "--peers", "llama.cpp")
 
 FAKE_LLAMA_CPP = {
     "crash": "import os, signal\n"
@@ -112,3 +113,16 @@ def test_an_encoder_reference_that_fails_is_a_skipped_line(zoo, tmp_path):
     assert "│ onnxruntime fp32" in res.stdout and "speed-up" not in res.stdout
     [line] = [line for line in res.stdout.splitlines() if line.startswith("skipped: pytorch fp32: ")]
     assert f"the source model of '{manifest.name}' is not available" in line and "deleted-model does not exist" in line
+
+
+def test_the_onnxruntime_genai_row_builds_its_own_model_and_runs(gguf_artifact, tmp_path):
+    """The peer builds onnxruntime-genai's own int4 model of the same weights (cached) and times its
+    Generator in the same grid as the artifact's rows."""
+    pytest.importorskip("onnxruntime_genai")
+    env = {"PYTHONPATH": str(SRC), "KILN_CACHE_DIR": str(tmp_path / "cache")}
+    res = kiln("bench", str(gguf_artifact), *SMALL, "--batch", "1,2", "--peers", "onnxruntime-genai", "--json", str(tmp_path / "bench.json"), env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    cells = json.loads((tmp_path / "bench.json").read_text())["cells"]
+    theirs = {(c["phase"], c["batch"]) for c in cells if c["backend"].startswith("onnxruntime-genai")}
+    assert theirs == {("prefill", 1), ("decode", 1), ("decode", 2)}
+    assert list((tmp_path / "cache" / "onnxruntime-genai").glob("*/genai_config.json"))

@@ -165,6 +165,7 @@ def bench(
     min_seconds: float = typer.Option(1.0, help="And at least this long per cell."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
     peer_timeout: float = typer.Option(DEFAULT_PEER_TIMEOUT_S, help="Seconds a peer row (PyTorch, llama.cpp: each runs in a child process) may take; one that runs longer is stopped and noted, as a crash is."),
+    peers: str = typer.Option("llama.cpp,onnxruntime-genai", help="Text generation: the other engines to run, each in a child process (llama.cpp, onnxruntime-genai; 'none': none); a missing one is a note with its install command."),
 ) -> None:
     """Latency and throughput of PyTorch and every ONNX variant over batch × sequence length
     (text generation: prefill by prompt length, decode by batch size, llama.cpp too when installed)."""
@@ -185,7 +186,7 @@ def bench(
 
     if generation_artifact(target):
         return bench_generation(target, batch, seq, past, threads, variants, reference, json_path, out, step,
-                                peer_timeout=peer_timeout)
+                                peer_timeout=peer_timeout, peers=peers)
     cfg = BenchConfig(batches=number_list(batch, "--batch"), seqs=number_list(seq or "16,128,384", "--seq"), threads=threads,
                       variants=split_list(variants), reference=reference, warmup=warmup, min_iters=min_iters,
                       min_seconds=min_seconds, peer_timeout=peer_timeout)

@@ -1,7 +1,7 @@
 """``kiln bench`` for a text-generation artifact: prefill latency by prompt length, decode latency
 per step and tokens/s by batch size (every sequence with a past of ``past`` tokens), for every
-variant, PyTorch ``generate`` with its cache, and llama.cpp on the same GGUF file when
-``llama-cpp-python`` is installed. All inputs are real text (SQuAD paragraphs).
+variant, PyTorch ``generate`` with its cache, llama.cpp on the same GGUF file when
+``llama-cpp-python`` is installed, and onnxruntime-genai when ``onnxruntime-genai`` is. All inputs are real text (SQuAD paragraphs).
 
 The artifact's own variants are timed in this process; the peers (PyTorch, llama.cpp) each in a child
 process (bench/isolation.py), so that one that crashes, hangs or is missing becomes a note, not the end
@@ -17,14 +17,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ContextManager
 
-import numpy as np
-
 from ..errors import KilnError
+from ..generation.core import DEFAULT_MAX_RUNNING, Request, greedy, run_to_completion
 from ..generation.model import TextGenerationModel
-from .generation_backends import gguf_path, llama_cpp_available, llama_cpp_install_hint, measure_peer
+from ..extras import install_hint
+from .generation_backends import gguf_path, llama_cpp_available, llama_cpp_install_hint, measure_peer, ort_genai_available
 from .isolation import DEFAULT_TIMEOUT_S, ChildFailed, run_in_child
 from .runner import machine_info
 from .timing import Stats
+
+PEERS = ("llama.cpp", "onnxruntime-genai")  # the peer engines `kiln bench --peers` can run
 
 Steps = Callable[[str], ContextManager[None]]
 
@@ -39,7 +41,7 @@ class GenerationBenchConfig:
     threads: int | None = None
     variants: list[str] | None = None
     reference: bool = True
-    llama_cpp: bool = True
+    peers: list[str] = field(default_factory=lambda: list(PEERS))  # engines besides PyTorch (PEERS)
     peer_timeout: float = DEFAULT_TIMEOUT_S  # seconds one peer row (PyTorch, llama.cpp) may run
 
 
@@ -104,30 +106,39 @@ def real_token_windows(model: TextGenerationModel, length: int, count: int) -> l
 
 
 class OnnxBackend:
-    def __init__(self, model: TextGenerationModel, variant: str | None, threads: int | None, path: Path | None = None):
+    """One of the artifact's own variants, driven through the engine core as ``kiln serve`` drives
+    it (chunked prefill, sampling, the engine's batch): what a request costs, not only the graph."""
+
+    def __init__(self, model: TextGenerationModel, variant: str | None, threads: int | None, path: Path | None = None,
+                 max_batch: int = DEFAULT_MAX_RUNNING):
         """``path``: a graph file to run instead of the artifact's ``variant`` (benchmarks of candidates)."""
-        self.engine = model.engine_for_file(path, threads) if path else model.engine(variant, threads)
+        max_batch = max(max_batch, DEFAULT_MAX_RUNNING)
+        self.core = (model.core_for_file(path, threads, max_running=max_batch) if path
+                     else model.core(variant, threads, max_running=max_batch))
 
     def prefill_seconds(self, ids: list[int]) -> float:
+        """Time to the first token of a lone request with this prompt."""
         started = time.perf_counter()
-        self.engine.prefill("bench", ids)
-        elapsed = time.perf_counter() - started
-        self.engine.remove("bench")
-        return elapsed
+        for _ in run_to_completion(self.core, [Request("bench", ids, greedy(1))]):
+            pass
+        return time.perf_counter() - started
 
     def decode_step_seconds(self, prompts: list[list[int]], steps: int) -> list[float]:
-        for row, ids in enumerate(prompts):
-            self.engine.add(row, ids)
-        tokens = {row: ids[-1] for row, ids in enumerate(prompts)}
-        self.engine.step(tokens)  # warm-up at this batch size
+        """Seconds per core step once every prompt is prefilled and decoding together."""
+        requests = [Request(("bench", row), ids, greedy(steps + 4)) for row, ids in enumerate(prompts)]
+        for request in requests:
+            self.core.add_request(request)
+        while self.core.decoding < len(prompts):  # prefill, chunk by chunk
+            self.core.step()
+        self.core.step()  # warm-up at this batch size
         samples = []
         for _ in range(steps):
             started = time.perf_counter()
-            logits = self.engine.step(tokens)
+            self.core.step()
             samples.append(time.perf_counter() - started)
-            tokens = {row: int(np.argmax(logits[i])) for i, row in enumerate(self.engine.rows)}
-        for row in range(len(prompts)):
-            self.engine.remove(row)
+        for request in requests:
+            self.core.abort(request.request_id)
+        self.core.step()
         return samples
 
 
@@ -156,7 +167,7 @@ def _peers(model: TextGenerationModel, cfg: GenerationBenchConfig, notes: list[s
     """(label, what the child builds) for every peer row to run."""
     if cfg.reference:
         yield "pytorch fp32 (generate)", {"peer": "pytorch", "artifact": str(model.folder)}
-    if cfg.llama_cpp:
+    if "llama.cpp" in cfg.peers:
         gguf = gguf_path(model.manifest.source)
         if not gguf:
             notes.append("llama.cpp: the artifact was not converted from a GGUF file")
@@ -165,6 +176,11 @@ def _peers(model: TextGenerationModel, cfg: GenerationBenchConfig, notes: list[s
         else:
             yield "llama.cpp (same GGUF)", {"peer": "llama.cpp", "gguf": gguf,
                                             "context": max(cfg.prompt_lengths + [cfg.past + cfg.decode_steps + 8])}
+    if "onnxruntime-genai" in cfg.peers:
+        if not ort_genai_available():
+            notes.append(f"onnxruntime-genai: not installed ({install_hint('ortgenai')})")
+        else:
+            yield "onnxruntime-genai int4 (its own builder)", {"peer": "onnxruntime-genai", "artifact": str(model.folder)}
 
 
 def _run_peer(label: str, peer: dict[str, Any], inputs: GenerationInputs, cfg: GenerationBenchConfig,
@@ -183,7 +199,7 @@ def _own_variants(model: TextGenerationModel, cfg: GenerationBenchConfig) -> Ite
     for v in model.manifest.kept_variants():
         if v.device != "cpu" or (cfg.variants and v.name not in cfg.variants):
             continue
-        yield f"onnxruntime {v.name}", lambda v=v: OnnxBackend(model, v.name, cfg.threads)
+        yield f"onnxruntime {v.name}", lambda v=v: OnnxBackend(model, v.name, cfg.threads, max_batch=max(cfg.batches))
 
 
 def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,

@@ -1,6 +1,7 @@
-"""The peer backends of the generation bench: PyTorch ``generate`` with its KV cache, and
-llama.cpp (through llama-cpp-python) on the GGUF file the artifact was converted from. The bench runs
-each in a child process (``measure_peer``, started through bench/isolation.py).
+"""The peer backends of the generation bench: PyTorch ``generate`` with its KV cache, llama.cpp
+(through llama-cpp-python) on the GGUF file the artifact was converted from, and onnxruntime-genai's
+Generator on the int4 model its own builder makes from the same weights. The bench runs each in a
+child process (``measure_peer``, started through bench/isolation.py).
 
 PyTorch is timed inside ``generate`` itself: a logits processor records the time each token's
 logits arrive, so prefill is the time to the first token and each decode step is the gap between
@@ -9,10 +10,13 @@ two tokens, generate's own loop and cache included."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..extras import install_hint
 from ..generation.model import TextGenerationModel
@@ -54,6 +58,13 @@ def gguf_path(source: dict) -> str | None:
     return str(Path(model) / name) if name else None
 
 
+def ort_genai_available() -> bool:
+    try:
+        return importlib.util.find_spec("onnxruntime_genai") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def llama_cpp_available() -> bool:
     """Whether llama-cpp-python is installed, found without importing it (importing loads llama.cpp)."""
     try:
@@ -80,6 +91,8 @@ def _peer_backend(argument: dict[str, Any], threads: int | None) -> Any:
         return TorchBackend(TextGenerationModel(argument["artifact"]), threads)
     if argument["peer"] == "llama.cpp":
         return LlamaCppBackend(argument["gguf"], threads, argument["context"])
+    if argument["peer"] == "onnxruntime-genai":
+        return OrtGenaiBackend(TextGenerationModel(argument["artifact"]), threads)
     raise ValueError(f"unknown peer {argument['peer']!r}")
 
 
@@ -163,3 +176,94 @@ class LlamaCppBackend:
             samples.append(time.perf_counter() - started)
         return samples
 
+
+
+class OrtGenaiBackend:
+    """onnxruntime-genai 0.18's Generator (static batches on CPU) on the int4 model its own builder
+    writes (``python -m onnxruntime_genai.models.builder -p int4 -e cpu``: it re-quantizes the weights,
+    block 32, accuracy level 4) from the artifact's source model, dequantized to fp32 when that is a
+    GGUF file. Built once per source into the cache folder (``KILN_CACHE_DIR``)."""
+
+    def __init__(self, model: TextGenerationModel, threads: int | None):
+        import onnxruntime_genai as og
+
+        self.og = og
+        folder = _ort_genai_model(model.manifest.source["model"])
+        config_path = folder / "genai_config.json"
+        config = json.loads(config_path.read_text())
+        options = config["model"]["decoder"].setdefault("session_options", {})
+        if threads:
+            options["intra_op_num_threads"] = threads
+        config_path.write_text(json.dumps(config, indent=2))
+        og_config = og.Config(str(folder))
+        og_config.clear_providers()
+        self.model = og.Model(og_config)
+
+    def _generator(self, prompts: list[list[int]], new_tokens: int) -> Any:
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(prompts[0]) + new_tokens + 2, do_sample=False, batch_size=len(prompts))
+        return self.og.Generator(self.model, params)
+
+    def prefill_seconds(self, ids: list[int]) -> float:
+        generator = self._generator([ids], 1)
+        started = time.perf_counter()
+        generator.append_tokens(np.asarray([ids], dtype=np.int32))
+        return time.perf_counter() - started
+
+    def decode_step_seconds(self, prompts: list[list[int]], steps: int) -> list[float]:
+        generator = self._generator(prompts, steps + 1)
+        generator.append_tokens(np.asarray(prompts, dtype=np.int32))
+        generator.generate_next_token()  # warm-up
+        samples = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            generator.generate_next_token()
+            samples.append(time.perf_counter() - started)
+        return samples
+
+
+def _ort_genai_model(source_model: str) -> Path:
+    """The builder's int4 model of ``source_model``, built into the cache the first time."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    stat = os.stat(source_model)
+    key = hashlib.sha256(f"{os.path.realpath(source_model)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "modelkiln") / "onnxruntime-genai" / key
+    if (cache / "genai_config.json").is_file():
+        return cache
+    with tempfile.TemporaryDirectory(prefix="kiln-ort-genai-") as tmp:
+        hf = _hf_folder(source_model, Path(tmp) / "hf")
+        out = Path(tmp) / "int4"
+        built = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
+                                "-p", "int4", "-e", "cpu", "-c", str(Path(tmp) / "cache")],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            last = (built.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"onnxruntime-genai's builder failed: {last}")
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(out, cache) if not cache.exists() else None
+    return cache
+
+
+def _hf_folder(source_model: str, folder: Path) -> Path:
+    """A Hugging Face folder (fp32 safetensors, tokenizer) of the source, which the builder reads:
+    a GGUF file is loaded dequantized by transformers and saved without its quantization config."""
+    from ..convert.generation import load_causal_lm
+    from ..convert.source import load_source
+
+    source = load_source(source_model)
+    model = load_causal_lm(source)
+    if source.gguf_file:
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        fresh = type(model)(type(model.config).from_dict(config))
+        fresh.load_state_dict(model.state_dict())
+        fresh.tie_weights()
+        model = fresh
+    model.save_pretrained(folder)
+    source.tokenizer.save_pretrained(folder)
+    return folder

@@ -14,14 +14,21 @@ def generation_artifact(target: str | Path) -> bool:
 
 
 def bench_generation(target: str, batch: str, seq: str, past: int, threads, variants, reference: bool,
-                     json_path: Path | None, out, steps, peer_timeout: float) -> None:
+                     json_path: Path | None, out, steps, peer_timeout: float, peers: str) -> None:
+    from ..errors import KilnError
     from ..generation.model import TextGenerationModel
-    from .generation import GenerationBenchConfig, run_generation_bench
+    from .generation import PEERS, GenerationBenchConfig, run_generation_bench
+
+    chosen = [] if peers.strip() == "none" else split_list(peers) or []
+    unknown = [p for p in chosen if p not in PEERS]
+    if unknown:
+        raise KilnError(f"unknown peer {', '.join(unknown)} for --peers (choose from {', '.join(PEERS)}, or none)")
     from .generation_report import print_generation_bench, write_generation_json
 
     cfg = GenerationBenchConfig(prompt_lengths=number_list(seq or "16,128,512", "--seq"),
                                 batches=number_list(batch, "--batch"), past=past, threads=threads,
-                                variants=split_list(variants), reference=reference, peer_timeout=peer_timeout)
+                                variants=split_list(variants), reference=reference, peer_timeout=peer_timeout,
+                                peers=chosen)
     result = run_generation_bench(TextGenerationModel(target), cfg, steps)
     print_generation_bench(out, result)
     if json_path:

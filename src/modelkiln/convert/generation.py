@@ -42,6 +42,7 @@ PARAGRAPH_TOKENS = 256  # perplexity paragraphs are cut to this many tokens
 INT8_BLOCK = 32  # weights per int8 scale: SmolLM2 perplexity +0.7% (docs/generation.md)
 DECODE_PAST = 64  # variants are timed decoding one token at batch 1 after this many
 DECODE_STEPS = 32  # steps timed per round and variant
+DEFAULT_PPL_BUDGET = 0.01  # the default variant's perplexity is at most 1% above PyTorch's
 TIMING_ROUNDS = 20  # at most; fewer when the time budget (--timing-seconds) runs out
 EXPORT_MEMORY_FACTOR = 3  # export holds the weights ~3 times: PyTorch's, the traced program's, the ONNX file's
 
@@ -282,10 +283,20 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         if not any(v.kept for v in variants):
             summary = "; ".join(f"{v.name}: {v.reason}" for v in variants)
             raise ValidationFailedError(f"no variant passed validation ({summary})")
+        settings["default_variant"] = _default_variant(variants)
         manifest.variants = variants
         manifest.save(folder)
         folder.chmod(0o755)
     return manifest
+
+
+def _default_variant(variants: list[Variant]) -> str:
+    """What serve, generate and Triton run when no variant is named: the fastest kept variant whose
+    perplexity is within DEFAULT_PPL_BUDGET of PyTorch's (the gate admits up to 3%: a variant may be
+    chosen by name for its speed, but is not the default at the cost of more accuracy than that)."""
+    kept = [v for v in variants if v.kept and v.device == "cpu" and v.latency_ms is not None]
+    close = [v for v in kept if abs(v.details.get("perplexity_change", 1.0)) <= DEFAULT_PPL_BUDGET]
+    return min(close or kept, key=lambda v: v.latency_ms).name  # type: ignore[arg-type,return-value]
 
 
 def _refuse_batch_variant(invariance: Any, validation: Any, details: dict[str, Any], reason: str) -> str:

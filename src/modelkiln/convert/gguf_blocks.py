@@ -108,9 +108,19 @@ def read_blocks(tensor: Any) -> Blocks | None:
 def has_packable_blocks(gguf_path: Path) -> bool:
     """Whether the file holds any Q4_0/Q4_1 tensor (the int4 this module builds)."""
     from gguf import GGMLQuantizationType as T
-    from gguf import GGUFReader
 
-    return any(t.tensor_type in (T.Q4_0, T.Q4_1) for t in GGUFReader(str(gguf_path)).tensors)
+    return any(t.tensor_type in (T.Q4_0, T.Q4_1) for t in read_gguf(gguf_path).tensors)
+
+
+def read_gguf(path: Path) -> Any:
+    """The file's ``GGUFReader``: the one transformers' loading parsed already (``source.one_gguf_parse``:
+    parsing SmolLM2's vocabulary alone takes seconds)."""
+    import gguf
+
+    from .source import one_gguf_parse
+
+    with one_gguf_parse():
+        return gguf.GGUFReader(str(path))
 
 
 class GgufRowIndex:
@@ -169,7 +179,6 @@ def pack_gguf_blocks(src: Path, dst: Path, gguf_path: Path, accuracy_level: int)
     block-minimum correction). Other MatMuls stay fp32. Returns counts per GGUF type (and ``fp32``
     for the MatMuls left as they were)."""
     import onnx
-    from gguf import GGUFReader
     from onnx import helper, numpy_helper
 
     from .variants import materialize_transposed_weights
@@ -178,7 +187,7 @@ def pack_gguf_blocks(src: Path, dst: Path, gguf_path: Path, accuracy_level: int)
     materialize_transposed_weights(model)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    index = GgufRowIndex(GGUFReader(str(gguf_path)))
+    index = GgufRowIndex(read_gguf(gguf_path))
     blocksums: dict[str, str] = {}  # MatMul input → its per-block sums
     counts: Counter[str] = Counter()
     new_nodes: list[Any] = []

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .gguf_blocks import BLOCK, Blocks, GgufRowIndex, packed_codes
+from .gguf_blocks import BLOCK, Blocks, GgufRowIndex, packed_codes, read_gguf
 
 MS_DOMAIN = "com.microsoft"
 
@@ -39,9 +39,7 @@ class GgufWeights:
     (``GgufRowIndex``), as MatMulNBits over those blocks; the others fp32."""
 
     def __init__(self, gguf_path: Any, accuracy_level: int):
-        from gguf import GGUFReader
-
-        self.index = GgufRowIndex(GGUFReader(str(gguf_path)))
+        self.index = GgufRowIndex(read_gguf(gguf_path))
         self.accuracy_level = accuracy_level
 
     def blocks_for(self, weight: np.ndarray) -> Blocks | None:

@@ -152,7 +152,13 @@ class EngineCore:
 
     @property
     def running(self) -> int:
+        """Admitted requests: decoding, or with their prompt being prefilled."""
         return len(self._running) + len(self._prefilling)
+
+    @property
+    def decoding(self) -> int:
+        """Requests in the engine's decode batch."""
+        return len(self._running)
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[Output]:

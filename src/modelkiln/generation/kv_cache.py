@@ -16,11 +16,16 @@ the next running row once; a decode step copies nothing."""
 from __future__ import annotations
 
 import mmap
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 _PAGE = mmap.PAGESIZE
+# Reserve address space without committing memory for it, so the kernel's overcommit check does not
+# refuse a reservation larger than RAM: what is used is bounded by the engine core's KV budget, not by
+# the reservation. (Linux's MAP_NORESERVE; Python's mmap module names it from 3.13 only.)
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,9 @@ class RowRegion:
         self.shape = shape
         self.rows = rows
         buffer_floats = rows * shape.row_floats
-        self._map = mmap.mmap(-1, max(1, 2 * shape.layers * buffer_floats * 4))
+        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | _NORESERVE
+        size = max(1, 2 * shape.layers * buffer_floats * 4)
+        self._map = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
         flat = np.frombuffer(self._map, dtype=np.float32)
         dims = (rows, shape.kv_heads, shape.max_length, shape.head_dim)
         # buffers[2 * layer] is the key, buffers[2 * layer + 1] the value

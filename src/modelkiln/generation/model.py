@@ -8,7 +8,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ..errors import ArtifactError
-from ..manifest import Manifest
+from ..manifest import Manifest, Variant
 from .chat import chat_messages, render_chat
 from .core import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, Engine, EngineCore
 from .engine import open_engine
@@ -61,8 +61,16 @@ class TextGenerationModel:
         return self.tokenizer.encode(text, add_special_tokens=not chat).ids
 
     # -- running ---------------------------------------------------------------------------
+    def default_variant(self, device: str = "cpu") -> Variant:
+        """The variant run when none is named: the one the converter chose (the fastest within its
+        accuracy budget), else the fastest kept one (artifacts converted before it chose)."""
+        name = self.settings.get("default_variant")
+        if name and device == "cpu" and any(v.name == name for v in self.manifest.kept_variants()):
+            return self.manifest.variant(name)
+        return self.manifest.fastest_variant(device)
+
     def variant_path(self, variant: str | None = None, device: str = "cpu") -> tuple[str, Path]:
-        chosen = self.manifest.variant(variant) if variant else self.manifest.fastest_variant(device)
+        chosen = self.manifest.variant(variant) if variant else self.default_variant(device)
         assert chosen.file is not None
         return chosen.name, self.folder / chosen.file
 

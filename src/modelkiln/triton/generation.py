@@ -58,8 +58,10 @@ def write_generation_repository(artifact: Path, out: Path, opts: Options, name: 
                                 force: bool) -> Path:
     from .repository import MODELS_DIR, copy_snapshot
 
+    from ..generation.model import TextGenerationModel
+
     manifest = Manifest.load(artifact)
-    chosen = manifest.variant(variant) if variant else manifest.fastest_variant("cpu")
+    chosen = manifest.variant(variant) if variant else TextGenerationModel(artifact).default_variant("cpu")
     if not chosen.file:
         raise ArtifactError(f"variant '{chosen.name}' has no file")
     config = generation_config(name, opts, chosen.name)

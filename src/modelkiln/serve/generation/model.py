@@ -56,7 +56,7 @@ class GenerationModel:
         self.manifest = self.artifact.manifest
         self.name = spec.name or self.manifest.name
         chosen = spec.variant or settings.variant
-        self.variant = self.manifest.variant(chosen) if chosen else self.manifest.fastest_variant(settings.device)
+        self.variant = self.manifest.variant(chosen) if chosen else self.artifact.default_variant(settings.device)
         self.settings = settings
         self.metrics = metrics
         self.stats = Stats()
