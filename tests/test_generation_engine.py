@@ -144,6 +144,54 @@ def test_context_limit_is_a_clear_error(make_engine):
         make_engine(max_context=4).add("a", [1, 2, 3, 4, 5])
 
 
+def test_a_prefix_cache_hit_changes_no_answer(tiny):
+    """Prompts sharing a chat-template prefix: through a core whose engine caches prefixes, later
+    prompts restore the shared blocks and prefill only the rest; their tokens and every logit equal
+    those of an engine without the cache, bit for bit, alone and all together."""
+    from modelkiln.generation.core import greedy
+
+    texts = ["The quick brown fox", "Hello there, how are you?", "Once upon a time there was a", "Hi!"]
+    prompts = [tiny.prompt_ids(t, chat=True, system="You are a helpful assistant who answers in one short sentence.")
+               for t in texts]
+
+    def run(prefix_cache: bool, together: bool):
+        engine = tiny.engine("fp32", threads=1, prefix_cache=prefix_cache)
+        core = EngineCore(engine, tiny.tokenizer, tiny.eos_ids, keep_logits=True, prefill_chunk=8)
+        requests = [Request(i, p, greedy(12)) for i, p in enumerate(prompts)]
+        done = complete(core, requests) if together else [complete(core, [r])[0] for r in requests]
+        return done, engine
+
+    system_prompt_blocks = len(tiny.prompt_ids("", chat=True, system="You are a helpful assistant who answers in one "
+                                                                      "short sentence.")) // 16
+    plain, _ = run(False, together=False)
+    for together in (False, True):
+        cached, engine = run(True, together)
+        # each prompt after the first restores at least the system prompt's full blocks
+        assert engine.prefixes.hit_tokens >= (len(prompts) - 1) * system_prompt_blocks * 16 > 0
+        for a, b in zip(plain, cached):
+            assert a.token_ids == b.token_ids
+            assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_the_prefix_cache_evicts_least_recently_used_chains():
+    from modelkiln.generation.prefix_cache import PrefixCache
+
+    cache = PrefixCache(block_tokens=2)
+    kv = lambda a, b: [np.full((1, b - a, 1), a, np.float32)]  # noqa: E731
+    cache.insert([1, 2, 3, 4, 5], kv)  # blocks [1,2] and [1,2,3,4]
+    cache.insert([7, 8, 9], kv)  # block [7,8]
+    assert cache.tokens == 6
+    assert [b.tokens for b in cache.lookup([1, 2, 3, 4, 6])] == [(1, 2), (3, 4)]  # now the most recent
+    assert cache.lookup([1, 2, 3, 4]) and len(cache.lookup([1, 2, 3, 4])) == 1  # the last token is never restored
+    assert cache.evict(1) == 2 and cache.tokens == 4  # [7,8] went first
+    assert cache.evict(1) == 2 and cache.tokens == 2  # then [1,2,3,4], used less recently than its start [1,2]
+    assert [b.tokens for b in cache.lookup([1, 2, 3])] == [(1, 2)]
+    cache.insert([1, 2, 3, 4, 5], kv)
+    cache.lookup([1, 2, 3, 4, 6])  # the start, then its child: the start is now the older of the two
+    assert cache.evict(1) == 4 and cache.tokens == 0  # the start goes, and its child with it (unreachable)
+    assert cache.lookup([1, 2, 3]) == []
+
+
 # --- the engine core: sampling, seeds, stop strings ---------------------------------------------------
 
 

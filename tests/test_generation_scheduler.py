@@ -65,7 +65,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_runs(tiny):
     async def run(together: bool) -> tuple[list[int], list[int], list[int]]:
         scheduler, hooks = make(tiny)
         try:
-            a = job(short, 40)
+            a = job(short, 400)  # long enough to still run when b arrives, however slow the machine
             scheduler.submit(a)
             first = await a.queue.get()
             b = job(prompt, 5)

@@ -45,7 +45,12 @@ class Engine(Protocol):
     max_context: int | None
     rows: list[Hashable]
 
+    prefix_tokens: int  # tokens the engine's prefix cache holds (they count in the KV budget)
+
     def prefill(self, seq_id: Hashable, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray: ...
+    def restore_prefix(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> int: ...
+    def remember_prefix(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> None: ...
+    def evict_prefixes(self, tokens: int) -> int: ...
     def join(self, seq_id: Hashable) -> None: ...
     def step(self, next_tokens: dict[Hashable, int]) -> np.ndarray: ...
     def remove(self, seq_id: Hashable) -> None: ...
@@ -98,6 +103,7 @@ class CoreHooks:
     """What the core reports as it goes (serve's metrics); the default reports nothing."""
 
     def token(self, request: Request, now: float) -> None: ...  # a token chosen (first: TTFT, else ITL)
+    def prefix(self, request: Request, cached_tokens: int) -> None: ...  # its prefill starts after this many cached tokens
     def finished(self, request: Request, now: float) -> None: ...  # ended normally
     def iteration(self, running: int, waiting: int, cache_tokens: int) -> None: ...
 
@@ -212,8 +218,13 @@ class EngineCore:
         active = [r.reserve for r in [*self._prefilling, *self._running.values()]]
         while self._waiting and len(active) < self.max_running:
             request = self._waiting[0]
-            if self.kv_budget is not None and self.engine.kv_tokens_needed([*active, request.reserve]) > self.kv_budget:
-                break  # oldest first: a big request is not overtaken forever by small ones
+            if self.kv_budget is not None:
+                needed = self.engine.kv_tokens_needed([*active, request.reserve])
+                if needed > self.kv_budget:
+                    break  # oldest first: a big request is not overtaken forever by small ones
+                excess = needed + self.engine.prefix_tokens - self.kv_budget
+                if excess > 0:  # cached prefixes give way to running sequences
+                    self.engine.evict_prefixes(excess)
             self._waiting.popleft()
             active.append(request.reserve)
             request.state = SequenceState(request.request_id, request.prompt_ids, request.params, self.tokenizer,
@@ -224,6 +235,9 @@ class EngineCore:
         budget = self.prefill_chunk
         while self._prefilling and budget > 0:
             request = self._prefilling[0]
+            if request.prefilled == 0:
+                request.prefilled = self.engine.restore_prefix(request.request_id, request.prompt_ids)
+                self.hooks.prefix(request, request.prefilled)
             end = min(len(request.prompt_ids), (request.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
             if end - request.prefilled > budget and budget < self.prefill_chunk:
                 break  # the next chunk does not fit in what is left of this step
@@ -239,6 +253,7 @@ class EngineCore:
             if end < len(request.prompt_ids):
                 continue
             self._prefilling.pop(0)
+            self.engine.remember_prefix(request.request_id, request.prompt_ids)
             if self._emit(request, logits, outputs):
                 self.engine.remove(request.request_id)
             else:

@@ -20,11 +20,13 @@ def graph_kind(session) -> str:  # type: ignore[no-untyped-def]
 
 
 def open_engine(path: Path | str, *, heads: int, max_context: int | None, threads: int | None = None,
-                device: str = "cpu", max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True) -> Engine:
+                device: str = "cpu", max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True,
+                prefix_cache: bool = True) -> Engine:
     """``heads``: the model's attention heads (the serving engine keeps rows × heads ≥ threads);
-    ``max_rows``: the most sequences decoding together."""
+    ``max_rows``: the most sequences decoding together; ``prefix_cache``: keep the KV of prompt prefixes
+    for the prompts that follow (serving graph only)."""
     session = open_session(path, device, threads, memory_arena)
     if graph_kind(session) == io.SERVING_GRAPH:
         return ServingEngine(session, heads=heads, threads=threads or os.cpu_count() or 1,
-                             max_context=max_context, max_rows=max_rows)
+                             max_context=max_context, max_rows=max_rows, prefix_cache=prefix_cache)
     return PaddedEngine(DecoderSession(path, device=device, session=session), max_context)

@@ -79,15 +79,16 @@ class TextGenerationModel:
         return int(self.settings.get("heads") or 1)
 
     def engine(self, variant: str | None = None, threads: int | None = None, device: str = "cpu",
-               max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True) -> Engine:
+               max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True, prefix_cache: bool = True) -> Engine:
         _, path = self.variant_path(variant, device)
-        return self.engine_for_file(path, threads, device, max_rows, memory_arena)
+        return self.engine_for_file(path, threads, device, max_rows, memory_arena, prefix_cache)
 
     def engine_for_file(self, path: Path, threads: int | None = None, device: str = "cpu",
-                        max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True) -> Engine:
+                        max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True,
+                        prefix_cache: bool = True) -> Engine:
         """An engine on a graph file of this model (the converter's candidates are not variants yet)."""
         return open_engine(path, heads=self.heads, max_context=self.max_context, threads=threads, device=device,
-                           max_rows=max_rows, memory_arena=memory_arena)
+                           max_rows=max_rows, memory_arena=memory_arena, prefix_cache=prefix_cache)
 
     def core(self, variant: str | None = None, threads: int | None = None, max_running: int = DEFAULT_MAX_RUNNING,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, keep_logits: bool = False, device: str = "cpu") -> EngineCore:

@@ -56,6 +56,18 @@ class PaddedEngine:
         """Token slots the caches hold now, padding included (running rows × width, plus pending)."""
         return len(self.rows) * self.width + sum(p.length for p in self._pending.values())
 
+    # no prefix cache: the padded batch re-pads every sequence that joins (the engine core calls these alike)
+    prefix_tokens = 0
+
+    def restore_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> int:
+        return 0
+
+    def remember_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> None:
+        pass
+
+    def evict_prefixes(self, tokens: int) -> int:
+        return 0
+
     @staticmethod
     def kv_tokens_needed(reserves: Sequence[int]) -> int:
         """Cache tokens for sequences that may reach ``reserves`` tokens: every row is as wide as

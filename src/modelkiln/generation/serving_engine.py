@@ -23,6 +23,7 @@ import onnxruntime as ort
 from ..errors import InvalidInputError, KilnError
 from . import graph_io as io
 from .kv_cache import CacheShape, RowRegion
+from .prefix_cache import PrefixCache
 
 SeqId = Hashable
 TILE_ROWS = 128  # MatMulNBits' row tile: a tile holding one row takes its lone-row path
@@ -36,7 +37,7 @@ class _Staged:
 
 class ServingEngine:
     def __init__(self, session: ort.InferenceSession, heads: int, threads: int, max_context: int | None,
-                 max_rows: int = 32, staging_rows: int = 4, max_length: int | None = None):
+                 max_rows: int = 32, staging_rows: int = 4, max_length: int | None = None, prefix_cache: bool = True):
         inputs = {i.name: i for i in session.get_inputs()}
         for required in (io.INPUT_IDS, io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH, io.LOGIT_POSITIONS, io.past_key_name(0)):
             if required not in inputs:
@@ -61,14 +62,19 @@ class ServingEngine:
         self._past_names = [n for i in range(self.layers) for n in (io.past_key_name(i), io.past_value_name(i))]
         self._present_names = [n for i in range(self.layers) for n in (io.present_key_name(i), io.present_value_name(i))]
         self._first_position = np.zeros(1, dtype=np.int64)
+        self.prefixes = PrefixCache() if prefix_cache else None
         self.ghost_rows = False
         self.ghost_rows = self._lone_row_differs()
 
     # -- queries ---------------------------------------------------------------------------
     @property
     def cache_tokens(self) -> int:
-        """Tokens the caches hold now (running and staged): what RAM they take, in tokens."""
-        return int(self._lengths.sum()) + sum(s.length for s in self._staged.values())
+        """Tokens the caches hold now (running, staged and the prefix cache): what RAM they take, in tokens."""
+        return int(self._lengths.sum()) + sum(s.length for s in self._staged.values()) + self.prefix_tokens
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.prefixes.tokens if self.prefixes else 0
 
     @staticmethod
     def kv_tokens_needed(reserves: Sequence[int]) -> int:
@@ -84,6 +90,31 @@ class ServingEngine:
         return seq_id in self._staged or seq_id in self.rows
 
     # -- prefill ---------------------------------------------------------------------------
+    def restore_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> int:
+        """Start a new sequence with the longest cached prefix of its prompt; returns the tokens
+        restored (the prompt is prefilled from there)."""
+        blocks = self.prefixes.lookup(prompt_ids) if self.prefixes else []
+        if not blocks:
+            return 0
+        staged = self._stage(seq_id)
+        size = self.prefixes.block_tokens  # type: ignore[union-attr]
+        for b, block in enumerate(blocks):
+            for buffer, kv in zip(self.staging.buffers, block.kv):
+                buffer[staged.row, :, b * size:(b + 1) * size] = kv
+        staged.length = len(blocks) * size
+        return staged.length
+
+    def remember_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> None:
+        """Cache the full blocks of a prefilled prompt (its staged KV) for the prompts that follow."""
+        staged = self._staged.get(seq_id)
+        if self.prefixes is None or staged is None or staged.length < len(prompt_ids):
+            return
+        row = staged.row
+        self.prefixes.insert(prompt_ids, lambda a, b: [buf[row, :, a:b] for buf in self.staging.buffers])
+
+    def evict_prefixes(self, tokens: int) -> int:
+        return self.prefixes.evict(tokens) if self.prefixes else 0
+
     def prefill(self, seq_id: SeqId, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Run ``token_ids`` through a sequence that is not running (new, or prefilled in part).
         Returns the last position's logits [vocab] (every position's [len, vocab] with ``all_logits``)."""
@@ -91,21 +122,32 @@ class ServingEngine:
             raise InvalidInputError(f"sequence {seq_id!r} is already running")
         if not token_ids:
             raise InvalidInputError("a prompt needs at least one token")
+        staged = self._stage(seq_id)
+        n = len(token_ids)
+        total = staged.length + n
+        self._check_length(total)
+        ids = list(token_ids)
+        if self.ghost_rows and n % TILE_ROWS == 1 and total < self.shape.max_length:
+            # a chunk whose last 128-row tile holds one token would take the lone-row path: one more
+            # token after it (causal: it changes nothing before it; its key and value are overwritten
+            # by the next real token)
+            ids.append(ids[-1])
+        binding = self._binding_of(self.staging.views(staged.row, staged.row + 1))
+        positions = np.arange(n, dtype=np.int64) if all_logits else np.asarray([n - 1], dtype=np.int64)
+        computed = staged.length + len(ids)
+        logits = self._run(binding, np.asarray([ids], dtype=np.int64), np.asarray([computed - 1], dtype=np.int32),
+                           computed, positions)
+        staged.length = total
+        return logits[0] if all_logits else logits[0, -1]
+
+    def _stage(self, seq_id: SeqId) -> _Staged:
         staged = self._staged.get(seq_id)
         if staged is None:
             if not self._free_staging:
                 raise KilnError(f"all {self.staging.rows} staging rows are prefilling")
             staged = _Staged(self._free_staging.pop(), 0)
             self._staged[seq_id] = staged
-        n = len(token_ids)
-        total = staged.length + n
-        self._check_length(total)
-        binding = self._binding_of(self.staging.views(staged.row, staged.row + 1))
-        positions = np.arange(n, dtype=np.int64) if all_logits else np.asarray([n - 1], dtype=np.int64)
-        logits = self._run(binding, np.asarray([token_ids], dtype=np.int64), np.asarray([total - 1], dtype=np.int32),
-                           total, positions)
-        staged.length = total
-        return logits[0] if all_logits else logits[0, -1]
+        return staged
 
     def join(self, seq_id: SeqId) -> None:
         """Move a prefilled sequence into the decode batch (it takes part in the next step)."""

@@ -38,6 +38,11 @@ class Metrics:
         self.e2e_latency = Histogram("vllm:e2e_request_latency_seconds", "Generation request latency.", g,
                                      buckets=_LATENCY_BUCKETS + (60.0, 120.0, 300.0), registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens prefilled.", g, registry=r)
+        # vLLM's prefix-cache counters: hit rate = hits / queries
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                            g, registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens restored from the prefix cache.",
+                                         g, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", g, registry=r)
         self.requests_running = Gauge("vllm:num_requests_running", "Sequences being prefilled or generating.", g,
                                       registry=r)

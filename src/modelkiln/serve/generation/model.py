@@ -76,10 +76,10 @@ class GenerationModel:
     def load(self) -> None:
         started = time.perf_counter()
         engine = self.artifact.engine(self.variant.name, self.threads, self.settings.device,
-                                      max_rows=self.settings.max_batch_size)
+                                      max_rows=self.settings.max_batch_size, prefix_cache=self.settings.prefix_cache)
         self.kv_budget = self.settings.max_kv_tokens or self._default_kv_budget()
         if self.settings.warmup:  # the first requests should not pay for onnxruntime's first runs
-            engine.prefill("warm-up", [0, 1, 2, 3])
+            engine.prefill("warm-up", [0, 1, 2, 3])  # not a prompt: its prefix is not cached
             engine.join("warm-up")
             engine.step({"warm-up": 4})
             engine.remove("warm-up")
@@ -239,6 +239,8 @@ class _MetricHooks(CoreHooks):
         self.itl = metrics.inter_token_latency.labels(name)
         self.e2e = metrics.e2e_latency.labels(name)
         self.prompt_tokens = metrics.prompt_tokens.labels(name)
+        self.prefix_queries = metrics.prefix_cache_queries.labels(name)
+        self.prefix_hits = metrics.prefix_cache_hits.labels(name)
         self.generation_tokens = metrics.generation_tokens.labels(name)
         self.running = metrics.requests_running.labels(name)
         self.waiting = metrics.requests_waiting.labels(name)
@@ -252,6 +254,10 @@ class _MetricHooks(CoreHooks):
         else:
             self.itl.observe(now - job.last_token_at)
         self.generation_tokens.inc()
+
+    def prefix(self, job, cached_tokens: int) -> None:  # type: ignore[no-untyped-def]
+        self.prefix_queries.inc(len(job.prompt_ids))
+        self.prefix_hits.inc(cached_tokens)
 
     def finished(self, job, now: float) -> None:  # type: ignore[no-untyped-def]
         self.e2e.observe(now - job.arrived)
