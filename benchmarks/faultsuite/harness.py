@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from modelkiln.net import free_port, wait_until_ready
+from modelkiln.net import child_environment, free_port, wait_until_ready
 from modelkiln.tune.sweep import process_memory_mb
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -61,9 +61,7 @@ class KilnServer:
         self.name = name
         self.port = free_port()
         self.log_path = Path(tempfile.mkstemp(prefix="faultsuite-serve-", suffix=".log")[1])
-        # KILN_* from the caller's shell would change what is measured; the cache and data dirs are paths only
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k in ("KILN_CACHE_DIR", "KILN_DATA_DIR")}
-        env["KILN_API_KEY"] = API_KEY
+        env = child_environment(KILN_API_KEY=API_KEY)
         # the server of this checkout, not whatever modelkiln the interpreter would import
         env["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [env.get("PYTHONPATH")])])
         command = [sys.executable, "-c", LAUNCHER, "serve", f"{name}={artifact}", "--port", str(self.port),
