@@ -21,6 +21,7 @@ from ..generation.decoder import DecoderSession
 from ..manifest import Manifest, TokenizerSpec, Variant
 from . import source as src
 from . import variants as build
+from .artifact import default_precisions, remove_onnx, versions
 from .decoder_export import DecoderShape, export_decoder
 from .export import OPSET
 from .gguf_blocks import has_packable_blocks, pack_gguf_blocks
@@ -35,10 +36,6 @@ PARAGRAPH_TOKENS = 256  # perplexity paragraphs are cut to this many tokens
 INT8_BLOCK = 32  # weights per int8 scale: SmolLM2 perplexity +0.7% (docs/generation.md)
 DECODE_PAST = 64  # variants are timed decoding one token at batch 1 after this many
 EXPORT_MEMORY_FACTOR = 3  # export holds the weights ~3 times: PyTorch's, the traced program's, the ONNX file's
-
-
-def default_precisions(device: str) -> tuple[str, ...]:
-    return ("fp32", "int8", "int4") if device == "cpu" else ("fp32", "int8", "int4", "fp16")
 
 
 # --- source ----------------------------------------------------------------------------------------
@@ -159,7 +156,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
     """``cfg`` is convert.pipeline.ConvertConfig; ``source`` is loaded already."""
     from ..generation.model import TextGenerationModel
 
-    wanted = list(cfg.precisions or default_precisions(cfg.device))
+    wanted = list(cfg.precisions or default_precisions(TASK, cfg.device))
     unknown = [p for p in wanted if p not in PRECISIONS]
     if unknown:
         raise ConversionError(f"unknown precision {unknown} for text generation (choose from {', '.join(PRECISIONS)})")
@@ -179,7 +176,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         variants=[Variant("fp32", "fp32", "cpu", "model.onnx", True)], generation=settings,
         source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture,
                 "gguf_file": source.gguf_file, "max_positions": settings["max_context"]},
-        versions=_versions(), opset=OPSET,
+        versions=versions(), opset=OPSET,
     )
     gate_cfg = dict(DEFAULT_GATE, **(cfg.generation_gate or {}))
     with atomic_folder(Path(cfg.out), cfg.force) as folder:
@@ -256,7 +253,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
                 v.reason = (f"ppl {d['perplexity']:.3f} ({d['perplexity_change'] * 100:+.2f}% vs PyTorch), greedy "
                             f"{d['greedy_tokens_equal']} equal, decode ms/token at past {DECODE_PAST}")
             if v.file and not v.kept:
-                _remove_onnx(folder / v.file)
+                remove_onnx(folder / v.file)
                 v.file = None
         if not any(v.kept for v in variants):
             summary = "; ".join(f"{v.name}: {v.reason}" for v in variants)
@@ -293,14 +290,3 @@ def _time_decode(sessions: dict[str, DecoderSession], variants: list[Variant], s
         v.latency_ms = round(stats[v.name].median, 4)
         v.latency_shape = [1, 1]
         v.details["decode_past"] = DECODE_PAST
-
-
-def _remove_onnx(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    (path.parent / (path.name + ".data")).unlink(missing_ok=True)
-
-
-def _versions() -> dict[str, str]:
-    from .pipeline import versions
-
-    return versions()
