@@ -29,7 +29,7 @@ from . import inference_routes
 from .auth import bearer_matches
 from .dataplane import DataPlane, build_dataplane
 from .errors import error_response
-from .generation import generate_routes, is_generation, openai_routes
+from .generation import generate_routes, openai_routes
 from .metrics import Metrics
 from .request_watch import RequestWatch
 from .settings import ServeSettings
@@ -270,7 +270,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
     @app.get("/metrics")
     async def metrics_route() -> Response:
         for model in plane.models.values():
-            metrics.queued.labels(model.name).set(model.queued if is_generation(model) else model.batcher.queued)
+            metrics.queued.labels(model.name).set(model.queued)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 Parameters = dict[str, Any]  # OIP parameters: str / int / float / bool values
+MODEL_VERSION = "1"  # every served model has one version (a Triton repository folder without versions)
 
 
 @dataclass(frozen=True)
