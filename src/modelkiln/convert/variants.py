@@ -154,20 +154,6 @@ def quantize_int8_per_row(src: Path, dst: Path) -> int:
 
 
 @in_scratch_directory
-def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: int) -> None:
-    """Weight-only MatMulNBits (``bits`` 4 or 8), symmetric; activations stay float, or with
-    ``accuracy_level`` 4 are quantized per row block inside the kernel."""
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    with _root_logger_at(logging.ERROR):
-        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block_size, is_symmetric=True,
-                                         accuracy_level=accuracy_level)
-        quantizer.process()
-    quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
-
-
-@in_scratch_directory
 def quantize_int8_weights(src: Path, dst: Path, block_size: int, accuracy_level: int) -> None:
     """Weight-only 8-bit MatMul weights (MatMulNBits with bits=8, symmetric, one scale per
     ``block_size`` weights), for decoders. Dynamic int8 (``quantize_int8``) quantizes every

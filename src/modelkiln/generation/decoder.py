@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ArtifactError
-from ..runtime.onnx import _PROVIDERS, session_options
+from ..runtime.onnx import PROVIDERS as _PROVIDERS, session_options
 from ._names import INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS, past_key_name, past_value_name, present_key_name, present_value_name
 
 # 2 × layers tensors, key then value per layer: [batch, kv_heads, past, head_dim]: numpy arrays, or
