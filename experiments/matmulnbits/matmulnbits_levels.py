@@ -1,6 +1,6 @@
 """One MatMulNBits node (K 576, N 1536: a SmolLM2 MLP shape), block 32, symmetric, at M=1 (a decode step):
 speed of 8- and 4-bit weights at accuracy levels 0/1 (fp32 compute) and 4 (int8 activations) vs a plain fp32
-MatMul, 5 interleaved rounds of 0.3 s. Run: python benchmarks/matmulnbits_levels.py"""
+MatMul, 5 interleaved rounds of 0.3 s. Run: python experiments/matmulnbits/matmulnbits_levels.py"""
 import time, numpy as np, onnx, onnxruntime as ort
 from onnx import helper, TensorProto
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer, DefaultWeightOnlyQuantConfig

@@ -8,7 +8,7 @@ reference. Why it matters: the generation engine batches the decode steps of con
 so M is the number of running sequences, and a greedy answer must not depend on it
 (docs/batch-invariance.md#generation).
 
-    python benchmarks/lone_row_kernel.py --threads 2 --out benchmarks/results/lone-row-kernel.txt
+    python experiments/matmulnbits/lone_row_kernel.py --threads 2 --out benchmarks/results/lone-row-kernel.txt
 """
 
 from __future__ import annotations
