@@ -1,7 +1,7 @@
 """What a lone request costs on this machine before any server code runs: the floor under
 ``kiln serve``'s concurrency-1 latency, measured rather than assumed.
 
-    python benchmarks/latency_floor.py --artifact artifacts/all-MiniLM-L6-v2 --rounds 5
+    python benchmarks/serving/latency_floor.py --artifact artifacts/all-MiniLM-L6-v2 --rounds 5
 
 A request at concurrency 1 crosses four wake-ups that the in-process baseline never pays:
 client → server and back (two processes, any HTTP server has them) and event loop → engine

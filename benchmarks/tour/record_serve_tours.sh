@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-record the README's `kiln loadtest` and `kiln tune` tours against the current code:
 # a fresh `kiln serve` of the converted all-MiniLM-L6-v2 on port 8000, real text packaged with modelkiln.
-#   bash benchmarks/record_serve_tours.sh [artifacts/all-MiniLM-L6-v2]
+#   bash benchmarks/tour/record_serve_tours.sh [artifacts/all-MiniLM-L6-v2]
 set -euo pipefail
 art=${1:-artifacts/all-MiniLM-L6-v2}
 out=benchmarks/results/tour

@@ -2,7 +2,7 @@
 the same request bodies, interleaved, and print throughput and latency side by side.
 
     kiln serve ARTIFACT --port 8000 &
-    python benchmarks/loadtest_compare.py http://127.0.0.1:8000 --model NAME --concurrency 1,4,16 \\
+    python benchmarks/serving/loadtest_compare.py http://127.0.0.1:8000 --model NAME --concurrency 1,4,16 \\
         --inputs sts --seconds 10 --rounds 3
 
 - kiln vs wrk: every request body (wrk cycles them with a Lua script, as kiln does);

@@ -1,7 +1,7 @@
 """Load-test ``kiln serve`` with wrk, driving STS-B sentences (packaged with modelkiln), and compare with the
 in-process batch-1 latency of the same artifact.
 
-    python benchmarks/serve_bench.py --artifact artifacts/all-MiniLM-L6-v2 --duration 20 --rounds 3
+    python benchmarks/serving/serve_bench.py --artifact artifacts/all-MiniLM-L6-v2 --duration 20 --rounds 3
 
 Each round measures the in-process baseline (the whole pipeline, tokenizer to pooled answer, at
 batch 1 with every core: what ``kiln bench`` times), then starts a fresh server and runs wrk at

@@ -7,7 +7,7 @@ CPU its process tree used since the previous line (read from /proc). On a machin
 other work, wall time grows with the load while CPU time mostly does not, so both are recorded,
 with the load average before and after each command.
 
-    python benchmarks/demo_time.py --out /tmp/demo-artifacts --venv /work/main/.venv \\
+    python benchmarks/tour/demo_time.py --out /tmp/demo-artifacts --venv /work/main/.venv \\
         --log benchmarks/results/demo-time.txt
 """
 
@@ -30,7 +30,7 @@ def demo_commands(venv: str, out: Path) -> list[str]:
     """The commands of `make demo` after its install step, with the artifacts under ``out``."""
     make = ["make", "-s", "-n", "demo", f"VENV={venv}", "-o", f"{venv}/.installed",
             f"ARTIFACT={out}/all-MiniLM-L6-v2", f"LLM_ARTIFACT={out}/smollm2"]
-    listed = subprocess.run(make, check=True, capture_output=True, text=True, cwd=Path(__file__).parents[1]).stdout
+    listed = subprocess.run(make, check=True, capture_output=True, text=True, cwd=Path(__file__).parents[2]).stdout
     return [line for line in listed.splitlines() if line.strip()]
 
 
@@ -95,7 +95,7 @@ def main() -> None:
         print(f"[demo-time] {text}", flush=True)
         lines.append(text)
 
-    log(f"# python benchmarks/demo_time.py --out {args.out} --venv {args.venv}  {args.label}".rstrip())
+    log(f"# python benchmarks/tour/demo_time.py --out {args.out} --venv {args.venv}  {args.label}".rstrip())
     log(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {os.cpu_count()} CPUs, load {load()}")
     total_wall = total_cpu = 0.0
     commands = demo_commands(args.venv, args.out)

@@ -1,9 +1,9 @@
 """kiln serve against another embedding server on this machine: the same int8 ONNX file, the same
 OpenAI embeddings requests, wrk.
 
-    python benchmarks/compare_servers.py --artifact artifacts/all-MiniLM-L6-v2 --against infinity \\
+    python benchmarks/serving/compare_servers.py --artifact artifacts/all-MiniLM-L6-v2 --against infinity \\
         --infinity /tmp/infvenv/bin/infinity_emb --model-folder /tmp/minilm --rounds 3
-    python benchmarks/compare_servers.py --artifact artifacts/all-MiniLM-L6-v2 --against fastapi --rounds 3
+    python benchmarks/serving/compare_servers.py --artifact artifacts/all-MiniLM-L6-v2 --against fastapi --rounds 3
 
 ``--against fastapi``: the FastAPI wrapper in ``fastapi_wrapper.py`` (one model call per request,
 no batching), started with uvicorn from this environment.

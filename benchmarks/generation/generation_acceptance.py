@@ -1,7 +1,7 @@
 """The acceptance ratios of text generation, measured in interleaved rounds (the machine is shared:
 a burst of load from elsewhere hits every backend of a round alike, so compare within rounds).
 
-    python benchmarks/generation_acceptance.py ARTIFACT [--variant int4 --variant int8 ...]
+    python benchmarks/generation/generation_acceptance.py ARTIFACT [--variant int4 --variant int8 ...]
         [--onnx NAME=PATH ...] [--rounds 5] [--threads 2] [--no-prefill]
 
 Per round and backend: decode tokens/s at batch 1 with a past of 128 (16 steps) and the latency of

@@ -2,9 +2,9 @@
 SIGTERM, soak and security probes, each reported with a count, an outcome and its goal, in
 ``benchmarks/results/reliability.{json,txt}``. Exits 1 when a probe misses its goal.
 
-    python benchmarks/reliability.py                        # full: 100,000 answers, 30-minute soak
-    python benchmarks/reliability.py --short                # CI's form: a few thousand requests, < 3 min
-    python benchmarks/reliability.py ARTIFACT --variant fp32 --soak-minutes 5 --probes misrouting,soak
+    python benchmarks/reliability/reliability.py                        # full: 100,000 answers, 30-minute soak
+    python benchmarks/reliability/reliability.py --short                # CI's form: a few thousand requests, < 3 min
+    python benchmarks/reliability/reliability.py ARTIFACT --variant fp32 --soak-minutes 5 --probes misrouting,soak
 
 The artifact (default ``artifacts/all-MiniLM-L6-v2``, from ``make demo``) must be a sentence-
 embeddings model: a vector per text is what makes a swapped answer visible. Texts are real
@@ -12,7 +12,7 @@ embeddings model: a vector per text is what makes a swapped answer visible. Text
 against the answer its text gets alone, on the idle server, before any load. The server runs with
 an API key (every probe sends it), its default bind address, ``--max-queue-size 128`` (so that 10x
 the concurrency the queue holds is a few hundred connections) and otherwise its defaults. The
-probes are in ``benchmarks/faultsuite/``; docs/reliability.md explains each and shows a run."""
+probes are in ``benchmarks/reliability/faultsuite/``; docs/reliability.md explains each and shows a run."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # faultsuite/
 
 from faultsuite import hostile, load  # noqa: E402
 from faultsuite.harness import KilnServer, ProbeResult, References, load_texts, once, request_bytes  # noqa: E402
@@ -110,7 +110,7 @@ def write(args: argparse.Namespace, results: list[ProbeResult], started: float, 
     """Write the results so far (after every probe: a long run stopped early keeps what it measured)."""
     seconds = time.monotonic() - started
     load_now = os.getloadavg()
-    command = "python benchmarks/reliability.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/reliability/reliability.py " + " ".join(sys.argv[1:])
     context = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "artifact": str(args.artifact), "variant": args.variant or "kiln serve's default",
                "seconds": round(seconds, 1), "cpus": os.cpu_count(), "python": platform.python_version(),

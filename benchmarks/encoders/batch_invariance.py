@@ -7,7 +7,7 @@ For each candidate variant (built here from the artifact's fp32 ``model.onnx``, 
 - latency, median ms, batch 1/8/32 × seq 16/128 of real SQuAD tokens (as ``kiln bench``), all
   candidates timed in interleaved rounds so load from elsewhere hits them alike.
 
-    PYTHONPATH=src python benchmarks/batch_invariance.py --artifact /work/main/artifacts/all-MiniLM-L6-v2
+    PYTHONPATH=src python benchmarks/encoders/batch_invariance.py --artifact /work/main/artifacts/all-MiniLM-L6-v2
 
 Writes benchmarks/results/batch-invariance.{txt,json}."""
 
@@ -31,7 +31,7 @@ from modelkiln.runtime.onnx import OnnxEngine
 from modelkiln.runtime.pipeline import Pipeline, load_encoder
 from modelkiln.tasks import make_task
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 CELLS = [(1, 16), (1, 128), (8, 16), (8, 128), (32, 16), (32, 128)]
 
 

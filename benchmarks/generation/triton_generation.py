@@ -2,7 +2,7 @@
 time to first token, inter-token latency and output tokens/s with 1, 2 and 4 concurrent streaming
 clients (`/generate_stream`, `stream: true`, greedy, `ignore_eos` so every answer has the same length).
 
-    python benchmarks/triton_generation.py /work/main/artifacts/smollm2 --tokens 32 --rounds 2 \\
+    python benchmarks/generation/triton_generation.py /work/main/artifacts/smollm2 --tokens 32 --rounds 2 \\
         --out benchmarks/results/triton-generation
 
 Aggregate tokens/s rising with clients shows requests batched across one another (one decode step

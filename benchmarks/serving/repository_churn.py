@@ -1,7 +1,7 @@
 """What loading and unloading models costs the requests to another model, and whether an unload
 gives the memory back (serve/repository.py).
 
-    python benchmarks/repository_churn.py REPOSITORY STEADY CHURNED [--rounds 3] [--seconds 3]
+    python benchmarks/serving/repository_churn.py REPOSITORY STEADY CHURNED [--rounds 3] [--seconds 3]
 
 Starts ``kiln serve --model-repository REPOSITORY --model-control-mode explicit``, loads STEADY,
 then alternates (interleaved, so a noisy shared machine hurts both alike) a quiet window and a

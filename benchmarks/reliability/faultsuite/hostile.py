@@ -23,7 +23,7 @@ from .harness import (AUTH, ERROR_BODIES, LEAK_PATTERNS, PICKLE_MARK, Conn, Kiln
                       once, request_bytes, wait_idle)
 from .load import Tally, Workload, good_outcome, good_passed, run_clients
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # A stalled client must be answered (408) or dropped within this long: the server's default
 # --body-read-timeout is 10 s.
 STALL_LIMIT_S = 30.0

@@ -1,7 +1,7 @@
 """HTTP against gRPC on one `kiln serve`, and gRPC against Triton's gRPC on the repository that
 `kiln triton` writes for the same artifact: the same STS-B sentences, `kiln loadtest`.
 
-    python benchmarks/grpc_vs_http.py --artifact artifacts/all-MiniLM-L6-v2 --rounds 3 [--triton]
+    python benchmarks/serving/grpc_vs_http.py --artifact artifacts/all-MiniLM-L6-v2 --rounds 3 [--triton]
 
 One kiln server with both transports (HTTP and `--grpc-port`); with --triton also tritonserver
 (python backend, the CPU build in nvidia-pytriton) with matched settings: the same variant, 2
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=float, default=2.0)
     ap.add_argument("--triton", action="store_true", help="also Triton's gRPC and HTTP on the kiln triton repository")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "grpc-vs-http")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "results" / "grpc-vs-http")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
@@ -151,7 +151,7 @@ def main() -> None:
                                                          "settings": SETTINGS, "loadavg_before": load_before,
                                                          "loadavg_after": load}, indent=1))
     args.out.with_suffix(".txt").write_text(
-        f"python benchmarks/grpc_vs_http.py --artifact {args.artifact} --rounds {args.rounds}"
+        f"python benchmarks/serving/grpc_vs_http.py --artifact {args.artifact} --rounds {args.rounds}"
         f"{' --concurrency ' + args.concurrency if args.concurrency != '1,16' else ''}{' --triton' if args.triton else ''}\n"
         f"variant {variant}, {SETTINGS}; load average before: {' '.join(load_before)}, after: {' '.join(load)}\n"
         "CPU per request: utime+stime over the whole step (warm-up included) / requests sent; the load generator is\n"

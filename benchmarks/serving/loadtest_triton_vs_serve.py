@@ -2,7 +2,7 @@
 backend, the CPU build of tritonserver bundled in nvidia-pytriton) on the same artifact, measured
 with ``kiln loadtest`` (same inputs, same protocol: OIP JSON on /v2/models/{m}/infer), one plot.
 
-    python benchmarks/loadtest_triton_vs_serve.py ARTIFACT --out benchmarks/loadtest_results \\
+    python benchmarks/serving/loadtest_triton_vs_serve.py ARTIFACT --out benchmarks/loadtest_results \\
         --concurrency 1:32:x2 --inputs sts --variant int8 --threads 1 --instances 2
 
 Writes serve.json, triton.json (kiln loadtest --json format), comparison.png and prints both

@@ -1,6 +1,6 @@
 """kiln serve vs kiln ray with 1 and 2 replicas, on one machine, measured with kiln loadtest.
 
-    python benchmarks/ray_vs_serve.py /work/main/artifacts/all-MiniLM-L6-v2 --rounds 3 \\
+    python benchmarks/serving/ray_vs_serve.py /work/main/artifacts/all-MiniLM-L6-v2 --rounds 3 \\
         --out benchmarks/results/ray-vs-serve
 
 Three servers over the same artifact and variant, each given the machine's cores:

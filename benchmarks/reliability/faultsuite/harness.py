@@ -21,7 +21,7 @@ import orjson
 from modelkiln.net import child_environment, free_port, wait_until_ready
 from modelkiln.tune.sweep import process_memory_mb
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 API_KEY = "faultsuite-key"
 AUTH = f"Bearer {API_KEY}"
 

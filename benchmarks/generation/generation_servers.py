@@ -7,9 +7,9 @@ Servers (started one at a time, never two at once, each stopped before the next)
   the two Triton rows);
 - llama-server: llama.cpp's own server built with cmake, the same model as GGUF, -t 2 -tb 2,
   -np 16 slots, continuous batching on;
-- transformers wrapper: benchmarks/transformers_wrapper.py (FastAPI + TextIteratorStreamer);
+- transformers wrapper: benchmarks/generation/transformers_wrapper.py (FastAPI + TextIteratorStreamer);
 - MLServer's Hugging Face runtime (text-generation), when its venv is given (--mlserver-venv);
-- Triton python backend + Hugging Face pipeline (benchmarks/triton_hf_pipeline/, Triton's tutorial);
+- Triton python backend + Hugging Face pipeline (benchmarks/generation/triton_hf_pipeline/, Triton's tutorial);
 - kiln triton: the repository `kiln triton` writes for the artifact (kiln's generation engine in a
   decoupled python-backend model), on the same tritonserver.
 
@@ -18,8 +18,8 @@ Load: STS-B sentences as short chats (`--inputs sts`), --max-tokens 32 --ignore-
 interleaved, the order of servers reversed every other round (timings drift on this VM), and the
 load average is recorded before each run. Each run's `kiln loadtest --json` is kept.
 
-    python benchmarks/generation_servers.py --rounds 2 --out benchmarks/results/generation-servers
-    python benchmarks/generation_servers.py --memory-run 600 --out benchmarks/results/generation-servers
+    python benchmarks/generation/generation_servers.py --rounds 2 --out benchmarks/results/generation-servers
+    python benchmarks/generation/generation_servers.py --memory-run 600 --out benchmarks/results/generation-servers
 
 The second form is the memory check: kiln serve under 16 streams for 600 s, its RSS sampled every 10 s."""
 

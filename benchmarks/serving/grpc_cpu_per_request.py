@@ -2,9 +2,9 @@
 (tritonclient.grpc), on one `kiln serve`: sequential requests (one client), STS-B sentences,
 interleaved rounds. The server process's CPU time (utime + stime from /proc) is far less disturbed
 by other load on a shared machine than wall-clock latency, and it leaves the load generator's own
-cost out, which benchmarks/grpc_vs_http.py cannot (its client shares the two cores).
+cost out, which benchmarks/serving/grpc_vs_http.py cannot (its client shares the two cores).
 
-    python benchmarks/grpc_cpu_per_request.py --artifact artifacts/all-MiniLM-L6-v2 --requests 300 --rounds 3
+    python benchmarks/serving/grpc_cpu_per_request.py --artifact artifacts/all-MiniLM-L6-v2 --requests 300 --rounds 3
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Records every output the README's tour shows, from the commands it shows, into benchmarks/results/tour/.
 # Run from the repository root after `make install`, on a quiet machine:
-#   bash benchmarks/record_tour.sh                 every section (about 15 minutes on 2 cores)
-#   bash benchmarks/record_tour.sh serve triton    some sections: version errors convert bench eval serve triton loadtest
+#   bash benchmarks/tour/record_tour.sh                 every section (about 15 minutes on 2 cores)
+#   bash benchmarks/tour/record_tour.sh serve triton    some sections: version errors convert bench eval serve triton loadtest
 # Commands run with the repository as working directory and relative paths, so no developer path leaks into
 # the captures; `$MODEL` stays unexpanded in the printed command lines.
 set -uo pipefail
@@ -114,7 +114,7 @@ triton() {
   rm -rf triton-repo
 }
 
-loadtest() { bash benchmarks/record_serve_tours.sh "$art"; }
+loadtest() { bash benchmarks/tour/record_serve_tours.sh "$art"; }
 
 for s in "${sections[@]}"; do
   fn=$s; [ "$s" = eval ] && fn=eval_

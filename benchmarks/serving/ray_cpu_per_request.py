@@ -1,6 +1,6 @@
 """CPU time the server side spends per request: kiln serve vs kiln ray (1 and 2 replicas).
 
-    python benchmarks/ray_cpu_per_request.py /work/main/artifacts/all-MiniLM-L6-v2 --requests 1500 \\
+    python benchmarks/serving/ray_cpu_per_request.py /work/main/artifacts/all-MiniLM-L6-v2 --requests 1500 \\
         --out benchmarks/results/ray-cpu-per-request.md
 
 Throughput on a shared 2-core machine mostly measures who wins the CPU; the CPU a server burns per

@@ -8,8 +8,8 @@ its own random weights, in one graph run by one session) for the kernels `kiln c
 8 bits (accuracy level 4: int8 compute on AVX2), at M = 1 (one stream: bound by reading weights)
 and M = 16 / 64 / 256 (many streams: bound by arithmetic), 2 threads, best of 15 calls.
 
-    python benchmarks/generation_roofline.py --rows 1,16,64,256,512 --out benchmarks/results/generation-roofline.txt
-    python benchmarks/generation_roofline.py --prefill --rows 128,512 --out benchmarks/results/generation-roofline-prefill.txt
+    python benchmarks/generation/generation_roofline.py --rows 1,16,64,256,512 --out benchmarks/results/generation-roofline.txt
+    python benchmarks/generation/generation_roofline.py --prefill --rows 128,512 --out benchmarks/results/generation-roofline-prefill.txt
 """
 
 from __future__ import annotations

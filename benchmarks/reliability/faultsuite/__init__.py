@@ -1,4 +1,4 @@
-"""The fault suite behind ``benchmarks/reliability.py``: a real ``kiln serve`` subprocess and the
+"""The fault suite behind ``benchmarks/reliability/reliability.py``: a real ``kiln serve`` subprocess and the
 probes that attack it (misrouting, bad input, overload, disconnects, SIGTERM, soak, security).
 
 It lives beside the other benchmarks, not in ``src/modelkiln``: it is a measuring tool, not part of
