@@ -7,7 +7,7 @@ input; the wrapper below turns it into flat tensors in (``past_key_values.{i}.ke
 One graph serves prefill and decode (past length 0 for a prefill): the engine's chunked prefill
 needs a past in the prefill graph anyway, a second graph would double the weights on disk unless it
 shared them, and a decode graph with its sequence axis fixed to 1 decoded no faster (×0.99 in
-interleaved rounds, benchmarks/decode_graph.py, docs/convert-generation.md)."""
+interleaved rounds, docs/convert-generation.md)."""
 
 from __future__ import annotations
 

@@ -280,7 +280,7 @@ def _build_int8(b: _Builder, fp32_path: Path, fused_path: Path) -> None:
     and V projections are quantized too (the faster one); if that fails validation, from the fused
     graph, whose Attention keeps its QKV weights in float (closer to PyTorch). ONNX Runtime's dynamic
     int8 is not built: its one activation scale per batch tensor makes answers depend on batch
-    neighbours (benchmarks/batch_invariance.py)."""
+    neighbours (benchmarks/encoders/batch_invariance.py)."""
     path = b.folder / "model.int8.onnx"
     tried = []
     for base in dict.fromkeys([fp32_path, fused_path]):  # the fused graph may be the fp32 one

@@ -126,7 +126,7 @@ def _load_untied(src: Path) -> Any:
 def quantize_int8(src: Path, dst: Path, per_channel: bool) -> None:
     """ONNX Runtime's dynamic int8 of MatMul/Attention weights (activations quantized at run time
     with ONE scale for the whole batch tensor, padding included: batch-variant, so the validation
-    gate refuses it; kept for comparison, see benchmarks/batch_invariance.py)."""
+    gate refuses it; kept for comparison, see benchmarks/encoders/batch_invariance.py)."""
     from onnx import TensorProto
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
