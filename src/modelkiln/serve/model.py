@@ -27,7 +27,8 @@ from .json_api import PredictRequest, PredictResponse
 from .metrics import Metrics
 from .settings import ModelSpec, ServeSettings
 from .tokenized import TokenLimits, TokenRow, is_tokenized, raw_tensors, token_rows
-from .types import MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, OutputTensor, TensorSpec
+from .types import (MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, OutputTensor, TensorSpec,
+                    request_timeout)
 
 log = logging.getLogger("modelkiln.serve")
 
@@ -255,12 +256,8 @@ class EncoderModel(BatchHooks):
                 raise InvalidInputError(f"input {i} is longer than {limit} characters")
 
     def timeout(self, parameters: Mapping[str, Any] | None = None) -> float:
-        """The server's request timeout, or less when the request asks (Triton's "timeout", µs)."""
-        timeout = self.settings.request_timeout_s
-        asked = (parameters or {}).get("timeout")
-        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
-            timeout = min(timeout, asked / 1e6)
-        return timeout
+        """The server's request timeout, or less when the request asks."""
+        return request_timeout(self.settings.request_timeout_s, parameters)
 
     def _output_names(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
         if is_tokenized(inputs) and self.task.answers_need_text:

@@ -30,7 +30,7 @@ from ..json_api import PredictRequest, PredictResponse
 from ..metrics import Metrics
 from ..model import Stats
 from ..settings import ModelSpec, ServeSettings
-from ..types import MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, TensorSpec
+from ..types import MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, TensorSpec, request_timeout
 from . import oip
 from .params import sampling_params
 from .scheduler import Job, Scheduler, SchedulerHooks
@@ -160,12 +160,8 @@ class GenerationModel:
         return sampling_params(fields, self.defaults, prompt_tokens, self.max_context)
 
     def timeout(self, parameters: Mapping[str, Any] | None = None) -> float:
-        """The server's generation timeout, or less when the request asks (Triton's "timeout", µs)."""
-        timeout = self.settings.generation_timeout_s
-        asked = (parameters or {}).get("timeout")
-        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
-            timeout = min(timeout, asked / 1e6)
-        return timeout
+        """The server's generation timeout, or less when the request asks."""
+        return request_timeout(self.settings.generation_timeout_s, parameters)
 
     # -- generating ------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> Stream:
