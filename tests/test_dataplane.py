@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 from modelkiln.serve.dataplane import DataPlane
 from modelkiln.serve.types import InferenceService
@@ -87,3 +88,28 @@ def test_the_data_plane_answers_the_error_table_with_typed_errors(zoo):
         asyncio.run(run_all())
     finally:
         plane.stop()
+
+
+def test_both_model_kinds_implement_the_served_model_protocol():
+    """The data plane treats every model alike through ``ServedModel``: each kind must have every
+    member, and each method must be async exactly where the protocol's is."""
+    from modelkiln.serve.generation.model import GenerationModel
+    from modelkiln.serve.model import EncoderModel
+    from modelkiln.serve.served import ServedModel
+
+    methods = {n: v for n, v in vars(ServedModel).items() if inspect.isfunction(v) and not n.startswith("_")}
+    properties = [n for n, v in vars(ServedModel).items() if isinstance(v, property)]
+    attributes = list(ServedModel.__annotations__)
+    assert {"infer", "stream_infer", "predict", "metadata", "load", "release"} <= set(methods)
+    assert {"full", "queued"} <= set(properties) and {"name", "stats", "in_flight"} <= set(attributes)
+    for kind in (EncoderModel, GenerationModel):
+        for name, contract in methods.items():
+            ours = getattr(kind, name)
+            assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(contract), (kind, name)
+            assert inspect.isasyncgenfunction(ours) == (name == "stream_infer"), (kind, name)
+            assert list(inspect.signature(ours).parameters) == list(inspect.signature(contract).parameters), (kind, name)
+        assert all(isinstance(getattr(kind, n), property) for n in properties), kind
+        # instance attributes are set in __init__: read its source rather than load a model
+        init = inspect.getsource(kind.__init__)
+        missing = [n for n in attributes if not hasattr(kind, n) and not re.search(rf"self\.{n}\b[^=\n]*=", init)]
+        assert not missing, (kind, missing)

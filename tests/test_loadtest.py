@@ -106,7 +106,8 @@ def test_a_kept_alive_connection_the_server_closed_is_sent_again():
     request again on a new connection, counted once (the generation client does the same)."""
     import asyncio
 
-    from modelkiln.loadtest.generators import ClosedLoop, StepState, send_one
+    from modelkiln.loadtest.generators import ClosedLoop, send_one
+    from modelkiln.loadtest.records import StepState
 
     body = b'{"ok": true}'
     answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)

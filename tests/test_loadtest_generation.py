@@ -24,7 +24,7 @@ from modelkiln.loadtest.api import LoadtestOptions, prepare, run_loadtest
 from modelkiln.loadtest.client import render_request, run_async
 from modelkiln.loadtest.report import SUMMARY_KEYS, read_json
 from modelkiln.loadtest.runner import Load
-from modelkiln.loadtest.streaming import StreamRecord
+from modelkiln.loadtest.records import StreamRecord
 
 SHORT = dict(warmup_s=0.2, window_s=0.5, stable_windows=2, max_windows=2)
 GENERATION = ("openai-chat", "openai-completions", "generate")
@@ -233,7 +233,7 @@ def test_a_kept_alive_connection_the_server_closed_is_not_a_server_error():
     clients do). Found as 55 "connection errors" against llama-server that disappeared with this."""
     import asyncio
 
-    from modelkiln.loadtest.generators import StepState
+    from modelkiln.loadtest.records import StepState
     from modelkiln.loadtest.streaming import send_stream
 
     events = (b'data: {"choices":[{"index":0,"delta":{"content":" hi"},"finish_reason":"stop"}]}\n\n'

@@ -1,4 +1,4 @@
-"""The fault suite's short form (``benchmarks/reliability.py --short``) against a tiny embedding
+"""The fault suite's short form (``benchmarks/reliability/reliability.py --short``) against a tiny embedding
 model, run as a user runs it (a subprocess starting real ``kiln serve`` processes), and its
 correctness goals asserted from the JSON it writes (the latency goals are reported, not asserted).
 About 2.5 minutes on 2 cores (more on a loaded machine): marked slow, and run by CI on its own
@@ -41,7 +41,7 @@ def run(zoo, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path_factory.mktemp("reliability")
     artifact = zoo.artifact("bert", "sentence-embeddings")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "reliability.py"), str(artifact), "--short",
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "reliability" / "reliability.py"), str(artifact), "--short",
                            "--variant", "fp32", "--out", str(out)], capture_output=True, text=True, env=env,
                           timeout=400)
     return done, json.loads((out / "reliability.json").read_text())

@@ -189,3 +189,30 @@ def test_stack_and_split_round_trip():
     parts = split({"h": hidden}, sizes, per_token=True)
     assert parts[0]["h"].shape == (2, 3, 2) and parts[1]["h"].shape == (1, 5, 2)
     assert split({"logits": np.zeros((3, 4))}, sizes, per_token=False)[1]["logits"].shape == (1, 4)
+
+
+# Each generated python model imports modelkiln from the snapshot next to it; a module missing from
+# the snapshot would fail only inside tritonserver. Run each model file's imports with a stand-in
+# for Triton's ``triton_python_backend_utils`` and check that every modelkiln module came from the snapshot.
+_IMPORT_CHECK = """
+import runpy, sys, types
+sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
+folder = sys.argv[1]
+runpy.run_path(folder + "/model.py")
+outside = sorted(n for n, m in sys.modules.items()
+                 if n.split(".")[0] == "modelkiln" and not (getattr(m, "__file__", None) or folder).startswith(folder))
+assert not outside, outside
+"""
+
+
+@pytest.mark.parametrize("template, files", [
+    ("tokenize_model.py", "ENCODER_FILES"), ("postprocess_model.py", "ENCODER_FILES"),
+    ("onnx_model.py", "ENCODER_FILES"), ("generate_model.py", "GENERATION_FILES"),
+])
+def test_each_python_model_imports_from_its_snapshot_alone(tmp_path, template, files):
+    from modelkiln.triton import snapshot
+
+    (tmp_path / "model.py").write_bytes((snapshot.MODELS_DIR / template).read_bytes())
+    snapshot.copy_snapshot(tmp_path / "modelkiln", getattr(snapshot, files))
+    r = subprocess.run([sys.executable, "-c", _IMPORT_CHECK, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

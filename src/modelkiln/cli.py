@@ -226,7 +226,7 @@ def evaluate(
 from .serve.command import ServeCommand, serve as _serve; app.command("serve", cls=ServeCommand)(_serve)  # noqa: E402,E702
 
 
-from .triton.command import triton as _triton; app.command("triton")(_triton)  # noqa: E402,E702
+from .triton.command import TritonCommand, triton as _triton; app.command("triton", cls=TritonCommand)(_triton)  # noqa: E402,E702
 
 
 from .ray.command import ray_app as _ray; app.add_typer(_ray, name="ray")  # noqa: E402,E702

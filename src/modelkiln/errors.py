@@ -1,7 +1,6 @@
 """Typed errors. Each one carries an ``ErrorKind``; every transport maps kinds to its own
 status codes in exactly one place (HTTP in ``serve/errors.py``, gRPC in ``serve/grpc``), and the
-CLI prints ``str(err)``. ``status_code`` is the HTTP status, derived from the kind (the table is
-``serve/errors.py``'s), kept for callers outside the server."""
+CLI prints ``str(err)``."""
 
 from __future__ import annotations
 
@@ -26,12 +25,6 @@ class KilnError(Exception):
     """Base class: an expected failure with a one-line, user-facing message."""
 
     kind: ErrorKind = ErrorKind.INTERNAL
-
-    @property
-    def status_code(self) -> int:
-        from .serve.errors import HTTP_STATUS  # the one kind → HTTP table (numpy-free, cheap)
-
-        return HTTP_STATUS[self.kind]
 
 
 # --- conversion -------------------------------------------------------------------------------
@@ -65,7 +58,6 @@ class ModelTooLargeError(ConversionError):
     """The model needs more memory to export than the options allow (``--max-model-gb``)."""
 
     kind = ErrorKind.INVALID_INPUT
-    status_code = 400
 
 
 class OutputNotWritableError(ConversionError):

@@ -3,6 +3,7 @@ benchmarks and the tests."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -18,6 +19,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# KILN_* variables that only say where files are: a child process may keep them.
+PATH_SETTINGS = ("KILN_CACHE_DIR", "KILN_DATA_DIR")
+
+
+def child_environment(**overrides: str) -> dict[str, str]:
+    """The environment for a server this process starts (kiln serve, kiln ray): the caller's,
+    less its ``KILN_*`` settings, which would silently change what the child serves or what is
+    measured (a stray ``KILN_VARIANT`` in the shell), but keeping ``PATH_SETTINGS``; then
+    ``overrides``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k in PATH_SETTINGS}
+    return {**env, **overrides}
 
 
 def wait_until_ready(proc: subprocess.Popen, url: str, timeout: float, what: str, output: Callable[[], str],

@@ -6,11 +6,12 @@ from pathlib import Path
 
 from ..manifest import Manifest, is_artifact
 from ..option_lists import number_list, split_list
+from ..tasks.text_generation import is_generation
 
 
 def generation_artifact(target: str | Path) -> bool:
     """Whether ``target`` is an artifact with a generation section (a causal language model)."""
-    return is_artifact(target) and getattr(Manifest.load(target), "generation", None) is not None
+    return is_artifact(target) and is_generation(Manifest.load(target))
 
 
 def bench_generation(target: str, batch: str, seq: str, past: int, threads, variants, reference: bool,

@@ -7,7 +7,7 @@ input; the wrapper below turns it into flat tensors in (``past_key_values.{i}.ke
 One graph serves prefill and decode (past length 0 for a prefill): the engine's chunked prefill
 needs a past in the prefill graph anyway, a second graph would double the weights on disk unless it
 shared them, and a decode graph with its sequence axis fixed to 1 decoded no faster (×0.99 in
-interleaved rounds, benchmarks/decode_graph.py, docs/convert-generation.md)."""
+interleaved rounds, docs/convert-generation.md)."""
 
 from __future__ import annotations
 
@@ -91,23 +91,20 @@ def cache_wrapper(model: Any, shape: DecoderShape) -> Any:
     return FlatCacheDecoder().eval()
 
 
-def export_decoder(model: Any, path: Path, decode_only: bool = False) -> DecoderShape:
-    """Write ``path`` (weights in ``path.data`` beside it). Dynamic batch, sequence and past axes;
-    ``decode_only``: the sequence axis fixed to 1, a graph for decode steps only (measured against
-    the one graph in benchmarks/decode_graph.py)."""
+def export_decoder(model: Any, path: Path) -> DecoderShape:
+    """Write ``path`` (weights in ``path.data`` beside it). Dynamic batch, sequence and past axes."""
     import torch
     from torch.export import Dim
 
     shape = DecoderShape.of(model.config)
-    batch, seq, past = 2, (1 if decode_only else 3), 4  # distinct sizes, none 0 or 1, so no axis gets specialised
+    batch, seq, past = 2, 3, 4  # distinct sizes, none 0 or 1, so no axis gets specialised
     args = (torch.randint(0, shape.vocab, (batch, seq)), torch.ones(batch, past + seq, dtype=torch.long),
             torch.arange(past, past + seq).expand(batch, seq),
             *[torch.randn(batch, shape.kv_heads, past, shape.head_dim) for _ in shape.past_names])
     d_batch, d_seq = Dim("batch", max=_MAX_BATCH), Dim("seq", max=_MAX_SEQ)
     d_past, d_total = Dim("past", max=_MAX_SEQ), Dim("total", max=2 * _MAX_SEQ)
-    seq_axis = {} if decode_only else {1: d_seq}
-    dynamic = {"input_ids": {0: d_batch, **seq_axis}, "attention_mask": {0: d_batch, 1: d_total},
-               "position_ids": {0: d_batch, **seq_axis}, "past": tuple({0: d_batch, 2: d_past} for _ in shape.past_names)}
+    dynamic = {"input_ids": {0: d_batch, 1: d_seq}, "attention_mask": {0: d_batch, 1: d_total},
+               "position_ids": {0: d_batch, 1: d_seq}, "past": tuple({0: d_batch, 2: d_past} for _ in shape.past_names)}
     with warnings.catch_warnings(), torch.no_grad(), _sdpa_grouped_query_heads():
         warnings.simplefilter("ignore")  # the exporter warns about every axis it renames
         torch.onnx.export(cache_wrapper(model, shape), args, str(path), input_names=shape.input_names,

@@ -27,6 +27,7 @@ from ..machine import cpu_description
 from ..manifest import Manifest, TokenizerSpec, Variant
 from . import source as src
 from . import variants as build
+from .artifact import default_precisions, remove_onnx, versions
 from .decoder_export import DECODER_OPSET, DecoderShape, export_decoder
 from .gguf_blocks import has_packable_blocks, pack_gguf_blocks
 from .generation_gate import DEFAULT_GATE, GatePrompts, check_batch_invariance, judge, onnx_run, torch_run
@@ -45,10 +46,6 @@ DECODE_STEPS = 32  # steps timed per round and variant
 DEFAULT_PPL_BUDGET = 0.01  # the default variant's perplexity is at most 1% above PyTorch's
 TIMING_ROUNDS = 20  # at most; fewer when the time budget (--timing-seconds) runs out
 EXPORT_MEMORY_FACTOR = 3  # export holds the weights ~3 times: PyTorch's, the traced program's, the ONNX file's
-
-
-def default_precisions(device: str) -> tuple[str, ...]:
-    return ("fp32", "int8", "int4") if device == "cpu" else ("fp32", "int8", "int4", "fp16")
 
 
 # --- source ----------------------------------------------------------------------------------------
@@ -167,7 +164,7 @@ def gate_prompts(artifact: Any, source: src.SourceModel, texts: Sequence[str] | 
 
 def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifest:
     """``cfg`` is convert.pipeline.ConvertConfig; ``source`` is loaded already."""
-    wanted = list(cfg.precisions or default_precisions(cfg.device))
+    wanted = list(cfg.precisions or default_precisions(TASK, cfg.device))
     unknown = [p for p in wanted if p not in PRECISIONS]
     if unknown:
         raise ConversionError(f"unknown precision {unknown} for text generation (choose from {', '.join(PRECISIONS)})")
@@ -194,7 +191,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         variants=[Variant("fp32", "fp32", "cpu", "model.onnx", True)], generation=settings,
         source={"model": cfg.model, "model_type": source.model_type, "architecture": source.architecture,
                 "gguf_file": source.gguf_file, "max_positions": settings["max_context"]},
-        versions=_versions(), opset=settings["graph"]["opset"], machine=cpu_description(),
+        versions=versions(), opset=settings["graph"]["opset"], machine=cpu_description(),
     )
     gate_cfg = dict(DEFAULT_GATE, **(cfg.generation_gate or {}))
     gguf_path = source.folder / source.gguf_file if source.folder and source.gguf_file else None
@@ -278,7 +275,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
                 v.reason = (f"ppl {d['perplexity']:.3f} ({d['perplexity_change'] * 100:+.2f}% vs PyTorch), greedy "
                             f"{d['greedy_tokens_equal']} equal, alone = batched, decode ms/token at past {DECODE_PAST}")
             if v.file and not v.kept:
-                _remove_onnx(folder / v.file)
+                remove_onnx(folder / v.file)
                 v.file = None
         if not any(v.kept for v in variants):
             summary = "; ".join(f"{v.name}: {v.reason}" for v in variants)
@@ -342,14 +339,3 @@ def _graph_io_names(path: Path) -> tuple[list[str], list[str]]:
 
     graph = onnx.load(str(path), load_external_data=False).graph
     return [i.name for i in graph.input], [o.name for o in graph.output]
-
-
-def _remove_onnx(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    (path.parent / (path.name + ".data")).unlink(missing_ok=True)
-
-
-def _versions() -> dict[str, str]:
-    from .pipeline import versions
-
-    return versions()

@@ -7,7 +7,6 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import ContextManager
 
@@ -26,6 +25,7 @@ from ..tasks import Task, TextInput, make_task, task_class
 from . import generation
 from . import source as src
 from . import variants as build
+from .artifact import default_precisions, remove_onnx, versions
 from .export import EXTERNAL_DATA_THRESHOLD, OPSET, TaskModule, export_onnx
 from .validate import (DEFAULT_TOLERANCES, Reference, Tolerance, batch_invariance, failure_reason, run_reference,
                        validate)
@@ -67,23 +67,11 @@ class ConvertConfig:
     max_model_gb: float | None = None  # fp32 weight size limit; default: a third of the machine's memory
 
 
-def default_precisions(device: str) -> tuple[str, ...]:
-    return ("fp32", "optimized", "int8") if device == "cpu" else ("fp32", "optimized", "fp16", "tensorrt")
-
-
 def default_texts(task: str) -> list[TextInput]:
     return list(task_class(task).sample_inputs)
 
 
 # --- the conversion ---------------------------------------------------------------------------
-
-
-def versions() -> dict[str, str]:
-    found = {}
-    for pkg in ("modelkiln", "torch", "transformers", "onnx", "onnxruntime", "tokenizers"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            found[pkg] = metadata.version(pkg)
-    return found
 
 
 def check_tokenizer_parity(source: src.SourceModel, encoder: TextEncoder, texts: Sequence[TextInput], truncation: str) -> None:
@@ -157,7 +145,7 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
     device = cfg.device
     if device == "cuda" and not cuda_available():
         raise ConversionError("--device cuda: onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu)")
-    wanted = list(cfg.precisions or default_precisions(device))
+    wanted = list(cfg.precisions or default_precisions(cfg.task, device))
     unknown = [p for p in wanted if p not in PRECISIONS + generation.PRECISIONS]
     if unknown:
         raise ConversionError(f"unknown precision {unknown} (choose from {', '.join(PRECISIONS)}, or all)")
@@ -224,7 +212,7 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
 
         for v in b.variants:
             if v.file and not v.kept:
-                _remove_onnx(folder / v.file)
+                remove_onnx(folder / v.file)
         if not any(v.kept for v in b.variants):
             summary = "; ".join(f"{v.name}: {v.reason}" for v in b.variants)
             raise ValidationFailedError(f"no variant passed validation ({summary})")
@@ -235,11 +223,6 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
         manifest.save(folder)
         folder.chmod(0o755)  # mkdtemp makes it owner-only; an artifact is meant to be shared
     return manifest
-
-
-def _remove_onnx(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    (path.parent / (path.name + ".data")).unlink(missing_ok=True)
 
 
 def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str) -> None:
@@ -299,7 +282,7 @@ def _build_int8(b: _Builder, fp32_path: Path, fused_path: Path) -> None:
     and V projections are quantized too (the faster one); if that fails validation, from the fused
     graph, whose Attention keeps its QKV weights in float (closer to PyTorch). ONNX Runtime's dynamic
     int8 is not built: its one activation scale per batch tensor makes answers depend on batch
-    neighbours (benchmarks/batch_invariance.py)."""
+    neighbours (benchmarks/encoders/batch_invariance.py)."""
     path = b.folder / "model.int8.onnx"
     tried = []
     for base in dict.fromkeys([fp32_path, fused_path]):  # the fused graph may be the fp32 one

@@ -126,7 +126,7 @@ def _load_untied(src: Path) -> Any:
 def quantize_int8(src: Path, dst: Path, per_channel: bool) -> None:
     """ONNX Runtime's dynamic int8 of MatMul/Attention weights (activations quantized at run time
     with ONE scale for the whole batch tensor, padding included: batch-variant, so the validation
-    gate refuses it; kept for comparison, see benchmarks/batch_invariance.py)."""
+    gate refuses it; kept for comparison, see benchmarks/encoders/batch_invariance.py)."""
     from onnx import TensorProto
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -151,20 +151,6 @@ def quantize_int8_per_row(src: Path, dst: Path) -> int:
     from .row_int8 import quantize_per_row
 
     return quantize_per_row(src, dst)
-
-
-@in_scratch_directory
-def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: int) -> None:
-    """Weight-only MatMulNBits (``bits`` 4 or 8), symmetric; activations stay float, or with
-    ``accuracy_level`` 4 are quantized per row block inside the kernel."""
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    with _root_logger_at(logging.ERROR):
-        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block_size, is_symmetric=True,
-                                         accuracy_level=accuracy_level)
-        quantizer.process()
-    quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
 
 
 @in_scratch_directory

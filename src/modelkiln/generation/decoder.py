@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ArtifactError
-from ..runtime.onnx import _PROVIDERS, session_options
+from ..runtime.onnx import PROVIDERS, session_options
 from .graph_io import INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS, past_key_name, past_value_name, present_key_name, present_value_name
 
 # 2 × layers tensors, key then value per layer: [batch, kv_heads, past, head_dim]: numpy arrays, or
@@ -38,10 +38,10 @@ _NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "te
 
 def open_session(path: Path | str, device: str = "cpu", threads: int | None = None,
                  memory_arena: bool = True) -> ort.InferenceSession:
-    if device not in _PROVIDERS:
-        raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(_PROVIDERS)})")
+    if device not in PROVIDERS:
+        raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(PROVIDERS)})")
     try:
-        return ort.InferenceSession(str(path), session_options(threads, memory_arena), providers=list(_PROVIDERS[device]))
+        return ort.InferenceSession(str(path), session_options(threads, memory_arena), providers=list(PROVIDERS[device]))
     except Exception as exc:  # onnxruntime raises its own untyped errors for bad files
         raise ArtifactError(f"cannot load {path}: {exc}") from exc
 

@@ -9,6 +9,7 @@ from tokenizers import Tokenizer
 
 from ..errors import ArtifactError
 from ..manifest import Manifest, Variant
+from ..tasks.text_generation import is_generation
 from .chat import chat_messages, render_chat
 from .core import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, Engine, EngineCore
 from .engine import open_engine
@@ -106,6 +107,6 @@ class TextGenerationModel:
 
 def _generation_section(manifest: Manifest) -> dict:
     section = getattr(manifest, "generation", None)
-    if section is None:
+    if not is_generation(manifest):
         raise ArtifactError(f"artifact '{manifest.name}' ({manifest.task}) is not a text-generation artifact")
     return section if isinstance(section, dict) else vars(section)

@@ -55,7 +55,7 @@ def run_loadtest(opts: LoadtestOptions, on_step: Callable[[StepResult], None] | 
 
 
 async def prepare(opts: LoadtestOptions) -> tuple[list[PreparedRequest], int]:
-    """The request bodies a run cycles through (also used by benchmarks/loadtest_compare.py to
+    """The request bodies a run cycles through (also used by benchmarks/serving/loadtest_compare.py to
     feed wrk and hey the very same bytes) and the number of texts they came from."""
     host, port, prefix = parse_url(opts.url)
     base = f"http://{host}:{port}{prefix}"

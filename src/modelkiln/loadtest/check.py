@@ -32,7 +32,8 @@ import numpy as np
 
 from ..errors import KilnError
 from .client import Connection, parse_url
-from .streaming import StreamRecord, reference
+from .records import StreamRecord
+from .streaming import reference
 
 COSINE = 0.99999
 SCALAR_RTOL = 1e-4
@@ -247,13 +248,14 @@ async def encoder_references(url: str, raws: Sequence[bytes], protocol: str, tim
     if protocol == "grpc":
         import grpc
 
-        from .grpc_load import METHOD, _channel, _metadata
+        from .grpc_load import call_metadata, open_channel
+        from .protocols import GRPC_METHOD
 
-        async with _channel(grpc_target or "") as channel:
-            call = channel.unary_unary(METHOD)
+        async with open_channel(grpc_target or "") as channel:
+            call = channel.unary_unary(GRPC_METHOD)
             for i, raw in enumerate(raws):
                 try:
-                    answers.append(await call(raw, timeout=timeout, metadata=_metadata(headers) or None))
+                    answers.append(await call(raw, timeout=timeout, metadata=call_metadata(headers) or None))
                 except grpc.aio.AioRpcError as exc:
                     raise KilnError(f"--check: the reference answer of request {i} failed: {exc.code().name} "
                                     f"{exc.details()}") from None

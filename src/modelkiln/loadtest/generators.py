@@ -1,4 +1,4 @@
-"""The two load generators of a step, and the codes they record for requests with no HTTP answer.
+"""The two load generators of a step.
 
 - Closed loop (``concurrency=N``): N clients, each with its own keep-alive connection, send
   back to back. Throughput is what the server sustains at N outstanding requests.
@@ -15,92 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .client import Connection, Outcome, closed_unanswered
-
-if TYPE_CHECKING:
-    from .check import Checker
-    from .streaming import StreamRecord
-
-CONNECT_ERROR = 0  # status code recorded for requests that got no HTTP answer
-TIMEOUT = -1
-MID_STREAM_CODE = -2  # a stream that began (200), then carried an error event or was cut short
-
-
-def error_code(exc: BaseException) -> int:
-    """The code recorded for a request that got no HTTP answer: TIMEOUT if none came in time,
-    CONNECT_ERROR otherwise (refused, reset, closed, malformed)."""
-    return TIMEOUT if isinstance(exc, TimeoutError) else CONNECT_ERROR
-
-
-def status_name(code: int) -> str:
-    return {CONNECT_ERROR: "connection", TIMEOUT: "timeout", MID_STREAM_CODE: "mid-stream"}.get(code, str(code))
-
+from .records import CONNECT_ERROR, StepState, error_code
 
 # sends one request on a connection (None: open one), records it from start (None: from the send)
 # and returns the connection to reuse
 Sender = Callable[["StepState", Any, str, int, float, "float | None"], Awaitable[Any]]
-
-
-class StepState:
-    """What one step sends and records, shared by its generators. Appends only: the event loop is
-    single-threaded. ``problems`` (a ``--check`` verdict, None when fine or unchecked) and
-    ``streams`` (a generation request's StreamRecord) run parallel to ``codes``."""
-
-    def __init__(self, requests: Sequence[bytes], rate: float | None, seed: int,
-                 checker: Checker | None = None, protocol: str = ""):
-        self.requests = requests
-        self.checker = checker
-        self.protocol = protocol
-        self.problems: list[str | None] = []
-        self.streams: list[StreamRecord | None] = []
-        self.index = 0
-        self.stop = False
-        self.ends: list[float] = []
-        self.latencies: list[float] = []
-        self.codes: list[int] = []
-        self.lags: list[float] = []
-        self.sent = 0
-        self.rate = rate
-        self.rng = random.Random(seed)
-        self.next_t = 0.0
-
-    def next_request(self) -> bytes:
-        return self.next_indexed()[1]
-
-    def next_indexed(self) -> tuple[int, bytes]:
-        """The next request and its index (which --check's reference to compare the answer with)."""
-        index = self.index
-        self.index = (index + 1) % len(self.requests)
-        return index, self.requests[index]
-
-    def next_arrival(self) -> float:
-        assert self.rate is not None
-        self.next_t += self.rng.expovariate(self.rate)
-        return self.next_t
-
-    def record(self, start: float, end: float, code: int, problem: str | None = None) -> None:
-        self.ends.append(end)
-        self.latencies.append(end - start)
-        self.codes.append(code)
-        self.problems.append(problem)
-        self.streams.append(None)
-
-    def record_answer(self, start: float, end: float, code: int, index: int, body: bytes) -> None:
-        """A whole (non-streamed) answer, checked against its reference when --check is on."""
-        problem = self.checker.verify(index, body) if self.checker is not None and 200 <= code < 300 else None
-        self.record(start, end, code, problem)
-
-    def record_stream(self, index: int, stream: StreamRecord, code: int) -> None:
-        problem = (self.checker.verify_stream(index, stream)
-                   if self.checker is not None and code in (200, MID_STREAM_CODE) else None)
-        self.record(stream.start, stream.end, code, problem)
-        self.streams[-1] = stream
 
 
 async def send_one(state: StepState, conn: Connection | None, host: str, port: int, timeout: float,

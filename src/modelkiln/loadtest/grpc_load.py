@@ -2,7 +2,7 @@
 Triton's 8001.
 
 Requests are serialized once, before the run, with tritonclient's generated messages (an
-implementation of the protocol independent of the server's), and sent as bytes through
+implementation of the protocol independent of the server's: ``protocols.GrpcInfer``), and sent as bytes through
 ``grpc.aio`` with no per-request (de)serialization: as the HTTP generators send pre-rendered
 bytes. Each closed-loop client has its own channel, i.e. its own HTTP/2 connection, as each HTTP
 client has its own keep-alive connection. Outcomes are recorded as the HTTP status the server
@@ -18,12 +18,9 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from ..errors import KilnError
-from ..extras import install_hint
-from .generators import CONNECT_ERROR, TIMEOUT, StepState
-from .protocols import InputLayout, PreparedRequest, Protocol
+from .protocols import GRPC_METHOD
+from .records import CONNECT_ERROR, TIMEOUT, StepState
 
-METHOD = "/inference.GRPCInferenceService/ModelInfer"
 DEFAULT_GRPC_PORT = 8001
 
 _HTTP_EQUIVALENT = {
@@ -41,32 +38,8 @@ def grpc_target(http_url: str, grpc_url: str | None) -> str:
     return f"{host}:{DEFAULT_GRPC_PORT}"
 
 
-class GrpcInfer(Protocol):
-    """ModelInfer with every input in ``raw_input_contents`` (as tritonclient sends them)."""
-
-    name = "grpc"
-
-    def build(self, batch: Sequence) -> PreparedRequest:  # type: ignore[type-arg]
-        from tritonclient.grpc import service_pb2  # loadtest extra; never imported by the server
-
-        n = len(batch)
-        request = service_pb2.ModelInferRequest(model_name=self.model)
-        for name, values in self.layout.columns(batch).items():
-            request.inputs.add(name=name, datatype="BYTES", shape=self.layout.shape(n))
-            request.raw_input_contents.append(b"".join(len(b).to_bytes(4, "little") + b
-                                                       for b in (v.encode() for v in values)))
-        return PreparedRequest(METHOD, request.SerializeToString(), (), n)
-
-
-def make_grpc_protocol(model: str, layout: InputLayout) -> GrpcInfer:
-    try:
-        import tritonclient.grpc  # noqa: F401
-    except ImportError:
-        raise KilnError(f"--protocol grpc needs tritonclient: {install_hint('loadtest')}") from None
-    return GrpcInfer(model, layout)
-
-
-def _channel(target: str) -> grpc.aio.Channel:
+def open_channel(target: str) -> grpc.aio.Channel:
+    """A channel (one HTTP/2 connection) for ModelInfer calls to ``target`` (``host:port``)."""
     # A local subchannel pool: without it every channel to one target shares one connection.
     return grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1),
                                                       ("grpc.max_receive_message_length", 256 * 1024 * 1024)])
@@ -88,15 +61,16 @@ async def _send(call: grpc.aio.UnaryUnaryMultiCallable, state: StepState, metada
         return code
 
 
-def _metadata(headers: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+def call_metadata(headers: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """``--header`` pairs as gRPC call metadata (lower-case keys; HTTP's body headers left out)."""
     return tuple((k.lower(), v) for k, v in headers if k.lower() not in ("content-type", "content-length"))
 
 
 async def closed_loop(state: StepState, target: str, headers: Sequence[tuple[str, str]], timeout: float) -> None:
     """One client: its own channel, requests back to back until the step stops."""
-    async with _channel(target) as channel:
-        call = channel.unary_unary(METHOD)  # bytes in, bytes out: no (de)serializer
-        metadata = _metadata(headers)
+    async with open_channel(target) as channel:
+        call = channel.unary_unary(GRPC_METHOD)  # bytes in, bytes out: no (de)serializer
+        metadata = call_metadata(headers)
         while not state.stop:
             code = await _send(call, state, metadata, timeout)
             if code == CONNECT_ERROR:
@@ -107,10 +81,10 @@ async def open_loop(state: StepState, target: str, headers: Sequence[tuple[str, 
                     in_flight: set[asyncio.Task[None]]) -> None:
     """Poisson arrivals (as ``generators.open_loop``), at most ``limit`` outstanding, multiplexed
     over a few channels; an arrival that waits for a free slot counts from its scheduled time."""
-    channels = [_channel(target) for _ in range(min(limit, 8))]
-    calls = [c.unary_unary(METHOD) for c in channels]
+    channels = [open_channel(target) for _ in range(min(limit, 8))]
+    calls = [c.unary_unary(GRPC_METHOD) for c in channels]
     slots = asyncio.Semaphore(limit)
-    metadata = _metadata(headers)
+    metadata = call_metadata(headers)
 
     async def one(k: int, start: float | None) -> None:
         try:

@@ -3,7 +3,7 @@
 - ``oip-json``: Open Inference Protocol ``POST /v2/models/{m}/infer`` with JSON tensors;
 - ``oip-binary``: the same route with the binary tensor data extension (Triton, kiln serve);
 - ``task``: kiln serve's task route ``POST /v2/models/{m}/predict`` with ``{"inputs": [...]}``;
-- ``grpc``: KServe v2 ``ModelInfer`` over gRPC (``grpc_load``).
+- ``grpc``: KServe v2 ``ModelInfer`` over gRPC, serialized with tritonclient (sent by ``grpc_load``).
 
 Input tensor names follow the Triton ensemble that ``kiln triton`` writes and ``kiln serve``
 shares: BYTES ``TEXT`` (+ optional ``TEXT_PAIR``), or ``QUESTION`` + ``CONTEXT``. Triton's ensemble
@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import KilnError
+from ..extras import install_hint
 from .inputs import Item
 
 PROTOCOLS = ("oip-json", "oip-binary", "task", "grpc")
+GRPC_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 GENERATION_PROTOCOLS = ("openai-chat", "openai-completions", "generate")  # streamed text generation (streaming.py)
 
 
@@ -137,10 +139,33 @@ class TaskRoute(Protocol):
                                len(batch))
 
 
+class GrpcInfer(Protocol):
+    """ModelInfer with every input in ``raw_input_contents`` (as tritonclient sends them)."""
+
+    name = "grpc"
+
+    def build(self, batch: Sequence) -> PreparedRequest:  # type: ignore[type-arg]
+        from tritonclient.grpc import service_pb2  # loadtest extra; never imported by the server
+
+        n = len(batch)
+        request = service_pb2.ModelInferRequest(model_name=self.model)
+        for name, values in self.layout.columns(batch).items():
+            request.inputs.add(name=name, datatype="BYTES", shape=self.layout.shape(n))
+            request.raw_input_contents.append(b"".join(len(b).to_bytes(4, "little") + b
+                                                       for b in (v.encode() for v in values)))
+        return PreparedRequest(GRPC_METHOD, request.SerializeToString(), (), n)
+
+
+def make_grpc_protocol(model: str, layout: InputLayout) -> GrpcInfer:
+    try:
+        import tritonclient.grpc  # noqa: F401
+    except ImportError:
+        raise KilnError(f"--protocol grpc needs tritonclient: {install_hint('loadtest')}") from None
+    return GrpcInfer(model, layout)
+
+
 def make_protocol(name: str, model: str, layout: InputLayout) -> Protocol:
     if name == "grpc":
-        from .grpc_load import make_grpc_protocol
-
         return make_grpc_protocol(model, layout)
     for cls in (OipJson, OipBinary, TaskRoute):
         if cls.name == name:

@@ -22,7 +22,8 @@ import numpy as np
 from ..errors import KilnError
 from . import server_metrics, streaming
 from .client import fetch, parse_url
-from .generators import MID_STREAM_CODE, ClosedLoop, StepState, open_loop, status_name, watchdog
+from .generators import ClosedLoop, open_loop, watchdog
+from .records import MID_STREAM_CODE, StepState, status_name
 from .streaming import is_generation
 
 if TYPE_CHECKING:
@@ -344,17 +345,3 @@ async def model_metadata(url: str, model: str, headers: Sequence[tuple[str, str]
     if status in (401, 403):
         raise KilnError(f"{url} refused the metadata request ({status}): pass --header 'Authorization: Bearer KEY'")
     return None
-
-
-async def wait_ready(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            status, _ = await fetch(f"{url.rstrip('/')}/v2/health/ready", timeout=2.0)
-            if status == 200:
-                return
-        except KilnError:
-            pass
-        if time.monotonic() > deadline:
-            raise KilnError(f"{url} is not ready (GET /v2/health/ready) after {timeout:g}s")
-        await asyncio.sleep(0.1)

@@ -1,5 +1,5 @@
-"""Streaming text generation under load: request bodies for the three generation protocols, a
-client that timestamps every server-sent event as it arrives, and what one stream records.
+"""Streaming text generation under load: request bodies for the three generation protocols, and
+a client that timestamps every server-sent event as it arrives (into a ``records.StreamRecord``).
 
 - ``openai-chat``: ``POST /v1/chat/completions``, the prompt as one user message;
 - ``openai-completions``: ``POST /v1/completions``;
@@ -22,18 +22,14 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import orjson
 
 from ..errors import KilnError
 from .client import closed_unanswered
-from .generators import CONNECT_ERROR, MID_STREAM_CODE, StepState, error_code
 from .inputs import Item
 from .protocols import GENERATION_PROTOCOLS, PreparedRequest
-
-MID_STREAM = MID_STREAM_CODE  # a stream that began (200) and then failed: an error event, or cut short
+from .records import CONNECT_ERROR, MID_STREAM_CODE, StepState, StreamRecord, error_code
 
 
 def is_generation(protocol: str) -> bool:
@@ -75,106 +71,6 @@ class GenerationRequest:
                     **sampling, "stream": True, "stream_options": {"include_usage": True}}
         return PreparedRequest(path, json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(),
                                (("Content-Type", "application/json"), ("Accept", "text/event-stream")), 1)
-
-
-@dataclass
-class StreamRecord:
-    """What one streamed answer was, as received."""
-
-    protocol: str
-    start: float = 0.0
-    end: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # arrival of each event that added text
-    pieces: list[str] = field(default_factory=list)
-    completion_tokens: int | None = None  # as the server reports it (OpenAI usage; kiln's generate_stream)
-    prompt_tokens: int | None = None
-    finish_reason: str | None = None
-    done: bool = False  # OpenAI's ``data: [DONE]`` arrived
-    events_after_done: int = 0
-    error: str | None = None  # an error event mid-stream
-    framing: list[str] = field(default_factory=list)  # SSE framing faults, in words
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    @property
-    def output_tokens(self) -> int:
-        """The server's count when it gives one, else the token chunks counted."""
-        return self.completion_tokens if self.completion_tokens is not None else len(self.token_times)
-
-    @property
-    def complete(self) -> bool:
-        """Ended as the protocol says a stream ends, without an error event. OpenAI: with
-        ``data: [DONE]``. Triton's generate_stream has no end event (its events carry output tensors
-        only, no finish reason): the response's own end (the last HTTP chunk) is the end."""
-        if self.error is not None:
-            return False
-        return self.done if self.protocol != "generate" else True
-
-    def event(self, raw: bytes, t: float) -> None:
-        """One SSE event (the bytes before its blank line). An event of several lines is a framing
-        fault here (each chunk must be its own event); its ``data:`` lines are still read one by
-        one, so that the stream's text and timing are not lost as well."""
-        lines = raw.split(b"\n")
-        if len(lines) != 1 or not raw.startswith(b"data: "):
-            self.framing.append(f"an event that is not one 'data: ' line: {raw[:80]!r}")
-            for line in lines:
-                if line.startswith(b"data:"):
-                    self._data(line[5:].removeprefix(b" "), t)
-            return
-        self._data(raw[6:], t)
-
-    def _data(self, data: bytes, t: float) -> None:
-        if self.done:
-            self.events_after_done += 1
-            self.framing.append(f"an event after data: [DONE]: {data[:80]!r}")
-            return
-        if data.strip() == b"[DONE]":
-            if self.protocol == "generate":
-                self.framing.append("data: [DONE] on a Triton generate stream")
-            self.done = True
-            return
-        try:
-            event = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            self.framing.append(f"an event whose data is not JSON: {data[:80]!r}")
-            return
-        if not isinstance(event, dict):
-            self.framing.append(f"an event whose data is not a JSON object: {data[:80]!r}")
-            return
-        if "error" in event:
-            error = event["error"]
-            self.error = str(error.get("message", error) if isinstance(error, dict) else error)
-            return
-        text, finish = self._read(event)
-        if text:
-            self.token_times.append(t)
-            self.pieces.append(text)
-        if finish:
-            self.finish_reason = finish
-
-    def _read(self, event: dict[str, Any]) -> tuple[str, str | None]:
-        """(text added, finish reason) of one event; usage is taken on the way."""
-        if self.protocol == "generate":
-            if isinstance(event.get("completion_tokens"), int):  # kiln serve's final event; Triton has none
-                self.completion_tokens = event["completion_tokens"]
-                self.prompt_tokens = event.get("prompt_tokens")
-            text = event.get("text_output")
-            return (text if isinstance(text, str) else ""), event.get("finish_reason")
-        usage = event.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.completion_tokens = usage["completion_tokens"]
-            self.prompt_tokens = usage.get("prompt_tokens")
-        choices = event.get("choices") or []
-        if not choices or not isinstance(choices[0], dict):
-            return "", None
-        choice = choices[0]
-        if self.protocol == "openai-chat":
-            text = (choice.get("delta") or {}).get("content")
-        else:
-            text = choice.get("text")
-        return (text if isinstance(text, str) else ""), choice.get("finish_reason")
 
 
 class StreamConnection(asyncio.Protocol):
@@ -318,10 +214,10 @@ class StreamConnection(asyncio.Protocol):
 
 
 def outcome_code(status: int, record: StreamRecord) -> int:
-    """The code a finished stream is recorded with: its HTTP status, or MID_STREAM when a 200 stream
+    """The code a finished stream is recorded with: its HTTP status, or MID_STREAM_CODE when a 200 stream
     carried an error event or ended before the protocol's end (finish reason / [DONE])."""
     if status == 200 and not record.complete:
-        return MID_STREAM
+        return MID_STREAM_CODE
     return status
 
 

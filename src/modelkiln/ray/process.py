@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..net import free_port, wait_until_ready
+from ..net import child_environment, free_port, wait_until_ready
 
 
 class RayProcess:
@@ -21,11 +21,9 @@ class RayProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="kiln-ray-", suffix=".log", mode="w+", delete=False)
-        # KILN_* from the caller's environment would silently change what the replicas run
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "modelkiln", "ray", *args, "--port", str(self.port)],
-            env={**clean, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
+            env=child_environment(RAY_USAGE_STATS_ENABLED="0", **(env or {})), stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)
         # slower polls than kiln serve's: a cluster takes tens of seconds to come up
         wait_until_ready(self.proc, self.url, timeout, "kiln ray", lambda: self.output()[-3000:], self.stop, poll_s=0.5)

@@ -9,7 +9,8 @@ import onnxruntime as ort
 
 from ..errors import ArtifactError
 
-_PROVIDERS = {
+# execution providers by device, in the order onnxruntime should try them
+PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],
     "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
     "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
@@ -45,9 +46,9 @@ class OnnxEngine:
         provider_options: dict | None = None,
         memory_arena: bool = True,
     ):
-        if device not in _PROVIDERS:
-            raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(_PROVIDERS)})")
-        providers: list = list(_PROVIDERS[device])
+        if device not in PROVIDERS:
+            raise ArtifactError(f"unknown device '{device}' (choose from {', '.join(PROVIDERS)})")
+        providers: list = list(PROVIDERS[device])
         if provider_options:
             providers[0] = (providers[0], provider_options)
         try:

@@ -69,9 +69,6 @@ class TextEncoder:
         except Exception:  # a tokenizer without a pair template: single texts only, type 0
             return max(self._tokenizer.encode("a").type_ids, default=0)
 
-    def token_count(self, text: str) -> int:
-        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
-
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids))
 

@@ -8,7 +8,6 @@ become responses in one place (``errors.error_response``)."""
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import os
@@ -27,9 +26,10 @@ from starlette.responses import Response
 from ..errors import (InvalidInputError, KilnError, MethodNotAllowedError, RouteNotFoundError,
                       UnauthorizedError)
 from . import inference_routes
+from .auth import bearer_matches
 from .dataplane import DataPlane, build_dataplane
 from .errors import error_response
-from .generation import generate_routes, is_generation, openai_routes
+from .generation import generate_routes, openai_routes
 from .metrics import Metrics
 from .request_watch import RequestWatch
 from .settings import ServeSettings
@@ -65,13 +65,6 @@ def stats_json(s: ModelStatistics) -> dict[str, Any]:
             "inference_count": s.inference_count, "execution_count": s.execution_count,
             "inference_stats": {"success": duration(s.success), "fail": duration(s.fail),
                                 "queue": duration(s.queue), "compute_infer": duration(s.compute_infer)}}
-
-
-def bearer_matches(authorization: bytes, api_key: bytes) -> bool:
-    """``Authorization: Bearer KEY`` (HTTP header or gRPC metadata). Auth schemes are
-    case-insensitive (RFC 9110 §11.1): "bearer KEY" is as good; the key compares in constant time."""
-    scheme, _, key = authorization.partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), api_key)
 
 
 def route_of(path: str) -> tuple[str, str]:
@@ -277,7 +270,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
     @app.get("/metrics")
     async def metrics_route() -> Response:
         for model in plane.models.values():
-            metrics.queued.labels(model.name).set(model.queued if is_generation(model) else model.batcher.queued)
+            metrics.queued.labels(model.name).set(model.queued)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 

@@ -3,10 +3,11 @@
 It implements ``types.InferenceService``: typed requests in, typed responses out (OIP infer,
 metadata, statistics), plus the two JSON APIs' typed calls (``json_api``: /predict and OpenAI
 embeddings). Transport edges (the REST codec in ``inference_routes``, the gRPC servicer) decode
-their wire format and call nothing else. Everything here runs on the event loop and is cheap:
-checks, ``task.prepare`` (validation), queueing, shaping answers; tokenizing and the model run on
-the model's batcher threads. Per-request facts the edges need afterwards (the model that
-answered) travel back in the responses."""
+their wire format and call nothing else. The data plane finds the model, admits the request or
+refuses it, and hands it to the model (``served.ServedModel``: an encoder or a text generator,
+each shaping its own requests and answers). Everything here runs on the event loop and is cheap;
+tokenizing and the model run on the model's own threads. Per-request facts the edges need
+afterwards (the model that answered) travel back in the responses."""
 
 from __future__ import annotations
 
@@ -20,18 +21,15 @@ import numpy as np
 from .. import __version__
 from ..errors import (InvalidInputError, KilnError, ModelControlError, ModelNotFoundError, ModelNotReadyError,
                       OverloadedError)
-from ..tasks import tensors as tensors_protocol
-from .generation.oip import generation_infer, generation_stream
+from .generation.model import GenerationModel
 from .json_api import EmbeddingsRequest, EmbeddingsResponse, PredictRequest, PredictResponse
 from .metrics import Metrics
-from .generation import is_generation, served_model
-from .generation.model import GenerationModel
-from .model import ServedModel
+from .model import EncoderModel
 from .repository import ModelRepository
-from .tokenized import TokenRow, is_tokenized, raw_tensors, token_rows
+from .served import ServedModel, served_model
 from .settings import ServeSettings
-from .types import (Duration, InferRequest, InferResponse, ModelMetadata, ModelStatistics, OutputTensor,
-                    RepositoryModel, ServerMetadata)
+from .types import (Duration, InferRequest, InferResponse, ModelMetadata, ModelStatistics, RepositoryModel,
+                    ServerMetadata)
 
 EXTENSIONS = ("binary_tensor_data", "statistics", "model_repository")
 
@@ -110,23 +108,20 @@ class DataPlane:
         queue full → OVERLOADED, all before the request is decoded or checked, so that a refusal
         costs the event loop next to nothing (under overload most requests are refusals)."""
         model = self.model(name, version)
-        if is_generation(model):
-            if model.full:
-                raise OverloadedError(f"queue full ({model.queued} generation requests waiting); retry later")
-        elif model.batcher.full:
-            raise OverloadedError(f"queue full ({model.batcher.queued} inputs waiting); retry later")
+        if model.full:
+            raise OverloadedError(f"queue full ({model.queued} {model.queue_unit} waiting); retry later")
         return model
 
     def generation_model(self, name: str | None, version: str | None = None) -> GenerationModel:
         """A text-generation model, admitted (see ``admit``); no name: the only one served."""
         if not name:
-            candidates = [m for m in self.models.values() if is_generation(m)]
+            candidates = [m for m in self.models.values() if isinstance(m, GenerationModel)]
             if len(candidates) != 1:
                 raise ModelNotFoundError("name the model: this server serves "
                                          f"{len(candidates)} text-generation models")
             name = candidates[0].name
         model = self.admit(name, version)
-        if not is_generation(model):
+        if not isinstance(model, GenerationModel):
             raise InvalidInputError(f"model '{model.name}' is a {model.task.name} model, not a text-generation model")
         return model
 
@@ -134,18 +129,7 @@ class DataPlane:
         return ServerMetadata("modelkiln", __version__, EXTENSIONS)
 
     def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
-        m = self.model(name, version, need_ready=False)
-        if is_generation(m):
-            return ModelMetadata(
-                name=m.name, versions=(m.version,), platform="onnxruntime_onnx", inputs=m.input_specs(),
-                outputs=m.output_specs(), parameters={"task": m.task.name, "variant": m.variant.name,
-                                                      "max_context": m.max_context, "kv_tokens": m.kv_budget
-                                                      if m.ready else None, "decoupled": True})
-        return ModelMetadata(
-            name=m.name, versions=(m.version,), platform="onnxruntime_onnx",
-            inputs=m.input_specs(), outputs=m.output_specs(),
-            parameters={"task": m.task.name, "variant": m.variant.name, "max_length": m.manifest.max_length,
-                        "tokenized_inputs": list(m.manifest.input_names)})
+        return self.model(name, version, need_ready=False).metadata()
 
     def model_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
         models = [self.model(name, version, need_ready=False)] if name else list(self.models.values())
@@ -178,106 +162,28 @@ class DataPlane:
             raise ModelControlError(f"cannot unload '{name}': this server's models are fixed at start (model control mode none)")
         await self.repository.unload(name)
 
-    # -- shared checks --------------------------------------------------------------------------
-    def _check_texts(self, texts: list[Any]) -> None:
-        if len(texts) > self.settings.max_inputs_per_request:
-            raise InvalidInputError(
-                f"{len(texts)} inputs in one request; the limit is {self.settings.max_inputs_per_request}")
-        limit = self.settings.max_input_chars
-        for i, t in enumerate(texts):
-            parts = t if isinstance(t, (tuple, list)) else (t,)
-            if any(isinstance(p, str) and len(p) > limit for p in parts):
-                raise InvalidInputError(f"input {i} is longer than {limit} characters")
-
-    def _timeout(self, parameters: Mapping[str, Any] | None) -> float:
-        timeout = self.settings.request_timeout_s
-        asked = (parameters or {}).get("timeout")  # Triton: microseconds
-        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
-            timeout = min(timeout, asked / 1e6)
-        return timeout
-
-    # -- OIP infer ------------------------------------------------------------------------------
+    # -- OIP infer and /predict: the model shapes the request and its answer ------------------------
     async def infer(self, request: InferRequest) -> InferResponse:
-        model = self.admit(request.model_name, request.model_version)
-        if is_generation(model):
-            return await generation_infer(model, request)
-        started = time.perf_counter()
-        try:
-            available = self._output_names(model, request.inputs)
-            wanted = [o.name for o in request.outputs] if request.outputs is not None else available
-            unknown = [n for n in wanted if n not in available]
-            if unknown:
-                raise InvalidInputError(f"unknown output {unknown[0]!r} for model '{model.name}' "
-                                        f"(outputs: {', '.join(available)})")
-            inputs = self._infer_inputs(model, request.inputs)
-            answers, _ = await model.run(inputs, self._timeout(request.parameters))
-            tensors = self._answer_tensors(model, answers, inputs)
-            outputs = [OutputTensor(n, *tensors[n]) for n in wanted]
-        except BaseException:
-            model.record(False, time.perf_counter() - started)
-            raise
-        model.record(True, time.perf_counter() - started)
-        return InferResponse(model.name, model.version, outputs, id=request.id)
+        return await self.admit(request.model_name, request.model_version).infer(request)
 
     async def stream_infer(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """gRPC's ModelStreamInfer: a text-generation model answers token by token (decoupled);
         any other model answers once, flagged final, as Triton does for a non-decoupled model."""
-        model = self.admit(request.model_name, request.model_version)
-        if is_generation(model):
-            async for response in generation_stream(model, request):
-                yield response
-            return
-        response = await self.infer(request)
-        response.parameters["triton_final_response"] = True
-        yield response
+        async for response in self.admit(request.model_name, request.model_version).stream_infer(request):
+            yield response
 
-    def _output_names(self, model: ServedModel, inputs: Mapping[str, np.ndarray]) -> list[str]:
-        if is_tokenized(inputs) and model.task.answers_need_text:
-            return model.raw_output_names()
-        return [spec.name for spec in model.output_specs()]
-
-    def _infer_inputs(self, model: ServedModel, tensors: Mapping[str, np.ndarray]) -> list[Any]:
-        if is_tokenized(tensors):
-            return token_rows(tensors, model.token_limits, model.name)
-        texts = model.task.inputs_from_tensors(tensors)
-        self._check_texts(texts)
-        return model.task.prepare(texts)
-
-    @staticmethod
-    def _answer_tensors(model: ServedModel, answers: list[Any], inputs: list[Any]) -> dict[str, tuple[str, np.ndarray]]:
-        """Task answers → named OIP tensors (the answers themselves come from task.postprocess);
-        pre-tokenized rows of a task whose answers need text come back as the model's outputs."""
-        if model.task.answers_need_text and isinstance(inputs[0], TokenRow):
-            tensors = raw_tensors(answers)
-        else:
-            tensors = model.task.answer_tensors(answers)
-        return {name: (tensors_protocol.datatype(array), array) for name, array in tensors.items()}
-
-    # -- /predict --------------------------------------------------------------------------------
     async def predict(self, request: PredictRequest) -> PredictResponse:
         """The task's own answers (``task.postprocess``), one per input."""
-        model = self.admit(request.model_name, request.model_version)
-        if is_generation(model):
-            raise InvalidInputError(f"model '{model.name}' generates text: use /v2/models/{model.name}/generate, "
-                                    "/v1/completions or /v1/chat/completions")
-        started = time.perf_counter()
-        try:
-            self._check_texts(request.inputs)
-            answers, _ = await model.run(model.task.prepare(request.inputs), self._timeout(request.parameters))
-            answers = model.task.apply_parameters(answers, request.parameters)
-        except BaseException:
-            model.record(False, time.perf_counter() - started)
-            raise
-        model.record(True, time.perf_counter() - started)
-        return PredictResponse(model.name, answers, request.single)
+        return await self.admit(request.model_name, request.model_version).predict(request)
 
     # -- OpenAI /v1/embeddings ------------------------------------------------------------------
     async def embeddings(self, request: EmbeddingsRequest) -> EmbeddingsResponse:
         """OpenAI embeddings; the response names the model that answered (for the edge's metrics)."""
-        model = self.admit(self._embedding_model(request.model).name)
+        model = self._embedding_model(request.model)
+        self.admit(model.name)  # its queue full: refused before any work, as every request is
         started = time.perf_counter()
         try:
-            self._check_texts(request.inputs)
+            model.check_texts(request.inputs)
             vectors, tokens = await model.run(model.task.prepare(request.inputs), self.settings.request_timeout_s)
             if request.dimensions is not None and request.dimensions != len(vectors[0]):
                 raise InvalidInputError(f"model '{model.name}' has {len(vectors[0])} dimensions, not {request.dimensions}")
@@ -288,7 +194,7 @@ class DataPlane:
         return EmbeddingsResponse(model.name, [np.asarray(v, dtype=np.float32) for v in vectors], tokens,
                                   request.encoding_format)
 
-    def _embedding_model(self, name: Any) -> ServedModel:
+    def _embedding_model(self, name: Any) -> EncoderModel:
         if isinstance(name, str) and name in self.models:
             model = self.model(name)
         else:
@@ -297,7 +203,7 @@ class DataPlane:
                 raise ModelNotFoundError(
                     f"unknown embedding model {name!r} (serving: {', '.join(m.name for m in candidates) or 'none'})")
             model = self.model(candidates[0].name)
-        if not model.task.embeds:
+        if not (isinstance(model, EncoderModel) and model.task.embeds):
             raise InvalidInputError(f"model '{model.name}' is a {model.task.name} model, not an embedding model")
         return model
 

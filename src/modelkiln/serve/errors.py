@@ -1,10 +1,9 @@
 """The one place where errors become HTTP responses.
 
 ``HTTP_STATUS`` maps each ``ErrorKind`` to its status (Triton's table: 400 bad request, 401, 404
-unknown model/version, 405, 413, 503 overloaded / timed out / not ready, 500 only for bugs);
-``KilnError.status_code`` reads it. The OIP routes answer ``{"error": "..."}``; OpenAI's routes
-(``/v1/...``) answer OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, which
-its client libraries parse. A bug's traceback is logged at most once per minute per (exception
+unknown model/version, 405, 413, 503 overloaded / timed out / not ready, 500 only for bugs).
+The OIP routes answer ``{"error": "..."}``; OpenAI's routes (``/v1/...``) answer OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, which its client libraries parse. A bug's traceback is logged at most once per minute per (exception
 type, place), and refusals (413, 503) once per minute per kind with a count, so no client can
 flood the log."""
 

@@ -1,27 +1,34 @@
-"""A served model: manifest + task + tokenizer + ONNX engine + its own batcher.
+"""A served encoder model: manifest + task + tokenizer + ONNX engine + its own batcher.
 
 The stages are the runtime's and the task's (``task.prepare`` / ``TextEncoder`` /
-``task.postprocess``); this module only runs them on the batcher's engine threads."""
+``task.postprocess``); this module runs them on the batcher's engine threads, and shapes an OIP
+or /predict request into inputs and the answers back into tensors, on the event loop.
+``EncoderModel`` is one of the two kinds of ``served.ServedModel``."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..errors import InvalidInputError, KilnError, RequestTimeoutError
 from ..manifest import Manifest
 from ..runtime.pipeline import load_encoder, load_variant
 from ..tasks import make_task
+from ..tasks import tensors as tensors_protocol
 from .batcher import Batcher, BatchHooks, Item, Job, wait_for
+from .json_api import PredictRequest, PredictResponse
 from .metrics import Metrics
 from .settings import ModelSpec, ServeSettings
-from .tokenized import TokenLimits, TokenRow
-from .types import TensorSpec
+from .tokenized import TokenLimits, TokenRow, is_tokenized, raw_tensors, token_rows
+from .types import (MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, OutputTensor, TensorSpec,
+                    request_timeout)
 
 log = logging.getLogger("modelkiln.serve")
 
@@ -42,8 +49,9 @@ class Stats:
     last_inference_ms: int = 0
 
 
-class ServedModel(BatchHooks):
-    version = "1"
+class EncoderModel(BatchHooks):
+    version = MODEL_VERSION
+    queue_unit = "inputs"  # what its queue holds, for the message of a refusal
 
     def __init__(self, spec: ModelSpec, settings: ServeSettings, metrics: Metrics):
         folder = Path(spec.path)
@@ -180,7 +188,98 @@ class ServedModel(BatchHooks):
         s.execution_count += 1
         s.last_inference_ms = int(time.time() * 1000)
 
-    # -- what the data plane calls (event loop) ----------------------------------------------
+    # -- what the data plane calls (event loop; served.ServedModel) ------------------------------
+    @property
+    def full(self) -> bool:
+        return self.batcher.full
+
+    @property
+    def queued(self) -> int:
+        return self.batcher.queued
+
+    def metadata(self) -> ModelMetadata:
+        return ModelMetadata(
+            name=self.name, versions=(self.version,), platform="onnxruntime_onnx",
+            inputs=self.input_specs(), outputs=self.output_specs(),
+            parameters={"task": self.task.name, "variant": self.variant.name, "max_length": self.manifest.max_length,
+                        "tokenized_inputs": list(self.manifest.input_names)})
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """OIP infer: text tensors (or pre-tokenized rows) in, the task's answer tensors out."""
+        started = time.perf_counter()
+        try:
+            available = self._output_names(request.inputs)
+            wanted = [o.name for o in request.outputs] if request.outputs is not None else available
+            unknown = [n for n in wanted if n not in available]
+            if unknown:
+                raise InvalidInputError(f"unknown output {unknown[0]!r} for model '{self.name}' "
+                                        f"(outputs: {', '.join(available)})")
+            inputs = self._infer_inputs(request.inputs)
+            answers, _ = await self.run(inputs, self.timeout(request.parameters))
+            tensors = self._answer_tensors(answers, inputs)
+            outputs = [OutputTensor(n, *tensors[n]) for n in wanted]
+        except BaseException:
+            self.record(False, time.perf_counter() - started)
+            raise
+        self.record(True, time.perf_counter() - started)
+        return InferResponse(self.name, self.version, outputs, id=request.id)
+
+    async def stream_infer(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """gRPC's ModelStreamInfer: one answer, flagged final, as Triton does for a model that
+        is not decoupled."""
+        response = await self.infer(request)
+        response.parameters["triton_final_response"] = True
+        yield response
+
+    async def predict(self, request: PredictRequest) -> PredictResponse:
+        """The task's own answers (``task.postprocess``), one per input."""
+        started = time.perf_counter()
+        try:
+            self.check_texts(request.inputs)
+            answers, _ = await self.run(self.task.prepare(request.inputs), self.timeout(request.parameters))
+            answers = self.task.apply_parameters(answers, request.parameters)
+        except BaseException:
+            self.record(False, time.perf_counter() - started)
+            raise
+        self.record(True, time.perf_counter() - started)
+        return PredictResponse(self.name, answers, request.single)
+
+    def check_texts(self, texts: list[Any]) -> None:
+        """The server's limits on one request: how many inputs, how many characters each."""
+        if len(texts) > self.settings.max_inputs_per_request:
+            raise InvalidInputError(
+                f"{len(texts)} inputs in one request; the limit is {self.settings.max_inputs_per_request}")
+        limit = self.settings.max_input_chars
+        for i, t in enumerate(texts):
+            parts = t if isinstance(t, (tuple, list)) else (t,)
+            if any(isinstance(p, str) and len(p) > limit for p in parts):
+                raise InvalidInputError(f"input {i} is longer than {limit} characters")
+
+    def timeout(self, parameters: Mapping[str, Any] | None = None) -> float:
+        """The server's request timeout, or less when the request asks."""
+        return request_timeout(self.settings.request_timeout_s, parameters)
+
+    def _output_names(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
+        if is_tokenized(inputs) and self.task.answers_need_text:
+            return self.raw_output_names()
+        return [spec.name for spec in self.output_specs()]
+
+    def _infer_inputs(self, tensors: Mapping[str, np.ndarray]) -> list[Any]:
+        if is_tokenized(tensors):
+            return token_rows(tensors, self.token_limits, self.name)
+        texts = self.task.inputs_from_tensors(tensors)
+        self.check_texts(texts)
+        return self.task.prepare(texts)
+
+    def _answer_tensors(self, answers: list[Any], inputs: list[Any]) -> dict[str, tuple[str, np.ndarray]]:
+        """Task answers → named OIP tensors (the answers themselves come from task.postprocess);
+        pre-tokenized rows of a task whose answers need text come back as the model's outputs."""
+        if self.task.answers_need_text and isinstance(inputs[0], TokenRow):
+            tensors = raw_tensors(answers)
+        else:
+            tensors = self.task.answer_tensors(answers)
+        return {name: (tensors_protocol.datatype(array), array) for name, array in tensors.items()}
+
     async def run(self, inputs: list[Any], timeout_s: float) -> tuple[list[Any], int]:
         """Answer prepared inputs (texts, pairs or TokenRows). Returns (answers, real tokens)."""
         import asyncio

@@ -28,21 +28,26 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import ArtifactError, KilnError, ModelControlError, ModelNotFoundError
 from ..manifest import MANIFEST_NAME
-from .generation import served_model
-from .model import ServedModel
+from .metrics import Metrics
+from .served import ServedModel, served_model
 from .settings import ModelSpec, ServeSettings
-from .types import RepositoryModel
-
-if TYPE_CHECKING:
-    from .dataplane import DataPlane
+from .types import MODEL_VERSION, RepositoryModel
 
 log = logging.getLogger("modelkiln.serve")
 
 CONTROL_MODES = ("none", "explicit", "poll")
+
+
+class ModelMap(Protocol):
+    """What the repository changes in the data plane (``DataPlane``): its model map, replaced by a
+    new dict in one assignment, never mutated; and the metrics a new model reports to."""
+
+    models: dict[str, ServedModel]
+    metrics: Metrics
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ class ModelRepository:
         self.settings = settings
         self.root = root
         self.mode = mode
-        self.plane: DataPlane | None = None
+        self.plane: ModelMap | None = None
         self.loaded: dict[str, str] = {}  # repository models being served → the fingerprint loaded
         self.reasons: dict[str, str] = {}  # why a repository model is not (or not newly) loaded
         self.failed: dict[str, str] = {}  # poll: fingerprint of a folder whose load failed (not retried)
@@ -123,7 +128,7 @@ class ModelRepository:
     def spec(self, folder: Folder) -> ModelSpec:
         return ModelSpec(name=folder.name, path=str(folder.path), variant=self.settings.variant)
 
-    def attach(self, plane: DataPlane, loaded: list[Folder]) -> None:
+    def attach(self, plane: ModelMap, loaded: list[Folder]) -> None:
         self.plane = plane
         self.loaded = {f.name: f.fingerprint for f in loaded}
 
@@ -150,9 +155,9 @@ class ModelRepository:
                    for name, m in served.items()}
         for name in artifact_names(self.root) if self.root is not None else []:
             if name in self.loading and name not in served:
-                entries[name] = RepositoryModel(name, ServedModel.version, "LOADING", "")
+                entries[name] = RepositoryModel(name, MODEL_VERSION, "LOADING", "")
             elif name not in served:
-                entries[name] = RepositoryModel(name, ServedModel.version, "UNAVAILABLE",
+                entries[name] = RepositoryModel(name, MODEL_VERSION, "UNAVAILABLE",
                                                 self.reasons.get(name, "not loaded"))
         index = [entries[name] for name in sorted(entries)]
         return [e for e in index if e.state == "READY"] if ready_only else index

@@ -9,12 +9,22 @@ model that answered, for metrics and statistics) travel in the response, not in 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
 
 Parameters = dict[str, Any]  # OIP parameters: str / int / float / bool values
+MODEL_VERSION = "1"  # every served model has one version (a Triton repository folder without versions)
+
+
+def request_timeout(limit_s: float, parameters: Mapping[str, Any] | None) -> float:
+    """The server's timeout ``limit_s``, or less when the request asks for less (Triton's
+    ``timeout`` parameter, in microseconds)."""
+    asked = (parameters or {}).get("timeout")
+    if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
+        return min(limit_s, asked / 1e6)
+    return limit_s
 
 
 @dataclass(frozen=True)

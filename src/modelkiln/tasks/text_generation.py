@@ -4,7 +4,8 @@ backends, so the same client code works). Sampling settings travel as request pa
 (``max_tokens``, ``temperature``, ...: ``serve/generation/params.py``).
 
 Not a ``Task`` subclass: an encoder task's prepare / postprocess / agreement do not apply to a
-decoder. The server's model metadata and its OIP infer route derive from this module."""
+decoder. The server's model metadata and its OIP infer route derive from this module, and
+``is_generation`` is the one test of whether an artifact holds such a model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..errors import InvalidInputError
+from ..manifest import Manifest
 from ..serve.types import TensorSpec
 from . import tensors as t
 
@@ -22,6 +24,12 @@ TEXT_OUTPUT = "text_output"
 
 INPUTS = (TensorSpec(TEXT_INPUT, "BYTES", (1,)),)
 OUTPUTS = (TensorSpec(TEXT_OUTPUT, "BYTES", (1,)),)
+
+
+def is_generation(manifest: Manifest) -> bool:
+    """Whether the artifact holds a text-generation model: a decoder that ``generation/`` runs
+    (not a ``Task``), with the manifest section it reads (end-of-sequence ids, chat template...)."""
+    return manifest.task == NAME and manifest.generation is not None
 
 
 def prompt_from_tensors(tensors: Mapping[str, np.ndarray]) -> str:

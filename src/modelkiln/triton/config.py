@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..manifest import Manifest
 from ..serve.types import TensorSpec as OipSpec
@@ -97,16 +98,23 @@ def _tensors(kind: str, specs: Sequence[TensorSpec]) -> list[str]:
 
 
 # --- the four models ---------------------------------------------------------------------------------
+def _option(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Options:
-    """What ``kiln triton`` lets you choose (see its --help)."""
+    """What ``kiln triton`` lets you choose: each field is one of its options (``--model-backend``...),
+    with this default and help (triton/command.py derives the options from here)."""
 
-    model_backend: str = "onnxruntime"
-    max_batch_size: int = 32
-    max_queue_delay_us: int = 500
-    instances: int = 1
-    kind: str = "cpu"
-    threads: int = 0  # onnxruntime intra-op threads per instance; 0 = onnxruntime's default
+    model_backend: str = _option("onnxruntime", "onnxruntime (platform onnxruntime_onnx) | tensorrt (tensorrt_plan; "
+                                 "needs TensorRT here) | python (onnxruntime inside the python backend, for "
+                                 "CPU-only Triton builds).")
+    max_batch_size: int = _option(32, "Triton max_batch_size of every model (> 0).")
+    max_queue_delay_us: int = _option(500, "Dynamic batching: longest wait for a fuller batch, in microseconds.")
+    instances: int = _option(1, "Instances of each model (instance_group count).")
+    kind: str = _option("cpu", "cpu or gpu: where the model instances run (KIND_CPU / KIND_GPU).")
+    threads: int = _option(0, "onnxruntime intra-op threads per instance (0: onnxruntime's default).")
 
 
 # OIP datatype → Triton's config DataType.

@@ -17,6 +17,7 @@ from ..atomic import atomic_folder
 from ..errors import ArtifactError
 from ..manifest import Manifest
 from .config import ModelConfig, Options, TensorSpec
+from .snapshot import GENERATION_FILES, MODELS_DIR, copy_snapshot
 
 # The generate extension's names; the optional ones are the sampling settings (generate_model.py).
 INPUTS = [
@@ -32,19 +33,6 @@ INPUTS = [
 ]
 OUTPUTS = [TensorSpec("text_output", "TYPE_STRING", (1,)), TensorSpec("finish_reason", "TYPE_STRING", (1,))]
 
-# What the generation model imports from modelkiln (numpy, tokenizers, onnxruntime and jinja2 besides):
-# the generation package but its command line, and what it imports from the package root.
-GENERATION_SNAPSHOT = (
-    "__init__.py", "errors.py", "manifest.py", "runtime/__init__.py", "runtime/onnx.py",
-    *sorted(f"generation/{p.name}" for p in (Path(__file__).parent.parent / "generation").glob("*.py")
-            if p.name != "command.py"),
-)
-
-
-def is_generation(manifest: Manifest) -> bool:
-    return manifest.task == "text-generation"
-
-
 def generation_config(name: str, opts: Options, variant: str) -> ModelConfig:
     parameters = {"max_batch": str(opts.max_batch_size), "variant": variant}
     if opts.threads:
@@ -56,8 +44,6 @@ def generation_config(name: str, opts: Options, variant: str) -> ModelConfig:
 
 def write_generation_repository(artifact: Path, out: Path, opts: Options, name: str, variant: str | None,
                                 force: bool) -> Path:
-    from .repository import MODELS_DIR, copy_snapshot
-
     from ..generation.model import TextGenerationModel
 
     manifest = Manifest.load(artifact)
@@ -77,7 +63,7 @@ def write_generation_repository(artifact: Path, out: Path, opts: Options, name: 
         (version_dir / chosen.file).parent.mkdir(parents=True, exist_ok=True)
         for path in source.parent.glob(source.name + "*"):  # the graph and its external data file
             shutil.copy2(path, version_dir / Path(chosen.file).parent / path.name)
-        copy_snapshot(version_dir / "modelkiln", GENERATION_SNAPSHOT)
+        copy_snapshot(version_dir / "modelkiln", GENERATION_FILES)
         (tmp / "README.md").write_text(_readme(name, manifest, chosen.name))
     return out
 

@@ -8,8 +8,7 @@
       <name>_postprocess/       python: model outputs → answers
 
 Each python model's version folder holds model.py, the artifact files it needs (kiln.json,
-tokenizer.json, model.onnx) and a snapshot of the modelkiln modules it imports, copied from the
-installed package now, so the repository runs the exact code that generated it."""
+tokenizer.json, model.onnx) and a snapshot of the modelkiln modules it imports (``snapshot.py``)."""
 
 from __future__ import annotations
 
@@ -21,10 +20,11 @@ from pathlib import Path
 from ..atomic import atomic_folder  # the same atomic write `kiln convert` uses
 from ..errors import ArtifactError, ErrorKind, KilnError
 from ..manifest import Manifest, Variant
+from ..tasks.text_generation import is_generation
 from . import config as cfg
 from .config import ModelConfig, Options, TensorSpec
-
-MODELS_DIR = Path(__file__).parent / "models"
+from .generation import write_generation_repository
+from .snapshot import ENCODER_FILES, MODELS_DIR, copy_snapshot
 
 _ONNX_TYPES = {
     "tensor(int64)": "TYPE_INT64",
@@ -32,17 +32,6 @@ _ONNX_TYPES = {
     "tensor(float)": "TYPE_FP32",
     "tensor(float16)": "TYPE_FP16",
 }
-
-# The modules the generated models import (and what those import): tokenizers + numpy only,
-# plus onnxruntime for runtime/onnx.py, which only the python-backend model loads.
-SNAPSHOT_FILES = (
-    "__init__.py", "errors.py", "manifest.py", "samples.py", "serve/__init__.py", "serve/types.py",
-    "tasks/__init__.py", "tasks/base.py", "tasks/classification.py", "tasks/embeddings.py",
-    "tasks/question_answering.py", "tasks/token_classification.py", "tasks/tensors.py",
-    "runtime/__init__.py", "runtime/engine.py", "runtime/onnx.py", "runtime/tokenizer.py",
-    "triton/__init__.py", "triton/batching.py",
-)
-
 
 class TritonOptionError(KilnError):
     kind = ErrorKind.INVALID_INPUT
@@ -110,8 +99,6 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
                      force: bool = False) -> Path:
     from . import readme
 
-    from .generation import is_generation, write_generation_repository
-
     artifact, out = Path(artifact), Path(out)
     check_options(opts)
     manifest = Manifest.load(artifact)
@@ -170,13 +157,4 @@ def _python_model(root: Path, config: ModelConfig, template: str, artifact: Path
     shutil.copy2(MODELS_DIR / template, version_dir / "model.py")
     manifest.save(version_dir)
     shutil.copy2(artifact / manifest.tokenizer.file, version_dir / manifest.tokenizer.file)
-    copy_snapshot(version_dir / "modelkiln")
-
-
-def copy_snapshot(dest: Path, files: tuple[str, ...] = SNAPSHOT_FILES) -> None:
-    import modelkiln
-
-    package = Path(modelkiln.__file__).parent
-    for rel in files:
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(package / rel, dest / rel)
+    copy_snapshot(version_dir / "modelkiln", ENCODER_FILES)

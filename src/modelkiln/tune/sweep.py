@@ -9,7 +9,6 @@ is read from /proc before it is stopped."""
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 from ..errors import KilnError
 from ..loadtest.api import LoadtestOptions, run_loadtest
 from ..loadtest.runner import RunResult, StepResult
-from ..net import free_port, wait_until_ready
+from ..net import child_environment, free_port, wait_until_ready
 
 
 
@@ -114,10 +113,8 @@ class ServeProcess:
             if value is not None:
                 args += [flags[key], str(value)]
         self.log = tempfile.NamedTemporaryFile(prefix="kiln-tune-serve-", suffix=".log", delete=False)
-        # KILN_* from the caller's environment would silently change what is measured: clear them
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k in ("KILN_CACHE_DIR", "KILN_DATA_DIR")}
         self.proc = subprocess.Popen([sys.executable, "-m", "modelkiln", "serve", *args, *extra_args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=child_environment())
         wait_until_ready(self.proc, self.url, timeout, "kiln serve", self.log_tail, self.stop)
 
     def log_tail(self, chars: int = 2000) -> str:

@@ -1,10 +1,10 @@
 """A served text-generation model: the artifact (tokenizer, chat template, end-of-sequence ids),
 one engine, the engine core that schedules it and the ``Scheduler`` thread that steps the core.
 
-It has the lifecycle of an encoder's ``ServedModel`` (load, stop, release, ready, in_flight,
-stats), so the data plane and the model repository handle both alike; requests come in through
-``generate``, an async iterator of ``Delta`` that the protocol edges (OpenAI, Triton generate,
-OIP infer, gRPC stream) turn into their own wire format."""
+It is a ``served.ServedModel``, as the encoder's ``EncoderModel`` is (load, stop, release, ready,
+in_flight, stats, metadata, OIP infer), so the data plane and the model repository handle both
+alike; requests come in through ``generate``, an async iterator of ``Delta`` that the protocol
+edges (OpenAI, Triton generate, OIP infer, gRPC stream) turn into their own wire format."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,12 @@ from ...generation.model import TextGenerationModel
 from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
 from ...tasks import text_generation as contract
+from ..json_api import PredictRequest, PredictResponse
 from ..metrics import Metrics
 from ..model import Stats
 from ..settings import ModelSpec, ServeSettings
-from ..types import TensorSpec
+from ..types import MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, TensorSpec, request_timeout
+from . import oip
 from .params import sampling_params
 from .scheduler import CoreHooks, Job, Scheduler
 
@@ -47,8 +49,9 @@ class GenerationTask:
 
 
 class GenerationModel:
-    version = "1"
+    version = MODEL_VERSION
     task = GenerationTask()
+    queue_unit = "generation requests"  # what its queue holds, for the message of a refusal
 
     def __init__(self, spec: ModelSpec, settings: ServeSettings, metrics: Metrics):
         self.folder = Path(spec.path)
@@ -159,12 +162,8 @@ class GenerationModel:
         return sampling_params(fields, self.defaults, prompt_tokens, self.max_context)
 
     def timeout(self, parameters: Mapping[str, Any] | None = None) -> float:
-        """The server's generation timeout, or less when the request asks (Triton's "timeout", µs)."""
-        timeout = self.settings.generation_timeout_s
-        asked = (parameters or {}).get("timeout")
-        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
-            timeout = min(timeout, asked / 1e6)
-        return timeout
+        """The server's generation timeout, or less when the request asks."""
+        return request_timeout(self.settings.generation_timeout_s, parameters)
 
     # -- generating ------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> Stream:
@@ -182,6 +181,56 @@ class GenerationModel:
 
     def output_specs(self) -> tuple[TensorSpec, ...]:
         return contract.OUTPUTS
+
+    # -- what the data plane calls (served.ServedModel) ---------------------------------------------
+    def metadata(self) -> ModelMetadata:
+        return ModelMetadata(
+            name=self.name, versions=(self.version,), platform="onnxruntime_onnx", inputs=self.input_specs(),
+            outputs=self.output_specs(), parameters={"task": self.task.name, "variant": self.variant.name,
+                                                     "max_context": self.max_context,
+                                                     "kv_tokens": self.kv_budget if self.ready else None,
+                                                     "decoupled": True})
+
+    def _start_oip(self, request: InferRequest) -> Stream:
+        """An OIP request checked and submitted: its deltas (a 4xx or 503 error before any)."""
+        ids = self.prompt_ids(oip.prompt(request))
+        params = self.params(oip.sampling_fields(request.parameters), len(ids))
+        return self.generate(ids, params, self.timeout(request.parameters))
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """OIP infer (and gRPC's ModelInfer): the whole answer as one ``text_output``."""
+        started = time.perf_counter()
+        try:
+            async with self._start_oip(request) as stream:
+                pieces = [delta.text async for delta in stream]
+        except BaseException:
+            self.record(False, time.perf_counter() - started)
+            raise
+        self.record(True, time.perf_counter() - started)
+        return oip.response(self.name, self.version, request, "".join(pieces),
+                            {"finish_reason": stream.finish_reason or ""})
+
+    async def stream_infer(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """Triton's decoupled responses (gRPC's ModelStreamInfer): one per token that adds text, the
+        last flagged ``triton_final_response`` (with ``finish_reason``); closing early cancels."""
+        started = time.perf_counter()
+        ok = False
+        try:
+            async with self._start_oip(request) as stream:
+                async for delta in stream:
+                    if delta.finish_reason is not None:
+                        yield oip.response(self.name, self.version, request, delta.text,
+                                           {"triton_final_response": True, "finish_reason": delta.finish_reason})
+                    elif delta.text:
+                        yield oip.response(self.name, self.version, request, delta.text,
+                                           {"triton_final_response": False})
+            ok = True
+        finally:
+            self.record(ok, time.perf_counter() - started)
+
+    async def predict(self, request: PredictRequest) -> PredictResponse:
+        raise InvalidInputError(f"model '{self.name}' generates text: use /v2/models/{self.name}/generate, "
+                                "/v1/completions or /v1/chat/completions")
 
 
 class Stream:

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from ...errors import ErrorKind, InvalidInputError, KilnError, UnauthorizedError
-from ..app import bearer_matches
+from ..auth import bearer_matches
 from ..errors import bug_key, kind_of, throttle
 from ..metrics import Metrics
 from ..settings import ServeSettings

@@ -1,0 +1,12 @@
+"""The fault suite behind ``benchmarks/reliability/reliability.py``: a real ``kiln serve`` subprocess and the
+probes that attack it (misrouting, bad input, overload, disconnects, SIGTERM, soak, security).
+
+It lives beside the other benchmarks, not in ``src/modelkiln``: it is a measuring tool, not part of
+the product, and it needs test-only packages (hypothesis) and the test suite's error table
+(``tests/error_cases.py``), which the installed package must not depend on.
+
+- ``harness``: the server process, a raw HTTP/1.1 client (lying headers and stalls need bytes on a
+  socket, not a client library that corrects them), /metrics reading, the reference answers.
+- ``load``: probes that are about many good clients (misrouting, overload, SIGTERM, soak).
+- ``hostile``: probes that are about bad clients (bad input, fuzzing, disconnects, security).
+"""

@@ -1,0 +1,34 @@
+"""What both conversions (encoders: ``pipeline.py``; text generation: ``generation.py``) decide
+and write alike: the variants built when ``--precision`` is not given, the package versions a
+manifest records, and how a variant that is not kept leaves the artifact folder."""
+
+from __future__ import annotations
+
+import contextlib
+from importlib import metadata
+from pathlib import Path
+
+from ..tasks import text_generation
+
+
+def default_precisions(task: str, device: str) -> tuple[str, ...]:
+    """Every variant that fits the device: a text-generation model gets the low-bit decoders
+    (``int4`` = MatMulNBits), an encoder the fused graph and, on CUDA, TensorRT."""
+    if task == text_generation.NAME:
+        return ("fp32", "int8", "int4") if device == "cpu" else ("fp32", "int8", "int4", "fp16")
+    return ("fp32", "optimized", "int8") if device == "cpu" else ("fp32", "optimized", "fp16", "tensorrt")
+
+
+def versions() -> dict[str, str]:
+    """The versions of the packages a conversion's result depends on (``kiln.json``'s record)."""
+    found = {}
+    for pkg in ("modelkiln", "torch", "transformers", "onnx", "onnxruntime", "tokenizers"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[pkg] = metadata.version(pkg)
+    return found
+
+
+def remove_onnx(path: Path) -> None:
+    """An ONNX file and its external-data file, if any."""
+    path.unlink(missing_ok=True)
+    (path.parent / (path.name + ".data")).unlink(missing_ok=True)

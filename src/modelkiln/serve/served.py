@@ -1,0 +1,58 @@
+"""What the data plane, the model repository and the metrics route ask of a served model,
+whatever its kind. Two kinds implement ``ServedModel``: ``EncoderModel`` (``model.py``: a task, a
+tokenizer, ONNX sessions behind a dynamic batcher) and ``GenerationModel``
+(``generation/model.py``: a decoder behind a continuous-batching scheduler). ``served_model``
+picks the kind for an artifact folder; nothing else asks which kind a model is, except the routes
+only one kind serves (OpenAI completions, embeddings), which look for models that can."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..manifest import Manifest, Variant
+from ..tasks.text_generation import is_generation
+from .generation.model import GenerationModel
+from .json_api import PredictRequest, PredictResponse
+from .metrics import Metrics
+from .model import EncoderModel, Stats
+from .settings import ModelSpec, ServeSettings
+from .types import InferRequest, InferResponse, ModelMetadata
+
+
+class ServedModel(Protocol):
+    name: str
+    version: str
+    manifest: Manifest
+    variant: Variant
+    task: Any  # what the routes read of it: .name, .embeds
+    stats: Stats  # Triton's statistics: the data plane and the gRPC servicer report them
+    ready: bool
+    in_flight: int  # requests accepted and not yet answered: an unload waits for 0
+    instances: int
+    threads: int
+    queue_unit: str  # what its queue holds ("inputs"), for the message of a refusal
+
+    def load(self) -> None: ...  # blocking: sessions, warm-up, then its worker threads
+    def stop(self) -> None: ...  # refuse new requests, finish the accepted ones
+    def release(self) -> None: ...  # stop, then drop sessions and tokenizer (an unloaded model)
+
+    @property
+    def full(self) -> bool: ...  # a new request would be refused (503) before it is decoded
+
+    @property
+    def queued(self) -> int: ...
+
+    def record(self, ok: bool, seconds: float) -> None: ...
+    def metadata(self) -> ModelMetadata: ...
+    async def infer(self, request: InferRequest) -> InferResponse: ...
+    def stream_infer(self, request: InferRequest) -> AsyncIterator[InferResponse]: ...  # gRPC ModelStreamInfer
+    async def predict(self, request: PredictRequest) -> PredictResponse: ...  # /v2/models/{m}/predict
+
+
+def served_model(spec: ModelSpec, settings: ServeSettings, metrics: Metrics) -> ServedModel:
+    """The served model for an artifact folder, not loaded yet (``load`` is blocking)."""
+    if is_generation(Manifest.load(Path(spec.path))):
+        return GenerationModel(spec, settings, metrics)
+    return EncoderModel(spec, settings, metrics)

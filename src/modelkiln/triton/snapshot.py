@@ -1,0 +1,45 @@
+"""The modelkiln code a generated Triton repository carries: each python model's version folder
+gets its ``model.py`` (from ``models/``) and a snapshot of the modelkiln modules it imports,
+copied from the installed package at generation time, so the repository runs the exact code that
+generated it. Triton's python backend can be assumed to have numpy and tokenizers only, plus
+onnxruntime (and jinja2 for generation) where a model runs a graph itself."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+MODELS_DIR = Path(__file__).parent / "models"
+
+# The package, its errors and manifest, and the tasks (what every model here imports, with what
+# those import).
+_TASKS = (
+    "__init__.py", "errors.py", "manifest.py", "samples.py", "serve/__init__.py", "serve/types.py",
+    "tasks/__init__.py", "tasks/base.py", "tasks/classification.py", "tasks/embeddings.py",
+    "tasks/question_answering.py", "tasks/token_classification.py", "tasks/tensors.py",
+)
+
+# The encoder models (tokenize, postprocess, the python-backend onnx model); runtime/onnx.py is
+# loaded by the python-backend model only.
+ENCODER_FILES = (
+    *_TASKS, "runtime/__init__.py", "runtime/engine.py", "runtime/onnx.py", "runtime/tokenizer.py",
+    "triton/__init__.py", "triton/batching.py",
+)
+
+# The generation model: the generation package but its command line (the engines, the engine core,
+# sampling, text), and tasks/text_generation.py (which tells a generation artifact).
+GENERATION_FILES = (
+    *_TASKS, "tasks/text_generation.py", "runtime/__init__.py", "runtime/onnx.py",
+    *sorted(f"generation/{p.name}" for p in (Path(__file__).parent.parent / "generation").glob("*.py")
+            if p.name != "command.py"),
+)
+
+
+def copy_snapshot(dest: Path, files: tuple[str, ...]) -> None:
+    """``files`` (paths inside the modelkiln package) copied under ``dest``."""
+    import modelkiln
+
+    package = Path(modelkiln.__file__).parent
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(package / rel, dest / rel)
