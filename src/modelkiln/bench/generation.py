@@ -21,7 +21,8 @@ from ..errors import KilnError
 from ..generation.core import DEFAULT_MAX_RUNNING, Request, greedy, run_to_completion
 from ..generation.model import TextGenerationModel
 from ..extras import install_hint
-from .generation_backends import gguf_path, llama_cpp_available, llama_cpp_install_hint, measure_peer, ort_genai_available
+from .generation_backends import (LlamaCppBackend, OrtGenaiBackend, TorchBackend, gguf_path, llama_cpp_available,
+                                  llama_cpp_install_hint, ort_genai_available)
 from .isolation import DEFAULT_TIMEOUT_S, ChildFailed, run_in_child
 from .runner import machine_info
 from .timing import Stats
@@ -183,6 +184,27 @@ def _peers(model: TextGenerationModel, cfg: GenerationBenchConfig, notes: list[s
             notes.append(f"onnxruntime-genai: not installed ({install_hint('ortgenai')})")
         else:
             yield "onnxruntime-genai int4 (its own builder)", {"peer": "onnxruntime-genai", "artifact": str(model.folder)}
+
+
+def measure_peer(argument: dict[str, Any]) -> dict[str, Any]:
+    """One peer row, in the child process the bench starts: build the backend, run the bench's loop on
+    the inputs it was given, return its cells and notes (as JSON)."""
+    cfg = GenerationBenchConfig(**argument["config"])
+    backend = _peer_backend(argument, cfg.threads)
+    cells, notes = measure_backend(backend, argument["label"], GenerationInputs.from_dict(argument["inputs"]), cfg)
+    return {"cells": [asdict(c) for c in cells], "notes": notes}
+
+
+def _peer_backend(argument: dict[str, Any], threads: int | None) -> Any:
+    """The backend ``argument["peer"]`` names (a new peer engine is one more branch here, and its row in
+    bench/generation.py's ``_peers``)."""
+    if argument["peer"] == "pytorch":
+        return TorchBackend(TextGenerationModel(argument["artifact"]), threads)
+    if argument["peer"] == "llama.cpp":
+        return LlamaCppBackend(argument["gguf"], threads, argument["context"])
+    if argument["peer"] == "onnxruntime-genai":
+        return OrtGenaiBackend(TextGenerationModel(argument["artifact"]), threads)
+    raise ValueError(f"unknown peer {argument['peer']!r}")
 
 
 def _run_peer(label: str, peer: dict[str, Any], inputs: GenerationInputs, cfg: GenerationBenchConfig,

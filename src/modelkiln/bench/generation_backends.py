@@ -1,7 +1,7 @@
 """The peer backends of the generation bench: PyTorch ``generate`` with its KV cache, llama.cpp
 (through llama-cpp-python) on the GGUF file the artifact was converted from, and onnxruntime-genai's
 Generator on the int4 model its own builder makes from the same weights. The bench runs each in a
-child process (``measure_peer``, started through bench/isolation.py).
+child process (``generation.measure_peer``, started through bench/isolation.py).
 
 PyTorch is timed inside ``generate`` itself: a logits processor records the time each token's
 logits arrive, so prefill is the time to the first token and each decode step is the gap between
@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -71,29 +70,6 @@ def llama_cpp_available() -> bool:
         return importlib.util.find_spec("llama_cpp") is not None
     except (ImportError, ValueError):
         return False
-
-
-def measure_peer(argument: dict[str, Any]) -> dict[str, Any]:
-    """One peer row, in the child process the bench starts: build the backend, run the bench's loop on
-    the inputs it was given, return its cells and notes (as JSON)."""
-    from .generation import GenerationBenchConfig, GenerationInputs, measure_backend
-
-    cfg = GenerationBenchConfig(**argument["config"])
-    backend = _peer_backend(argument, cfg.threads)
-    cells, notes = measure_backend(backend, argument["label"], GenerationInputs.from_dict(argument["inputs"]), cfg)
-    return {"cells": [asdict(c) for c in cells], "notes": notes}
-
-
-def _peer_backend(argument: dict[str, Any], threads: int | None) -> Any:
-    """The backend ``argument["peer"]`` names (a new peer engine is one more branch here, and its row in
-    bench/generation.py's ``_peers``)."""
-    if argument["peer"] == "pytorch":
-        return TorchBackend(TextGenerationModel(argument["artifact"]), threads)
-    if argument["peer"] == "llama.cpp":
-        return LlamaCppBackend(argument["gguf"], threads, argument["context"])
-    if argument["peer"] == "onnxruntime-genai":
-        return OrtGenaiBackend(TextGenerationModel(argument["artifact"]), threads)
-    raise ValueError(f"unknown peer {argument['peer']!r}")
 
 
 class TorchBackend:
