@@ -10,7 +10,8 @@ Per layer:
     gu  = MatMul(h, W_gate_up); out = (silu(gate) * up) · W_down          (gate and up projections fused)
 
 and after the last layer the final norm, then ``lm_head`` for the positions asked for only
-(``logit_positions``: the last one for a prefill, every one for a perplexity).
+(``logit_positions``, indices into the call's tokens flattened row by row: each row's last one for
+a prefill, every one for a perplexity, one per row for a decode step).
 
 Why this graph and not the torch export (``decoder_export.py``, kept for the architectures this
 builder does not cover): ``GroupQueryAttention`` reduces each row over that row's own length
@@ -150,7 +151,8 @@ def build_serving_graph(model: Any, weights: WeightStore, path: Path) -> dict[st
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
         name = f"layers.{i + 1}.input_norm" if i + 1 < len(layers) else "final_norm"
         h, residual = g.skip_norm(out, residual, _param(norm.weight), spec.rms_eps, name)
-    last = g.node("Gather", [h, io.LOGIT_POSITIONS], "hidden_at_logit_positions", axis=1)
+    tokens = g.node("Reshape", [h, g.constant("hidden_rows", np.asarray([-1, spec.hidden], np.int64))], "hidden_by_token")
+    last = g.node("Gather", [tokens, io.LOGIT_POSITIONS], "hidden_at_logit_positions", axis=0)
     g.linear(last, "lm_head", [_param(model.lm_head.weight)], output=io.LOGITS)
 
     past_shape = ["batch", spec.kv_heads, "capacity", spec.head_dim]
@@ -158,7 +160,7 @@ def build_serving_graph(model: Any, weights: WeightStore, path: Path) -> dict[st
               helper.make_tensor_value_info(io.SEQLENS_K, TensorProto.INT32, ["batch"]),
               helper.make_tensor_value_info(io.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, []),
               helper.make_tensor_value_info(io.LOGIT_POSITIONS, TensorProto.INT64, ["positions"])]
-    outputs = [helper.make_tensor_value_info(io.LOGITS, TensorProto.FLOAT, ["batch", "positions", spec.vocab])]
+    outputs = [helper.make_tensor_value_info(io.LOGITS, TensorProto.FLOAT, ["positions", spec.vocab])]
     for i in range(spec.layers):
         for name in (io.past_key_name(i), io.past_value_name(i)):
             inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, past_shape))

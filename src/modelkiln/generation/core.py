@@ -48,6 +48,9 @@ class Engine(Protocol):
     prefix_tokens: int  # tokens the engine's prefix cache holds (they count in the KV budget)
 
     def prefill(self, seq_id: Hashable, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray: ...
+    def prefill_first(self, prompts: Sequence[tuple[Hashable, Sequence[int]]]) -> list[np.ndarray]: ...
+    @property
+    def free_staging_rows(self) -> int: ...  # how many new sequences prefill_first can take now
     def restore_prefix(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> int: ...
     def remember_prefix(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> None: ...
     def evict_prefixes(self, tokens: int) -> int: ...
@@ -74,6 +77,7 @@ class Request:
     # the core's bookkeeping
     state: SequenceState | None = None
     prefilled: int = 0  # prompt tokens in the cache so far
+    prefix_checked: bool = False  # the engine's prefix cache was asked for this prompt
     next_token: int = -1  # fed to the next decode step
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -235,10 +239,14 @@ class EngineCore:
         budget = self.prefill_chunk
         while self._prefilling and budget > 0:
             request = self._prefilling[0]
-            if request.prefilled == 0:
-                request.prefilled = self.engine.restore_prefix(request.request_id, request.prompt_ids)
-                self.hooks.prefix(request, request.prefilled)
-            end = min(len(request.prompt_ids), (request.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
+            self._restore_prefix(request)
+            if request.prefilled == 0:  # a first chunk with no past: others like it share the call
+                spent = self._prefill_first_chunks(budget, outputs)
+                if not spent:
+                    break
+                budget -= spent
+                continue
+            end = self._chunk_end(request)
             if end - request.prefilled > budget and budget < self.prefill_chunk:
                 break  # the next chunk does not fit in what is left of this step
             try:
@@ -250,15 +258,62 @@ class EngineCore:
                 continue
             budget -= end - request.prefilled
             request.prefilled = end
-            if end < len(request.prompt_ids):
-                continue
-            self._prefilling.pop(0)
-            self.engine.remember_prefix(request.request_id, request.prompt_ids)
-            if self._emit(request, logits, outputs):
-                self.engine.remove(request.request_id)
-            else:
-                self.engine.join(request.request_id)
-                self._running[request.request_id] = request
+            if end == len(request.prompt_ids):
+                self._prefilling.pop(0)
+                self._prefilled(request, logits, outputs)
+
+    def _restore_prefix(self, request: Request) -> None:
+        if not request.prefix_checked:
+            request.prefix_checked = True
+            request.prefilled = self.engine.restore_prefix(request.request_id, request.prompt_ids)
+            self.hooks.prefix(request, request.prefilled)
+
+    def _chunk_end(self, request: Request) -> int:
+        """Chunks end at fixed positions (multiples of ``prefill_chunk``), whatever the load."""
+        return min(len(request.prompt_ids), (request.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
+
+    def _prefill_first_chunks(self, budget: int, outputs: list[Output]) -> int:
+        """The first chunks of the new prompts at the head of the queue that have no cached prefix,
+        in one engine call, as many as fit ``budget`` counted in padded tokens (rows × the longest)
+        and the engine's free staging rows. Returns the tokens spent (0: not even one fits)."""
+        group: list[Request] = []
+        width = 0
+        for request in self._prefilling:
+            self._restore_prefix(request)
+            if request.prefilled or len(group) >= self.engine.free_staging_rows:
+                break
+            chunk = self._chunk_end(request)
+            if (len(group) + 1) * max(width, chunk) > budget and (group or budget < self.prefill_chunk):
+                break
+            group.append(request)
+            width = max(width, chunk)
+        if not group:
+            return 0
+        try:
+            logits = self.engine.prefill_first([(r.request_id, r.prompt_ids[:self._chunk_end(r)]) for r in group])
+        except InvalidInputError as exc:  # a prompt too long for the context: each alone says which
+            if len(group) > 1:
+                group = group[:1]
+                return self._prefill_first_chunks(self._chunk_end(group[0]), outputs)
+            self._prefilling.remove(group[0])
+            self._remove(group[0])
+            outputs.append(Output(group[0], error=exc))
+            return self._chunk_end(group[0])
+        for request, row in zip(group, logits):
+            request.prefilled = self._chunk_end(request)
+            if request.prefilled == len(request.prompt_ids):
+                self._prefilling.remove(request)
+                self._prefilled(request, row, outputs)
+        return len(group) * width
+
+    def _prefilled(self, request: Request, logits: np.ndarray, outputs: list[Output]) -> None:
+        """A prompt all in the cache: remember its prefix, emit its first token, join the batch."""
+        self.engine.remember_prefix(request.request_id, request.prompt_ids)
+        if self._emit(request, logits, outputs):
+            self.engine.remove(request.request_id)
+        else:
+            self.engine.join(request.request_id)
+            self._running[request.request_id] = request
 
     def _decode(self, outputs: list[Output]) -> None:
         if not self._running:

@@ -14,7 +14,8 @@ ATTENTION_MASK, POSITION_IDS = "attention_mask", "position_ids"
 # the serving graph
 SEQLENS_K = "seqlens_k"  # int32 [batch]: each row's total length after this call, minus one
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"  # int32 scalar: the longest row's total length
-LOGIT_POSITIONS = "logit_positions"  # int64 [positions]: which of the call's positions get logits
+LOGIT_POSITIONS = "logit_positions"  # int64 [positions]: which tokens get logits, as indices into the
+# call's [batch × sequence] tokens flattened row by row (the serving graph's logits are [positions, vocab])
 
 GRAPH_KIND_KEY = "kiln.graph"  # model metadata: which of the two contracts a graph follows
 SERVING_GRAPH = "serving"

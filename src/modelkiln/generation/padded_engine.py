@@ -58,6 +58,11 @@ class PaddedEngine:
 
     # no prefix cache: the padded batch re-pads every sequence that joins (the engine core calls these alike)
     prefix_tokens = 0
+    free_staging_rows = 1 << 30  # each pending sequence has a cache of its own
+
+    def prefill_first(self, prompts: Sequence[tuple[SeqId, Sequence[int]]]) -> list[np.ndarray]:
+        """One prefill per sequence: the exported graph would pad them to a shared width."""
+        return [self.prefill(seq_id, ids) for seq_id, ids in prompts]
 
     def restore_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> int:
         return 0

@@ -37,7 +37,8 @@ class _Staged:
 
 class ServingEngine:
     def __init__(self, session: ort.InferenceSession, heads: int, threads: int, max_context: int | None,
-                 max_rows: int = 32, staging_rows: int = 4, max_length: int | None = None, prefix_cache: bool = True):
+                 max_rows: int = 32, staging_rows: int | None = None, max_length: int | None = None,
+                 prefix_cache: bool = True):
         inputs = {i.name: i for i in session.get_inputs()}
         for required in (io.INPUT_IDS, io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH, io.LOGIT_POSITIONS, io.past_key_name(0)):
             if required not in inputs:
@@ -53,6 +54,8 @@ class ServingEngine:
         self.min_rows = -(-threads // heads)
         self.max_rows = max_rows
         self.running = RowRegion(self.shape, max_rows + self.min_rows + 1)  # room for ghost rows
+        # as many staging rows as decode rows: a burst of new prompts prefills in one call (address space only)
+        staging_rows = staging_rows or max_rows
         self.staging = RowRegion(self.shape, staging_rows)
         self.rows: list[SeqId] = []
         self._lengths = np.zeros(0, dtype=np.int32)
@@ -61,7 +64,7 @@ class ServingEngine:
         self._binding: tuple[int, ort.IOBinding] | None = None  # (rows bound, binding)
         self._past_names = [n for i in range(self.layers) for n in (io.past_key_name(i), io.past_value_name(i))]
         self._present_names = [n for i in range(self.layers) for n in (io.present_key_name(i), io.present_value_name(i))]
-        self._first_position = np.zeros(1, dtype=np.int64)
+        self._row_positions = np.arange(self.running.rows, dtype=np.int64)  # a decode step: each row's one token
         self.prefixes = PrefixCache() if prefix_cache else None
         self.ghost_rows = False
         self.ghost_rows = self._lone_row_differs()
@@ -138,16 +141,55 @@ class ServingEngine:
         logits = self._run(binding, np.asarray([ids], dtype=np.int64), np.asarray([computed - 1], dtype=np.int32),
                            computed, positions)
         staged.length = total
-        return logits[0] if all_logits else logits[0, -1]
+        return logits if all_logits else logits[-1]
+
+    def prefill_first(self, prompts: Sequence[tuple[SeqId, Sequence[int]]]) -> list[np.ndarray]:
+        """The first chunk of several new sequences in one call (right-padded to the longest: each
+        row attends over its own length, so a row gets what it would alone, bit for bit). Returns
+        each one's last-position logits. GroupQueryAttention takes several rows of more than one
+        token only when none has a past: later chunks go one sequence at a time (``prefill``)."""
+        if len(prompts) == 1:
+            seq_id, ids = prompts[0]
+            return [self.prefill(seq_id, ids)]
+        if any(seq_id in self for seq_id, _ in prompts) or any(not ids for _, ids in prompts):
+            raise InvalidInputError("prefill_first takes new sequences with at least one token each")
+        lengths = [len(ids) for _, ids in prompts]
+        width = max(lengths)
+        for length in lengths:
+            self._check_length(length)
+        if self.ghost_rows and (len(prompts) * width) % TILE_ROWS == 1:
+            width += 1  # no lone row in the last tile (see ``prefill``)
+        first = self._take_staging_rows(len(prompts))
+        ids = np.zeros((len(prompts), width), dtype=np.int64)
+        for row, (_, tokens) in enumerate(prompts):
+            ids[row, :len(tokens)] = tokens
+        positions = np.asarray([row * width + length - 1 for row, length in enumerate(lengths)], dtype=np.int64)
+        binding = self._binding_of(self.staging.views(first, first + len(prompts)))
+        logits = self._run(binding, ids, np.asarray(lengths, dtype=np.int32) - 1, width, positions)
+        for row, ((seq_id, _), length) in enumerate(zip(prompts, lengths)):
+            self._staged[seq_id] = _Staged(first + row, length)
+        return list(logits)
 
     def _stage(self, seq_id: SeqId) -> _Staged:
         staged = self._staged.get(seq_id)
         if staged is None:
-            if not self._free_staging:
-                raise KilnError(f"all {self.staging.rows} staging rows are prefilling")
-            staged = _Staged(self._free_staging.pop(), 0)
+            staged = _Staged(self._take_staging_rows(1), 0)
             self._staged[seq_id] = staged
         return staged
+
+    def _take_staging_rows(self, count: int) -> int:
+        """``count`` free staging rows side by side (one binding covers them); the first one's index."""
+        free = sorted(self._free_staging)
+        for i in range(len(free) - count + 1):
+            if free[i + count - 1] - free[i] == count - 1:
+                for row in free[i:i + count]:
+                    self._free_staging.remove(row)
+                return free[i]
+        raise KilnError(f"no {count} free staging rows side by side ({len(free)} of {self.staging.rows} free)")
+
+    @property
+    def free_staging_rows(self) -> int:
+        return len(self._free_staging)
 
     def join(self, seq_id: SeqId) -> None:
         """Move a prefilled sequence into the decode batch (it takes part in the next step)."""
@@ -182,9 +224,10 @@ class ServingEngine:
         seqlens = np.zeros(bound, dtype=np.int32)  # ghost rows: no past, their one token at position 0
         seqlens[:n] = self._lengths
         ids[n:, 0] = ids[0, 0]
-        logits = self._run(self._decode_binding(bound), ids, seqlens, int(seqlens.max()) + 1, self._first_position)
+        logits = self._run(self._decode_binding(bound), ids, seqlens, int(seqlens.max()) + 1,
+                           self._row_positions[:bound])
         self._lengths += 1
-        return logits[:n, 0]
+        return logits[:n]
 
     def _rows_to_bind(self, n: int) -> int:
         bound = max(n, self.min_rows)
@@ -261,7 +304,7 @@ class ServingEngine:
     def _probe(self, tokens: np.ndarray) -> np.ndarray:
         rows = len(tokens)
         binding = self._decode_binding(rows)
-        logits = self._run(binding, tokens[:, None], np.zeros(rows, dtype=np.int32), 1, self._first_position)
+        logits = self._run(binding, tokens[:, None], np.zeros(rows, dtype=np.int32), 1, self._row_positions[:rows])
         for row in range(rows):
             self.running.release(row)
-        return logits[:, 0].copy()
+        return logits.copy()
