@@ -145,7 +145,9 @@ def convert(
     )
     manifest = run_convert(cfg, steps=step)
     print_variants(out, manifest)
-    out.print(f"Wrote [bold]{escape(str(out_dir))}[/] ({manifest.task}, {len(manifest.kept_variants())} variants kept)")
+    default = (manifest.generation or {}).get("default_variant")
+    served = f"; served by default: {default}" if default else ""
+    out.print(f"Wrote [bold]{escape(str(out_dir))}[/] ({manifest.task}, {len(manifest.kept_variants())} variants kept{served})")
 
 
 # --- bench ------------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ class Manifest:
     problem_type: str | None = None  # classification: single_label / multi_label / regression
     pooling: Pooling | None = None
     # Text generation: eos_token_ids, chat_template, special_tokens, max_context, defaults (sampling
-    # settings), layers / kv_heads / head_dim. Read by generation/model.py.
+    # settings), layers / heads / kv_heads / head_dim, graph (serving or export, and why), and
+    # default_variant (what runs when none is named). Read by generation/model.py.
     generation: dict[str, Any] | None = None
     source: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
