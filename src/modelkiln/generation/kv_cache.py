@@ -54,16 +54,22 @@ class RowRegion:
         flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | _NORESERVE
         size = max(1, 2 * shape.layers * buffer_floats * 4)
         self._map = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
-        flat = np.frombuffer(self._map, dtype=np.float32)
-        dims = (rows, shape.kv_heads, shape.max_length, shape.head_dim)
-        # buffers[2 * layer] is the key, buffers[2 * layer + 1] the value
-        self.buffers = [flat[b * buffer_floats:(b + 1) * buffer_floats].reshape(dims) for b in range(2 * shape.layers)]
+        # [layer key/value, row, kv_heads, position, head_dim]: index 2 * layer is the key, 2 * layer + 1 the value
+        self.all = np.frombuffer(self._map, dtype=np.float32).reshape(
+            2 * shape.layers, rows, shape.kv_heads, shape.max_length, shape.head_dim)
+        self.buffers = list(self.all)  # what the graph binds, one per past/present input
         self._row_bytes = shape.row_floats * 4
 
     def copy_row(self, src: RowRegion, src_row: int, dst_row: int, length: int) -> None:
         """Copy the first ``length`` positions of a row (every layer, key and value)."""
-        for a, b in zip(self.buffers, src.buffers):
-            a[dst_row, :, :length] = b[src_row, :, :length]
+        self.all[:, dst_row, :, :length] = src.all[:, src_row, :, :length]
+
+    def read(self, row: int, start: int, stop: int) -> np.ndarray:
+        """A copy of positions [start, stop) of a row: [layer key/value, kv_heads, positions, head_dim]."""
+        return self.all[:, row, :, start:stop].copy()
+
+    def write(self, row: int, start: int, kv: np.ndarray) -> None:
+        self.all[:, row, :, start:start + kv.shape[2]] = kv
 
     def release(self, row: int) -> None:
         """Give the row's pages back to the operating system; it reads as zeros afterwards."""

@@ -102,8 +102,7 @@ class ServingEngine:
         staged = self._stage(seq_id)
         size = self.prefixes.block_tokens  # type: ignore[union-attr]
         for b, block in enumerate(blocks):
-            for buffer, kv in zip(self.staging.buffers, block.kv):
-                buffer[staged.row, :, b * size:(b + 1) * size] = kv
+            self.staging.write(staged.row, b * size, block.kv)
         staged.length = len(blocks) * size
         return staged.length
 
@@ -113,7 +112,7 @@ class ServingEngine:
         if self.prefixes is None or staged is None or staged.length < len(prompt_ids):
             return
         row = staged.row
-        self.prefixes.insert(prompt_ids, lambda a, b: [buf[row, :, a:b] for buf in self.staging.buffers])
+        self.prefixes.insert(prompt_ids, lambda start, stop: self.staging.read(row, start, stop))
 
     def evict_prefixes(self, tokens: int) -> int:
         return self.prefixes.evict(tokens) if self.prefixes else 0
