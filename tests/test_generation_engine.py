@@ -171,7 +171,7 @@ def test_a_burst_of_new_prompts_prefills_in_one_call(tiny):
     each answer is its answer alone."""
     from modelkiln.generation.core import greedy
 
-    engine = tiny.engine("fp32", threads=1, prefix_cache=False)
+    engine = tiny.engine("fp32", threads=1, prefix_cache_tokens=0)
     calls = []
     first, single = engine.prefill_first, engine.prefill
     engine.prefill_first = lambda prompts: (calls.append(len(prompts)), first(prompts))[1]
@@ -194,7 +194,7 @@ def test_a_prefix_cache_hit_changes_no_answer(tiny):
                for t in texts]
 
     def run(prefix_cache: bool, together: bool):
-        engine = tiny.engine("fp32", threads=1, prefix_cache=prefix_cache)
+        engine = tiny.engine("fp32", threads=1, prefix_cache_tokens=4096 if prefix_cache else 0)
         core = EngineCore(engine, tiny.tokenizer, tiny.eos_ids, keep_logits=True, prefill_chunk=8)
         requests = [Request(i, p, greedy(12)) for i, p in enumerate(prompts)]
         done = complete(core, requests) if together else [complete(core, [r])[0] for r in requests]
@@ -215,7 +215,7 @@ def test_a_prefix_cache_hit_changes_no_answer(tiny):
 def test_the_prefix_cache_evicts_least_recently_used_chains():
     from modelkiln.generation.prefix_cache import PrefixCache
 
-    cache = PrefixCache(block_tokens=2)
+    cache = PrefixCache(max_tokens=100, block_tokens=2)
     kv = lambda a, b: np.full((1, 1, b - a, 1), a, np.float32)  # noqa: E731
     cache.insert([1, 2, 3, 4, 5], kv)  # blocks [1,2] and [1,2,3,4]
     cache.insert([7, 8, 9], kv)  # block [7,8]
@@ -229,6 +229,10 @@ def test_the_prefix_cache_evicts_least_recently_used_chains():
     cache.lookup([1, 2, 3, 4, 6])  # the start, then its child: the start is now the older of the two
     assert cache.evict(1) == 4 and cache.tokens == 0  # the start goes, and its child with it (unreachable)
     assert cache.lookup([1, 2, 3]) == []
+    small = PrefixCache(max_tokens=4, block_tokens=2)  # a bound: the oldest chain makes room
+    small.insert([1, 2, 3, 4], kv)
+    small.insert([5, 6, 7, 8], kv)
+    assert small.tokens == 4 and [b.tokens for b in small.lookup([5, 6, 7, 8, 9])] == [(5, 6), (7, 8)]
 
 
 # --- the engine core: sampling, seeds, stop strings ---------------------------------------------------

@@ -13,6 +13,7 @@ from ..tasks.text_generation import is_generation
 from .chat import chat_messages, render_chat
 from .core import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, Engine, EngineCore
 from .engine import open_engine
+from .prefix_cache import DEFAULT_MAX_TOKENS
 from .sampling import SamplingParams
 
 
@@ -80,16 +81,17 @@ class TextGenerationModel:
         return int(self.settings.get("heads") or 1)
 
     def engine(self, variant: str | None = None, threads: int | None = None, device: str = "cpu",
-               max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True, prefix_cache: bool = True) -> Engine:
+               max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True,
+               prefix_cache_tokens: int = DEFAULT_MAX_TOKENS) -> Engine:
         _, path = self.variant_path(variant, device)
-        return self.engine_for_file(path, threads, device, max_rows, memory_arena, prefix_cache)
+        return self.engine_for_file(path, threads, device, max_rows, memory_arena, prefix_cache_tokens)
 
     def engine_for_file(self, path: Path, threads: int | None = None, device: str = "cpu",
                         max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True,
-                        prefix_cache: bool = True) -> Engine:
+                        prefix_cache_tokens: int = DEFAULT_MAX_TOKENS) -> Engine:
         """An engine on a graph file of this model (the converter's candidates are not variants yet)."""
         return open_engine(path, heads=self.heads, max_context=self.max_context, threads=threads, device=device,
-                           max_rows=max_rows, memory_arena=memory_arena, prefix_cache=prefix_cache)
+                           max_rows=max_rows, memory_arena=memory_arena, prefix_cache_tokens=prefix_cache_tokens)
 
     def core(self, variant: str | None = None, threads: int | None = None, max_running: int = DEFAULT_MAX_RUNNING,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, keep_logits: bool = False, device: str = "cpu") -> EngineCore:

@@ -12,7 +12,8 @@ bit, whether the prompt before it was prefilled in one call, in chunks, or resto
 (every op works row by row, and GroupQueryAttention over each row's own length).
 
 Blocks are evicted least recently used first, with their descendants (a chain without its start is
-unreachable), whenever the engine core needs their memory for running sequences."""
+unreachable), whenever the cache would hold more than ``max_tokens`` or the engine core needs the
+memory for running sequences: what the cache takes is bounded, so a server's memory stays flat."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import numpy as np
 # Small blocks reuse more of a prompt (only whole blocks are reused): a chat template's system prompt is
 # often 20-30 tokens. A block costs one dictionary entry and one copy in and out.
 BLOCK_TOKENS = 8
+DEFAULT_MAX_TOKENS = 4096  # outside kiln serve, which sizes it from its KV budget
 
 
 @dataclass
@@ -37,7 +39,8 @@ class _Block:
 
 
 class PrefixCache:
-    def __init__(self, block_tokens: int = BLOCK_TOKENS):
+    def __init__(self, max_tokens: int, block_tokens: int = BLOCK_TOKENS):
+        self.max_tokens = max_tokens
         self.block_tokens = block_tokens
         self._blocks: OrderedDict[int, _Block] = OrderedDict()  # least recently used first
         self.queried_tokens = 0  # prompt tokens looked up
@@ -74,7 +77,8 @@ class PrefixCache:
         """Cache every full block of ``token_ids`` not cached yet; ``read_kv(start, stop)`` returns
         a copy of those positions' KV. Returns the tokens added."""
         added, parent = 0, None
-        for b, (key, tokens) in enumerate(self._keys(token_ids, len(token_ids) // self.block_tokens)):
+        blocks = min(len(token_ids), self.max_tokens) // self.block_tokens
+        for b, (key, tokens) in enumerate(self._keys(token_ids, blocks)):
             block = self._blocks.get(key)
             if block is None or block.tokens != tokens:
                 start = b * self.block_tokens
@@ -85,6 +89,8 @@ class PrefixCache:
                 added += self.block_tokens
             self._blocks.move_to_end(key)
             parent = key
+        if self.tokens > self.max_tokens:  # the oldest chains make room (never this prompt's: just used)
+            self.evict(self.tokens - self.max_tokens)
         return added
 
     def evict(self, tokens: int) -> int:

@@ -38,7 +38,7 @@ class _Staged:
 class ServingEngine:
     def __init__(self, session: ort.InferenceSession, heads: int, threads: int, max_context: int | None,
                  max_rows: int = 32, staging_rows: int | None = None, max_length: int | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache_tokens: int = 0):
         inputs = {i.name: i for i in session.get_inputs()}
         for required in (io.INPUT_IDS, io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH, io.LOGIT_POSITIONS, io.past_key_name(0)):
             if required not in inputs:
@@ -65,7 +65,7 @@ class ServingEngine:
         self._past_names = [n for i in range(self.layers) for n in (io.past_key_name(i), io.past_value_name(i))]
         self._present_names = [n for i in range(self.layers) for n in (io.present_key_name(i), io.present_value_name(i))]
         self._row_positions = np.arange(self.running.rows, dtype=np.int64)  # a decode step: each row's one token
-        self.prefixes = PrefixCache() if prefix_cache else None
+        self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.ghost_rows = False
         self.ghost_rows = self._lone_row_differs()
 

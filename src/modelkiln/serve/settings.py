@@ -101,8 +101,9 @@ class ServeSettings(BaseModel):
         None, "Generation: KV-cache tokens for the running sequences (each its prompt + max tokens) and cached "
               "prefixes (full: requests wait, cached prefixes are dropped first).",
         gt=0, shown_default="1/4 of memory, at most max-batch-size x context")
-    prefix_cache: bool = setting(True, "Generation: reuse the KV of prompt prefixes computed before (chat "
-                                       "templates, system prompts); answers are the same with or without.")
+    prefix_cache_tokens: Optional[int] = setting(
+        None, "Generation: tokens of prompt-prefix KV kept for the prompts that follow (chat templates, system "
+              "prompts; answers are the same with or without); 0: off.", ge=0, shown_default="1/8 of max-kv-tokens")
     prefill_chunk: int = setting(128, "Generation: prompt tokens prefilled per scheduler step (running streams "
                                       "get a token between chunks).", gt=0)
     generation_timeout_s: float = setting(600.0, "Generation: seconds per request, waiting and generating.",

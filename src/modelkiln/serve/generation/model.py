@@ -39,6 +39,7 @@ log = logging.getLogger("modelkiln.serve")
 _job_ids = itertools.count(1)
 
 KV_MEMORY_FRACTION = 4  # default KV budget: 1/4 of memory
+PREFIX_CACHE_SHARE = 8  # default prefix cache: 1/8 of the KV budget (a bound: the server's memory stays flat)
 
 
 class GenerationTask:
@@ -78,9 +79,11 @@ class GenerationModel:
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         started = time.perf_counter()
-        engine = self.artifact.engine(self.variant.name, self.threads, self.settings.device,
-                                      max_rows=self.settings.max_batch_size, prefix_cache=self.settings.prefix_cache)
         self.kv_budget = self.settings.max_kv_tokens or self._default_kv_budget()
+        prefix_tokens = self.settings.prefix_cache_tokens
+        prefix_tokens = self.kv_budget // PREFIX_CACHE_SHARE if prefix_tokens is None else prefix_tokens
+        engine = self.artifact.engine(self.variant.name, self.threads, self.settings.device,
+                                      max_rows=self.settings.max_batch_size, prefix_cache_tokens=prefix_tokens)
         if self.settings.warmup:  # the first requests should not pay for onnxruntime's first runs
             engine.prefill("warm-up", [0, 1, 2, 3])  # not a prompt: its prefix is not cached
             engine.join("warm-up")
