@@ -47,7 +47,7 @@ demo: install
 	$(KILN) convert "$(MODEL_DIR)" --out $(ARTIFACT) --force
 	$(KILN) bench $(ARTIFACT) $(BENCH_GRID)
 	$(KILN) convert "$(LLM_GGUF)" --task text-generation --precision $(LLM_PRECISION) --out $(LLM_ARTIFACT) --force
-	$(KILN) generate $(LLM_ARTIFACT) "What is the capital of France?" --chat
+	$(KILN) generate $(LLM_ARTIFACT) "Give me a short tip for better sleep." --chat
 	$(KILN) bench $(LLM_ARTIFACT) $(LLM_BENCH_GRID)
 
 test: install
