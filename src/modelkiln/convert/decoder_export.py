@@ -1,13 +1,13 @@
-"""Exporting a causal LM with its KV cache to one ONNX graph, with torch's own exporter.
+"""Exporting a causal LM with its KV cache to one ONNX graph, with torch's own exporter: the graph
+for the architectures the serving graph (``serving_graph.py``) does not cover.
 
 transformers 5 keeps the cache in a ``DynamicCache`` object, which the exporter cannot take as an
 input; the wrapper below turns it into flat tensors in (``past_key_values.{i}.key/.value``) and out
-(``present.{i}.key/.value``), named as the engine reads them (``generation/_names.py``).
+(``present.{i}.key/.value``), named as the engine reads them (``generation/graph_io.py``).
 
 One graph serves prefill and decode (past length 0 for a prefill): the engine's chunked prefill
-needs a past in the prefill graph anyway, a second graph would double the weights on disk unless it
-shared them, and a decode graph with its sequence axis fixed to 1 decoded no faster (×0.99 in
-interleaved rounds, docs/convert-generation.md)."""
+needs a past in the prefill graph anyway, and a decode graph with its sequence axis fixed to 1
+decoded no faster (×0.99 in interleaved rounds)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
-"""One forward pass of the exported decoder graph in ONNX Runtime; the KV cache it returns is the
-next pass's input as it is.
+"""One forward pass of an exported decoder graph (the torch export, convert/decoder_export.py) in
+ONNX Runtime; the KV cache it returns is the next pass's input as it is. The padded engine
+(``padded_engine.py``) drives it; the serving graph has its own engine (``serving_engine.py``).
 
-The graph (names in ``_names.py``, written by ``convert/decoder_export.py``) takes ``input_ids``, ``attention_mask`` [batch, past + seq],
+The graph (names in ``graph_io.py``) takes ``input_ids``, ``attention_mask`` [batch, past + seq],
 ``position_ids`` and per layer ``past_key_values.{i}.key/.value`` [batch, kv_heads, past, head_dim];
-it returns ``logits`` and ``present.{i}.key/.value`` [batch, kv_heads, past + seq, head_dim].
+it returns ``logits`` and ``present.{i}.key/.value`` [batch, kv_heads, past + seq, head_dim]. The
+graph's own Concat of past and new token copies the cache every step (the serving graph writes it
+in place instead). On CPU the present arrays come back as numpy without a copy (onnxruntime 1.32
+hands its buffers to numpy); on CUDA, OrtValues keep the cache on the device."""
 
-The present of one step is the past of the next, and neither path below copies it between steps
-(the graph's own Concat of past and new token is the one copy; removing it needs an attention op
-that writes into a preallocated cache). Two ways of handing it back were measured
-(benchmarks/decode_cache_ab.py, SmolLM2-135M int4, 2 threads, past 128, interleaved rounds on the
-shared 2-core machine): ``session.run`` with numpy arrays, whose outputs onnxruntime (1.32, checked)
-hands to numpy without a copy (the array's base is onnxruntime's buffer), and
-``run_with_ort_values``, which keeps OrtValues. Median per-round ratio of decode tokens/s,
-OrtValues / numpy, at batch 1 and 8: 1.06 and 1.10 (4 rounds), 0.95 and 0.94 (8 rounds), 0.96 and
-0.96 (16 rounds, lm_head in int4 too): a tie within the machine's noise. On CPU we keep numpy (less
-Python per step; joining and leaving need numpy anyway); on CUDA, OrtValues keep the cache on the
-device instead of copying it to the host every step."""
 
 from __future__ import annotations
 
