@@ -118,6 +118,30 @@ def test_chunked_prefill_equals_one_prefill(make_engine):
         np.testing.assert_allclose(whole, chunked, atol=1e-5)
 
 
+def test_any_chunking_of_a_prompt_gives_the_same_bits(tiny):
+    """However a prompt is cut into chunks (a prefix-cache hit leaves any remainder, one token
+    included), its logits and the steps after it are the whole prompt's, bit for bit."""
+    engine = tiny.engine("fp32", threads=1, prefix_cache_tokens=0)
+    prompt = PROMPTS[2]
+
+    def run(split):
+        seq, start = ("split", tuple(split)), 0
+        for n in split:
+            logits = engine.prefill(seq, prompt[start:start + n])
+            start += n
+        engine.join(seq)
+        seen = [logits.copy()]
+        for _ in range(4):
+            seen.append(engine.step({seq: int(np.argmax(seen[-1]))})[0].copy())
+        engine.remove(seq)
+        return seen
+
+    whole = run([len(prompt)])
+    n = len(prompt)
+    for split in ([n - 1, 1], [1, n - 1], [5, 1, n - 6], [n - 2, 1, 1], [1] * n, [3] * (n // 3) + [n % 3] * bool(n % 3)):
+        assert all(np.array_equal(a, b) for a, b in zip(whole, run(split))), split
+
+
 def test_kv_accounting(make_engine):
     """The serving engine holds each sequence's own length; the padded one, rows × the longest."""
     engine = make_engine()

@@ -129,10 +129,14 @@ class ServingEngine:
         total = staged.length + n
         self._check_length(total)
         ids = list(token_ids)
-        if self.ghost_rows and n % TILE_ROWS == 1 and total < self.shape.max_length:
-            # a chunk whose last 128-row tile holds one token would take the lone-row path: one more
-            # token after it (causal: it changes nothing before it; its key and value are overwritten
-            # by the next real token)
+        lone_tile = self.ghost_rows and n % TILE_ROWS == 1
+        if (lone_tile or (n == 1 and staged.length > 0)) and total < self.shape.max_length:
+            # One more token after the chunk (causal: it changes nothing before it; its key and value
+            # are overwritten by the next real token) where the chunk alone would take another
+            # kernel path than the same tokens inside a longer chunk: a lone row in a 128-row
+            # MatMulNBits tile (some machines), or GroupQueryAttention's one-query path, which sums
+            # in another order than its prompt path (measured: a prompt's last token prefilled
+            # alone after the rest moved SmolLM2's fp32 logits by 2e-5, int4's by 0.5).
             ids.append(ids[-1])
         binding = self._binding_of(self.staging.views(staged.row, staged.row + 1))
         positions = np.arange(n, dtype=np.int64) if all_logits else np.asarray([n - 1], dtype=np.int64)
