@@ -39,6 +39,7 @@ def tune(
     from ..loadtest.runner import Load, parse_levels
     from ..manifest import Manifest, is_artifact
     from ..option_lists import split_list
+    from ..serve.settings import cli_flag, sweep_default, sweepable
     from .report import print_ranking, write_best, write_json
     from .sweep import Grid, run_sweep
 
@@ -49,8 +50,13 @@ def tune(
     chosen = split_list(variants) if variants else kept
     for v in chosen:
         manifest.variant(v)  # fails early, listing the kept ones
-    values = {name: sweep_values(name, raw) for name, raw in ctx.meta.get(DERIVED, {}).items()}
-    grid = Grid({"variant": tuple(chosen), **values})
+    given = {name: raw for name, raw in ctx.meta.get(DERIVED, {}).items() if raw is not None}
+    other = [cli_flag(name) for name in given if name not in sweepable("encoder")]
+    if other:
+        raise KilnError(f"{', '.join(other)}: not swept for encoder models")
+    values = {name: sweep_values(name, given.get(name) or sweep_default(name, "encoder"))
+              for name in swept_numbers("encoder")}
+    grid = Grid({"variant": tuple(chosen), **values}, "encoder")
     loads = tuple(Load("concurrency", float(int(v))) for v in parse_levels(concurrency, "--concurrency"))
     load = LoadtestOptions(url="", model=manifest.name, loads=loads, protocol=protocol, inputs=inputs, length=length,
                            batch=batch, warmup_s=warmup, window_s=window, max_windows=max_windows)
@@ -90,22 +96,40 @@ def tune(
 
 class TuneCommand(DerivedOptionsCommand):
     """``kiln tune``: its own options plus, for each numeric setting that the ServeSettings
-    declaration marks sweepable, ``--<its kiln serve flag> VALUES`` with the declared default."""
+    declaration marks sweepable, ``--<its kiln serve flag> VALUES``; its help gives the values
+    declared for each kind of model, tried when the option is not given."""
 
     insert_before = "concurrency"
 
     def derive(self) -> list[Any]:
-        from ..serve.settings import ServeSettings, cli_flag, sweep_default, sweepable, value_type
+        from ..serve.settings import MODEL_KINDS, ServeSettings, cli_flag, sweep_default
 
         params = []
-        for name in sweepable():
-            if value_type(name) in (int, float):  # variant (a string) is --variants above
-                flag = cli_flag(name)
-                field = ServeSettings.model_fields[name]
-                auto = "; auto = the server's default" if field.default is None else ""
-                help = f"{field.description} Values to try (kiln serve {flag}), comma-separated{auto}."
-                params.append(keyword(name, str, typer.Option(sweep_default(name), flag, help=help)))
+        for name in swept_numbers():
+            flag = cli_flag(name)
+            field = ServeSettings.model_fields[name]
+            auto = "; auto = the server's default" if field.default is None else ""
+            kinds = {KIND_NAMES[k]: sweep_default(name, k) for k in MODEL_KINDS if sweep_default(name, k) is not None}
+            if len(kinds) == 1:
+                default = "{1}; {0} only".format(*next(iter(kinds.items())))
+            elif len(set(kinds.values())) == 1:
+                default = next(iter(kinds.values()))
+            else:
+                default = ", ".join(f"{values} for {kind}" for kind, values in kinds.items())
+            help = f"{field.description} Values to try (kiln serve {flag}), comma-separated{auto}. Default: {default}."
+            params.append(keyword(name, Optional[str], typer.Option(None, flag, help=help, show_default=False)))
         return typer_params(params)
+
+
+KIND_NAMES = {"encoder": "encoders", "generation": "text generation"}
+
+
+def swept_numbers(kind: Optional[str] = None) -> list[str]:
+    """The numeric settings kiln tune sweeps (each its own option) for ``kind`` (None: any); the
+    variant, a string, is ``--variants``."""
+    from ..serve.settings import sweepable, value_type
+
+    return [name for name in sweepable(kind) if value_type(name) in (int, float)]
 
 
 def sweep_values(name: str, text: str) -> tuple[Any, ...]:

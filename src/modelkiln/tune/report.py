@@ -27,7 +27,7 @@ def print_ranking(console: Any, result: TuneResult) -> None:
 
     budget = f"p99 ≤ {result.p99_budget_ms:g} ms" if result.p99_budget_ms is not None else "no p99 budget"
     table = Table(title=f"kiln tune {result.model} ({budget}), best first", title_justify="left")
-    swept = list(sweepable_flags())  # a column per sweepable setting, as the declaration lists them
+    swept = list(sweepable_flags("encoder"))  # a column per sweepable setting, as the declaration lists them
     for name in ("#", *(n.replace("_", " ") for n in swept),
                  "best load", "req/s", "inputs/s", "p50 ms", "p99 ms", "server batch", "peak RSS MB", "budget"):
         table.add_column(name, justify="right")
