@@ -1,6 +1,7 @@
 """The sweep: one ``kiln serve`` process per combination of settings, a short closed-loop load test
-on each, and a ranking against a p99 budget (Model Analyzer's way: the best throughput whose
-p99 stays within budget; a combination that never meets it ranks below every one that does).
+on each, and, for encoders, a ranking against a p99 budget (Model Analyzer's way: the best
+throughput whose p99 stays within budget; a combination that never meets it ranks below every one
+that does). Text generation is judged by its own limits (``generation.py``) on the same runs.
 
 Each combination runs in a fresh server process, so one setting's thread pools, arena growth or
 queue state cannot leak into the next measurement; the server's peak resident memory (VmHWM)
