@@ -54,8 +54,8 @@ def tune(
     under `kiln loadtest --check`, and pick the best output tokens/s among those with no failed
     request, no changed answer, TTFT p99 within --ttft-p99-ms and the variant's perplexity change
     (the conversion gate's) within --max-ppl-increase. A generation configuration takes minutes
-    (SmolLM2-135M, 2 shared cores, the defaults: 2 to 4 minutes, half of it or more --check's
-    answers alone), so the default grid is small: every kept variant × the --max-batch-size and
+    (SmolLM2-135M, 2 shared cores, the defaults: 2 to 4 minutes, --check's answers alone
+    included), so the default grid is small: every kept variant × the --max-batch-size and
     --prefill-chunk values below. Details: docs/tune.md."""
     from ..errors import KilnError
     from ..manifest import Manifest, is_artifact
