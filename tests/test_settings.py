@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from modelkiln.errors import KilnError
 from modelkiln.serve import command
 from modelkiln.serve.config_file import read_serve_config
-from modelkiln.serve.settings import ServeSettings, cli_flag, declared, env_var, sweepable
+from modelkiln.serve.settings import ServeSettings, cli_flag, declared, env_var, sweep_default, sweepable
 from modelkiln.tune.sweep import Grid, sweepable_flags
 
 
@@ -174,13 +174,18 @@ def test_only_kiln_serve_imports_the_declaration():
 def test_tune_sweeps_what_the_declaration_marks(monkeypatch):
     assert sweepable_flags() == {name: cli_flag(name) for name in sweepable()}
     assert sweepable_flags()["max_queue_delay_ms"] == "--max-queue-delay-ms" and "port" not in sweepable_flags()
+    # per kind of model: what the declaration's sweep= names for it
+    assert list(sweepable_flags("generation")) == ["variant", "threads", "max_batch_size", "prefill_chunk"]
+    assert "prefill_chunk" not in sweepable_flags("encoder") and "instances" in sweepable_flags("encoder")
+    assert sweep_default("max_batch_size", "encoder") == "32" and sweep_default("max_batch_size", "generation") == "8,16"
     # marking another field sweepable in the declaration is all it takes: kiln serve's flag for
     # the sweep and a kiln tune option with the declared default values
     extra = ServeSettings.model_fields["max_queue_size"].json_schema_extra
     monkeypatch.setitem(extra, "sweep", "512,1024")
     assert sweepable_flags()["max_queue_size"] == "--max-queue-size"
+    assert sweep_default("max_queue_size", "generation") == "512,1024"
     options = {p.name: p for p in _tune_command().derive()}
-    assert options["max_queue_size"].opts == ["--max-queue-size"] and options["max_queue_size"].default == "512,1024"
+    assert options["max_queue_size"].opts == ["--max-queue-size"] and "Default: 512,1024." in options["max_queue_size"].help
 
 
 def _tune_command():
@@ -196,10 +201,14 @@ def test_tune_options_are_the_numeric_sweepable_settings():
     numeric = [n for n in sweepable() if n != "variant"]  # variant is tune's own --variants
     assert list(options) == numeric
     assert {n: options[n].opts[0] for n in numeric} == {n: cli_flag(n) for n in numeric}
-    assert options["instances"].default == "1,2" and options["max_queue_delay_ms"].default == "0,2"
+    # not given: the values the declaration gives for the artifact's kind, which the help says
+    assert all(options[n].default is None for n in numeric)
+    assert "Default: 1,2; encoders only." in options["instances"].help
+    assert "Default: 32 for encoders, 8,16 for text generation." in options["max_batch_size"].help
     r = kiln("tune", "--help", env={"COLUMNS": "80"}, timeout=60)
     text = " ".join(r.stdout.split())
-    assert r.returncode == 0 and all(f"{cli_flag(n)} <str>" in text for n in numeric) and "completion" not in text
+    assert r.returncode == 0 and all(f"{cli_flag(n)} <str>" in text for n in numeric)
+    assert "--install-completion" not in text and "--show-completion" not in text  # (--protocol names openai-completions)
 
 
 def test_tune_values_are_typed_as_declared():
@@ -214,9 +223,13 @@ def test_tune_values_are_typed_as_declared():
 
 def test_grid_combinations_follow_the_declaration():
     combos = Grid({"variant": ("int8", "fp32"), "instances": (1,), "max_batch_size": (8, 16)}).combinations()
-    assert len(combos) == 4 and all(list(c) == list(sweepable()) for c in combos)
+    assert len(combos) == 4 and all(list(c) == list(sweepable("encoder")) for c in combos)
     pairs = {(c["variant"], c["max_batch_size"]) for c in combos}
     assert pairs == {("int8", 8), ("int8", 16), ("fp32", 8), ("fp32", 16)}
     assert all(c["threads"] is None for c in combos)  # not swept: the server's default
-    with pytest.raises(KilnError, match="not sweepable: port"):
+    with pytest.raises(KilnError, match="not sweepable for encoder models: port"):
         Grid({"port": (1, 2)}).combinations()
+    combos = Grid({"variant": ("fp32",), "prefill_chunk": (64, 256)}, "generation").combinations()
+    assert combos == [{"variant": "fp32", "threads": None, "max_batch_size": None, "prefill_chunk": c} for c in (64, 256)]
+    with pytest.raises(KilnError, match="not sweepable for generation models: instances"):
+        Grid({"instances": (1, 2)}, "generation").combinations()

@@ -145,10 +145,15 @@ def write_csv(path: Path, result: RunResult) -> None:
             writer.writerow(row)
 
 
-def write_json(path: Path, result: RunResult) -> None:
+def record(result: RunResult) -> dict[str, Any]:
+    """The whole run as ``--json`` writes it (``read_json`` reads it back); ``kiln tune`` embeds it."""
     data = asdict(result)
     data["steps"] = [{**summary(s), **d} for s, d in zip(result.steps, data["steps"])]
-    Path(path).write_text(json.dumps({"kiln_loadtest": 1, **data}, indent=2), encoding="utf-8")
+    return {"kiln_loadtest": 1, **data}
+
+
+def write_json(path: Path, result: RunResult) -> None:
+    Path(path).write_text(json.dumps(record(result), indent=2), encoding="utf-8")
 
 
 def _breakdown(data: dict[str, Any] | None) -> ServerBreakdown | None:

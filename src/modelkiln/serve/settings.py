@@ -4,7 +4,8 @@ enums) and whether ``kiln tune`` may sweep it; everything else is derived from t
 - ``KILN_<FIELD>`` environment variables (``ServeSettings.from_env``),
 - the ``kiln serve`` flags and their help (``serve/command.py``: ``cli_flag``, ``help_line``),
 - the ``--config`` file's validation (``serve/config_file.py``),
-- ``kiln tune``'s options and the flags it sweeps (``sweepable``, ``sweep_default``: ``tune/``).
+- ``kiln tune``'s options and the flags it sweeps for each kind of model (``sweepable``,
+  ``sweep_default``: ``tune/``).
 
 A frozen pydantic model rather than pydantic-settings' ``BaseSettings``: ``BaseSettings`` reads
 ``os.environ`` on every construction, so ``ServeSettings()`` in a test or a library caller would
@@ -38,11 +39,15 @@ class ModelSpec:
     variant: str | None = None  # None: the fastest kept variant for ``device``
 
 
-def setting(default: Any, help: str, *, sweep: str | None = None, flag: str | None = None,
+MODEL_KINDS = ("encoder", "generation")  # what kiln tune sweeps differs between them (``sweep=``)
+
+
+def setting(default: Any, help: str, *, sweep: str | Mapping[str, str] | None = None, flag: str | None = None,
             shown_default: str | None = None, **checks: Any) -> Any:
     """A declared setting. ``help`` is the flag's help (env var and default are appended);
     ``sweep``: ``kiln tune`` may try several values of it, by default these (comma-separated;
-    ``auto``: the server's default; ``kept``: every kept CPU variant); ``flag``: the CLI flag
+    ``auto``: the server's default; ``kept``: every kept CPU variant), for every model kind, or
+    ``{kind: values}`` for the kinds of ``MODEL_KINDS`` it applies to; ``flag``: the CLI flag
     when it is not ``--field-name``; ``shown_default``: how help shows a default of None
     ("cores / instances"); ``checks``: pydantic constraints (ge, gt, le)."""
     extra = {"sweep": sweep, "flag": flag, "shown_default": shown_default}
@@ -68,26 +73,28 @@ class ServeSettings(BaseModel):
                                   shown_default="the host's cores")
     threads: Optional[int] = setting(None, "onnxruntime intra-op threads per instance.", sweep="auto", ge=1,
                                      shown_default="cpus / instances")
-    instances: Optional[int] = setting(None, "Engine sessions per model running batches in parallel.", sweep="1,2",
-                                       ge=1, shown_default="2 on CPU, 1 on GPU")
+    instances: Optional[int] = setting(None, "Engine sessions per model running batches in parallel.",
+                                       sweep={"encoder": "1,2"}, ge=1, shown_default="2 on CPU, 1 on GPU")
     # The session that runs a lone request on an idle server (see Batcher: ``alone``).
     alone_threads: Optional[int] = setting(
-        None, "Threads for a lone request on an idle server, in a session of its own (0 = off).", sweep="auto", ge=0,
-        shown_default="all cpus")
+        None, "Threads for a lone request on an idle server, in a session of its own (0 = off).",
+        sweep={"encoder": "auto"}, ge=0, shown_default="all cpus")
     # --- batching
-    max_batch_size: int = setting(32, "Inputs per model batch (generation: sequences running together).", sweep="32", gt=0)
+    # Generation: with more streams than this, the others wait for a running one to end before their first token.
+    max_batch_size: int = setting(32, "Inputs per model batch (generation: sequences running together).",
+                                  sweep={"encoder": "32", "generation": "8,16"}, gt=0)
     # It bounds a batch's activation memory. On CPU long inputs gain nothing from batching (int8
     # all-MiniLM-L6-v2: 60 sequences/s at 1 × 128 tokens, 62 at 8 × 128), and a backlog of long
     # SQuAD paragraphs took the server to a 1.0 GB peak with 8192, 552 MB with 2048, 424 MB with 1024.
     max_batch_tokens: Optional[int] = setting(None, "Padded tokens per model batch (rows × longest row).",
-                                              sweep="auto", gt=0, shown_default="1024 on CPU, 8192 on GPU")
+                                              sweep={"encoder": "auto"}, gt=0, shown_default="1024 on CPU, 8192 on GPU")
     # Measured on all-MiniLM-L6-v2 int8, 2 cores, STS-B sentences, 16 clients in process: no
     # limit 330-350 req/s, 0.5 ~390, 0.15 ~440-470, 0 (equal lengths only) ~410. On CPU a batch of
     # short texts runs little faster per text than one text alone, so padding is pure loss.
     max_padding: Optional[float] = setting(None, "Padding a batch may add, as a fraction of its real tokens.",
-                                           sweep="auto", ge=0, shown_default="0.15 on CPU, 1.0 on GPU")
+                                           sweep={"encoder": "auto"}, ge=0, shown_default="0.15 on CPU, 1.0 on GPU")
     max_queue_delay_ms: float = setting(0.0, "Extra wait for a fuller batch, ms (0 = run whatever is queued).",
-                                        sweep="0,2", ge=0)
+                                        sweep={"encoder": "0,2"}, ge=0)
     max_queue_size: int = setting(1024, "Inputs (generation: requests) waiting before requests get 503 at once.", gt=0)
     # --- limits
     request_timeout_s: float = setting(30.0, "Seconds per request.", flag="--request-timeout", gt=0)
@@ -105,7 +112,7 @@ class ServeSettings(BaseModel):
         None, "Generation: tokens of prompt-prefix KV kept for the prompts that follow (chat templates, system "
               "prompts; answers are the same with or without); 0: off.", ge=0, shown_default="1/8 of max-kv-tokens")
     prefill_chunk: int = setting(128, "Generation: prompt tokens prefilled per scheduler step (running streams "
-                                      "get a token between chunks).", gt=0)
+                                      "get a token between chunks).", sweep={"generation": "128"}, gt=0)
     generation_timeout_s: float = setting(600.0, "Generation: seconds per request, waiting and generating.",
                                           flag="--generation-timeout", gt=0)
     truncate_prompt: bool = setting(False, "Generation: cut prompts longer than the context from the left "
@@ -208,9 +215,12 @@ def cli_flag(name: str) -> str:
     return (_meta(f).get("flag") if f else None) or "--" + name.replace("_", "-")
 
 
-def sweep_default(name: str) -> str | None:
-    """The values ``kiln tune`` tries by default (None: not sweepable)."""
-    return _meta(ServeSettings.model_fields[name]).get("sweep")
+def sweep_default(name: str, kind: str) -> str | None:
+    """The values ``kiln tune`` tries by default for a model of ``kind`` (None: not swept for it)."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind {kind!r} is not one of {MODEL_KINDS}")
+    sweep = _meta(ServeSettings.model_fields[name]).get("sweep")
+    return sweep.get(kind) if isinstance(sweep, Mapping) else sweep
 
 
 def value_type(name: str) -> Any:
@@ -236,9 +246,11 @@ def help_line(name: str) -> str:
     return f"{ServeSettings.model_fields[name].description} (env {env_var(name)}, default {shown_default(name)})"
 
 
-def sweepable() -> tuple[str, ...]:
-    """The settings ``kiln tune`` may sweep (declared with ``sweep=...``), in declaration order."""
-    return tuple(name for name in declared() if sweep_default(name) is not None)
+def sweepable(kind: str | None = None) -> tuple[str, ...]:
+    """The settings ``kiln tune`` may sweep (declared with ``sweep=...``) for a model of ``kind``
+    (None: for any kind), in declaration order."""
+    kinds = MODEL_KINDS if kind is None else (kind,)
+    return tuple(name for name in declared() if any(sweep_default(name, k) is not None for k in kinds))
 
 
 def describe_error(exc: ValidationError, sources: Mapping[str, str] | None = None) -> str:

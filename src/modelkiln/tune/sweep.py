@@ -1,6 +1,7 @@
 """The sweep: one ``kiln serve`` process per combination of settings, a short closed-loop load test
-on each, and a ranking against a p99 budget (Model Analyzer's way: the best throughput whose
-p99 stays within budget; a combination that never meets it ranks below every one that does).
+on each, and, for encoders, a ranking against a p99 budget (Model Analyzer's way: the best
+throughput whose p99 stays within budget; a combination that never meets it ranks below every one
+that does). Text generation is judged by its own limits (``generation.py``) on the same runs.
 
 Each combination runs in a fresh server process, so one setting's thread pools, arena growth or
 queue state cannot leak into the next measurement; the server's peak resident memory (VmHWM)
@@ -25,26 +26,30 @@ from ..net import child_environment, free_port, wait_until_ready
 
 
 
-def sweepable_flags() -> dict[str, str]:
-    """The settings ``kiln tune`` may sweep, as ServeSettings field names → the ``kiln serve`` flag
-    that sets each: whatever the declaration marks with ``sweep=`` (serve/settings.py)."""
+def sweepable_flags(kind: str | None = None) -> dict[str, str]:
+    """The settings ``kiln tune`` may sweep for a model of ``kind`` (None: any), as ServeSettings
+    field names → the ``kiln serve`` flag that sets each: whatever the declaration marks with
+    ``sweep=`` (serve/settings.py)."""
     from ..serve.settings import cli_flag, sweepable
 
-    return {name: cli_flag(name) for name in sweepable()}
+    return {name: cli_flag(name) for name in sweepable(kind)}
 
 
 @dataclass(frozen=True)
 class Grid:
     """The values to try per sweepable setting (ServeSettings field names → values; None: the
-    server's default). A sweepable setting left out runs at the server's default."""
+    server's default) for a model of ``kind``. A sweepable setting left out runs at the server's
+    default."""
 
     values: Mapping[str, Sequence[Any]]
+    kind: str = "encoder"
 
     def combinations(self) -> list[dict[str, Any]]:
-        keys = tuple(sweepable_flags())
+        keys = tuple(sweepable_flags(self.kind))
         unknown = sorted(set(self.values) - set(keys))
         if unknown:
-            raise KilnError(f"not sweepable: {', '.join(unknown)} (sweepable: {', '.join(keys)})")
+            raise KilnError(f"not sweepable for {self.kind} models: {', '.join(unknown)} "
+                            f"(sweepable: {', '.join(keys)})")
         axes = [tuple(self.values.get(k) or (None,)) for k in keys]
         return [dict(zip(keys, combo)) for combo in itertools.product(*axes)]
 
@@ -160,24 +165,32 @@ def pick_best_step(run: RunResult, budget_ms: float | None) -> tuple[StepResult 
     return (min(pool, key=lambda s: s.latency.p99) if pool else None), False  # type: ignore[union-attr]
 
 
+def serve_and_load(artifact: Path, settings: dict[str, Any], load: LoadtestOptions,
+                   start_timeout: float = 120.0) -> tuple[RunResult | None, float | None, str | None]:
+    """One trial: ``kiln serve`` with ``settings`` in a fresh process, ``load`` run on it (its url
+    and label replaced), and the server's peak memory; or the error that stopped it."""
+    label = ", ".join(f"{k}={v}" for k, v in settings.items())
+    try:
+        with ServeProcess(artifact, load.model, settings, timeout=start_timeout) as server:
+            run = run_loadtest(replace(load, url=server.url, label=label))
+            return run, server.peak_rss_mb(), None
+    except KilnError as exc:
+        return None, None, str(exc)
+
+
 def run_sweep(artifact: Path, grid: Grid, load: LoadtestOptions, budget_ms: float | None,
               on_trial: Callable[[int, int, Trial], None] | None = None, start_timeout: float = 120.0) -> TuneResult:
     """``load`` is the load test to run on each server (its url is replaced; model must be set)."""
     result = TuneResult(str(artifact), load.model, budget_ms)
     combos = grid.combinations()
+    load = replace(load, stop_p99_ms=budget_ms if budget_ms is not None else load.stop_p99_ms)
     for i, settings in enumerate(combos, 1):
         trial = Trial(settings)
-        label = ", ".join(f"{k}={v}" for k, v in settings.items())
-        try:
-            with ServeProcess(artifact, load.model, settings, timeout=start_timeout) as server:
-                trial.run = run_loadtest(replace(load, url=server.url, label=label,
-                                                 stop_p99_ms=budget_ms if budget_ms is not None else load.stop_p99_ms))
-                trial.peak_rss_mb = server.peak_rss_mb()
+        trial.run, trial.peak_rss_mb, trial.error = serve_and_load(artifact, settings, load, start_timeout)
+        if trial.run is not None:
             trial.best, trial.within_budget = pick_best_step(trial.run, budget_ms)
             if trial.best is None:
                 trial.error = "no successful requests"
-        except KilnError as exc:
-            trial.error = str(exc)
         result.trials.append(trial)
         if on_trial is not None:
             on_trial(i, len(combos), trial)
