@@ -82,7 +82,10 @@ class GenerationChecker(Checker):
         if not record.complete:
             return None  # counted as a mid-stream error by its code
         if record.text != ref.text:
-            return self._found(index, "text", f"{_cut(record.text)!r} instead of {_cut(ref.text)!r}")
+            at = next((i for i, (a, b) in enumerate(zip(record.text, ref.text)) if a != b),
+                      min(len(record.text), len(ref.text)))
+            return self._found(index, "text", f"from character {at}: {_around(record.text, at)!r} instead of "
+                                              f"{_around(ref.text, at)!r}")
         faults = stream_faults(record)
         if faults:
             return self._found(index, "usage", faults[0])
@@ -95,8 +98,10 @@ class GenerationChecker(Checker):
         return None
 
 
-def _cut(text: str, n: int = 60) -> str:
-    return text if len(text) <= n else text[:n] + "..."
+def _around(text: str, at: int, n: int = 40) -> str:
+    """The text from a little before ``at`` (where two answers part), at most ``n`` characters."""
+    start = max(0, at - 10)
+    return ("..." if start else "") + text[start:start + n] + ("..." if len(text) > start + n else "")
 
 
 async def generation_references(url: str, raws: Sequence[bytes], protocol: str, timeout: float,
