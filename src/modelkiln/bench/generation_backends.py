@@ -177,7 +177,10 @@ class OrtGenaiBackend:
 
     def _generator(self, prompts: list[list[int]], new_tokens: int) -> Any:
         params = self.og.GeneratorParams(self.model)
-        params.set_search_options(max_length=len(prompts[0]) + new_tokens + 2, do_sample=False, batch_size=len(prompts))
+        length = len(prompts[0]) + new_tokens + 2
+        # min_length = max_length: no end-of-sequence stops a row early (a done generator returns at once
+        # from generate_next_token, which would time nothing)
+        params.set_search_options(max_length=length, min_length=length, do_sample=False, batch_size=len(prompts))
         return self.og.Generator(self.model, params)
 
     def prefill_seconds(self, ids: list[int]) -> float:
