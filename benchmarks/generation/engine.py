@@ -11,7 +11,11 @@ drifts from minute to minute: compare within a round):
    before the serving graph (the torch export, left-padded batch, cache copied every step: rebuilt
    here once from the same weights, fp32 as it served);
 3. greedy answers of 16 prompts (64 tokens) each alone and all 16 at once, through the engine core:
-   how many change.
+   how many change;
+4. what each engine's speed costs in accuracy: perplexity on 16 SQuAD paragraphs (256 tokens each,
+   the gate's measure) of PyTorch's weights (kiln fp32), each kiln variant, llama.cpp
+   (llama-cpp-python with every position's logits) and onnxruntime-genai's int4 (its graph run by
+   onnxruntime).
 
     python benchmarks/generation/engine.py ARTIFACT --llama-server PATH/TO/llama-server \\
         --rounds 3 --out benchmarks/results/generation-engine
@@ -30,6 +34,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+import numpy as np
 
 from modelkiln.data import sts_sentences
 from modelkiln.embedded import embedded_model_path
@@ -110,6 +116,49 @@ class OrtGenai:
         return len(steps) / sum(steps)
 
 
+def perplexities(model: TextGenerationModel, variants: list[str], notes: list[str]) -> dict[str, float]:
+    from modelkiln.bench.generation_backends import _ort_genai_model
+    from modelkiln.convert.generation_gate import perplexity
+    from modelkiln.data import read_squad
+
+    paragraphs = [model.prompt_ids(p)[:256] for p in read_squad()[0][:16]]
+    result = {}
+    for v in variants:
+        engine = model.engine(v, THREADS, prefix_cache_tokens=0)
+        logits = []
+        for i, ids in enumerate(paragraphs):
+            logits.append(engine.prefill(i, ids, all_logits=True))
+            engine.remove(i)
+        result[f"kiln {v}"] = perplexity(logits, paragraphs)
+    try:
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=str(embedded_model_path("SmolLM2-135M-Instruct")), n_threads=THREADS, n_ctx=512,
+                    logits_all=True, verbose=False)
+        logits = []
+        for ids in paragraphs:
+            llm.reset()
+            llm.eval(ids)
+            logits.append(np.array(llm.scores[:len(ids)], dtype=np.float32))
+        result["llama.cpp"] = perplexity(logits, paragraphs)
+    except ImportError:
+        notes.append("llama.cpp perplexity: llama-cpp-python not installed")
+    try:
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(str(_ort_genai_model(model.manifest.source["model"]) / "model.onnx"),
+                                       providers=["CPUExecutionProvider"])
+        empty = np.zeros((1, model.settings["kv_heads"], 0, model.settings["head_dim"]), np.float32)
+        pasts = {i.name: empty for i in session.get_inputs() if i.name.startswith("past_key_values")}
+        logits = [session.run(["logits"], {"input_ids": np.asarray([ids], np.int64),
+                                           "attention_mask": np.ones((1, len(ids)), np.int64), **pasts})[0][0]
+                  for ids in paragraphs]
+        result["onnxruntime-genai int4"] = perplexity(logits, paragraphs)
+    except ImportError:
+        notes.append("onnxruntime-genai perplexity: onnxruntime-genai not installed")
+    return result
+
+
 def export_engine(model: TextGenerationModel, folder: Path) -> PaddedEngine:
     """The engine before the serving graph: SmolLM2 through the torch export, fp32."""
     path = folder / "model.onnx"
@@ -172,6 +221,7 @@ def main() -> None:
         alone = [c.token_ids for c in (complete(cores[default], [Request(0, p, greedy(64))])[0] for p in crowd)]
         together = [c.token_ids for c in complete(cores[default], [Request(i, p, greedy(64)) for i, p in enumerate(crowd)])]
         changed = sum(a != t for a, t in zip(alone, together))
+        ppl = perplexities(model, variants, notes)
     finally:
         for peer in peers.values():
             if hasattr(peer, "close"):
@@ -187,13 +237,17 @@ def main() -> None:
         total, decode = statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)
         lines.append(f"  {k}: {total:.1f} [{decode:.1f}] ({total / base_many:.2f}x the engine before)")
     lines.append(f"greedy answers, 16 prompts x 64 tokens, alone vs all together ({default}): {changed} of 16 changed")
+    lines.append("perplexity on 16 SQuAD paragraphs (kiln fp32 computes PyTorch's weights):")
+    for k, v in ppl.items():
+        lines.append(f"  {k}: {v:.3f} ({(v / ppl['kiln fp32'] - 1) * 100:+.2f}%)")
     lines += [f"note: {n}" for n in notes]
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
         args.out.with_suffix(".json").write_text(json.dumps({"one_stream": one, "streams_16": many, "changed": changed,
-                                                             "default_variant": default, "notes": notes}, indent=2) + "\n")
+                                                             "perplexity": ppl, "default_variant": default,
+                                                             "cpu": cpu, "notes": notes}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
