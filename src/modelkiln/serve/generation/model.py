@@ -19,7 +19,6 @@ from typing import Any
 
 
 from ...errors import InvalidInputError
-from ...generation.chat import render_chat
 from ...generation.core import EngineCore
 from ...generation.model import TextGenerationModel
 from ...generation.sampling import SamplingParams
@@ -72,8 +71,7 @@ class GenerationModel:
         # under Ray sizes it from the replica's reservation, not from the host's cores.
         self.instances = 1
         self.threads = settings.threads or settings.cpus or os.cpu_count() or 1
-        special = self.artifact.settings.get("special_tokens") or {}
-        self._special_tokens = {k: v for k, v in special.items() if isinstance(v, str)}
+        self.chat = self.artifact.chat_tokens(settings.special_tokens_in_messages)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -143,9 +141,9 @@ class GenerationModel:
         return self._fit(ids)
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Messages rendered with the artifact's chat template (which writes its own special tokens)."""
-        text = render_chat(self.artifact.chat_template or "", messages, **self._special_tokens)
-        return self._fit(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        """Messages rendered with the artifact's chat template, their text kept as text
+        (``generation/chat_tokens.py``)."""
+        return self._fit(self.chat.ids(messages))
 
     def _fit(self, ids: list[int]) -> list[int]:
         if not ids:

@@ -76,7 +76,7 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
         raise InvalidInputError("'messages' must be a non-empty list")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        if not isinstance(m, dict) or "role" not in m:
             raise InvalidInputError(f"message {i} must be an object with a 'role'")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
