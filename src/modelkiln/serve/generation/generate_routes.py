@@ -47,7 +47,7 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         body = await json_body(request, limit)
         model = plane.generation_model(name, version)
         text, fields = _fields(body)
-        ids = model.prompt_ids(text)
+        ids = await model.prompt_ids(text)
         return model, model.generate(ids, model.params(fields, len(ids)), model.timeout(fields))
 
     @app.post("/v2/models/{name}/generate")

@@ -61,11 +61,11 @@ def _check(body: dict[str, Any]) -> None:
         raise InvalidInputError("'stream_options' is an object, allowed only with 'stream': true")
 
 
-def _completion_prompt(model: GenerationModel, prompt: Any) -> list[int]:
+async def _completion_prompt(model: GenerationModel, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt)):
-        return model.prompt_ids(prompt)
+        return await model.prompt_ids(prompt)
     if isinstance(prompt, list):
         raise InvalidInputError("'prompt' must be one string or one list of token ids (n = 1 prompt per request)")
     raise InvalidInputError("'prompt' must be a string or a list of token ids")
@@ -102,7 +102,10 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         body = await json_body(request, limit)
         _check(body)
         model = plane.generation_model(body.get("model") if isinstance(body.get("model"), str) else None)
-        ids = model.chat_ids(_chat_messages(body.get("messages"))) if chat else _completion_prompt(model, body.get("prompt"))
+        if chat:
+            ids = await model.chat_ids(_chat_messages(body.get("messages")))
+        else:
+            ids = await _completion_prompt(model, body.get("prompt"))
         params = model.params(body, len(ids))
         stream = model.generate(ids, params)
         kind = "chatcmpl" if chat else "cmpl"
