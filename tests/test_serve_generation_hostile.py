@@ -36,10 +36,11 @@ def serve(artifact, *args: str) -> Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_generation_artifact):
-    srv = serve(tiny_generation_artifact, "--max-batch-size", "8")
+    srv = serve(tiny_generation_artifact, "--max-batch-size", "8", "--body-read-timeout", "1")
     yield srv
     code, err = srv.stop()
     assert code == 0, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]  # no bad request was a bug
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +241,29 @@ def test_a_prompt_longer_than_the_context_is_a_400_before_any_compute(server):
     # the engine saw none of them: only the streams' prompts were counted (the reference's and each stream's)
     prompt = completion(server.url, prompt=PROMPT, max_tokens=1).json()["usage"]["prompt_tokens"]
     assert metric(server, "vllm:prompt_tokens_total") - before == (1 + len(streams) + 1) * prompt
+
+
+def test_a_stalled_body_is_a_408_and_a_vanished_one_is_no_error(server):
+    """On the generation routes as on the inference routes: a client that announces a body and
+    stops sending is answered 408 after --body-read-timeout (1 s here) and its connection closed;
+    one that leaves mid-body is nobody's error (it logged a traceback; the fixture checks the log)."""
+    import socket
+
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n"
+            f"Content-Type: application/json\r\n\r\n").encode() + b'{"model": '
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as stalled:
+        stalled.sendall(head)
+        started = time.monotonic()
+        reply = b""
+        while chunk := stalled.recv(4096):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"connection: close" in reply.lower()
+        assert time.monotonic() - started < 5
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as gone:
+            gone.sendall(head)
+    assert "'model' must be a string" in error(httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": 7, "messages": [{"role": "user", "content": "Hi"}]}))
 
 
 # --- faults ---------------------------------------------------------------------------------------------

@@ -96,12 +96,15 @@ def _usage(stream: Stream) -> dict[str, int]:
 
 
 def register(app: FastAPI, plane: DataPlane) -> None:
-    limit = plane.settings.max_body_bytes
+    limit, timeout = plane.settings.max_body_bytes, plane.settings.body_read_timeout_s
 
     async def run(request: Request, chat: bool) -> Response:
-        body = await json_body(request, limit)
+        body = await json_body(request, limit, timeout)
         _check(body)
-        model = plane.generation_model(body.get("model") if isinstance(body.get("model"), str) else None)
+        name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise InvalidInputError(f"'model' must be a string, got {name!r}")
+        model = plane.generation_model(name)
         if chat:
             ids = await model.chat_ids(_chat_messages(body.get("messages")))
         else:
