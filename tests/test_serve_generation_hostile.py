@@ -249,8 +249,8 @@ def test_a_stalled_body_is_a_408_and_a_vanished_one_is_no_error(server):
     one that leaves mid-body is nobody's error (it logged a traceback; the fixture checks the log)."""
     import socket
 
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n"
-            f"Content-Type: application/json\r\n\r\n").encode() + b'{"model": '
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n"
+            b"Content-Type: application/json\r\n\r\n{\"model\": ")
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as stalled:
         stalled.sendall(head)
         started = time.monotonic()
