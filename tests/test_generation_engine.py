@@ -329,9 +329,25 @@ def test_repetition_penalty_lowers_seen_tokens():
 
 
 def test_invalid_sampling_settings_are_typed_errors():
-    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(stop=("",))):
+    nan, inf = float("nan"), float("inf")
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(stop=("",)),
+                dict(temperature=nan), dict(temperature=inf), dict(top_p=nan), dict(repetition_penalty=nan),
+                dict(repetition_penalty=inf), dict(seed=-1), dict(seed=2**64)):
         with pytest.raises(InvalidInputError):
             SamplingParams(**bad)
+
+
+def test_extreme_but_valid_settings_still_choose_a_token():
+    """A tiny temperature or a tiny/huge penalty overflows float arithmetic (inf - inf = NaN made
+    numpy refuse the probabilities: the request failed, and with it every stream in its batch)."""
+    logits = np.random.default_rng(2).normal(size=100).astype(np.float32) * 10
+    seen = list(range(100))
+    for params in (dict(temperature=1e-300), dict(temperature=1e300), dict(repetition_penalty=1e-300),
+                   dict(repetition_penalty=1e300), dict(temperature=1e-300, repetition_penalty=1e-300)):
+        sampler = Sampler(SamplingParams(seed=0, **{"temperature": 1.0, **params}))
+        assert 0 <= sampler(logits, seen) < 100
+    # a tiny temperature is greedy
+    assert Sampler(SamplingParams(temperature=1e-300, seed=0))(logits) == int(np.argmax(logits))
 
 
 def test_stop_matcher_holds_a_possible_prefix_across_chunks():

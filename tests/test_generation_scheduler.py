@@ -10,7 +10,7 @@ import time
 import pytest
 
 from modelkiln.errors import InvalidInputError, OverloadedError, RequestTimeoutError
-from modelkiln.generation.core import CoreHooks, EngineCore
+from modelkiln.generation.core import CoreHooks, EngineCore, Request
 from modelkiln.generation.model import TextGenerationModel
 from modelkiln.generation.sampling import SamplingParams
 from modelkiln.serve.generation.scheduler import Job, Scheduler
@@ -173,3 +173,49 @@ def test_an_engine_failure_fails_the_active_requests_and_the_next_ones_are_serve
             scheduler.stop(10)
 
     asyncio.run(run())
+
+
+def _unchecked(params: SamplingParams, **values) -> SamplingParams:
+    """``params`` with values its own checks refuse: what a gap in the protocol edge's checks would let in."""
+    for name, value in values.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+def test_a_request_whose_own_settings_fail_ends_alone(tiny):
+    """A request whose sampler cannot be built (a negative seed) or cannot choose (NaN temperature)
+    ends with its own error; the stream beside it goes on to its last token. Before, the core failed
+    every active request and lost the bad one (its client waited until the timeout)."""
+    async def run() -> None:
+        scheduler, _ = make(tiny)
+        try:
+            good = job([1, 2, 3], 300)
+            scheduler.submit(good)
+            await good.queue.get()
+            bad_seed, bad_temperature = job([4, 5, 6], 5), job([7, 8, 9], 5)
+            _unchecked(bad_seed.params, seed=-1, temperature=1.0)
+            _unchecked(bad_temperature.params, temperature=float("nan"))
+            scheduler.submit(bad_seed)
+            scheduler.submit(bad_temperature)
+            for bad in (bad_seed, bad_temperature):
+                events = await asyncio.wait_for(collect(bad), 10)
+                assert len(events) == 1 and isinstance(events[0], Exception)
+            rest = await collect(good)
+            assert len(rest) == 299 and rest[-1].finish_reason == "length"
+        finally:
+            scheduler.stop(10)
+
+    asyncio.run(run())
+
+
+def test_a_hang_up_mid_prefill_frees_the_sequence_at_the_next_step(tiny):
+    """The core stepped by hand: a 300-token prompt, chunks of 16; after its first chunk the client
+    leaves; the next step frees its cache without computing another chunk or a token."""
+    engine = tiny.engine("fp32", threads=1, prefix_cache=False)
+    core = EngineCore(engine, tiny.tokenizer, tiny.eos_ids, prefill_chunk=16)
+    prompt = tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20).ids[:300]
+    core.add_request(Request("long", prompt, SamplingParams(max_new_tokens=4)))
+    assert core.step() == [] and core.running == 1 and engine.cache_tokens == 16  # one chunk in, no token yet
+    core.abort("long")
+    assert core.step() == [] and core.running == 0 and engine.cache_tokens == 0 and "long" not in engine
+    assert not core.has_work()

@@ -9,4 +9,6 @@ the product, and it needs test-only packages (hypothesis) and the test suite's e
   socket, not a client library that corrects them), /metrics reading, the reference answers.
 - ``load``: probes that are about many good clients (misrouting, overload, SIGTERM, soak).
 - ``hostile``: probes that are about bad clients (bad input, fuzzing, disconnects, security).
+- ``generation_load``, ``generation_hostile``: the same probes for a text-generation model (the
+  generation mode): greedy streamed answers through kiln loadtest's streaming client.
 """

@@ -221,14 +221,16 @@ async def metrics(port: int) -> dict[str, float]:
     return values
 
 
-async def wait_idle(port: int, model: str, timeout: float) -> tuple[bool, float, dict[str, float]]:
-    """Poll /metrics until nothing is queued and the only request in flight is the poll itself:
-    (went idle, seconds it took, the last values)."""
+async def wait_idle(port: int, model: str, timeout: float, gauges: tuple[str, ...] = ('kiln_queue_inputs{{model="{}"}}',)
+                    ) -> tuple[bool, float, dict[str, float]]:
+    """Poll /metrics until the ``gauges`` (series, ``{}`` for the model's name) are 0 and the only
+    request in flight is the poll itself: (went idle, seconds it took, the last values)."""
     started = time.monotonic()
     values: dict[str, float] = {}
+    series = [g.format(model) for g in gauges]
     while time.monotonic() - started < timeout:
         values = await metrics(port)
-        if values.get("kiln_requests_in_flight") == 1 and values.get(f'kiln_queue_inputs{{model="{model}"}}', 0) == 0:
+        if values.get("kiln_requests_in_flight") == 1 and all(values.get(s, 0) == 0 for s in series):
             return True, time.monotonic() - started, values
         await asyncio.sleep(0.05)
     return False, time.monotonic() - started, values

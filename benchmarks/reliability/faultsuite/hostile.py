@@ -13,15 +13,16 @@ import sys
 import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
 from .harness import (AUTH, ERROR_BODIES, LEAK_PATTERNS, PICKLE_MARK, Conn, KilnServer, ProbeResult, Reply, metrics,
                       once, request_bytes, wait_idle)
-from .load import Tally, Workload, good_outcome, good_passed, run_clients
+from .load import GoodClients, Tally, Workload, good_outcome, good_passed, run_clients
 
 REPO = Path(__file__).resolve().parents[3]
 # A stalled client must be answered (408) or dropped within this long: the server's default
@@ -208,27 +209,40 @@ def judge(case: BadCase, reply: Reply | str) -> str:
     return "ok"
 
 
-def fuzz(port: int, model: str, examples: int, seed: int = 0) -> tuple[int, Counter, list[str]]:
-    """Hypothesis-generated bodies for /infer (the test suite's OIP strategies), /predict and
-    /v1/embeddings, sent over one keep-alive connection: (sent, statuses, failures)."""
-    from hypothesis import HealthCheck, Phase, given, settings, seed as hseed
+def fuzz_strategies() -> Any:
+    """The test suite's hypothesis strategies (tests/test_codec_fuzz.py): a module with
+    ``json_values``, ``parameters`` and OIP ``requests``."""
+    sys.path.insert(0, str(TESTS))
+    import test_codec_fuzz
+
+    return test_codec_fuzz
+
+
+def encoder_bodies(model: str) -> Any:
+    """(path, body) for /infer (the test suite's OIP strategies), /predict and /v1/embeddings."""
     from hypothesis import strategies as st
 
-    sys.path.insert(0, str(TESTS))
-    from test_codec_fuzz import json_values, parameters, requests as oip_requests
-
-    texts = st.one_of(st.text(max_size=12), json_values)
+    f = fuzz_strategies()
+    texts = st.one_of(st.text(max_size=12), f.json_values)
     predict_bodies = st.fixed_dictionaries({}, optional={
-        "inputs": st.one_of(json_values, st.lists(texts, max_size=5), st.text(max_size=20),
+        "inputs": st.one_of(f.json_values, st.lists(texts, max_size=5), st.text(max_size=20),
                             st.lists(st.fixed_dictionaries({"text": texts}, optional={"text_pair": texts}), max_size=3)),
-        "parameters": parameters})
+        "parameters": f.parameters})
     embedding_bodies = st.fixed_dictionaries({}, optional={
-        "model": st.one_of(st.just(model), json_values), "input": st.one_of(st.lists(st.text(max_size=12), max_size=4), json_values),
-        "encoding_format": st.one_of(st.sampled_from(["float", "base64"]), json_values),
-        "dimensions": st.one_of(st.integers(-3, 5000), json_values)})
-    bodies = st.one_of(st.tuples(st.just(f"/v2/models/{model}/infer"), oip_requests),
-                       st.tuples(st.just(f"/v2/models/{model}/predict"), predict_bodies),
-                       st.tuples(st.just("/v1/embeddings"), embedding_bodies))
+        "model": st.one_of(st.just(model), f.json_values),
+        "input": st.one_of(st.lists(st.text(max_size=12), max_size=4), f.json_values),
+        "encoding_format": st.one_of(st.sampled_from(["float", "base64"]), f.json_values),
+        "dimensions": st.one_of(st.integers(-3, 5000), f.json_values)})
+    return st.one_of(st.tuples(st.just(f"/v2/models/{model}/infer"), f.requests),
+                     st.tuples(st.just(f"/v2/models/{model}/predict"), predict_bodies),
+                     st.tuples(st.just("/v1/embeddings"), embedding_bodies))
+
+
+def fuzz(port: int, bodies: Any, examples: int, seed: int = 0) -> tuple[int, Counter, list[str]]:
+    """Hypothesis-generated ``bodies`` (a strategy of (path, JSON body)), sent over one keep-alive
+    connection: (sent, statuses, failures)."""
+    from hypothesis import HealthCheck, Phase, given, settings, seed as hseed
+
     statuses: Counter = Counter()
     failures: list[str] = []
     sent = [0]
@@ -268,23 +282,42 @@ def fuzz(port: int, model: str, examples: int, seed: int = 0) -> tuple[int, Coun
     return sent[0], statuses, failures
 
 
+class Alongside(Protocol):
+    """Well-formed clients that run next to an attack, their answers checked (``load.GoodClients``,
+    ``generation_load.GoodStreams``)."""
+
+    async def run(self, until: Callable[[], bool]) -> None: ...
+    def outcome(self) -> str: ...
+    def passed(self) -> bool: ...
+    def as_dict(self) -> dict[str, Any]: ...
+    @property
+    def requests(self) -> int: ...
+
+
 async def bad_input(server: KilnServer, work: Workload, repeats: int, fuzz_examples: int, good_clients: int,
                     max_body: int) -> ProbeResult:
     """Every hand-made case and every case of the test suite's error table ``repeats`` times, and
     the fuzzer, while ``good_clients`` well-formed clients run alongside (same batches)."""
-    started = time.monotonic()
     cases = handmade_cases(server.name, work.input_name, max_body) + error_table_cases(server.name)
+    return await attack(server, cases, encoder_bodies(server.name), repeats, fuzz_examples,
+                        GoodClients(server.port, work, good_clients))
+
+
+async def attack(server: KilnServer, cases: list[BadCase], bodies: Any, repeats: int, fuzz_examples: int,
+                 alongside: Alongside) -> ProbeResult:
+    """The bad-input probe: ``cases`` ``repeats`` times and ``fuzz_examples`` fuzzed ``bodies``,
+    while ``alongside`` runs."""
+    started = time.monotonic()
     results: dict[str, Counter] = {c.id: Counter() for c in cases}
-    tally = Tally()
     done = asyncio.Event()
-    good = asyncio.create_task(run_clients(server.port, work, good_clients, tally, done.is_set))
+    good = asyncio.create_task(alongside.run(done.is_set))
     limit = asyncio.Semaphore(8)
 
     async def run(case: BadCase) -> None:
         async with limit if not case.stall else _nothing():
             results[case.id][judge(case, await once(server.port, case.raw, timeout=STALL_LIMIT_S))] += 1
 
-    fuzz_task = asyncio.to_thread(fuzz, server.port, server.name, fuzz_examples)
+    fuzz_task = asyncio.to_thread(fuzz, server.port, bodies, fuzz_examples)
     outcome_fuzz, _ = await asyncio.gather(fuzz_task, asyncio.gather(*(run(c) for c in cases for _ in range(repeats))))
     done.set()
     await good
@@ -294,18 +327,18 @@ async def bad_input(server: KilnServer, work: Workload, repeats: int, fuzz_examp
     health = await once(server.port, request_bytes("GET", "/v2/health/ready", auth=None), 10)
     healthy = isinstance(health, Reply) and health.status == 200
     sent = len(cases) * repeats
-    passed = not bad and not fuzz_failures and alive and healthy and good_passed(tally)
+    passed = not bad and not fuzz_failures and alive and healthy and alongside.passed()
     outcome = (f"{sent:,} bad requests ({len(cases)} kinds x {repeats}): {sent - sum(sum(r.values()) for r in bad.values())}"
                f" answered 4xx as expected, {len(bad)} kinds not; fuzzer: {fuzz_sent:,} bodies, "
                f"{len(fuzz_failures)} 5xx or non-JSON errors ({_statuses(fuzz_statuses)}); server "
-               f"{'alive' if alive and healthy else 'DOWN'}; alongside: {good_outcome(tally)}")
-    return ProbeResult("bad input", sent + fuzz_sent + tally.requests, outcome,
+               f"{'alive' if alive and healthy else 'DOWN'}; alongside: {alongside.outcome()}")
+    return ProbeResult("bad input", sent + fuzz_sent + alongside.requests, outcome,
                        "every bad request 4xx with a JSON error (HTTP-framing errors: any 4xx), no 5xx, hang or "
                        "crash; well-formed requests alongside all equal to their answers alone",
                        passed, time.monotonic() - started,
                        {"kinds": len(cases), "repeats": repeats, "failed_kinds": bad,
                         "fuzz": {"sent": fuzz_sent, "statuses": dict(fuzz_statuses), "failures": fuzz_failures[:20]},
-                        "alongside": tally.as_dict()})
+                        "alongside": alongside.as_dict()})
 
 
 class _nothing:
@@ -425,7 +458,8 @@ def static_findings() -> tuple[list[str], list[str]]:
     return pickles, remote
 
 
-async def security(server: KilnServer) -> ProbeResult:
+async def security(server: KilnServer, routes: tuple[tuple[str, str], ...] = ()) -> ProbeResult:
+    """The security defaults; ``routes``: (method, path) the served model adds to the guarded ones."""
     started = time.monotonic()
     model = server.name
     problems: list[str] = []
@@ -436,7 +470,7 @@ async def security(server: KilnServer) -> ProbeResult:
                ("GET", f"/v2/models/{model}/ready"), ("GET", f"/v2/models/{model}/stats"), ("GET", "/v2/models/stats"),
                ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", f"/v2/models/{model}/infer"),
                ("POST", f"/v2/models/{model}/predict"), ("POST", "/v1/embeddings"), ("POST", "/v2/repository/index"),
-               ("POST", f"/v2/repository/models/{model}/load"), ("GET", "/nope")]
+               ("POST", f"/v2/repository/models/{model}/load"), ("GET", "/nope"), *routes]
     checks = 0
     for method, path in guarded:
         for auth in (None, "Bearer wrong", f"Basic {AUTH.split()[1]}"):

@@ -7,6 +7,7 @@ import asyncio
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +121,30 @@ async def run_clients(port: int, work: Workload, clients: int, tally: Tally, unt
     await asyncio.gather(*tasks)
 
 
+class GoodClients:
+    """``clients`` well-formed clients next to an attack (``hostile.Alongside``), every answer checked."""
+
+    def __init__(self, port: int, work: Workload, clients: int):
+        self.port, self.work, self.clients = port, work, clients
+        self.tally = Tally()
+
+    async def run(self, until: Any) -> None:
+        await run_clients(self.port, self.work, self.clients, self.tally, until)
+
+    def outcome(self) -> str:
+        return good_outcome(self.tally)
+
+    def passed(self) -> bool:
+        return good_passed(self.tally)
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.tally.as_dict()
+
+    @property
+    def requests(self) -> int:
+        return self.tally.requests
+
+
 def good_outcome(t: Tally) -> str:
     c = t.check
     return (f"{c.misrouted} misrouted of {c.answers:,} answers; {c.answers - c.equal} differ from the text "
@@ -147,8 +172,11 @@ async def misrouting(server: KilnServer, work: Workload, answers: int, clients: 
 # --- overload ----------------------------------------------------------------------------------------
 
 
-async def sequential_latencies(port: int, work: Workload, seconds: float) -> list[tuple[float, float, int]]:
-    """One client, one short text per request, for ``seconds``: (sent at, seconds, status)."""
+Lone = list[tuple[float, float, int, bytes]]  # a lone client's requests: (sent at, seconds, status, body)
+
+
+async def sequential_latencies(port: int, work: Workload, seconds: float) -> Lone:
+    """One client, one short text per request, for ``seconds``."""
     rng = random.Random(7)
     conn = Conn(port)
     out = []
@@ -158,7 +186,7 @@ async def sequential_latencies(port: int, work: Workload, seconds: float) -> lis
         raw = request_bytes("POST", f"/v2/models/{work.model}/predict", orjson.dumps({"inputs": [work.refs.texts[i]]}))
         sent = time.monotonic()
         reply = await conn.call(raw)
-        out.append((sent, reply.seconds, reply.status))
+        out.append((sent, reply.seconds, reply.status, reply.body))
     conn.close()
     return out
 
@@ -179,55 +207,98 @@ async def flood_client(port: int, raw: bytes, stop: asyncio.Event, tally: Tally,
     conn.close()
 
 
+@dataclass
+class Flood:
+    """``connections`` clients sending one request back to back for ``seconds``, with a lone client
+    timed before (3 s) and after (8 s) it: what the flood got, and how soon the lone client was
+    served as fast as before."""
+
+    connections: int
+    sustainable: int
+    seconds: float
+    tally: Tally
+    retry_after: Counter
+    before: Lone
+    after: Lone
+    normal_ms: float
+    recovery_s: float | None
+
+    @classmethod
+    async def run(cls, port: int, raw: bytes, sustainable: int, seconds: float,
+                  lone: Callable[[float], Awaitable[Lone]]) -> Flood:
+        before = await lone(3.0)
+        normal_ms = percentile_ms([s for _, s, status, _ in before if status == 200], 50) or 0.0
+        tally, retry_after, stop = Tally(), Counter(), asyncio.Event()
+        tasks = [asyncio.create_task(flood_client(port, raw, stop, tally, retry_after)) for _ in range(10 * sustainable)]
+        await asyncio.sleep(seconds)
+        stop.set()
+        for t in tasks:  # the flood ends at once: its clients hang up, their queued work is dropped
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        flood_over = time.monotonic()
+        after = await lone(8.0)
+        # recovered: the first of 10 answers in a row, each within 2x normal latency (+5 ms for jitter)
+        bound = max(2 * normal_ms, normal_ms + 5.0) / 1000
+        recovered_at = next((after[i][0] for i in range(len(after) - 9)
+                             if all(s <= bound and status == 200 for _, s, status, _ in after[i:i + 10])), None)
+        recovery_s = None if recovered_at is None else round(recovered_at - flood_over, 2)
+        return cls(10 * sustainable, sustainable, seconds, tally, retry_after, before, after, normal_ms, recovery_s)
+
+    def latencies(self, status: int) -> list[float]:
+        return [s for st, s in self.tally.latencies if st == status]
+
+    @property
+    def other(self) -> dict[str, int]:
+        return {str(k): v for k, v in self.tally.statuses.items() if k not in (200, 503)}
+
+    @property
+    def requests(self) -> int:
+        return self.tally.requests + len(self.before) + len(self.after)
+
+    @property
+    def passed(self) -> bool:
+        """Only 200s and 503s, each 503 with Retry-After and fast, the lone client served as before within 5 s."""
+        p99 = percentile_ms(self.latencies(503), 99)
+        return (not self.other and not self.tally.failures and self.retry_after.get("missing", 0) == 0
+                and p99 is not None and p99 <= FAST_503_MS and self.recovery_s is not None and self.recovery_s <= 5)
+
+    def outcome(self, each: str = "") -> str:
+        t, lat503 = self.tally, self.latencies(503)
+        return (f"{self.connections} connections{each} for {self.seconds:g} s: {t.statuses[200]:,} 200s, "
+                f"{t.statuses[503]:,} 503s (p50 {percentile_ms(lat503, 50)} ms, p99 {percentile_ms(lat503, 99)} ms, "
+                f"Retry-After on {sum(v for k, v in self.retry_after.items() if k != 'missing'):,}), other "
+                f"{self.other or 0}, no answer {sum(t.failures.values())}; back to normal latency ({self.normal_ms} ms "
+                f"p50) {self.recovery_s} s after")
+
+    def as_dict(self) -> dict[str, Any]:
+        lat503, lat200 = self.latencies(503), self.latencies(200)
+        return {"connections": self.connections, "sustainable": self.sustainable,
+                "statuses": dict(self.tally.statuses), "no_answer": dict(self.tally.failures),
+                "retry_after": dict(self.retry_after), "p50_503_ms": percentile_ms(lat503, 50),
+                "p99_503_ms": percentile_ms(lat503, 99), "p50_200_ms": percentile_ms(lat200, 50),
+                "p99_200_ms": percentile_ms(lat200, 99), "normal_p50_ms": self.normal_ms, "recovery_s": self.recovery_s}
+
+
+OVERLOAD_GOAL = (f"10x sustainable concurrency: only 200s and 503s with Retry-After, 503 p99 <= {FAST_503_MS} ms, "
+                 "normal latency again within 5 s")
+
+
 async def overload(server: KilnServer, work: Workload, queue_inputs: int, seconds: float) -> ProbeResult:
     """10x the sustainable concurrency. Sustainable here: the requests of 8 texts the queue holds
     (``--max-queue-size`` inputs / 8) — more waiting requests than that get 503 by design."""
     started = time.monotonic()
     inputs = 8
-    sustainable = max(1, queue_inputs // inputs)
-    connections = 10 * sustainable
-    before = await sequential_latencies(server.port, work, 3.0)
-    normal_ms = percentile_ms([s for _, s, _ in before], 50) or 0.0
     texts = [work.refs.texts[i] for i in work.short[:inputs]]
     indices = work.short[:inputs]
     raw = request_bytes("POST", f"/v2/models/{work.model}/predict", orjson.dumps({"inputs": texts}))
-    tally, retry_after, stop = Tally(), Counter(), asyncio.Event()
-    tasks = [asyncio.create_task(flood_client(server.port, raw, stop, tally, retry_after)) for _ in range(connections)]
-    await asyncio.sleep(seconds)
-    stop.set()
-    for t in tasks:  # the flood ends at once: its clients hang up, their queued work is dropped
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    flood_over = time.monotonic()
-    after = await sequential_latencies(server.port, work, 8.0)
-    # recovered: the first of 10 answers in a row, each within 2x normal latency (+5 ms for jitter)
-    bound = max(2 * normal_ms, normal_ms + 5.0) / 1000
-    recovered_at = next((after[i][0] for i in range(len(after) - 9)
-                         if all(s <= bound and st == 200 for _, s, st in after[i:i + 10])), None)
-    recovery_s = None if recovered_at is None else round(recovered_at - flood_over, 2)
+    flood = await Flood.run(server.port, raw, max(1, queue_inputs // inputs), seconds,
+                            lambda s: sequential_latencies(server.port, work, s))
     # the 200s of the flood were 8 known texts: check them too (one reply's worth per request is enough)
     ok = await once(server.port, raw)
     check = work.refs.check(indices, ok.json()) if isinstance(ok, Reply) and ok.status == 200 else Check()
-    lat503 = [s for st, s in tally.latencies if st == 503]
-    lat200 = [s for st, s in tally.latencies if st == 200]
-    other = {str(k): v for k, v in tally.statuses.items() if k not in (200, 503)}
-    p99_503 = percentile_ms(lat503, 99)
-    passed = (not other and not tally.failures and retry_after.get("missing", 0) == 0 and bool(lat503)
-              and p99_503 is not None and p99_503 <= FAST_503_MS and recovery_s is not None and recovery_s <= 5
-              and check.equal == check.answers == inputs)
-    outcome = (f"{connections} connections x {inputs} texts for {seconds:g} s: {tally.statuses[200]:,} 200s, "
-               f"{tally.statuses[503]:,} 503s (p50 {percentile_ms(lat503, 50)} ms, p99 {p99_503} ms, "
-               f"Retry-After on {sum(v for k, v in retry_after.items() if k != 'missing'):,}), other {other or 0}, "
-               f"no answer {sum(tally.failures.values())}; back to normal latency ({normal_ms} ms p50) "
-               f"{recovery_s} s after")
-    return ProbeResult("overload", tally.requests + len(before) + len(after), outcome,
-                       f"10x sustainable concurrency: only 200s and 503s with Retry-After, 503 p99 <= {FAST_503_MS} ms, "
-                       "normal latency again within 5 s", passed, time.monotonic() - started,
-                       {"connections": connections, "sustainable": sustainable, "statuses": dict(tally.statuses),
-                        "no_answer": dict(tally.failures), "retry_after": dict(retry_after),
-                        "p50_503_ms": percentile_ms(lat503, 50), "p99_503_ms": p99_503,
-                        "p50_200_ms": percentile_ms(lat200, 50), "p99_200_ms": percentile_ms(lat200, 99),
-                        "normal_p50_ms": normal_ms, "recovery_s": recovery_s, "flood_answers_checked": check.as_dict()})
+    passed = flood.passed and check.equal == check.answers == inputs
+    return ProbeResult("overload", flood.requests, flood.outcome(f" x {inputs} texts"), OVERLOAD_GOAL, passed,
+                       time.monotonic() - started, {**flood.as_dict(), "flood_answers_checked": check.as_dict()})
 
 
 # --- SIGTERM under load ---------------------------------------------------------------------------
@@ -288,28 +359,16 @@ async def sigterm(server: KilnServer, work: Workload, clients: int, load_s: floa
     stop = asyncio.Event()
     tasks = [asyncio.create_task(logged_client(server.port, work, log, stop, seed)) for seed in range(clients)]
     await asyncio.sleep(load_s)
-    signal_at = time.perf_counter()
-    server.signal_term()
-    connects: list[tuple[float, str]] = []
-    while server.alive():  # new connections while it drains
-        try:
-            _, w = await asyncio.open_connection("127.0.0.1", server.port)
-            w.close()
-            connects.append((time.perf_counter() - signal_at, "accepted"))
-        except OSError:
-            connects.append((time.perf_counter() - signal_at, "refused"))
-        await asyncio.sleep(0.02)
-    exit_s = time.perf_counter() - signal_at
-    code = server.stop()
+    term = await terminate(server)
     stop.set()
     await asyncio.gather(*tasks)
+    signal_at, code, exit_s = term.signal_at, term.code, term.exit_s
     before = [s for s in log if s.at < signal_at]
     after = [s for s in log if s.at >= signal_at]
     lost = [s for s in before if not s.outcome.startswith("200")]  # no full 200 answer
     differs = sum(s.outcome == "200-differs" for s in before)  # answered, but not as the text alone
     after_outcomes = Counter(s.outcome for s in after)
-    late_accepts = [t for t, what in connects if what == "accepted" and t > 0.5]
-    first_refusal = next((round(t * 1000) for t, what in connects if what == "refused"), None)
+    late_accepts, first_refusal = term.late_accepts, term.first_refusal_ms
     passed = not lost and not differs and code == 0 and not late_accepts and len(before) > 0
     outcome = (f"{len(before):,} requests sent before the signal: {len(before) - len(lost):,} answered 200 in full "
                f"({differs} differ from the text alone), {len(lost)} lost; after it: {dict(after_outcomes)}; new connections refused from "
@@ -321,8 +380,7 @@ async def sigterm(server: KilnServer, work: Workload, clients: int, load_s: floa
                         "lost_outcomes": dict(Counter(s.outcome for s in lost)),
                         "lost_sent_ms_before_signal": sorted(round((signal_at - s.at) * 1000, 1) for s in lost)[:20],
                         "after_signal": dict(after_outcomes), "exit_code": code, "exit_s": round(exit_s, 3),
-                        "connect_attempts": dict(Counter(w for _, w in connects)),
-                        "first_refusal_ms": first_refusal, "accepted_after_500ms": len(late_accepts)})
+                        **term.as_dict()})
 
 
 # --- soak --------------------------------------------------------------------------------------------
@@ -333,41 +391,126 @@ async def soak(server: KilnServer, work: Workload, clients: int, seconds: float)
     between the fifth after it and the last fifth."""
     started = time.monotonic()
     tally = Tally()
-    rss: list[tuple[float, float]] = []
-
-    async def sample() -> None:
-        while True:
-            value = server.rss_mb()
-            if value is not None:
-                rss.append((time.monotonic(), value))
-            await asyncio.sleep(0.5)
-
-    sampler = asyncio.create_task(sample())
     end = started + seconds
-    await run_clients(server.port, work, clients, tally, lambda: time.monotonic() >= end)
-    sampler.cancel()
-    fifth = seconds / 5
-    first = (started + fifth, started + 2 * fifth)
-    last = (started + 4 * fifth, started + 5 * fifth + 1)
-
-    def window(series: list[tuple[float, float]], span: tuple[float, float]) -> list[float]:
-        return [v for t, v in series if span[0] <= t < span[1]]
-
-    rss_first, rss_last = window(rss, first), window(rss, last)
-    lat_first, lat_last = window(tally.latencies, first), window(tally.latencies, last)
-    growth = (sum(rss_last) / len(rss_last)) / (sum(rss_first) / len(rss_first)) - 1 if rss_first and rss_last else None
-    p99_first, p99_last = percentile_ms(lat_first, 99), percentile_ms(lat_last, 99)
-    ratio = p99_last / p99_first if p99_first and p99_last else None
-    passed = (good_passed(tally) and growth is not None and growth < 0.05 and ratio is not None and ratio <= 1.5)
+    async with RssSampler(server) as rss:
+        await run_clients(server.port, work, clients, tally, lambda: time.monotonic() >= end)
+    flat = Flatness.of(rss.series, tally.latencies, started, seconds)
+    passed = good_passed(tally) and flat.passed
     outcome = (f"{seconds / 60:.1f} min, {clients} clients, {tally.requests:,} requests ({work.long_share:.0%} SQuAD "
-               f"paragraphs): RSS {sum(rss_first) / max(1, len(rss_first)):.0f} -> "
-               f"{sum(rss_last) / max(1, len(rss_last)):.0f} MB ({growth:+.1%} after warm-up); p99 {p99_first} -> "
-               f"{p99_last} ms; {good_outcome(tally)}")
+               f"paragraphs): {flat.outcome()}; {good_outcome(tally)}")
     return ProbeResult("soak", tally.requests, outcome,
                        "RSS growth after warm-up < 5%, last-window p99 <= 1.5x the first, every answer equal, 0 non-200",
                        passed, time.monotonic() - started,
-                       {"clients": clients, "seconds": seconds, "rss_first_mb": rss_first and round(sum(rss_first) / len(rss_first), 1),
-                        "rss_last_mb": rss_last and round(sum(rss_last) / len(rss_last), 1),
-                        "rss_growth": None if growth is None else round(growth, 4),
-                        "rss_peak_mb": max((v for _, v in rss), default=None),
-                        "p99_first_ms": p99_first, "p99_last_ms": p99_last, **tally.as_dict()})
+                       {"clients": clients, "seconds": seconds, **flat.as_dict(), **tally.as_dict()})
+
+
+class RssSampler:
+    """The server's resident memory every 0.5 s while the ``async with`` body runs: ``series``
+    of (time.monotonic(), MB)."""
+
+    def __init__(self, server: KilnServer):
+        self.server = server
+        self.series: list[tuple[float, float]] = []
+        self._task: asyncio.Task | None = None
+
+    async def _sample(self) -> None:
+        while True:
+            value = self.server.rss_mb()
+            if value is not None:
+                self.series.append((time.monotonic(), value))
+            await asyncio.sleep(0.5)
+
+    async def __aenter__(self) -> RssSampler:
+        self._task = asyncio.create_task(self._sample())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+@dataclass
+class Flatness:
+    """A soak's memory and latency, the fifth after a fifth of warm-up against the last fifth."""
+
+    rss_first: list[float]
+    rss_last: list[float]
+    rss_peak: float | None
+    p99_first: float | None
+    p99_last: float | None
+
+    @classmethod
+    def of(cls, rss: list[tuple[float, float]], latencies: list[tuple[float, float]], started: float,
+           seconds: float) -> Flatness:
+        fifth = seconds / 5
+        first, last = (started + fifth, started + 2 * fifth), (started + 4 * fifth, started + 5 * fifth + 1)
+
+        def window(series: list[tuple[float, float]], span: tuple[float, float]) -> list[float]:
+            return [v for t, v in series if span[0] <= t < span[1]]
+
+        return cls(window(rss, first), window(rss, last), max((v for _, v in rss), default=None),
+                   percentile_ms(window(latencies, first), 99), percentile_ms(window(latencies, last), 99))
+
+    @property
+    def growth(self) -> float | None:
+        if not self.rss_first or not self.rss_last:
+            return None
+        return (sum(self.rss_last) / len(self.rss_last)) / (sum(self.rss_first) / len(self.rss_first)) - 1
+
+    @property
+    def passed(self) -> bool:
+        """RSS grows < 5% after warm-up; the last p99 is at most 1.5x the first."""
+        ratio = self.p99_last / self.p99_first if self.p99_first and self.p99_last else None
+        return self.growth is not None and self.growth < 0.05 and ratio is not None and ratio <= 1.5
+
+    def outcome(self) -> str:
+        mean = lambda values: sum(values) / max(1, len(values))  # noqa: E731
+        growth = f"{self.growth:+.1%}" if self.growth is not None else "unknown"
+        return (f"RSS {mean(self.rss_first):.0f} -> {mean(self.rss_last):.0f} MB ({growth} after warm-up); "
+                f"p99 {self.p99_first} -> {self.p99_last} ms")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rss_first_mb": self.rss_first and round(sum(self.rss_first) / len(self.rss_first), 1),
+                "rss_last_mb": self.rss_last and round(sum(self.rss_last) / len(self.rss_last), 1),
+                "rss_growth": None if self.growth is None else round(self.growth, 4), "rss_peak_mb": self.rss_peak,
+                "p99_first_ms": self.p99_first, "p99_last_ms": self.p99_last}
+
+
+@dataclass
+class Termination:
+    """SIGTERM sent at ``signal_at`` (perf_counter): how the server went, tried with a connect
+    every 20 ms until it exited."""
+
+    signal_at: float
+    connects: list[tuple[float, str]]  # (seconds after the signal, "accepted" | "refused")
+    exit_s: float
+    code: int
+
+    @property
+    def late_accepts(self) -> list[float]:
+        return [t for t, what in self.connects if what == "accepted" and t > 0.5]
+
+    @property
+    def first_refusal_ms(self) -> int | None:
+        return next((round(t * 1000) for t, what in self.connects if what == "refused"), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"connect_attempts": dict(Counter(w for _, w in self.connects)),
+                "first_refusal_ms": self.first_refusal_ms, "accepted_after_500ms": len(self.late_accepts)}
+
+
+async def terminate(server: KilnServer) -> Termination:
+    """SIGTERM, then new connections while it drains, until it exits."""
+    signal_at = time.perf_counter()
+    server.signal_term()
+    connects: list[tuple[float, str]] = []
+    while server.alive():
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", server.port)
+            w.close()
+            connects.append((time.perf_counter() - signal_at, "accepted"))
+        except OSError:
+            connects.append((time.perf_counter() - signal_at, "refused"))
+        await asyncio.sleep(0.02)
+    exit_s = time.perf_counter() - signal_at
+    return Termination(signal_at, connects, exit_s, server.stop())

@@ -179,7 +179,7 @@ class EngineCore:
             aborted, self._aborted = self._aborted, set()
         try:
             self._drop(aborted, outputs)
-            self._admit()
+            self._admit(outputs)
             self._prefill(outputs)
             self._decode(outputs)
         except Exception as exc:  # a bug or an engine failure: fail what is active, keep going
@@ -218,7 +218,7 @@ class EngineCore:
                     kept.append(request)
             self._waiting = kept
 
-    def _admit(self) -> None:
+    def _admit(self, outputs: list[Output]) -> None:
         active = [r.reserve for r in [*self._prefilling, *self._running.values()]]
         while self._waiting and len(active) < self.max_running:
             request = self._waiting[0]
@@ -230,9 +230,13 @@ class EngineCore:
                 if excess > 0:  # cached prefixes give way to running sequences
                     self.engine.evict_prefixes(excess)
             self._waiting.popleft()
+            try:
+                request.state = SequenceState(request.request_id, request.prompt_ids, request.params, self.tokenizer,
+                                              self.eos_ids, self.engine.max_context)
+            except Exception as exc:  # noqa: BLE001 - its own settings failed (a seed numpy refuses): it alone ends
+                outputs.append(Output(request, error=_kiln_error(exc)))
+                continue
             active.append(request.reserve)
-            request.state = SequenceState(request.request_id, request.prompt_ids, request.params, self.tokenizer,
-                                          self.eos_ids, self.engine.max_context)
             self._prefilling.append(request)
 
     def _prefill(self, outputs: list[Output]) -> None:
@@ -327,8 +331,12 @@ class EngineCore:
     def _emit(self, request: Request, logits: np.ndarray, outputs: list[Output]) -> bool:
         """Choose and accept the request's next token; record its output. True when it is done."""
         assert request.state is not None
-        token = request.state.choose(logits)
-        delta = request.state.accept(token)
+        try:
+            token = request.state.choose(logits)
+            delta = request.state.accept(token)
+        except Exception as exc:  # noqa: BLE001 - its own sampling failed: it ends alone, the batch goes on
+            outputs.append(Output(request, error=_kiln_error(exc)))
+            return True
         request.next_token = token
         now = time.monotonic()
         self.hooks.token(request, now)
@@ -349,7 +357,7 @@ class EngineCore:
             self.engine.remove(request.request_id)
 
     def _fail_active(self, exc: Exception, outputs: list[Output]) -> None:
-        error = exc if isinstance(exc, KilnError) else KilnError(f"generation failed ({type(exc).__name__}: {exc})")
+        error = _kiln_error(exc)
         failed = [*self._prefilling, *self._running.values()]
         self._prefilling.clear()
         self._running.clear()
@@ -360,6 +368,10 @@ class EngineCore:
                     self.engine.remove(request.request_id)
             except Exception:  # noqa: BLE001 - the engine is in a bad state; the next requests start afresh
                 pass
+
+
+def _kiln_error(exc: Exception) -> KilnError:
+    return exc if isinstance(exc, KilnError) else KilnError(f"generation failed ({type(exc).__name__}: {exc})")
 
 
 def _timeout(request: Request) -> RequestTimeoutError:

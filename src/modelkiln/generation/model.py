@@ -3,6 +3,7 @@ end-of-sequence ids and decoder variants, and the engine and engine core built o
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -11,6 +12,7 @@ from ..errors import ArtifactError
 from ..manifest import Manifest, Variant
 from ..tasks.text_generation import is_generation
 from .chat import chat_messages, render_chat
+from .chat_tokens import ChatTokens
 from .core import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, Engine, EngineCore
 from .engine import open_engine
 from .prefix_cache import DEFAULT_MAX_TOKENS
@@ -53,14 +55,26 @@ class TextGenerationModel:
         return SamplingParams(**{**defaults, **{k: v for k, v in overrides.items() if v is not None}})
 
     # -- prompts ---------------------------------------------------------------------------
+    @property
+    def template_tokens(self) -> dict[str, str]:
+        """The special-token strings a chat template expects (bos_token, eos_token...)."""
+        return {k: v for k, v in (self.settings.get("special_tokens") or {}).items() if isinstance(v, str)}
+
     def chat_prompt(self, prompt: str, system: str | None = None) -> str:
-        special = {k: v for k, v in (self.settings.get("special_tokens") or {}).items() if isinstance(v, str)}
-        return render_chat(self.chat_template or "", chat_messages(prompt, system), **special)
+        return render_chat(self.chat_template or "", chat_messages(prompt, system), **self.template_tokens)
+
+    def chat_tokens(self, special_tokens_in_text: bool = False) -> ChatTokens:
+        """Messages → prompt ids with the chat template; message text is text unless ``special_tokens_in_text``."""
+        return ChatTokens(self.tokenizer, self.chat_template or "", self.template_tokens, special_tokens_in_text)
+
+    @cached_property
+    def _chat(self) -> ChatTokens:
+        return self.chat_tokens()
 
     def prompt_ids(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
-        text = self.chat_prompt(prompt, system) if chat else prompt
-        # A chat template writes its own special tokens; a plain prompt gets the tokenizer's.
-        return self.tokenizer.encode(text, add_special_tokens=not chat).ids
+        if chat:  # the template writes its own special tokens; the prompt and system text are text
+            return self._chat.ids(chat_messages(prompt, system))
+        return self.tokenizer.encode(prompt).ids  # a plain prompt gets the tokenizer's special tokens
 
     # -- running ---------------------------------------------------------------------------
     def default_variant(self, device: str = "cpu") -> Variant:

@@ -7,6 +7,7 @@ is in the batch."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -31,16 +32,19 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
+        # Every check is written so that NaN fails it (NaN compares false with anything).
+        if not self.max_new_tokens >= 1:
             raise InvalidInputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise InvalidInputError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
+        if not 0 <= self.temperature < math.inf:
+            raise InvalidInputError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if not self.top_k >= 0:
             raise InvalidInputError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise InvalidInputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise InvalidInputError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:  # numpy refuses negative seeds; 64-bit as OpenAI's
+            raise InvalidInputError(f"seed must be in [0, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise InvalidInputError("stop strings must not be empty")
 
@@ -62,7 +66,11 @@ class Sampler:
             logits = apply_repetition_penalty(logits, previous, p.repetition_penalty)
         if p.greedy:
             return int(np.argmax(logits))
-        scores = logits.astype(np.float64) / p.temperature
+        scores = logits.astype(np.float64)
+        best = np.max(scores)
+        if not np.isfinite(best):  # a tiny or huge penalty overflowed: only the tokens at the top remain
+            return int(self.rng.choice(np.flatnonzero(scores == best)))
+        scores = (scores - best) / p.temperature  # the best token scores 0, so a tiny temperature cannot make inf - inf
         if p.top_k and p.top_k < scores.shape[-1]:
             kth = np.partition(scores, -p.top_k)[-p.top_k]
             scores = np.where(scores < kth, -np.inf, scores)

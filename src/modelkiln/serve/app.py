@@ -21,6 +21,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from ..errors import (InvalidInputError, KilnError, MethodNotAllowedError, RouteNotFoundError,
@@ -30,6 +31,7 @@ from .auth import bearer_matches
 from .dataplane import DataPlane, build_dataplane
 from .errors import error_response
 from .generation import generate_routes, openai_routes
+from .generation.http import CLIENT_CLOSED
 from .metrics import Metrics
 from .request_watch import RequestWatch
 from .settings import ServeSettings
@@ -205,7 +207,12 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
         kind = {404: RouteNotFoundError, 405: MethodNotAllowedError}.get(exc.status_code)
         if kind is not None:
             return fail(request, kind(str(exc.detail)))
-        return Response(orjson.dumps({"error": str(exc.detail)}), status_code=exc.status_code, media_type=JSON)
+        return Response(orjson.dumps({"error": str(exc.detail)}), status_code=exc.status_code, media_type=JSON,
+                        headers=exc.headers)  # a 408's "connection: close"
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # gone before its body was in: nobody to answer, no bug
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:

@@ -117,6 +117,10 @@ class ServeSettings(BaseModel):
                                           flag="--generation-timeout", gt=0)
     truncate_prompt: bool = setting(False, "Generation: cut prompts longer than the context from the left "
                                            "instead of answering 400.")
+    # A user who writes "<|im_end|>" in a message would otherwise end their turn and write the
+    # assistant's (generation/chat_tokens.py).
+    special_tokens_in_messages: bool = setting(False, "Generation: read special tokens written in chat messages "
+                                                      "(<|im_end|>...) as control tokens, not as text.")
     # --- model repository (Triton's repository extension)
     model_repository: Optional[str] = setting(None, "A folder of artifact folders to serve.", shown_default="none")
     model_control_mode: Literal["none", "explicit", "poll"] = setting(

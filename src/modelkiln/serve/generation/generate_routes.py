@@ -41,13 +41,13 @@ def _fields(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def register(app: FastAPI, plane: DataPlane) -> None:
-    limit = plane.settings.max_body_bytes
+    limit, timeout = plane.settings.max_body_bytes, plane.settings.body_read_timeout_s
 
     async def start(request: Request, name: str, version: str | None) -> tuple[GenerationModel, Stream]:
-        body = await json_body(request, limit)
+        body = await json_body(request, limit, timeout)
         model = plane.generation_model(name, version)
         text, fields = _fields(body)
-        ids = model.prompt_ids(text)
+        ids = await model.prompt_ids(text)
         return model, model.generate(ids, model.params(fields, len(ids)), model.timeout(fields))
 
     @app.post("/v2/models/{name}/generate")

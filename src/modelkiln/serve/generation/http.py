@@ -15,9 +15,11 @@ from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request
+from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 
 from ...errors import InvalidInputError, KilnError, PayloadTooLargeError
+from ..codec import decompress
 from ..errors import error_response
 from .model import GenerationModel, Stream
 
@@ -28,13 +30,21 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": counted in the metrics, 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy buffering of tokens
 
 
-async def json_body(request: Request, limit: int) -> dict[str, Any]:
+async def json_body(request: Request, limit: int, timeout: float) -> dict[str, Any]:
+    """The request's JSON object: at most ``limit`` bytes, all of it within ``timeout`` seconds (a
+    client that stalls mid-body gets 408 and the connection closed, as on the inference routes)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise PayloadTooLargeError(f"request body of {length} bytes exceeds the limit of {limit}")
-    body = await request.body()
+    try:
+        body = await asyncio.wait_for(request.body(), timeout)
+    except asyncio.TimeoutError:
+        raise HTTPException(408, f"request body not received within {timeout:g}s",
+                            headers={"connection": "close"}) from None
     if len(body) > limit:
         raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+    # as the inference routes: gzip and deflate undone within the limit, any other coding refused
+    body = decompress(body, request.headers.get("content-encoding"), limit)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

@@ -61,11 +61,11 @@ def _check(body: dict[str, Any]) -> None:
         raise InvalidInputError("'stream_options' is an object, allowed only with 'stream': true")
 
 
-def _completion_prompt(model: GenerationModel, prompt: Any) -> list[int]:
+async def _completion_prompt(model: GenerationModel, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt)):
-        return model.prompt_ids(prompt)
+        return await model.prompt_ids(prompt)
     if isinstance(prompt, list):
         raise InvalidInputError("'prompt' must be one string or one list of token ids (n = 1 prompt per request)")
     raise InvalidInputError("'prompt' must be a string or a list of token ids")
@@ -76,7 +76,7 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
         raise InvalidInputError("'messages' must be a non-empty list")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        if not isinstance(m, dict) or "role" not in m:
             raise InvalidInputError(f"message {i} must be an object with a 'role'")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
@@ -96,13 +96,19 @@ def _usage(stream: Stream) -> dict[str, int]:
 
 
 def register(app: FastAPI, plane: DataPlane) -> None:
-    limit = plane.settings.max_body_bytes
+    limit, timeout = plane.settings.max_body_bytes, plane.settings.body_read_timeout_s
 
     async def run(request: Request, chat: bool) -> Response:
-        body = await json_body(request, limit)
+        body = await json_body(request, limit, timeout)
         _check(body)
-        model = plane.generation_model(body.get("model") if isinstance(body.get("model"), str) else None)
-        ids = model.chat_ids(_chat_messages(body.get("messages"))) if chat else _completion_prompt(model, body.get("prompt"))
+        name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise InvalidInputError(f"'model' must be a string, got {name!r}")
+        model = plane.generation_model(name)
+        if chat:
+            ids = await model.chat_ids(_chat_messages(body.get("messages")))
+        else:
+            ids = await _completion_prompt(model, body.get("prompt"))
         params = model.params(body, len(ids))
         stream = model.generate(ids, params)
         kind = "chatcmpl" if chat else "cmpl"
