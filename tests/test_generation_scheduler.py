@@ -211,7 +211,7 @@ def test_a_request_whose_own_settings_fail_ends_alone(tiny):
 def test_a_hang_up_mid_prefill_frees_the_sequence_at_the_next_step(tiny):
     """The core stepped by hand: a 300-token prompt, chunks of 16; after its first chunk the client
     leaves; the next step frees its cache without computing another chunk or a token."""
-    engine = tiny.engine("fp32", threads=1, prefix_cache=False)
+    engine = tiny.engine("fp32", threads=1, prefix_cache_tokens=0)
     core = EngineCore(engine, tiny.tokenizer, tiny.eos_ids, prefill_chunk=16)
     prompt = tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20).ids[:300]
     core.add_request(Request("long", prompt, SamplingParams(max_new_tokens=4)))

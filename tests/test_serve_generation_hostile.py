@@ -274,7 +274,7 @@ def test_a_hang_up_mid_prefill_frees_its_sequence(tiny_generation_artifact):
     once the server runs it. The sequence is freed: nothing running, the KV cache empty, and no
     first token was computed (the prefill did not go on to its end). The hang-up must land in the
     prefill: tried up to five times, at least once."""
-    srv = serve(tiny_generation_artifact, "--prefill-chunk", "1", "--no-prefix-cache")
+    srv = serve(tiny_generation_artifact, "--prefill-chunk", "1", "--prefix-cache-tokens", "0")
     try:
         body = {"model": MODEL, "prompt": [7] * 1000, "max_tokens": 5, "stream": True}
         mid_prefill = 0
