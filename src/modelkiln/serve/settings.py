@@ -110,7 +110,8 @@ class ServeSettings(BaseModel):
         gt=0, shown_default="1/4 of memory, at most max-batch-size x context")
     prefix_cache_tokens: Optional[int] = setting(
         None, "Generation: tokens of prompt-prefix KV kept for the prompts that follow (chat templates, system "
-              "prompts; answers are the same with or without); 0: off.", ge=0, shown_default="1/8 of max-kv-tokens")
+              "prompts; answers are the same with or without); 0: off.", ge=0,
+        shown_default="1/8 of max-kv-tokens, at most 2048")
     prefill_chunk: int = setting(128, "Generation: prompt tokens prefilled per scheduler step (running streams "
                                       "get a token between chunks).", sweep={"generation": "128"}, gt=0)
     generation_timeout_s: float = setting(600.0, "Generation: seconds per request, waiting and generating.",

@@ -40,7 +40,11 @@ log = logging.getLogger("modelkiln.serve")
 _job_ids = itertools.count(1)
 
 KV_MEMORY_FRACTION = 4  # default KV budget: 1/4 of memory
-PREFIX_CACHE_SHARE = 8  # default prefix cache: 1/8 of the KV budget (a bound: the server's memory stays flat)
+# Default prefix cache: 1/8 of the KV budget, at most 2048 tokens. A bound that a busy server reaches within
+# minutes, after which its memory stays flat; what pays is a few shared prefixes (system prompts), not every
+# prompt's last blocks.
+PREFIX_CACHE_SHARE = 8
+PREFIX_CACHE_MAX_TOKENS = 2048
 # Texts longer than this are tokenized in a thread (tokenizers releases the GIL there): tokenizing
 # 4,096 characters takes about 2 ms on the event loop; an 8 MiB prompt took 4.1 s, during which no
 # stream got a token.
@@ -86,7 +90,8 @@ class GenerationModel:
         started = time.perf_counter()
         self.kv_budget = self.settings.max_kv_tokens or self._default_kv_budget()
         prefix_tokens = self.settings.prefix_cache_tokens
-        prefix_tokens = self.kv_budget // PREFIX_CACHE_SHARE if prefix_tokens is None else prefix_tokens
+        if prefix_tokens is None:
+            prefix_tokens = min(self.kv_budget // PREFIX_CACHE_SHARE, PREFIX_CACHE_MAX_TOKENS)
         engine = self.artifact.engine(self.variant.name, self.threads, self.settings.device,
                                       max_rows=self.settings.max_batch_size, prefix_cache_tokens=prefix_tokens)
         if self.settings.warmup:  # the first requests should not pay for onnxruntime's first runs
