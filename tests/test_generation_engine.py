@@ -400,3 +400,14 @@ def test_chat_template_errors_are_typed():
         render_chat("{{ raise_exception('roles must alternate') }}", [])
     with pytest.raises(InvalidInputError, match="no chat template"):
         render_chat("", [])
+
+
+def test_the_bench_times_a_batch_larger_than_its_steps(tiny):
+    """kiln bench's decode cell for 8 sequences and 2 timed steps: prompts join one step at a time
+    (the prefill budget), so the first must still run when the last joins (it looped for ever)."""
+    from modelkiln.bench.generation import OnnxBackend
+
+    backend = OnnxBackend(tiny, "fp32", 1, max_batch=8)
+    backend.core.prefill_chunk = 8  # one prompt per step
+    samples = backend.decode_step_seconds([list(range(5, 15))] * 8, steps=2)
+    assert len(samples) == 2 and backend.core.running == 0

@@ -128,11 +128,14 @@ class OnnxBackend:
 
     def decode_step_seconds(self, prompts: list[list[int]], steps: int) -> list[float]:
         """Seconds per core step once every prompt is prefilled and decoding together."""
-        requests = [Request(("bench", row), ids, greedy(steps + 4)) for row, ids in enumerate(prompts)]
+        # long enough that the first sequences still run when the last prompt has joined (prompts join
+        # as the step's prefill budget allows: one 128-token prompt per step)
+        requests = [Request(("bench", row), ids, greedy(len(prompts) + steps + 8)) for row, ids in enumerate(prompts)]
         for request in requests:
             self.core.add_request(request)
         while self.core.decoding < len(prompts):  # prefill, chunk by chunk
-            self.core.step()
+            if any(output.error or output.finished for output in self.core.step()):
+                raise KilnError(f"a sequence ended before all {len(prompts)} were decoding")
         self.core.step()  # warm-up at this batch size
         samples = []
         for _ in range(steps):
