@@ -222,11 +222,14 @@ def _run_peer(label: str, peer: dict[str, Any], inputs: GenerationInputs, cfg: G
     return [GenerationCell.from_dict(c) for c in out["cells"]], out["notes"]
 
 
+OWN_PREFIX = "onnxruntime "  # the artifact's own rows ("onnxruntime int4"; the onnxruntime-genai peer is not one)
+
+
 def _own_variants(model: TextGenerationModel, cfg: GenerationBenchConfig) -> Iterator[tuple[str, Callable[[], Any]]]:
     for v in model.manifest.kept_variants():
         if v.device != "cpu" or (cfg.variants and v.name not in cfg.variants):
             continue
-        yield f"onnxruntime {v.name}", lambda v=v: OnnxBackend(model, v.name, cfg.threads, max_batch=max(cfg.batches))
+        yield f"{OWN_PREFIX}{v.name}", lambda v=v: OnnxBackend(model, v.name, cfg.threads, max_batch=max(cfg.batches))
 
 
 def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
@@ -259,7 +262,7 @@ def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
 
 def best_ratio(result: GenerationBenchResult, phase: str, batch: int, tokens: int, against: str) -> float | None:
     """Fastest ONNX variant's tokens/s over ``against``'s in one cell (for the summary line)."""
-    ours = [c.tokens_per_s for c in result.cells if c.backend.startswith("onnxruntime")
+    ours = [c.tokens_per_s for c in result.cells if c.backend.startswith(OWN_PREFIX)
             and (c.phase, c.batch, c.tokens) == (phase, batch, tokens)]
     theirs = [c.tokens_per_s for c in result.cells if c.backend.startswith(against)
               and (c.phase, c.batch, c.tokens) == (phase, batch, tokens)]

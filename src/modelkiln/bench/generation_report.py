@@ -32,7 +32,7 @@ def print_generation_bench(console: Console, result: GenerationBenchResult) -> N
                   "`tokens` tokens (ms per step = ms per token of each sequence); speed-up against pytorch in this run[/]")
     past = result.config.past
     for phase, batch, tokens, label in (("decode", 1, past, "decode batch 1"), ("prefill", 1, max(result.config.prompt_lengths), "prefill")):
-        parts = [f"{against}: {r:.2f}×" for against in ("pytorch", "llama.cpp")
+        parts = [f"{against}: {r:.2f}×" for against in ("pytorch", "llama.cpp", "onnxruntime-genai")
                  if (r := best_ratio(result, phase, batch, tokens, against)) is not None]
         if parts:
             console.print(f"fastest variant, {label} ({tokens} tokens) tokens/s against " + ", ".join(parts))
