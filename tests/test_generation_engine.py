@@ -284,6 +284,26 @@ def test_seeded_sampling_is_reproducible_alone_or_in_a_batch(core):
     assert other_seed != alone
 
 
+def test_a_first_token_comes_out_before_the_decode_step(core):
+    """step_parts: the prefill's first token is handed out before the decode step of every running
+    sequence runs (serve sends it then), and the two parts together are what step() returns."""
+    ids = prompt_ids(core, "The quick brown fox")
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    expected = complete(core, [Request("r", ids, params)])[0].token_ids
+    core.add_request(Request("r", ids, params))
+    parts = core.step_parts()
+    first = next(parts)
+    assert [o.delta.token_id for o in first] == expected[:1]
+    assert core.decoding == 1  # joined the decode batch, not yet stepped
+    second = next(parts)
+    assert [o.delta.token_id for o in second] == expected[1:2]
+    assert next(parts, None) is None
+    tokens = expected[:2]
+    while core.has_work():
+        tokens += [o.delta.token_id for o in core.step()]
+    assert tokens == expected
+
+
 def test_max_new_tokens_and_finish_reason(core):
     ids = prompt_ids(core, "Hi!")
     out = complete(core, [Request("r", ids, SamplingParams(max_new_tokens=5, ignore_eos=True))])[0]

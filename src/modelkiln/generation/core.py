@@ -172,6 +172,14 @@ class EngineCore:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
+        """One iteration: drop, admit, prefill, decode; every output it produced."""
+        return [output for part in self.step_parts() for output in part]
+
+    def step_parts(self) -> Iterator[list[Output]]:
+        """One iteration in two parts: the outputs of dropping, admitting and prefilling (first tokens),
+        then those of the decode step. A caller that delivers the first part before asking for the
+        second sends a new request its first token a decode step earlier (a whole step of every running
+        sequence: 9 ms alone, 45 ms among 16 on SmolLM2). Ask for both parts: the decode runs only then."""
         outputs: list[Output] = []
         with self._lock:
             self._waiting.extend(self._arrived)
@@ -181,11 +189,16 @@ class EngineCore:
             self._drop(aborted, outputs)
             self._admit(outputs)
             self._prefill(outputs)
-            self._decode(outputs)
         except Exception as exc:  # a bug or an engine failure: fail what is active, keep going
             self._fail_active(exc, outputs)
+        yield outputs
+        outputs = []
+        try:
+            self._decode(outputs)
+        except Exception as exc:
+            self._fail_active(exc, outputs)
         self.hooks.iteration(self.running, self.waiting, self.engine.cache_tokens)
-        return outputs
+        yield outputs
 
     def fail_all(self, error: KilnError) -> list[Output]:
         """End every request, waiting or active, with ``error`` (shutdown)."""
@@ -390,7 +403,8 @@ def run_to_completion(core: EngineCore, requests: Iterable[Request]) -> Iterator
         added.append(request.request_id)
     try:
         while core.has_work():
-            yield from core.step()
+            for part in core.step_parts():
+                yield from part
     finally:
         if core.has_work():
             for request_id in added:

@@ -85,11 +85,11 @@ class Scheduler:
                         return
                     self._wake.wait()
             try:
-                outputs = self.core.step()
+                for part in self.core.step_parts():  # first tokens go out before the decode step
+                    _deliver(part)
             except Exception as exc:  # noqa: BLE001 - the core fails its own requests; this is a bug in it
                 log.exception("generation step failed for model %s", self.name)
-                outputs = self.core.fail_all(KilnError(f"generation failed ({type(exc).__name__})"))
-            _deliver(outputs)
+                _deliver(self.core.fail_all(KilnError(f"generation failed ({type(exc).__name__})")))
 
 
 def _deliver(outputs: list[Output]) -> None:

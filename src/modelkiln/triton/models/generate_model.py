@@ -100,11 +100,12 @@ class TritonPythonModel:
                     self.wake.wait()
                 if not self.running:
                     return
-            for output in self.core.step():  # the core fails its own requests on an engine error
-                try:
-                    self._answer(output)
-                except Exception:  # a client gone or a bad response: that request only, the thread goes on
-                    log.exception("could not answer generation request %s", output.request_id)
+            for part in self.core.step_parts():  # the core fails its own requests on an engine error
+                for output in part:  # first tokens go out before the decode step
+                    try:
+                        self._answer(output)
+                    except Exception:  # a client gone or a bad response: that request only, the thread goes on
+                        log.exception("could not answer generation request %s", output.request_id)
 
     def _answer(self, output):
         job = output.request
