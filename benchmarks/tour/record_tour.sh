@@ -98,7 +98,7 @@ llm-convert() {
 }
 
 llm-generate() {
-  show "kiln generate $llm \"What is the capital of France?\" --chat" kiln generate "$llm" "What is the capital of France?" --chat
+  show "kiln generate $llm \"Give me a short tip for better sleep.\" --chat -n 28" kiln generate "$llm" "Give me a short tip for better sleep." --chat -n 28
   show "kiln generate $llm \"Write a haiku about bread.\" --chat --temperature 0.8 --top-p 0.9 --seed 7 -n 40 --json" \
     kiln generate "$llm" "Write a haiku about bread." --chat --temperature 0.8 --top-p 0.9 --seed 7 -n 40 --json
 }
