@@ -176,14 +176,25 @@ async def hang_ups(server: KilnServer, answers: Answers, per_group: int, paragra
         ask = min(HANG_UP_TOKENS, context - probe.json()["usage"]["prompt_tokens"])
         return request_raw(server.port, protocol, model, prompt, ask, stream=stream), ask
 
+    refused: list[bytes] = []  # status lines of the mid-stream requests answered without a stream
+
     async def vanish(raw: bytes, wait: float, first_token: bool = False) -> None:
         conn = await Conn(server.port).open()
         await conn.send(raw)
         if first_token:
             assert conn.reader is not None
-            await asyncio.wait_for(conn.reader.readuntil(b"data: "), 60)
+            try:
+                await asyncio.wait_for(conn.reader.readuntil(b"data: "), 60)
+            except asyncio.IncompleteReadError as exc:  # answered whole (a 503 when the queue is full): no stream
+                refused.append(exc.partial.split(b"\r\n", 1)[0])
         await asyncio.sleep(wait)
         conn.close()
+
+    async def group(raw: bytes, wait: float, first_token: bool = False) -> None:
+        """``per_group`` clients at once, then the server idle again, so each group meets an idle server
+        (a group's requests are freed when the server notices them gone, not when they go)."""
+        await asyncio.gather(*(vanish(raw, wait, first_token) for _ in range(per_group)))
+        await wait_idle(server.port, model, 20.0, tuple(IDLE_GAUGES.values()))
 
     mid_body = request_bytes("POST", "/v1/chat/completions", b"", {"Content-Length": "5000"}) + b'{"model": "'
     prefill, prefill_ask = await request("openai-chat", squad_prompt(paragraph, question))
@@ -191,10 +202,10 @@ async def hang_ups(server: KilnServer, answers: Answers, per_group: int, paragra
     whole, whole_ask = await request("openai-chat", "Tell me a story.", stream=False)
     asked = per_group * (prefill_ask + stream_ask + whole_ask)
     values_before = await metrics(server.port)
-    await asyncio.gather(*(vanish(mid_body, 0.0) for _ in range(per_group)))
-    await asyncio.gather(*(vanish(prefill, 0.02) for _ in range(per_group)))
-    await asyncio.gather(*(vanish(streaming, 0.0, first_token=True) for _ in range(per_group)))
-    await asyncio.gather(*(vanish(whole, 0.05) for _ in range(per_group)))
+    await group(mid_body, 0.0)
+    await group(prefill, 0.02)
+    await group(streaming, 0.0, first_token=True)
+    await group(whole, 0.05)
     idle, idle_s, values = await wait_idle(server.port, model, 20.0, tuple(IDLE_GAUGES.values()))
     gauges = {name: values.get(series.format(model)) for name, series in IDLE_GAUGES.items()}
     gauges["in_flight"] = values.get("kiln_requests_in_flight")
@@ -207,10 +218,12 @@ async def hang_ups(server: KilnServer, answers: Answers, per_group: int, paragra
     state = ", ".join(f"{name} {value:g}" for name, value in gauges.items())
     outcome = (f"{4 * per_group} clients hung up ({groups}): {'idle' if idle else 'NOT idle'} {idle_s:.2f} s later "
                f"({state}: the metrics request; KV cache {kv:.1%}: cached prefixes); {generated:,.0f} tokens generated "
-               f"of the {asked:,} they asked for; then {tally.outcome()}")
+               f"of the {asked:,} they asked for; {len(refused)} mid-stream requests answered without a stream "
+               f"({', '.join(sorted(set(r.decode(errors='replace') for r in refused))) or 'none'}); then {tally.outcome()}")
     return ProbeResult("disconnects", 4 * per_group + tally.requests, outcome,
                        "nothing running, waiting or in flight once they are gone; at most half the tokens they asked "
                        "for generated (their sequences freed); later streams unaffected",
                        idle and generated <= asked / 2 and tally.passed(), time.monotonic() - started,
                        {"idle": idle, "idle_after_s": round(idle_s, 2), **gauges, "kv_cache_usage": kv,
-                        "tokens_generated": generated, "tokens_asked": asked, "after": tally.as_dict()})
+                        "tokens_generated": generated, "tokens_asked": asked, "refused_mid_stream": len(refused),
+                        "after": tally.as_dict()})
