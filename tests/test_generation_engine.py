@@ -304,22 +304,6 @@ def test_a_first_token_comes_out_before_the_decode_step(core):
     assert tokens == expected
 
 
-def test_a_burst_fills_free_rows_and_the_queue_before_a_503(tiny):
-    """Requests are admitted at the next step: a burst on an idle core may take every free row plus
-    the queue (max_running + max_waiting); only the one after that is refused."""
-    from modelkiln.errors import OverloadedError
-
-    burst = EngineCore(tiny.engine("fp32", threads=1, max_rows=2), tiny.tokenizer, eos_ids=[0],
-                       max_running=2, max_waiting=1)
-    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
-    for i in range(3):
-        burst.add_request(Request(i, [5, 6, 7], params))
-    with pytest.raises(OverloadedError):
-        burst.add_request(Request(3, [5, 6, 7], params))
-    while burst.has_work():
-        burst.step()
-
-
 def test_max_new_tokens_and_finish_reason(core):
     ids = prompt_ids(core, "Hi!")
     out = complete(core, [Request("r", ids, SamplingParams(max_new_tokens=5, ignore_eos=True))])[0]

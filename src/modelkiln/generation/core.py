@@ -144,11 +144,8 @@ class EngineCore:
             raise InvalidInputError(f"prompt + max_tokens = {request.reserve} tokens exceed the server's KV cache of "
                                     f"{self.kv_budget} tokens (--max-kv-tokens): ask for fewer tokens")
         with self._lock:
-            # a burst is admitted at the next step: the rows free now take part of it, the queue the rest
-            queued = len(self._arrived) + len(self._waiting)
-            free_rows = max(0, self.max_running - len(self._running) - len(self._prefilling))
-            if self.max_waiting is not None and queued >= self.max_waiting + free_rows:
-                raise OverloadedError(f"{queued} generation requests waiting; retry later")
+            if self.max_waiting is not None and len(self._arrived) + len(self._waiting) >= self.max_waiting:
+                raise OverloadedError(f"{len(self._arrived) + len(self._waiting)} generation requests waiting; retry later")
             self._arrived.append(request)
 
     def abort(self, request_id: Hashable) -> None:
