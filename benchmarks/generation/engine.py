@@ -117,7 +117,7 @@ class OrtGenai:
 
 
 def perplexities(model: TextGenerationModel, variants: list[str], notes: list[str]) -> dict[str, float]:
-    from modelkiln.bench.generation_backends import _ort_genai_model
+    from modelkiln.bench.generation_backends import ort_genai_model
     from modelkiln.convert.generation_gate import perplexity
     from modelkiln.data import read_squad
 
@@ -146,7 +146,7 @@ def perplexities(model: TextGenerationModel, variants: list[str], notes: list[st
     try:
         import onnxruntime as ort
 
-        session = ort.InferenceSession(str(_ort_genai_model(model.manifest.source["model"]) / "model.onnx"),
+        session = ort.InferenceSession(str(ort_genai_model(model.manifest.source["model"]) / "model.onnx"),
                                        providers=["CPUExecutionProvider"])
         empty = np.zeros((1, model.settings["kv_heads"], 0, model.settings["head_dim"]), np.float32)
         pasts = {i.name: empty for i in session.get_inputs() if i.name.startswith("past_key_values")}

@@ -75,16 +75,13 @@ def run_kiln(spec: dict) -> dict:
 
 def run_ort_genai(spec: dict) -> dict:
     import numpy as np
-    import onnxruntime_genai as og
 
-    folder = Path(spec["ort_genai_model"])
-    config = json.loads((folder / "genai_config.json").read_text())
-    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = spec["threads"]
-    (folder / "genai_config.json").write_text(json.dumps(config, indent=2))
-    og_config = og.Config(str(folder))
-    og_config.clear_providers()
-    model = og.Model(og_config)
-    pad = config["model"]["pad_token_id"]
+    from modelkiln.bench.generation_backends import OrtGenaiBackend
+    from modelkiln.generation.model import TextGenerationModel
+
+    # kiln bench's peer: its builder's int4 of the artifact's source, built once into the cache
+    backend = OrtGenaiBackend(TextGenerationModel(spec["artifact"]), spec["threads"])
+    og, model, pad = backend.og, backend.model, backend.pad_token_id
 
     def wave(prompts: list[list[int]], tag: str) -> tuple[list[list[int]], list[list[float]], list[float], float]:
         # its Generator takes at most 32 rows: more prompts run as static batches one after the other
@@ -247,8 +244,6 @@ def main() -> None:
         print(json.dumps(ENGINES[args.child](json.loads(args.spec.read_text()))))
         return
 
-    from modelkiln.bench.generation_backends import _ort_genai_model
-    from modelkiln.generation.model import TextGenerationModel
     from modelkiln.machine import cpu_description
 
     streams = [int(s) for s in args.streams.split(",")]
@@ -257,8 +252,6 @@ def main() -> None:
     spec = {"artifact": str(args.artifact.resolve()), "variant": args.variant, "threads": args.threads,
             "tokens": args.tokens, "streams": streams, "prompts": prompt_ids(args.artifact, max(streams + [ALONE])),
             "ov_model": str(args.ov_model) if args.ov_model else None, "ov_batched_tokens": args.ov_batched_tokens}
-    if "onnxruntime-genai" in names:
-        spec["ort_genai_model"] = str(_ort_genai_model(TextGenerationModel(args.artifact).manifest.source["model"]))
     cpu = cpu_description()
     pythons = {"openvino-genai": args.openvino_python or sys.executable}
     header = (f"# SmolLM2-135M-Instruct in process: {args.threads} threads, STS-B chats, {args.tokens} tokens per "

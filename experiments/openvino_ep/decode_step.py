@@ -1,6 +1,7 @@
-# Run: python experiments/openvino_ep/decode_step.py artifacts/smollm2/model.int4.onnx CPUExecutionProvider (and, in a venv with onnxruntime-openvino, OpenVINOExecutionProvider)
 """One decode step of the kiln serving graph (SmolLM2 int4) at 16 rows with a 128-token past:
-onnxruntime's CPU EP against its OpenVINO EP (onnxruntime-openvino), 2 threads, median of 30 calls."""
+onnxruntime's CPU EP against its OpenVINO EP (onnxruntime-openvino), 2 threads, median of 30 calls.
+Run: python experiments/openvino_ep/decode_step.py artifacts/smollm2/model.int4.onnx CPUExecutionProvider
+(and, in a venv with onnxruntime-openvino, OpenVINOExecutionProvider)."""
 import sys, time, numpy as np, onnxruntime as ort
 path, provider = sys.argv[1], sys.argv[2]
 rows, past, cap = 16, 128, 256

@@ -190,11 +190,24 @@ async def hang_ups(server: KilnServer, answers: Answers, per_group: int, paragra
         await asyncio.sleep(wait)
         conn.close()
 
-    async def group(raw: bytes, wait: float, first_token: bool = False) -> None:
-        """``per_group`` clients at once, then the server idle again, so each group meets an idle server
-        (a group's requests are freed when the server notices them gone, not when they go)."""
-        await asyncio.gather(*(vanish(raw, wait, first_token) for _ in range(per_group)))
+    def answered(values: dict[str, float]) -> float:
+        """Requests the generation routes have answered so far (a client gone counts when noticed)."""
+        return sum(v for k, v in values.items() if k.startswith("kiln_requests_total")
+                   and ('route="chat_completions"' in k or 'route="completions"' in k))
+
+    until_answered = [0.0]  # the count the group before reaches once the server has seen every request of it
+
+    async def group(raw: bytes, wait: float, first_token: bool = False, counted: bool = True) -> None:
+        """``per_group`` clients at once, on an idle server: the server reads a vanished client's request
+        when it gets to it, so the group before must be answered (counted) and freed first. The wait
+        after the last group is the one measured below. ``counted``: the server answers these requests
+        (a body never finished is not one)."""
+        deadline = time.monotonic() + 20.0
+        while answered(await metrics(server.port)) < until_answered[0] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         await wait_idle(server.port, model, 20.0, tuple(IDLE_GAUGES.values()))
+        until_answered[0] = answered(await metrics(server.port)) + (per_group if counted else 0)
+        await asyncio.gather(*(vanish(raw, wait, first_token) for _ in range(per_group)))
 
     mid_body = request_bytes("POST", "/v1/chat/completions", b"", {"Content-Length": "5000"}) + b'{"model": "'
     prefill, prefill_ask = await request("openai-chat", squad_prompt(paragraph, question))
@@ -202,11 +215,12 @@ async def hang_ups(server: KilnServer, answers: Answers, per_group: int, paragra
     whole, whole_ask = await request("openai-chat", "Tell me a story.", stream=False)
     asked = per_group * (prefill_ask + stream_ask + whole_ask)
     values_before = await metrics(server.port)
-    await group(mid_body, 0.0)
+    await group(mid_body, 0.0, counted=False)
     await group(prefill, 0.02)
     await group(streaming, 0.0, first_token=True)
     await group(whole, 0.05)
     idle, idle_s, values = await wait_idle(server.port, model, 20.0, tuple(IDLE_GAUGES.values()))
+    asked -= len(refused) * stream_ask  # a refused request asked for nothing it could be given
     gauges = {name: values.get(series.format(model)) for name, series in IDLE_GAUGES.items()}
     gauges["in_flight"] = values.get("kiln_requests_in_flight")
     kv = values.get(f'vllm:kv_cache_usage_perc{{model_name="{model}"}}', 0.0)

@@ -164,7 +164,7 @@ class OrtGenaiBackend:
         import onnxruntime_genai as og
 
         self.og = og
-        folder = _ort_genai_model(model.manifest.source["model"])
+        folder = ort_genai_model(model.manifest.source["model"])
         config_path = folder / "genai_config.json"
         config = json.loads(config_path.read_text())
         options = config["model"]["decoder"].setdefault("session_options", {})
@@ -174,6 +174,7 @@ class OrtGenaiBackend:
         og_config = og.Config(str(folder))
         og_config.clear_providers()
         self.model = og.Model(og_config)
+        self.pad_token_id = config["model"]["pad_token_id"]  # what its Generator takes for padding in a batch
 
     def _generator(self, prompts: list[list[int]], new_tokens: int) -> Any:
         params = self.og.GeneratorParams(self.model)
@@ -201,7 +202,7 @@ class OrtGenaiBackend:
         return samples
 
 
-def _ort_genai_model(source_model: str) -> Path:
+def ort_genai_model(source_model: str) -> Path:
     """The builder's int4 model of ``source_model``, built into the cache the first time."""
     import hashlib
     import os
