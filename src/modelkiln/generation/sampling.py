@@ -10,10 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidInputError
+
+
+MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched in the text (across token boundaries)
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's end-of-sequence ids
     ignore_eos: bool = False  # keep going after an end-of-sequence token (load tests)
+    # OpenAI's penalties: each subtracts from a token's logit, by how often (frequency) or whether
+    # (presence) it appears in the answer so far (not the prompt), both in [-2, 2]
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's log-probability and the k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (completions' echo)
+    # a compiled grammar (generation/constraints.py) every token must keep the answer inside
+    constraint: Any = field(default=None, compare=False)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +60,16 @@ class SamplingParams:
             raise InvalidInputError(f"seed must be in [0, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise InvalidInputError("stop strings must not be empty")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidInputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidInputError(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidInputError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:

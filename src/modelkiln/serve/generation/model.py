@@ -32,7 +32,7 @@ from ..model import Stats
 from ..settings import ModelSpec, ServeSettings
 from ..types import MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, TensorSpec, request_timeout
 from . import oip
-from .params import sampling_params
+from ...generation.params import sampling_params
 from .scheduler import CoreHooks, Job, Scheduler
 
 log = logging.getLogger("modelkiln.serve")

@@ -19,8 +19,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ...errors import InvalidInputError
-from ...generation.sampling import SamplingParams
+from ..errors import InvalidInputError
+from .sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_TOKENS_NAMES = ("max_tokens", "max_new_tokens", "max_completion_tokens")  # OpenAI's, Hugging Face's, OpenAI's newer
