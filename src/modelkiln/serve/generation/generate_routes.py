@@ -25,6 +25,7 @@ from ...tasks import text_generation as contract
 from ..dataplane import DataPlane
 from .http import json_body, sse, sse_response, whole_answer
 from .model import GenerationModel, Stream
+from .resume import wants_token_ids
 
 
 def _fields(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -43,40 +44,57 @@ def _fields(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 def register(app: FastAPI, plane: DataPlane) -> None:
     limit, timeout = plane.settings.max_body_bytes, plane.settings.body_read_timeout_s
 
-    async def start(request: Request, name: str, version: str | None) -> tuple[GenerationModel, Stream]:
+    async def start(request: Request, name: str, version: str | None) -> tuple[GenerationModel, Stream, bool]:
+        """The request's model, its stream, and whether it asked for token ids."""
         body = await json_body(request, limit, timeout)
         model = plane.generation_model(name, version)
         text, fields = _fields(body)
         ids = await model.prompt_ids(text)
-        return model, model.generate(ids, model.params(fields, len(ids)), model.timeout(fields))
+        params = model.params(fields, len(ids))
+        token_ids = wants_token_ids(fields)
+        resume_ids = model.resume_ids(fields, ids, params)
+        return model, model.generate(ids, params, model.timeout(fields), resume_ids), token_ids
 
     @app.post("/v2/models/{name}/generate")
     @app.post("/v2/models/{name}/versions/{version}/generate")
     async def generate(request: Request, name: str, version: str | None = None) -> Response:
         started = time.perf_counter()
-        model, stream = await start(request, name, version)
+        model, stream, token_ids = await start(request, name, version)
 
         async def whole() -> dict[str, Any]:
             async with stream:
-                text = "".join([delta.text async for delta in stream])
-            return {"model_name": model.name, "model_version": model.version, "text_output": text,
-                    "finish_reason": stream.finish_reason, "prompt_tokens": stream.prompt_tokens,
-                    "completion_tokens": stream.completion_tokens}
+                deltas = [delta async for delta in stream]
+            answer = {"model_name": model.name, "model_version": model.version,
+                      "text_output": "".join(delta.text for delta in deltas), "finish_reason": stream.finish_reason,
+                      "prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
+                      "seed": stream.seed}
+            return {**answer, "token_ids": [delta.token_id for delta in deltas]} if token_ids else answer
 
         return await whole_answer(request, model, whole(), started, orjson.dumps)
 
     @app.post("/v2/models/{name}/generate_stream")
     @app.post("/v2/models/{name}/versions/{version}/generate_stream")
     async def generate_stream(request: Request, name: str, version: str | None = None) -> Response:
-        model, stream = await start(request, name, version)
-        return sse_response(stream, _events(model, stream), openai=False)
+        model, stream, token_ids = await start(request, name, version)
+        return sse_response(stream, _events(model, stream, token_ids), openai=False)
 
 
-async def _events(model: GenerationModel, stream: Stream) -> AsyncIterator[bytes]:
+async def _events(model: GenerationModel, stream: Stream, token_ids: bool) -> AsyncIterator[bytes]:
+    """One event per token that adds text; the first carries the answer's ``seed``, and with
+    ``return_token_ids`` each carries the ids of the tokens since the last one (``resume.py``)."""
     head = {"model_name": model.name, "model_version": model.version}
+    first = {**head, "seed": stream.seed}
+    unsent: list[int] = []
     async for delta in stream:
+        if token_ids:
+            unsent.append(delta.token_id)
+        if not (delta.text or delta.finish_reason):
+            continue
+        event = {**first, "text_output": delta.text}
         if delta.finish_reason:
-            yield sse({**head, "text_output": delta.text, "finish_reason": delta.finish_reason,
-                       "prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens})
-        elif delta.text:
-            yield sse({**head, "text_output": delta.text})
+            event.update(finish_reason=delta.finish_reason, prompt_tokens=stream.prompt_tokens,
+                         completion_tokens=stream.completion_tokens)
+        if token_ids:
+            event["token_ids"], unsent = unsent, []
+        yield sse(event)
+        first = head

@@ -59,7 +59,8 @@ def sse(data: Any) -> bytes:
 
 
 def sse_response(stream: Stream, events: AsyncIterator[bytes], openai: bool) -> StreamingResponse:
-    """Send ``events``; an error after the first byte becomes an ``error`` event (the status is sent)."""
+    """Send ``events`` once the stream is accepted (a refusal is an HTTP status); an error after
+    the first byte becomes an ``error`` event (the status is sent)."""
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -71,7 +72,28 @@ def sse_response(stream: Stream, events: AsyncIterator[bytes], openai: bool) -> 
         finally:
             await stream.aclose()  # a cancelled body (client gone) frees the sequence
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return _AcceptedStreamResponse(stream, openai, body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class _AcceptedStreamResponse(StreamingResponse):
+    """Starts the answer (status 200, headers) only once ``stream.started()`` returns: kiln serve's
+    streams are accepted when they are made, kiln ray's router's once a replica took the request,
+    which may still refuse it (a full queue: 503)."""
+
+    def __init__(self, stream: Stream, openai: bool, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.stream, self.openai = stream, openai
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.stream.started()
+        except KilnError as exc:
+            await self.stream.aclose()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            status, payload, headers = error_response(exc, openai=self.openai)
+            await Response(payload, status, headers, media_type="application/json")(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 async def unless_gone(request: Request, work: Awaitable[T]) -> T:

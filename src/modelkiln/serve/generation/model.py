@@ -30,7 +30,7 @@ from ..metrics import Metrics
 from ..model import Stats
 from ..settings import ModelSpec, ServeSettings
 from ..types import MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, TensorSpec, request_timeout
-from . import oip
+from . import oip, resume
 from ...generation.params import sampling_params
 from .scheduler import CoreHooks, Job, Scheduler
 
@@ -164,12 +164,21 @@ class GenerationModel:
         """The server's generation timeout, or less when the request asks."""
         return request_timeout(self.settings.generation_timeout_s, parameters)
 
+    def resume_ids(self, fields: Mapping[str, Any], prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The answer tokens a client already has (``resume_token_ids``), checked (``resume.py``)."""
+        return resume.checked_resume_ids(fields, prompt_ids, params, self.tokenizer, self.artifact.eos_ids,
+                                         self.max_context)
+
     # -- generating ------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> Stream:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None,
+                 resume_ids: Sequence[int] = (), seed: int | None = None) -> Stream:
         """Submit now (``OverloadedError`` at once when the wait queue is full, before any answer is
-        sent); the returned stream yields the answer's deltas, the last with ``finish_reason``."""
+        sent); the returned stream yields the answer's deltas, the last with ``finish_reason``.
+        ``resume_ids``: the answer's first tokens, already sent (the stream goes on after them);
+        ``seed``: the draws' seed when ``params`` has none (else the core picks one: ``Stream.seed``)."""
         timeout_s = timeout_s or self.settings.generation_timeout_s
         job = Job(next(_job_ids), prompt_ids, params, deadline=time.monotonic() + timeout_s,
+                  resume_ids=list(resume_ids), seed=params.seed if params.seed is not None else seed,
                   loop=asyncio.get_running_loop(), queue=asyncio.Queue())
         self.scheduler.submit(job)
         return Stream(self, job)
@@ -207,7 +216,7 @@ class GenerationModel:
             raise
         self.record(True, time.perf_counter() - started)
         return oip.response(self.name, self.version, request, "".join(pieces),
-                            {"finish_reason": stream.finish_reason or ""})
+                            {"finish_reason": stream.finish_reason or "", "seed": stream.seed})
 
     async def stream_infer(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """Triton's decoupled responses (gRPC's ModelStreamInfer): one per token that adds text, the
@@ -240,10 +249,20 @@ class Stream:
         self.model = model
         self.job = job
         self.prompt_tokens = len(job.prompt_ids)
-        self.completion_tokens = 0
+        self.completion_tokens = len(job.resume_ids)  # a resumed answer's usage counts the whole answer
         self.finish_reason: str | None = None
         self._open = True
         model.in_flight += 1
+
+    @property
+    def seed(self) -> int:
+        """The seed of the answer's draws (the request's, or the one the core chose): with it and
+        the tokens sent, a client can resume the answer elsewhere (``resume_token_ids``)."""
+        assert self.job.seed is not None  # set when the core accepted the request
+        return self.job.seed
+
+    async def started(self) -> None:
+        """Accepted: ``generate`` submitted the request before returning."""
 
     def __aiter__(self) -> Stream:
         return self
@@ -257,6 +276,8 @@ class Stream:
             self._close(cancel=False)
             raise event
         self.completion_tokens += 1
+        if self.job.resume_ids:  # the prompt's log-probabilities went out with the answer's first token
+            event.prompt_logprobs = None
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
             self._close(cancel=False)

@@ -23,6 +23,7 @@ from ...errors import InvalidInputError
 from ..dataplane import DataPlane
 from .http import json_body, sse, sse_response, whole_answer
 from .model import GenerationModel, Stream
+from .resume import wants_token_ids
 
 DONE = b"data: [DONE]\n\n"
 _UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "tool_choice", "response_format", "logit_bias")
@@ -110,21 +111,25 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         else:
             ids = await _completion_prompt(model, body.get("prompt"))
         params = model.params(body, len(ids))
-        stream = model.generate(ids, params)
+        token_ids = wants_token_ids(body)
+        stream = model.generate(ids, params, resume_ids=model.resume_ids(body, ids, params))
         kind = "chatcmpl" if chat else "cmpl"
         head = {"id": _ids.next(kind), "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": model.name}
         started = time.perf_counter()
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return sse_response(stream, _chunks(stream, head, chat, usage), openai=True)
+            return sse_response(stream, _chunks(stream, head, chat, usage, token_ids), openai=True)
 
         async def whole() -> dict[str, Any]:
             async with stream:
-                text = "".join([delta.text async for delta in stream])
+                deltas = [delta async for delta in stream]
+            text = "".join(delta.text for delta in deltas)
             choice: dict[str, Any] = {"index": 0, "finish_reason": stream.finish_reason, "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            return {**head, "choices": [choice], "usage": _usage(stream)}
+            if token_ids:
+                choice["token_ids"] = [delta.token_id for delta in deltas]
+            return {**head, "seed": stream.seed, "choices": [choice], "usage": _usage(stream)}
 
         return await whole_answer(request, model, whole(), started, _json)
 
@@ -143,19 +148,31 @@ def _json(data: Any) -> bytes:
     return orjson.dumps(data)
 
 
-async def _chunks(stream: Stream, head: dict[str, Any], chat: bool, usage: bool) -> AsyncIterator[bytes]:
+async def _chunks(stream: Stream, head: dict[str, Any], chat: bool, usage: bool,
+                  token_ids: bool) -> AsyncIterator[bytes]:
+    """The answer's chunks; the first one carries the answer's ``seed`` (kiln's extension: with it and
+    ``return_token_ids``, a client can resume a cut stream: ``resume.py``)."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    first = {**head, "seed": stream.seed}
     piece: Callable[[str, str | None], dict[str, Any]]
     if chat:
-        yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]})
+        yield sse({**first, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]})
+        first = head
         piece = lambda text, reason: {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,  # noqa: E731
                                       "finish_reason": reason}
     else:
         piece = lambda text, reason: {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}  # noqa: E731
+    unsent: list[int] = []  # tokens whose text is held back go out with the next chunk
     async for delta in stream:
+        if token_ids:
+            unsent.append(delta.token_id)
         if delta.text or delta.finish_reason:
-            yield sse({**head, "choices": [piece(delta.text, delta.finish_reason)]})
+            choice = piece(delta.text, delta.finish_reason)
+            if token_ids:
+                choice["token_ids"], unsent = unsent, []
+            yield sse({**first, "choices": [choice]})
+            first = head
     if usage:
         yield sse({**head, "choices": [], "usage": _usage(stream)})
     yield DONE
