@@ -3,6 +3,7 @@ serve's, requests spread over both replicas by their own statistics, a replica k
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -41,22 +42,37 @@ def test_replica_threads_come_from_its_cpus_not_the_host():
     assert ServeSettings(cpus=4, instances=1).engine_layout()[:2] == (1, 4)
 
 
-def test_plan_replicas_autoscaling_and_replica_settings(emb):
-    from modelkiln.ray.plan import ROUTER_APP, Scaling, plan
+def test_plan_replicas_autoscaling_and_replica_settings(emb, tiny_generation_artifact):
+    from modelkiln.ray.plan import HEAD_NODE, ROUTER_APP, Failover, Ingress, Scaling, plan
 
     settings = ServeSettings(port=9000, threads=1, grpc_port=8001, api_key="k").with_models(
-        (ModelSpec("a", str(emb)), ModelSpec("", str(emb))))
-    config = plan(settings, Scaling(replicas=3, cpus_per_replica=2))
+        (ModelSpec("a", str(emb)), ModelSpec("", str(emb)), ModelSpec("gen", str(tiny_generation_artifact))))
+    config = plan(settings, Scaling(replicas=3, cpus_per_replica=2, max_replicas_per_node=1))
     apps = {a["name"]: a for a in config["applications"]}
     own_name = Manifest.load(emb).name  # a model given without NAME= is served under its artifact's name
-    assert list(apps) == ["a", own_name, ROUTER_APP]
+    assert list(apps) == ["a", own_name, "gen", ROUTER_APP]
     first = apps["a"]
-    assert first["route_prefix"] == "/v2/models/a" and first["args"]["model"]["path"] == str(emb.resolve())
+    # every request goes through the router (route_prefix None: no HTTP route of its own)
+    assert first["route_prefix"] is None and first["args"]["model"]["path"] == str(emb.resolve())
     assert first["args"]["settings"] == {"api_key": "k", "threads": 1, "cpus": 2, "grpc_port": 0}  # no port/host
     deployment = first["deployments"][0]
     assert deployment["num_replicas"] == 3 and deployment["ray_actor_options"]["num_cpus"] == 2
-    assert config["http_options"] == {"host": "127.0.0.1", "port": 9000}
-    assert apps[ROUTER_APP]["route_prefix"] == "/" and apps[ROUTER_APP]["args"]["models"] == ["a", own_name]
+    assert deployment["max_replicas_per_node"] == 1
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 9000} and config["proxy_location"] == "HeadOnly"
+    router = apps[ROUTER_APP]
+    assert router["route_prefix"] == "/" and router["args"]["models"] == ["a", own_name, "gen"]
+    assert [m["name"] for m in router["args"]["generation"]] == ["gen"]  # the router runs its generation routes
+    assert router["args"]["failover"] == {"retries": 3, "window_s": 30.0}
+    assert router["deployments"][0]["ray_actor_options"]["resources"] == {HEAD_NODE: 0.001}  # on the head node
+    assert router["args"]["settings"]["api_key"] == "k" and "cpus" not in router["args"]["settings"]
+
+    direct = plan(settings, Scaling(), Ingress(Failover(1, 5.0), "EveryNode", direct_encoders=True))
+    prefixes = {a["name"]: a["route_prefix"] for a in direct["applications"]}
+    assert prefixes == {"a": "/v2/models/a", own_name: f"/v2/models/{own_name}", "gen": None, ROUTER_APP: "/"}
+    assert direct["proxy_location"] == "EveryNode"
+    for bad in (Ingress(Failover(-1)), Ingress(Failover(window_s=0)), Ingress(proxy_location="Nowhere")):
+        with pytest.raises(KilnError):
+            plan(settings, Scaling(), bad)
 
     auto = plan(settings, Scaling(replicas=None, min_replicas=1, max_replicas=4, target_ongoing_requests=8))
     deployment = auto["applications"][0]["deployments"][0]
@@ -64,7 +80,7 @@ def test_plan_replicas_autoscaling_and_replica_settings(emb):
     assert deployment["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
 
     for bad in (Scaling(replicas=None, min_replicas=3, max_replicas=2), Scaling(replicas=None, min_replicas=1),
-                Scaling(replicas=0), Scaling(cpus_per_replica=0)):
+                Scaling(replicas=0), Scaling(cpus_per_replica=0), Scaling(max_replicas_per_node=0)):
         with pytest.raises(KilnError):
             plan(settings, bad)
     with pytest.raises(KilnError, match="two models are named"):
@@ -90,6 +106,30 @@ def test_kiln_ray_config_is_a_valid_serve_deploy_file(emb, cls, tmp_path):
         assert callable(import_attr(app["import_path"]))
     r = kiln("ray", "config", str(emb), "--replicas", "2", "--min-replicas", "1", "--max-replicas", "2")
     assert r.returncode != 0 and "not both" in r.stderr
+
+
+def test_kiln_ray_config_writes_a_kuberay_rayservice(emb, cls, tmp_path):
+    """The same Serve config inside a KubeRay RayService: the head reserves no CPU (control plane,
+    proxy, router), one worker pod per replica and one spare, the artifacts' folder mounted from a
+    volume claim at the same path in every pod."""
+    yaml = pytest.importorskip("yaml")
+    schema = pytest.importorskip("ray.serve.schema")
+    out = tmp_path / "rayservice.yaml"
+    r = kiln("ray", "config", f"emb={emb}", f"cls={cls}", "--replicas", "2", "--max-replicas-per-node", "1",
+             "--rayservice", "kiln", "--volume", "models", "--image", "registry.example/kiln:1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    service = yaml.safe_load(out.read_text())
+    assert (service["apiVersion"], service["kind"], service["metadata"]["name"]) == ("ray.io/v1", "RayService", "kiln")
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    parsed = schema.ServeDeploySchema.model_validate(serve_config)
+    assert [a.name for a in parsed.applications] == ["emb", "cls", "kiln"] and parsed.http_options.port == 8000
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    workers = cluster["workerGroupSpecs"][0]
+    assert workers["replicas"] == 3 and workers["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "2"
+    mount = workers["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"]
+    assert all(str(Path(a.args["model"]["path"])).startswith(mount + "/") for a in parsed.applications[:2])
+    assert workers["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
 
 
 # --- a real local cluster ---------------------------------------------------------------------------
@@ -340,3 +380,183 @@ def test_a_replica_killed_under_load_is_replaced(cluster):
     # after the replacement every request is answered again
     for _ in range(10):
         assert post(cluster.url + "/v2/models/emb/predict", {"inputs": "x"}).status_code == 200
+
+
+# --- the router's failover, with a stand-in for Serve's handle (no cluster) --------------------------
+
+
+class _Call:
+    """A stand-in for a streaming handle call on a replica: the real replica side
+    (``replica_deltas`` over an in-process kiln serve model), lost after ``lose_after`` deltas
+    (None: never), or ``hang`` (no replica takes it), or refused with ``error``."""
+
+    def __init__(self, plane, args, lose_after=None, hang=False, error=None):
+        from modelkiln.ray.remote_generation import replica_deltas
+
+        self.args, self.lose_after, self.hang, self.error = args, lose_after, hang, error
+        self.items = replica_deltas(plane, *args)
+        self.deltas = 0
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from ray.exceptions import ActorUnavailableError, RayTaskError
+
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.error is not None:
+            raise RayTaskError("generate", "", self.error).as_instanceof_cause()
+        if self.lose_after is not None and self.deltas >= self.lose_after:
+            await self.items.aclose()
+            raise ActorUnavailableError("RPC error: Socket closed", None)
+        item = await self.items.__anext__()
+        self.deltas += len(item)
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Handle:
+    """Serve's handle as RemoteStream uses it (``options(stream=True).generate.remote``); each call
+    behaves as the next entry of ``script`` says (then: answers whole)."""
+
+    def __init__(self, plane, script):
+        self.plane, self.script, self.calls = plane, list(script), []
+        self.generate = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        call = _Call(self.plane, args, **(self.script.pop(0) if self.script else {}))
+        self.calls.append(call)
+        return call
+
+
+@pytest.fixture(scope="module")
+def local_plane(tiny_generation_artifact):
+    """kiln serve's data plane over the tiny generation model, in this process: the replicas' side."""
+    pytest.importorskip("ray")
+    from modelkiln.serve.dataplane import build_dataplane
+
+    settings = ServeSettings(threads=1, warmup=False).with_models((ModelSpec("gen", str(tiny_generation_artifact),
+                                                                              "fp32"),))
+    plane = build_dataplane(settings)
+    yield plane
+    plane.stop()
+
+
+def _remote(plane, script, retries=3, window_s=5.0):
+    from modelkiln.ray.plan import Failover
+    from modelkiln.ray.remote_generation import RemoteGenerationModel
+    from modelkiln.serve.metrics import Metrics
+
+    model = plane.models["gen"]
+    handle = _Handle(plane, script)
+    return RemoteGenerationModel(ModelSpec("gen", str(model.folder), "fp32"), plane.settings, Metrics(), handle,
+                                 Failover(retries, window_s)), handle
+
+
+def _answer(model, prompt_ids, params, **kw) -> list:
+    async def run():
+        stream = model.generate(prompt_ids, params, **kw)
+        async with stream:
+            deltas = [delta async for delta in stream]
+        return deltas, stream
+
+    return asyncio.run(run())
+
+
+def _counter(model, name: str) -> float:
+    return getattr(model.metrics, name).labels("gen")._value.get()
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_stream_whose_replica_is_lost_goes_on_as_the_uninterrupted_answer(local_plane, sampled):
+    """Lost before it was accepted, after its first token, mid-answer, twice: the deltas are the
+    uninterrupted answer's, token for token, text for text; the next replica got prompt + the
+    tokens passed on and the same seed; usage counts the whole answer."""
+    from modelkiln.generation.sampling import SamplingParams
+
+    local = local_plane.models["gen"]
+    ids = local.tokenizer.encode("The quick brown fox").ids
+    extra = {"temperature": 0.9, "top_p": 0.95, "repetition_penalty": 1.2} if sampled else {}
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, **extra)
+    whole, first = _answer(_remote(local_plane, [])[0], ids, params)
+    for script, resumed in ([{"lose_after": 0}], 0), ([{"lose_after": 1}], 1), ([{"lose_after": 10}], 1), \
+                           ([{"lose_after": 5}, {"lose_after": 7}], 2):
+        model, handle = _remote(local_plane, script)
+        deltas, stream = _answer(model, ids, params, seed=first.seed)
+        assert [d.token_id for d in deltas] == [d.token_id for d in whole], script
+        assert "".join(d.text for d in deltas) == "".join(d.text for d in whole)
+        assert deltas[-1].finish_reason == whole[-1].finish_reason and stream.completion_tokens == 24
+        assert len(handle.calls) == len(script) + 1 and all(c.args[2] == first.seed for c in handle.calls)
+        passed = [sum(c.deltas for c in handle.calls[:i]) for i in range(len(handle.calls))]
+        assert [len(c.args[3]) for c in handle.calls] == passed  # resume_ids: exactly the tokens passed on
+        assert _counter(model, "streams_resumed") == resumed
+        assert _counter(model, "retries") == len(script) - resumed
+    assert local.in_flight == 0
+
+
+def test_no_live_replica_within_the_window_ends_the_stream_cleanly(local_plane):
+    from modelkiln.errors import ModelNotReadyError
+    from modelkiln.generation.sampling import SamplingParams
+
+    ids = local_plane.models["gen"].tokenizer.encode("Hello").ids
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    model, handle = _remote(local_plane, [{"lose_after": 3}, {"hang": True}], window_s=0.5)
+
+    async def run():
+        got = []
+        with pytest.raises(ModelNotReadyError, match="no replica took the request within 0.5s"):
+            async with model.generate(ids, params) as stream:
+                async for delta in stream:
+                    got.append(delta)
+        return got
+
+    assert len(asyncio.run(run())) == 3  # ended by the window (the message), not the request's timeout
+    assert handle.calls[1].cancelled and _counter(model, "failovers_failed") == 1
+    # every attempt lost at once: bounded by the count
+    model, handle = _remote(local_plane, [{"lose_after": 0}] * 10, retries=2)
+    with pytest.raises(ModelNotReadyError, match="lost"):
+        _answer(model, ids, params)
+    assert len(handle.calls) == 3 and _counter(model, "failovers_failed") == 1
+
+
+def test_a_client_that_leaves_stops_its_resubmission(local_plane):
+    from modelkiln.generation.sampling import SamplingParams
+
+    ids = local_plane.models["gen"].tokenizer.encode("Hello").ids
+    model, handle = _remote(local_plane, [{"lose_after": 2}, {"hang": True}])
+
+    async def run():
+        stream = model.generate(ids, SamplingParams(max_new_tokens=16, ignore_eos=True))
+
+        async def client():
+            async with stream:
+                async for _ in stream:
+                    pass
+
+        task = asyncio.create_task(client())
+        while len(handle.calls) < 2:  # the request was sent again: no replica has taken it
+            await asyncio.sleep(0.01)
+        task.cancel()  # the client's connection closed
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.2)
+
+    asyncio.run(run())
+    assert len(handle.calls) == 2 and handle.calls[1].cancelled and model.in_flight == 0
+
+
+def test_a_replicas_refusal_is_the_clients_answer_not_a_retry(local_plane):
+    from modelkiln.errors import OverloadedError
+    from modelkiln.generation.sampling import SamplingParams
+
+    ids = local_plane.models["gen"].tokenizer.encode("Hello").ids
+    model, handle = _remote(local_plane, [{"error": OverloadedError("3 generation requests waiting; retry later")}])
+    with pytest.raises(OverloadedError, match="retry later"):
+        _answer(model, ids, SamplingParams(max_new_tokens=4))
+    assert len(handle.calls) == 1 and _counter(model, "retries") == 0

@@ -56,15 +56,26 @@ MIN_REPLICAS = typer.Option(None, help="Autoscaling: fewest replicas per model."
 MAX_REPLICAS = typer.Option(None, help="Autoscaling: most replicas per model.", show_default=False)
 TARGET = typer.Option(16.0, help="Autoscaling: requests in flight per replica the autoscaler aims at.")
 CPUS = typer.Option(1, help="CPUs each replica reserves in Ray; its engine threads are sized from them.")
+PER_NODE = typer.Option(None, help="At most this many replicas of a model on one node (1: a node's loss takes "
+                                   "one replica of each model).", show_default=False)
+PROXY = typer.Option("HeadOnly", help="Where Ray's HTTP proxies run: HeadOnly (next to the router, which every "
+                                      "request goes through) or EveryNode.")
+RETRIES = typer.Option(3, help="Times the router sends a request again, or continues a stream, on another "
+                               "replica after its replica was lost.")
+WINDOW = typer.Option(30.0, help="Seconds after a replica's loss the router waits for another to take the "
+                                 "request (then 503, or an error event in a stream).")
+DIRECT = typer.Option(False, "--direct-encoders", help="Encoder models' routes go from Ray's proxy straight to "
+                                                        "a replica: one hop less, no retry when it is lost.")
 CONFIG = typer.Option(None, help="JSON settings file (as kiln serve --config); env vars and flags override it.",
                       show_default=False)
 
 
 def _plan(ctx: typer.Context, artifacts: list[str], replicas: Optional[int], min_replicas: Optional[int],
-          max_replicas: Optional[int], target: float, cpus: int, config: Optional[Path]) -> dict[str, Any]:
+          max_replicas: Optional[int], target: float, cpus: int, per_node: Optional[int], proxy: str, retries: int,
+          window: float, direct: bool, config: Optional[Path]) -> dict[str, Any]:
     from ..serve.config_file import read_serve_config
     from ..serve.settings import ServeSettings, parse_model_arg
-    from .plan import Scaling, plan
+    from .plan import Failover, Ingress, Scaling, plan
 
     flags = ctx.meta.get(DERIVED, {})
     settings = ServeSettings.from_env(config=read_serve_config(config) if config else None, **flags)
@@ -73,8 +84,10 @@ def _plan(ctx: typer.Context, artifacts: list[str], replicas: Optional[int], min
     if autoscale and replicas is not None:
         raise typer.BadParameter("give --replicas or --min-replicas/--max-replicas, not both")
     scaling = Scaling(replicas=None if autoscale else (replicas or 1), min_replicas=min_replicas,
-                      max_replicas=max_replicas, target_ongoing_requests=target, cpus_per_replica=cpus)
-    return plan(settings, scaling)
+                      max_replicas=max_replicas, target_ongoing_requests=target, cpus_per_replica=cpus,
+                      max_replicas_per_node=per_node)
+    ingress = Ingress(Failover(retries, window), proxy, direct)
+    return plan(settings, scaling, ingress)
 
 
 @ray_app.command("run", cls=RayCommand)
@@ -86,6 +99,11 @@ def run(
     max_replicas: Optional[int] = MAX_REPLICAS,
     target_ongoing_requests: float = TARGET,
     cpus_per_replica: int = CPUS,
+    max_replicas_per_node: Optional[int] = PER_NODE,
+    proxy_location: str = PROXY,
+    retries: int = RETRIES,
+    retry_window_s: float = WINDOW,
+    direct_encoders: bool = DIRECT,
     address: Optional[str] = typer.Option(
         None, help="A running Ray cluster (host:port, or 'auto'). Default: start a local one in this process, "
                    "stopped when it exits.", show_default=False),
@@ -97,7 +115,8 @@ def run(
     from .deploy import serve_until_interrupted
 
     serve_until_interrupted(_plan(ctx, artifacts, replicas, min_replicas, max_replicas, target_ongoing_requests,
-                                  cpus_per_replica, config), address, num_cpus)
+                                  cpus_per_replica, max_replicas_per_node, proxy_location, retries, retry_window_s,
+                                  direct_encoders, config), address, num_cpus)
 
 
 @ray_app.command("config", cls=RayCommand)
@@ -109,24 +128,54 @@ def write_config(
     max_replicas: Optional[int] = MAX_REPLICAS,
     target_ongoing_requests: float = TARGET,
     cpus_per_replica: int = CPUS,
+    max_replicas_per_node: Optional[int] = PER_NODE,
+    proxy_location: str = PROXY,
+    retries: int = RETRIES,
+    retry_window_s: float = WINDOW,
+    direct_encoders: bool = DIRECT,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="YAML file to write (default: standard output).",
                                        show_default=False),
+    rayservice: Optional[str] = typer.Option(
+        None, help="Write a KubeRay RayService of this name instead (the cluster and the config in one manifest: "
+                   "kubectl apply -f FILE).", show_default=False),
+    image: str = typer.Option("rayproject/ray:2.60.0-py311", help="RayService: the pods' image (it must have "
+                                                                   "modelkiln[ray,serve] installed)."),
+    workers: Optional[int] = typer.Option(None, help="RayService: worker pods (default: the most replicas of a "
+                                                     "model, plus one to take a lost pod's replicas).",
+                                          show_default=False),
+    worker_cpus: Optional[int] = typer.Option(None, help="RayService: CPUs per worker pod (default: one replica of "
+                                                         "each model).", show_default=False),
+    worker_memory: str = typer.Option("4Gi", help="RayService: memory per worker pod."),
+    volume: Optional[str] = typer.Option(None, help="RayService: a PersistentVolumeClaim holding the artifacts, "
+                                                    "mounted at their folder's path in every pod.", show_default=False),
     config: Optional[Path] = CONFIG,
 ) -> None:
-    """Write the Serve config YAML for `serve deploy FILE` on an existing cluster (artifact paths are
-    absolute: the cluster's nodes must see the same folders)."""
+    """Write the Serve config YAML for `serve deploy FILE` on an existing cluster, or with
+    --rayservice a KubeRay RayService (artifact paths are absolute: every node must see the same
+    folders)."""
     try:
         import yaml
     except ImportError:
         raise KilnError(f"kiln ray config needs PyYAML: {install_hint('ray')}") from None
 
     plan = _plan(ctx, artifacts, replicas, min_replicas, max_replicas, target_ongoing_requests, cpus_per_replica,
-                 config)
-    text = ("# Written by `kiln ray config`; deploy with: serve deploy FILE\n"
-            + yaml.safe_dump(plan, sort_keys=False, default_flow_style=False))
+                 max_replicas_per_node, proxy_location, retries, retry_window_s, direct_encoders, config)
+    models = len(plan["applications"]) - 1
+    if rayservice:
+        from .kuberay import rayservice as manifest
+
+        most = max_replicas or replicas or 1
+        service = manifest(plan, rayservice, image, workers or most + 1, worker_cpus or cpus_per_replica * models,
+                           worker_memory, volume)
+        text = ("# Written by `kiln ray config --rayservice`; apply with: kubectl apply -f FILE\n"
+                + yaml.safe_dump(service, sort_keys=False, default_flow_style=False))
+        what = f"RayService {rayservice} ({models} model application(s) and the router); apply with: kubectl apply -f"
+    else:
+        text = ("# Written by `kiln ray config`; deploy with: serve deploy FILE\n"
+                + yaml.safe_dump(plan, sort_keys=False, default_flow_style=False))
+        what = f"{models} model application(s) and the router; deploy with: serve deploy"
     if out is None:
         sys.stdout.write(text)
     else:
         out.write_text(text)
-        print(f"Wrote {out}: {len(plan['applications']) - 1} model application(s) and the router; "
-              f"deploy with: serve deploy {out}", file=sys.stderr)
+        print(f"Wrote {out}: {what} {out}", file=sys.stderr)

@@ -31,7 +31,8 @@ def serve_until_interrupted(config: dict[str, Any], address: str | None, num_cpu
     deployed: list[str] = []
     try:
         http = config["http_options"]
-        serve.start(http_options={"host": http["host"], "port": http["port"]})
+        serve.start(http_options={"host": http["host"], "port": http["port"]},
+                    proxy_location=config["proxy_location"])
         for application in config["applications"]:  # the models first, the router (at /) last
             started = time.perf_counter()
             try:
@@ -41,8 +42,9 @@ def serve_until_interrupted(config: dict[str, Any], address: str | None, num_cpu
                                 "session_latest/logs/serve/replica_*.log)") from None
             deployed.append(application["name"])
             replicas = _replicas(application["deployments"][0])
-            print(f"✓ {application['name']}: {replicas} at {application['route_prefix']} "
-                  f"({time.perf_counter() - started:.1f}s)", file=sys.stderr, flush=True)
+            where = application["route_prefix"] or "the router"
+            print(f"✓ {application['name']}: {replicas} behind {where} ({time.perf_counter() - started:.1f}s)",
+                  file=sys.stderr, flush=True)
         url = f"http://{http['host']}:{http['port']}"
         print(f"Serving {len(deployed) - 1} model(s) on Ray Serve at {url} "
               f"(OIP: {url}/v2/models/NAME/infer, task: .../predict, OpenAI: {url}/v1/...); Ctrl-C stops",

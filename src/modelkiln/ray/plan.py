@@ -1,18 +1,22 @@
 """What a Ray Serve deployment of modelkiln looks like, as plain data (no Ray import).
 
-One Serve application per model, at the route prefix ``/v2/models/{name}``: Ray's proxy matches
-the longest prefix, so every per-model route (infer, predict, metadata, ready, stats, and the
-generation routes when a model has them) goes from the proxy straight to one of that model's
-replicas, one hop, like any Serve app. Each replica is a whole modelkiln HTTP front-end over its
-own data plane and batcher (``serve.app.create_app``), so the replica batches its share of the
-traffic exactly as ``kiln serve`` does: there is no second batching layer.
+One Serve application per model, whose replicas are each a whole modelkiln data plane and batcher
+(``serve.app.create_app``), so a replica batches its share of the traffic exactly as ``kiln serve``
+does: there is no second batching layer.
 
-One more application, ``kiln``, at ``/``: the routes that name no model in the path (health,
-server metadata, OpenAI's model list, and the OpenAI routes whose model is in the body, which it
-forwards to that model's replicas through a deployment handle).
+One more application, ``kiln``, at ``/``: the router, on the head node, is the ingress. It answers
+what names no model (health, server metadata, OpenAI's model list), runs the generation routes
+itself over the model's replicas (OpenAI completions and chat, Triton's generate and
+generate_stream, OIP infer: ``remote_generation.py``), so that a stream whose replica is lost
+goes on on another, and forwards every other model route to a replica through a deployment
+handle, sending it again to another when its replica is lost before answering
+(``failover.py``). With ``direct_encoders``, an encoder model's application keeps the route
+prefix ``/v2/models/{name}`` instead: Ray's proxy matches the longest prefix and sends those
+requests straight to a replica (one hop less, no retry).
 
-``kiln ray`` deploys this plan; ``kiln ray config`` writes it as the YAML ``serve deploy`` takes.
-Both come from ``plan()``, so they cannot drift apart."""
+``kiln ray`` deploys this plan; ``kiln ray config`` writes it as the YAML ``serve deploy`` takes
+(and inside a KubeRay RayService: ``kuberay.py``). All come from ``plan()``, so they cannot drift
+apart."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Any
 from ..errors import KilnError
 from ..manifest import Manifest
 from ..serve.settings import ModelSpec, ServeSettings
+from ..tasks.text_generation import is_generation
 
 MODEL_DEPLOYMENT = "ModelReplica"
 ROUTER_DEPLOYMENT = "Router"
@@ -33,6 +38,45 @@ ROUTER_BUILDER = "modelkiln.ray.deployments:router_app"
 # replica opens no gRPC port of its own.
 NOT_PER_REPLICA = ("host", "port", "grpc_port", "models", "model_repository", "model_control_mode",
                    "repository_poll_s", "cpus")
+# Ray's own resource on the head node: the router runs there, next to Serve's controller and proxy,
+# so that losing any other node leaves every connection and stream in place.
+HEAD_NODE = "node:__internal_head__"
+PROXY_LOCATIONS = ("EveryNode", "HeadOnly")
+
+
+@dataclass(frozen=True)
+class Failover:
+    """How the router goes on when a replica is lost under a request (``failover.py``): at most
+    ``retries`` more attempts, each waiting at most ``window_s`` from the loss for a live replica
+    (Ray replaces a lost replica in tens of seconds: a model load on another node)."""
+
+    retries: int = 3
+    window_s: float = 30.0
+
+    def check(self) -> None:
+        if self.retries < 0:
+            raise KilnError("--retries must be at least 0")
+        if not self.window_s > 0:
+            raise KilnError("--retry-window-s must be more than 0")
+
+
+@dataclass(frozen=True)
+class Ingress:
+    """The router and Ray's proxies. ``proxy_location``: Serve's. ``HeadOnly`` by default: every
+    request goes through the router on the head node, so a proxy on another node only adds a hop,
+    and a lost node's proxy takes its clients' connections with it (on one host, proxies of several
+    nodes share the port: SO_REUSEPORT). ``EveryNode`` spreads the proxies' HTTP work, which pays
+    with ``direct_encoders``: encoder models' routes then go from the proxy straight to a replica
+    (one hop, no retry when it is lost)."""
+
+    failover: Failover = Failover()
+    proxy_location: str = "HeadOnly"
+    direct_encoders: bool = False
+
+    def check(self) -> None:
+        self.failover.check()
+        if self.proxy_location not in PROXY_LOCATIONS:
+            raise KilnError(f"--proxy-location must be one of {', '.join(PROXY_LOCATIONS)}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +94,9 @@ class Scaling:
     # Ray's default (5) would cap what a replica's batcher ever sees at 5 requests; the replica's
     # own queue limit (max_queue_size, answered 503 + Retry-After) is the back-pressure instead.
     max_ongoing_requests: int = 1024
+    # At most this many of a model's replicas on one node (Serve's max_replicas_per_node): with 1,
+    # a node's loss takes one replica of each model, never all of them.
+    max_replicas_per_node: int | None = None
 
     def check(self) -> None:
         autoscale = self.min_replicas is not None or self.max_replicas is not None
@@ -63,6 +110,8 @@ class Scaling:
             raise KilnError("--replicas must be at least 1")
         if self.cpus_per_replica < 1:
             raise KilnError("--cpus-per-replica must be at least 1")
+        if self.max_replicas_per_node is not None and self.max_replicas_per_node < 1:
+            raise KilnError("--max-replicas-per-node must be at least 1")
 
     @property
     def autoscaling(self) -> bool:
@@ -76,6 +125,8 @@ class Scaling:
                                              "target_ongoing_requests": self.target_ongoing_requests}
         else:
             options["num_replicas"] = self.replicas
+        if self.max_replicas_per_node is not None:
+            options["max_replicas_per_node"] = self.max_replicas_per_node
         # The engine's threads come from the replica's settings (cpus); these cap the libraries
         # that size their own pools from the host's cores (the tokenizer's rayon pool, OpenMP).
         threads = str(self.cpus_per_replica)
@@ -85,10 +136,12 @@ class Scaling:
 
 
 def router_deployment() -> dict[str, Any]:
-    # It only reads a path or a JSON body's "model" and awaits a model replica: no CPU reserved, so
-    # a cluster's cores all go to model replicas (Serve reserves one per replica by default).
+    # It reads requests, tokenizes generation prompts and awaits model replicas: no CPU reserved, so
+    # a cluster's cores all go to model replicas (Serve reserves one per replica by default). On the
+    # head node, whose loss loses the cluster anyway; one thread for the tokenizer's own pool.
     return {"name": ROUTER_DEPLOYMENT, "num_replicas": 1, "max_ongoing_requests": 4096,
-            "ray_actor_options": {"num_cpus": 0}}
+            "ray_actor_options": {"num_cpus": 0, "resources": {HEAD_NODE: 0.001},
+                                  "runtime_env": {"env_vars": {"RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}}}}
 
 
 def replica_settings(settings: ServeSettings, scaling: Scaling) -> dict[str, Any]:
@@ -111,31 +164,39 @@ def model_name(spec: ModelSpec) -> str:
     return name
 
 
-def plan(settings: ServeSettings, scaling: Scaling) -> dict[str, Any]:
+def plan(settings: ServeSettings, scaling: Scaling, ingress: Ingress = Ingress()) -> dict[str, Any]:
     """The Serve config (``serve deploy``'s schema) for ``settings.models`` scaled as asked."""
     scaling.check()
+    ingress.check()
     if settings.model_repository:
         raise KilnError("kiln ray serves the artifacts given: a model repository is not supported (list the folders)")
     if not settings.models:
         raise KilnError("kiln ray needs at least one artifact")
     per_replica = replica_settings(settings, scaling)
     applications = []
-    names = []
+    names: list[str] = []
+    generation: list[dict[str, Any]] = []  # the models whose generation routes the router runs
     for spec in settings.models:
         name = model_name(spec)
         if name in names:
             raise KilnError(f"two models are named '{name}': use NAME=PATH")
         names.append(name)
         model = {"name": name, "path": str(Path(spec.path).resolve()), "variant": spec.variant}
-        applications.append({"name": name, "route_prefix": f"/v2/models/{name}", "import_path": MODEL_BUILDER,
-                             "args": {"model": model, "settings": per_replica},
+        generates = is_generation(Manifest.load(spec.path))
+        if generates:
+            generation.append(model)
+        direct = ingress.direct_encoders and not generates
+        applications.append({"name": name, "route_prefix": f"/v2/models/{name}" if direct else None,
+                             "import_path": MODEL_BUILDER, "args": {"model": model, "settings": per_replica},
                              "deployments": [scaling.model_deployment()]})
-    router_settings = {k: v for k, v in per_replica.items() if k in ("api_key", "max_body_bytes", "log_level")}
+    router_settings = {k: v for k, v in per_replica.items() if k != "cpus"}
+    failover = {"retries": ingress.failover.retries, "window_s": ingress.failover.window_s}
     applications.append({"name": ROUTER_APP, "route_prefix": "/", "import_path": ROUTER_BUILDER,
-                         "args": {"models": names, "settings": router_settings},
+                         "args": {"models": names, "generation": generation, "settings": router_settings,
+                                  "failover": failover},
                          "deployments": [router_deployment()]})
-    return {"proxy_location": "EveryNode", "http_options": {"host": settings.host, "port": settings.port},
+    return {"proxy_location": ingress.proxy_location, "http_options": {"host": settings.host, "port": settings.port},
             "applications": applications}
 
 
-__all__ = ["Scaling", "plan", "replica_settings", "MODEL_DEPLOYMENT", "ROUTER_APP"]
+__all__ = ["Failover", "Ingress", "Scaling", "plan", "replica_settings", "MODEL_DEPLOYMENT", "ROUTER_APP"]

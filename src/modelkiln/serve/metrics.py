@@ -29,6 +29,15 @@ class Metrics:
                                       buckets=_TOKEN_BUCKETS, registry=r)
         self.in_flight = Gauge("kiln_requests_in_flight", "Requests being handled now.", registry=r)
         self.queued = Gauge("kiln_queue_inputs", "Inputs waiting for a batch.", ["model"], registry=r)
+        # kiln ray's router, when a replica is lost under a request (ray/failover.py)
+        self.retries = Counter("kiln_retries_total", "Requests sent again to another replica after theirs was "
+                               "lost before answering (encoder requests; generation before its first token).",
+                               ["model"], registry=r)
+        self.streams_resumed = Counter("kiln_streams_resumed_total", "Streamed answers continued on another "
+                                       "replica after theirs was lost mid-answer.", ["model"], registry=r)
+        self.failovers_failed = Counter("kiln_failovers_failed_total", "Requests whose replica was lost and that "
+                                        "found no other in time (answered 503 or an SSE error).", ["model"],
+                                        registry=r)
         # Text generation, under vLLM's names (its dashboards and alerts work unchanged), label model_name.
         g = ["model_name"]
         self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", g,
