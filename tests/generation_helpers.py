@@ -28,8 +28,9 @@ def tiny_tokenizer(folder: Path):
     return Tokenizer.from_file(str(path))
 
 
-def make_tiny_llama(folder: Path) -> Path:
-    """A saved Hugging Face folder: random Llama with grouped-query attention, byte-level BPE tokenizer."""
+def make_tiny_llama(folder: Path, hidden_size: int = 64, layers: int = 2) -> Path:
+    """A saved Hugging Face folder: random Llama with grouped-query attention, byte-level BPE tokenizer
+    (``hidden_size`` and ``layers`` larger for a model whose tokens take a few milliseconds)."""
     import torch
     import transformers as tf
 
@@ -40,7 +41,8 @@ def make_tiny_llama(folder: Path) -> Path:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = tf.LlamaConfig(vocab_size=400, hidden_size=hidden_size, intermediate_size=hidden_size * 3 // 2,
+                         num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id)
     model = tf.LlamaForCausalLM(cfg).eval()

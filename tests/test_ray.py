@@ -1,5 +1,7 @@
-"""kiln ray: the plan and config (fast), and a real local Ray cluster (slow): answers equal to kiln
-serve's, requests spread over both replicas by their own statistics, a replica killed under load."""
+"""kiln ray: the plan and config, and the router's failover with a stand-in for Serve's handle (fast);
+a real Ray cluster of a head and 3 worker nodes on this machine (slow): answers equal to kiln serve's,
+replicas spread over the nodes, requests spread over both replicas by their own statistics, a replica
+killed under load, and the fault benchmark's short form (nodes killed and drained under load)."""
 
 from __future__ import annotations
 
@@ -126,8 +128,9 @@ def test_kiln_ray_config_writes_a_kuberay_rayservice(emb, cls, tmp_path):
     cluster = service["spec"]["rayClusterConfig"]
     assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     workers = cluster["workerGroupSpecs"][0]
-    assert workers["replicas"] == 3 and workers["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "2"
-    mount = workers["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"]
+    container = workers["template"]["spec"]["containers"][0]
+    assert workers["replicas"] == 3 and container["resources"]["limits"]["cpu"] == "2"
+    mount = container["volumeMounts"][0]["mountPath"]
     assert all(str(Path(a.args["model"]["path"])).startswith(mount + "/") for a in parsed.applications[:2])
     assert workers["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
 
@@ -142,6 +145,7 @@ def test_serve_deploy_of_kiln_ray_config_on_a_ray_start_cluster(emb, tmp_path):
     `kiln ray`'s own cluster on purpose: `ray start` leaves /tmp/ray/ray_current_cluster behind, and
     `kiln ray` must start a cluster of its own anyway, not attach to that stopped one."""
     pytest.importorskip("ray")
+    import secrets
     import subprocess
     import sys
 
@@ -153,9 +157,11 @@ def test_serve_deploy_of_kiln_ray_config_on_a_ray_start_cluster(emb, tmp_path):
     out = tmp_path / "serve.yaml"
     r = kiln("ray", "config", f"emb={emb}", "--replicas", "1", "--port", str(http_port), "--out", str(out))
     assert r.returncode == 0, r.stderr
-    # the workers import modelkiln from this checkout (a real cluster has it installed);
-    # the CLI client authenticates with the token `ray start` uses (Ray's default mode)
-    env = {**os.environ, "PYTHONPATH": str(SRC), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    # the workers import modelkiln from this checkout (a real cluster has it installed); the cluster
+    # and the CLI client use token authentication, with a token of this test's own (`ray start` makes
+    # none: it reads ~/.ray/auth_token or RAY_AUTH_TOKEN)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     head = subprocess.Popen([str(bin_dir / "ray"), "start", "--head", "--block", "--num-cpus", "2",
                              "--port", str(free_port()), "--dashboard-port", str(dashboard_port),
                              "--include-dashboard", "true", "--disable-usage-stats"],
@@ -195,17 +201,27 @@ def test_serve_deploy_of_kiln_ray_config_on_a_ray_start_cluster(emb, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cluster(emb, cls, tiny_generation_artifact):
+def nodes():
+    """A head and 3 worker nodes on this machine (`ray start`), 3 logical CPUs each."""
     pytest.importorskip("ray")
+    from modelkiln.ray.local_cluster import LocalCluster
+
+    with LocalCluster(workers=3, cpus_per_worker=3, timeout=300) as local:
+        yield local
+    assert not local.session_pids(), "processes of the cluster still running after it stopped"
+
+
+@pytest.fixture(scope="module")
+def cluster(nodes, emb, cls, tiny_generation_artifact):
+    """`kiln ray --address` on the 3-node cluster: 3 models x 2 replicas, at most one of each per node."""
     from modelkiln.ray.process import RayProcess
 
-    # 3 models x 2 replicas x 1 CPU: Ray's logical CPUs, not the host's cores
     server = RayProcess([f"emb={emb}", f"cls={cls}", f"gen={tiny_generation_artifact}", "--replicas", "2",
-                         "--num-cpus", "6", "--variant", "fp32"])
+                         "--max-replicas-per-node", "1", "--variant", "fp32", "--address", nodes.address], timeout=600)
     yield server
     code = server.stop()
     assert code == 0, server.output()[-3000:]
-    assert not server.session_pids(), "processes of the cluster still running after kiln ray stopped"
+    assert not server.session_pids(), "kiln ray's own processes still running after it stopped"
 
 
 @pytest.fixture(scope="module")
@@ -260,8 +276,8 @@ def test_answers_equal_kiln_serve(cluster, reference_server):
 
 @pytest.mark.slow
 def test_generation_routes_equal_kiln_serve(cluster, reference_server):
-    """A text-generation model under Ray: Triton's generate and generate_stream (routed to a replica by
-    the proxy) and OpenAI completions, streamed too (forwarded by the router), give kiln serve's greedy text."""
+    """A text-generation model under Ray: Triton's generate and generate_stream and OpenAI completions,
+    streamed too (all run by the router over the replicas), give kiln serve's greedy text."""
     import openai
     from test_serve_generation import sse_events
 
@@ -306,6 +322,16 @@ def _replica_stats(url: str, model: str, tries: int = 200) -> dict[str, int]:
 
 
 @pytest.mark.slow
+def test_replicas_are_spread_over_the_nodes(cluster, nodes):
+    """Each model's 2 replicas on 2 different worker nodes; the router on the head node."""
+    replicas = nodes.replicas()
+    for app in ("emb", "cls", "gen"):
+        on = [r.node.name for r in replicas if r.app == app]
+        assert len(on) == 2 and len(set(on)) == 2 and nodes.head.name not in on, (app, on)
+    assert [r.node for r in replicas if r.app == "kiln"] == [nodes.head]
+
+
+@pytest.mark.slow
 def test_requests_spread_over_both_replicas(cluster):
     before = _replica_stats(cluster.url, "emb")
     answered_by: Counter[str] = Counter()
@@ -333,12 +359,12 @@ def test_requests_spread_over_both_replicas(cluster):
 
 
 @pytest.mark.slow
-def test_a_replica_killed_under_load_is_replaced(cluster):
-    """Requests in flight when a replica dies: retried by Ray (answered 200) or answered with a
-    clean error (an HTTP status and a body); none hangs or loses its connection."""
+def test_a_replica_killed_under_load_is_replaced(cluster, nodes):
+    """Requests in flight when a replica's process dies are sent again to the other replica by the
+    router: every one is answered 200; Ray replaces the replica."""
     old = set(_replica_stats(cluster.url, "emb"))
-    pids = cluster.replica_pids("emb")
-    assert len(pids) == 2, pids
+    victim = next(r for r in nodes.replicas() if r.app == "emb")
+    retries_before = _router_counter(cluster.url, "kiln_retries_total")
     outcomes: Counter[str] = Counter()
     stop = threading.Event()
     lock = threading.Lock()
@@ -347,7 +373,7 @@ def test_a_replica_killed_under_load_is_replaced(cluster):
         with httpx.Client(timeout=60) as http:
             while not stop.is_set():
                 try:
-                    r = http.post(cluster.url + "/v2/models/emb/predict", json={"inputs": SAMPLE_TEXTS[:4]})
+                    r = http.post(cluster.url + "/v2/models/emb/predict", json={"inputs": SAMPLE_TEXTS[:16]})
                     outcome = "200" if r.status_code == 200 else f"{r.status_code} {r.text[:80]}"
                 except httpx.TransportError as exc:
                     outcome = f"transport error {type(exc).__name__}"
@@ -359,27 +385,80 @@ def test_a_replica_killed_under_load_is_replaced(cluster):
         t.start()
     time.sleep(3)
     before_kill = sum(outcomes.values())
-    os.kill(pids[0], signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    replaced = False
-    while time.monotonic() < deadline and not replaced:
+    os.kill(victim.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    answering: set[str] = set()
+    while time.monotonic() < deadline and not (len(answering) == 2 and victim.id not in answering):
         time.sleep(1)
-        replaced = len(cluster.replica_pids("emb")) == 2 and pids[0] not in cluster.replica_pids("emb")
+        try:  # a new replica answers once Serve runs it (its model loaded), not when Ray has started it
+            answering = set(_replica_stats(cluster.url, "emb", tries=20))
+        except AssertionError:
+            pass
     time.sleep(2)  # the new replica takes its share of the load
     stop.set()
     for t in threads:
         t.join()
-    print(f"\nreplica kill under load: {dict(outcomes)} ({before_kill} answered before the kill)")
-    assert replaced, "the killed replica was not replaced within 120 s"
-    now = set(_replica_stats(cluster.url, "emb"))
-    assert len(now) == 2 and len(now - old) == 1, (old, now)  # one survivor, one new replica
-    bad = {o: n for o, n in outcomes.items() if o.startswith("transport")}
-    assert not bad, outcomes
-    assert all(o == "200" or o.startswith(("500", "502", "503")) for o in outcomes), outcomes
-    assert outcomes["200"] > before_kill
-    # after the replacement every request is answered again
-    for _ in range(10):
-        assert post(cluster.url + "/v2/models/emb/predict", {"inputs": "x"}).status_code == 200
+    retried = _router_counter(cluster.url, "kiln_retries_total") - retries_before
+    print(f"\nreplica kill under load: {dict(outcomes)} ({before_kill} answered before the kill, {retried:.0f} "
+          "sent again)")
+    # a survivor and a new replica answer
+    assert len(answering) == 2 and len(answering - old) == 1 and victim.id not in answering, (old, answering)
+    # every request answered: those inside the replica when it died were sent again (Ray's proxy
+    # alone answered them 500), unless none was inside at that moment (retried counts them)
+    assert outcomes.keys() == {"200"} and outcomes["200"] > before_kill, outcomes
+
+
+def _router_counter(url: str, name: str) -> float:
+    """A counter of the router's /metrics, summed over its labels."""
+    import re
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+@pytest.fixture(scope="module")
+def slow_generation_artifact(tmp_path_factory):
+    """A tiny Llama whose tokens take a few milliseconds (8 layers of 512): a replica running it is
+    still writing its streams when its node is lost (a faster one is done before its answers reach
+    the clients: Ray streams a replica's items without back-pressure)."""
+    from generation_helpers import make_tiny_llama
+    from modelkiln.convert.pipeline import ConvertConfig, convert
+
+    root = tmp_path_factory.mktemp("slow-generation")
+    out = root / "tiny-llama-8x512"
+    convert(ConvertConfig(model=str(make_tiny_llama(root / "hf", hidden_size=512, layers=8)), out=out,
+                          task="text-generation", precisions=["fp32"], threads=1, timing_seconds=0.02))
+    return out
+
+
+@pytest.mark.slow
+def test_the_fault_benchmark_loses_nothing(emb, slow_generation_artifact, tmp_path):
+    """benchmarks/reliability/ray_failover.py --short: a node killed (SIGKILL) and a node drained
+    under 4 streaming and 4 embedding clients. Every accepted request is answered, every answer is
+    the one it gets alone on kiln serve, token for token; the kill's streams continued elsewhere.
+    (Its timing goal is the benchmark's to report, not this test's.)"""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "result"
+    run = subprocess.run([sys.executable, str(repo / "benchmarks" / "reliability" / "ray_failover.py"), "--short",
+                          "--chat", str(slow_generation_artifact), "--embeddings", str(emb), "--variant", "fp32",
+                          "--out", str(out)], capture_output=True, text=True, timeout=1500)
+    result = json.loads((out / "result.json").read_text()) if (out / "result.json").exists() else None
+    assert result is not None, run.stdout[-3000:] + run.stderr[-3000:]
+    print("\n" + (out / "result.txt").read_text())
+    chat, embeddings = result["chat"], result["embeddings"]
+    assert chat["answered"] > 0 and embeddings["answered"] > 0
+    for tally in (chat, embeddings):
+        assert tally["lost"] == tally["differing"] == 0, tally["examples"]
+    assert chat["duplicated_or_missing"] == 0
+    kill, drain = result["faults"]
+    # the lost replica had streams running, and they went on elsewhere (a stream whose replica had written
+    # all of it before the kill needs nothing: the router has every token)
+    assert kill["kind"] == "kill" and kill["streams_on_lost"] >= 1 and kill["streams_continued"] >= 1
+    assert drain["kind"] == "drain" and drain["node_emptied_s"] is not None
 
 
 # --- the router's failover, with a stand-in for Serve's handle (no cluster) --------------------------
@@ -394,7 +473,7 @@ class _Call:
         from modelkiln.ray.remote_generation import replica_deltas
 
         self.args, self.lose_after, self.hang, self.error = args, lose_after, hang, error
-        self.items = replica_deltas(plane, *args)
+        self.items = replica_deltas(plane, "stand-in", *args)
         self.deltas = 0
         self.cancelled = False
 
@@ -412,7 +491,7 @@ class _Call:
             await self.items.aclose()
             raise ActorUnavailableError("RPC error: Socket closed", None)
         item = await self.items.__anext__()
-        self.deltas += len(item)
+        self.deltas += len(item) if isinstance(item, list) else 0  # the first item is the replica's id
         return item
 
     def cancel(self):
@@ -560,3 +639,85 @@ def test_a_replicas_refusal_is_the_clients_answer_not_a_retry(local_plane):
     with pytest.raises(OverloadedError, match="retry later"):
         _answer(model, ids, SamplingParams(max_new_tokens=4))
     assert len(handle.calls) == 1 and _counter(model, "retries") == 0
+
+
+class _ForwardCall:
+    """A stand-in for ``ModelReplica.forward`` on a replica: lost before the answer (``lose``:
+    "before", or "after-start": between the response start and its body), or after it ("after-end":
+    the answer is whole, the call's end is lost), or hanging, or answering."""
+
+    def __init__(self, lose=None, hang=False):
+        self.lose, self.hang, self.cancelled = lose, hang, False
+        self.items = iter([{"status": 200, "headers": [(b"content-type", b"application/json")]}, (b'{"ok":1}', False)])
+        self.sent = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from ray.exceptions import ActorDiedError
+
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.lose == "before" or (self.lose == "after-start" and self.sent == 1) or \
+                (self.lose == "after-end" and self.sent == 2):
+            raise ActorDiedError()
+        try:
+            item = next(self.items)
+        except StopIteration:
+            raise StopAsyncIteration from None
+        self.sent += 1
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _ForwardHandle:
+    def __init__(self, script):
+        self.script, self.calls = list(script), []
+        self.forward = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        self.calls.append(_ForwardCall(**(self.script.pop(0) if self.script else {})))
+        return self.calls[-1]
+
+
+def _route(app, path: str = "/v2/models/emb/predict") -> tuple[int, bytes]:
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"inputs": "x"}', "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "headers": []}
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_a_forwarded_request_whose_replica_is_lost_is_sent_again():
+    """The router's forward (an encoder's routes): a replica lost before the answer, or between its
+    start and its body (the start is held back), gets the request again on another; the client sees
+    one answer. No replica within the window: 503. Counted in the router's metrics."""
+    pytest.importorskip("ray")
+    from modelkiln.ray.ingress import RouterApp
+    from modelkiln.ray.plan import Failover
+
+    for script, tries in (([{"lose": "before"}], 2), ([{"lose": "after-start"}], 2),
+                          ([{"lose": "before"}, {"lose": "before"}], 3), ([{"lose": "after-end"}], 1)):
+        handle = _ForwardHandle(script)
+        app = RouterApp(["emb"], [], ServeSettings(), {"emb": handle}, Failover(3, 5.0))
+        assert _route(app) == (200, b'{"ok":1}')
+        assert len(handle.calls) == tries and all(c.cancelled for c in handle.calls[:-1])
+        assert app.metrics.retries.labels("emb")._value.get() == tries - 1
+    handle = _ForwardHandle([{"lose": "before"}, {"hang": True}])
+    app = RouterApp(["emb"], [], ServeSettings(), {"emb": handle}, Failover(3, 0.3))
+    status, body = _route(app)
+    assert status == 503 and b"no replica took the request" in body and handle.calls[1].cancelled
+    assert app.metrics.failovers_failed.labels("emb")._value.get() == 1

@@ -1,4 +1,5 @@
-"""CPU time the server side spends per request: kiln serve vs kiln ray (1 and 2 replicas).
+"""CPU time the server side spends per request: kiln serve vs kiln ray (1 and 2 replicas, through the
+router; 2 replicas with --direct-encoders: Ray's proxy straight to a replica, the router left out).
 
     python benchmarks/serving/ray_cpu_per_request.py /work/main/artifacts/all-MiniLM-L6-v2 --requests 1500 \\
         --out benchmarks/results/ray-cpu-per-request.md
@@ -66,13 +67,15 @@ def main() -> None:
     manifest = Manifest.load(args.artifact)
     name, variant, artifact = manifest.name, manifest.fastest_variant("cpu").name, args.artifact.resolve()
 
-    def ray(replicas: int, cpus: int):
+    def ray(replicas: int, cpus: int, *layout: str):
         return lambda: RayProcess([f"{name}={artifact}", "--variant", variant, "--replicas", str(replicas),
                                    "--cpus-per-replica", str(cpus), "--num-cpus", str(args.cores),
-                                   "--log-level", "warning"])
+                                   "--log-level", "warning", *layout])
 
+    half = max(1, args.cores // 2)
     servers = {"kiln serve": lambda: ServeProcess(artifact, name, {"variant": variant}),
-               "ray 1 replica": ray(1, args.cores), "ray 2 replicas": ray(2, max(1, args.cores // 2))}
+               "ray 1 replica": ray(1, args.cores), "ray 2 replicas": ray(2, half),
+               "ray 2 replicas, direct": ray(2, half, "--direct-encoders", "--proxy-location", "EveryNode")}
     results: dict[str, list[tuple[float, float, str]]] = {label: [] for label in servers}
     for _ in range(args.rounds):
         for label, start in servers.items():

@@ -64,18 +64,20 @@ class ModelReplica:
         return self.plane is not None and self.plane.ready()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, seed: int, resume_ids: list[int],
-                       timeout_s: float) -> AsyncIterator[list[Delta]]:
+                       timeout_s: float) -> AsyncIterator[str | list[Delta]]:
         """One generation request of the router's ``RemoteStream`` (``remote_generation.replica_deltas``).
         ``resume_ids``: the answer's tokens already sent, by a lost replica or the client."""
         assert self.plane is not None
-        async with aclosing(replica_deltas(self.plane, prompt_ids, params, seed, resume_ids, timeout_s)) as items:
+        items = replica_deltas(self.plane, self.replica, prompt_ids, params, seed, resume_ids, timeout_s)
+        async with aclosing(items):
             async for item in items:  # a cancelled call closes them now, which cancels the sequence
                 yield item
 
     async def forward(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
-                      body: bytes) -> AsyncIterator[dict[str, Any] | bytes]:
+                      body: bytes) -> AsyncIterator[dict[str, Any] | tuple[bytes, bool]]:
         """Run one HTTP request through this replica's app; yields the response start
-        (``{"status", "headers"}``), then its body chunks (streamed routes stream)."""
+        (``{"status", "headers"}``), then its body chunks as (bytes, more to come): the router
+        knows when the answer is whole, whatever happens to this replica after."""
         messages: asyncio.Queue[dict | None] = asyncio.Queue()
         answered = asyncio.Event()
         body_sent = False
@@ -97,8 +99,10 @@ class ModelReplica:
             while (message := await messages.get()) is not None:
                 if message["type"] == "http.response.start":
                     yield {"status": message["status"], "headers": list(message.get("headers", []))}
-                elif message.get("body"):
-                    yield message["body"]
+                elif message["type"] == "http.response.body":
+                    more = message.get("more_body", False)
+                    if message.get("body") or not more:
+                        yield message.get("body", b""), more
             await task  # an exception in the app is the router's 500
         finally:
             answered.set()

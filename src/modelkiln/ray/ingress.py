@@ -122,7 +122,8 @@ class RouterApp:
     async def _forward(self, model: str, scope: dict, body: bytes, send: Send) -> None:
         """The request on one of ``model``'s replicas; sent again to another when that one is lost
         before the answer started. The response start is held until the first body chunk (an
-        answer is sent whole), so a loss between the two is still retried."""
+        answer is sent whole), so a loss between the two is still retried; once the last chunk is
+        out, the answer is whole, whatever happens to the replica after."""
         handle = self.handles[model].options(stream=True)
         retry = Retry(self.failover, model, self.metrics)
         first_wait = self.settings.request_timeout_s  # the replica answers by then (a 503 if it must)
@@ -135,11 +136,16 @@ class RouterApp:
                     if isinstance(chunk, dict):
                         start = chunk
                         continue
+                    data, more = chunk
                     if not sent and start is not None:
                         await send({"type": "http.response.start", "status": start["status"],
                                     "headers": start["headers"]})
                         sent = True
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send({"type": "http.response.body", "body": data, "more_body": more})
+                    if not more:
+                        call.cancel()  # the answer is whole: the call's own end does not matter
+                        return
+                raise KilnError(f"model '{model}': the replica ended the answer early")
             except asyncio.TimeoutError:
                 call.cancel()
                 raise retry.timed_out() from None
@@ -152,11 +158,6 @@ class RouterApp:
                 call.cancel()
                 await retry.after_loss(exc, resumed=False)
                 first_wait = retry.remaining()
-                continue
-            if not sent and start is not None:
-                await send({"type": "http.response.start", "status": start["status"], "headers": start["headers"]})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
 
     def _model_for(self, body: bytes) -> str:
         """The deployed model the body names; with one model deployed, that one (its replica then

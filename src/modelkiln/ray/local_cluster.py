@@ -38,12 +38,30 @@ class Node:
     manager_port: int
     cpus: int
     log: Path
+    folder: Path  # its --temp-dir: Ray's session and logs
     node_id: str = ""  # Ray's hex id, once the node has registered
     removed: bool = field(default=False)
 
     def pids(self) -> list[int]:
         """Every live process of the node's session: raylet, agents, workers (replicas)."""
         return _session_pids(self.proc.pid)
+
+    def raylet_fatal(self) -> str:
+        """The raylet's fatal log lines, if it died."""
+        raylet = self.folder / "session_latest" / "logs" / "raylet.out"
+        try:
+            lines = raylet.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return " | ".join(line for line in lines if " F " in line or "Check failed" in line)[:2000]
+
+
+@dataclass(frozen=True)
+class Replica:
+    app: str
+    id: str  # Serve's replica id, which kiln's answers carry (x-kiln-replica)
+    node: Node
+    pid: int
 
 
 class LocalCluster:
@@ -52,7 +70,11 @@ class LocalCluster:
         self.root = Path(tempfile.mkdtemp(prefix="kr"))  # short: Ray's socket paths live under it
         self.gcs_port = free_port()
         self.address = f"{HOST}:{self.gcs_port}"
-        # A busy machine starts a raylet slowly: Ray's default wait (30 s) failed nodes under load 10 on 2 cores.
+        self.dashboard = f"http://{HOST}:{free_port()}"  # Ray's state API (which replica runs where)
+        # A busy machine starts a node slowly: under load 10 on 2 cores, `ray start` gave up on registering
+        # after its default 30 s. (Its raylet also gives its dashboard agent 30 s to start, which no setting
+        # changes: a node started while a benchmark loads the same 2 cores failed that way, three times out
+        # of four; start the nodes a run needs before its load.)
         self.env = child_environment(RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s=str(int(timeout)),
                                      **(env or {}))
         self.timeout = timeout
@@ -60,7 +82,8 @@ class LocalCluster:
         self._count = 0
         try:
             self.head = self._start("head", ["--head", "--port", str(self.gcs_port), "--num-cpus", "0",
-                                             "--include-dashboard", "false"], 0)
+                                             "--include-dashboard", "true", "--dashboard-host", HOST,
+                                             "--dashboard-port", self.dashboard.rsplit(":", 1)[1]], 0)
             for _ in range(workers):
                 self.add_node(cpus_per_worker)
         except BaseException:
@@ -78,6 +101,21 @@ class LocalCluster:
     def workers(self) -> list[Node]:
         """The worker nodes still in the cluster."""
         return [n for n in self.nodes if n is not self.head and not n.removed]
+
+    def replicas(self) -> list[Replica]:
+        """The Serve replicas alive now: application, replica id (kiln's ``x-kiln-replica``), node and
+        process, from Ray's state API (``ray list actors``; Serve names a replica's actor
+        ``SERVE_REPLICA::APP#DEPLOYMENT#ID``)."""
+        from ray.util.state import list_actors
+
+        by_id = {n.node_id: n for n in self.nodes if n.node_id}
+        found = []
+        for actor in list_actors(address=self.dashboard, filters=[("state", "=", "ALIVE")], limit=10_000,
+                                 raise_on_missing_output=False):
+            if actor.name and actor.name.startswith("SERVE_REPLICA::") and actor.node_id in by_id:
+                app, _, replica = actor.name.removeprefix("SERVE_REPLICA::").split("#")
+                found.append(Replica(app, replica, by_id[actor.node_id], actor.pid))
+        return found
 
     def kill(self, node: Node) -> list[int]:
         """Lose ``node`` at once: SIGKILL to each of its processes (raylet, agents, replicas' workers)
@@ -135,21 +173,42 @@ class LocalCluster:
         self.stop()
 
     # -- starting a node -------------------------------------------------------------------------------
-    def _start(self, name: str, args: list[str], cpus: int) -> Node:
+    def _start(self, name: str, args: list[str], cpus: int, attempts: int = 3) -> Node:
+        """Start a node and wait until it has registered. On a busy machine a raylet sometimes dies
+        while starting (waiting for its agents); the node is then started again, on new ports."""
+        for attempt in range(1, attempts + 1):
+            node = self._launch(name, args, cpus, attempt)
+            try:
+                node.node_id = self._wait_registered(node)
+                return node
+            except KilnError as exc:
+                self.nodes.remove(node)
+                for pid in node.pids():
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                node.proc.wait()
+                if attempt == attempts:
+                    raise
+                print(f"LocalCluster: {exc}; starting {name} again", file=sys.stderr, flush=True)
+        raise AssertionError("unreachable")
+
+    def _launch(self, name: str, args: list[str], cpus: int, attempt: int) -> Node:
         manager_port = free_port()
+        folder = self.root / (name if attempt == 1 else f"{name}.{attempt}")
         ports = ["--node-ip-address", HOST, "--node-manager-port", str(manager_port),
                  "--object-manager-port", str(free_port()), "--metrics-export-port", str(free_port()),
                  "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
-                 "--runtime-env-agent-port", str(free_port()), "--temp-dir", str(self.root / name)]
+                 "--runtime-env-agent-port", str(free_port()), "--temp-dir", str(folder)]
         if "--head" in args:
             ports += ["--ray-client-server-port", str(free_port())]
-        log = self.root / f"{name}.log"
+        log = folder.with_suffix(folder.suffix + ".log")
         with log.open("w") as out:
             proc = subprocess.Popen([_ray(), "start", "--block", "--disable-usage-stats", *args, *ports],
                                     env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        node = Node(name, proc, manager_port, cpus, log)
+        node = Node(name, proc, manager_port, cpus, log, folder)
         self.nodes.append(node)
-        node.node_id = self._wait_registered(node)
         return node
 
     def _wait_registered(self, node: Node) -> str:
@@ -160,6 +219,8 @@ class LocalCluster:
             if node.proc.poll() is not None:
                 raise KilnError(f"ray start ({node.name}) exited with {node.proc.returncode}: "
                                 f"{node.log.read_text(errors='replace')[-3000:]}")
+            if fatal := node.raylet_fatal():
+                raise KilnError(f"the raylet of {node.name} failed: {fatal}")
             try:
                 for node_id, info in GcsClient(address=self.address).get_all_node_info(timeout=5).items():
                     if info.node_manager_port == node.manager_port and info.state == 0:  # ALIVE
@@ -168,7 +229,7 @@ class LocalCluster:
                 pass
             time.sleep(0.5)
         raise KilnError(f"node {node.name} did not register within {self.timeout:.0f}s: "
-                        f"{node.log.read_text(errors='replace')[-3000:]}")
+                        f"{node.log.read_text(errors='replace')[-2000:]}")
 
 
 def _ray() -> str:
@@ -190,4 +251,4 @@ def _session_pids(session: int) -> list[int]:
     return pids
 
 
-__all__ = ["LocalCluster", "Node"]
+__all__ = ["LocalCluster", "Node", "Replica"]

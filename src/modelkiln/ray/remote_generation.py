@@ -88,6 +88,7 @@ class RemoteStream:
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = len(resume_ids)
         self.finish_reason: str | None = None
+        self.replica: str | None = None  # the replica that took the request (the last one, after a loss)
         self.attempts = 1
         self._client_resumed = len(resume_ids)
         self._pending: deque[Delta] = deque()
@@ -105,7 +106,8 @@ class RemoteStream:
         return self.model.handle.generate.remote(self.prompt_ids, self.params, self.seed, list(self.sent), timeout_s)
 
     async def started(self) -> None:
-        """Returns once a replica accepted the request; its refusal (a full queue: 503) is raised."""
+        """Returns once a replica accepted the request (``replica`` names it); its refusal (a full
+        queue: 503) is raised."""
         try:
             while not self._accepted:
                 self._pending.extend(await self._next_item())
@@ -134,20 +136,22 @@ class RemoteStream:
         return delta
 
     async def _next_item(self) -> list[Delta]:
-        """The replica's next item ([] when it accepts the request, then deltas). When the replica is
-        lost: the request on another, from the tokens passed on, until one accepts it or the
-        retries or the window run out (``ModelNotReadyError``)."""
+        """The replica's next deltas ([] when it accepts the request). When the replica is lost: the
+        request on another, from the tokens passed on, until one accepts it or the retries or the
+        window run out (``ModelNotReadyError``)."""
         while True:
             try:
                 if self._accepted:
                     item = await self._call.__anext__()
                 else:  # no replica has it: wait for one at most until the window's end
                     item = await asyncio.wait_for(self._call.__anext__(), self._retry.remaining())
-                if not self._accepted and self.attempts > 1:
-                    log.info("model %s: %s taken by another replica after %d token(s) (attempt %d, %.2f s after the "
-                             "loss)", self.model.name, "answer" if self.sent else "request", len(self.sent),
-                             self.attempts, time.monotonic() - self._lost_at)
-                self._accepted = True
+                if isinstance(item, str):  # the replica's id: it accepted the request
+                    if self.attempts > 1:
+                        log.info("model %s: %s taken by replica %s after %d token(s) (attempt %d, %.2f s after the "
+                                 "loss of %s)", self.model.name, "answer" if self.sent else "request", item,
+                                 len(self.sent), self.attempts, time.monotonic() - self._lost_at, self.replica)
+                    self.replica, self._accepted = item, True
+                    return []
                 return item
             except asyncio.TimeoutError:
                 self._call.cancel()
@@ -160,8 +164,8 @@ class RemoteStream:
                     raise error if isinstance(error, KilnError) else exc
                 self._call.cancel()
                 self._lost_at = time.monotonic()
-                log.warning("model %s: replica lost under a request after %d token(s) (%s); sending it to another",
-                            self.model.name, len(self.sent), type(unwrap(exc)).__name__)
+                log.warning("model %s: replica %s lost under a request after %d token(s) (%s); sending it to another",
+                            self.model.name, self.replica, len(self.sent), type(unwrap(exc)).__name__)
                 await self._retry.after_loss(exc, resumed=self.completion_tokens > self._client_resumed)
                 self.attempts += 1
                 self._call = self._submit()
@@ -183,14 +187,14 @@ class RemoteStream:
                 self._call.cancel()
 
 
-async def replica_deltas(plane: DataPlane, prompt_ids: list[int], params: SamplingParams, seed: int,
-                         resume_ids: list[int], timeout_s: float) -> AsyncIterator[list[Delta]]:
-    """A replica's side of a ``RemoteStream`` (``ModelReplica.generate``): [] once its model
-    accepted the request (a refusal, a full queue or a model stopping, is raised before), then the
-    deltas. Closing it early (the router cancels the call: its client left) cancels the sequence."""
+async def replica_deltas(plane: DataPlane, replica: str, prompt_ids: list[int], params: SamplingParams, seed: int,
+                         resume_ids: list[int], timeout_s: float) -> AsyncIterator[str | list[Delta]]:
+    """A replica's side of a ``RemoteStream`` (``ModelReplica.generate``): the replica's id once its
+    model accepted the request (a refusal, a full queue or a model stopping, is raised before), then
+    the deltas. Closing it early (the router cancels the call: its client left) cancels the sequence."""
     model = plane.generation_model(None)
     stream = model.generate(prompt_ids, params, timeout_s, resume_ids, seed)
     async with stream:
-        yield []
+        yield replica
         async for delta in stream:
             yield [delta]

@@ -78,7 +78,8 @@ def sse_response(stream: Stream, events: AsyncIterator[bytes], openai: bool) -> 
 class _AcceptedStreamResponse(StreamingResponse):
     """Starts the answer (status 200, headers) only once ``stream.started()`` returns: kiln serve's
     streams are accepted when they are made, kiln ray's router's once a replica took the request,
-    which may still refuse it (a full queue: 503)."""
+    which may still refuse it (a full queue: 503). A stream that names the replica it runs on
+    (``replica``: kiln ray) says so in ``x-kiln-replica``, as kiln ray's other answers do."""
 
     def __init__(self, stream: Stream, openai: bool, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -93,6 +94,9 @@ class _AcceptedStreamResponse(StreamingResponse):
             status, payload, headers = error_response(exc, openai=self.openai)
             await Response(payload, status, headers, media_type="application/json")(scope, receive, send)
             return
+        replica = getattr(self.stream, "replica", None)
+        if replica:
+            self.raw_headers.append((b"x-kiln-replica", replica.encode()))
         await super().__call__(scope, receive, send)
 
 
