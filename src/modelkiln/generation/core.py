@@ -54,9 +54,11 @@ class Request:
     """One generation request. ``reserve``: the KV tokens it may reach (prompt + max new tokens,
     within the context); ``deadline``: ``time.monotonic()`` after which it ends with a timeout.
     ``resume_ids``: answer tokens an earlier run of this request already sent (a stream moved to
-    another replica): they are prefilled after the prompt, count toward ``max_new_tokens`` and the
-    penalties, and the random draws go on from their positions, so the rest of the answer is what
-    the earlier run would have produced. ``seed``: the one the draws use (the request's, or one
+    another replica): after the prompt, the engine feeds them through decode steps, one a step,
+    instead of choosing (the earlier run computed them so; a prefill of them gives other numbers, on
+    SmolLM2's int4 variant 0.5 to 0.9 in the logits: other tokens), they count toward
+    ``max_new_tokens`` and the penalties, and the random draws go on from their positions, so the
+    rest of the answer is what the earlier run would have produced, bit for bit. ``seed``: the one the draws use (the request's, or one
     chosen at ``add_request``: reported, so a client can resume a sampled answer too).
     ``score``: keep every prompt position's logits (``Output.request.prompt_logits``)."""
 
@@ -71,16 +73,11 @@ class Request:
     score: bool = False
     # the core's bookkeeping
     state: SequenceState | None = None
-    prefilled: int = 0  # tokens of ``engine_prompt`` in the engine's cache so far
+    prefilled: int = 0  # prompt tokens in the engine's cache so far
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     prompt_logprobs: list = field(default_factory=list)
     prompt_logits: list = field(default_factory=list)
-
-    @property
-    def engine_prompt(self) -> list[int]:
-        """What the engine computes before the first new token: the prompt and the resumed tokens."""
-        return self.prompt_ids + self.resume_ids if self.resume_ids else self.prompt_ids
 
 
 @dataclass
@@ -278,7 +275,7 @@ class EngineCore:
         """Admit, then plan this step's prompt chunks (and the sequences the engine must free)."""
         plan = StepPlan()
         for request in self._admit(outputs):
-            prompt = request.engine_prompt
+            prompt = request.prompt_ids
             # a prompt whose positions are wanted (log-probabilities, scores) is computed in full
             wanted = request.params.prompt_logprobs is not None or request.score
             restore = 0 if wanted or not self.engine.capabilities.prefix_cache else self.engine.cached_prefix(prompt)
@@ -289,7 +286,7 @@ class EngineCore:
             self._prefilling.append(request)
         budget = self.prefill_chunk
         for request in self._prefilling:
-            prompt = request.engine_prompt
+            prompt = request.prompt_ids
             end = self._chunk_end(request)
             n = end - request.prefilled
             if n > budget and budget < self.prefill_chunk:
@@ -307,7 +304,7 @@ class EngineCore:
 
     def _chunk_end(self, request: Request) -> int:
         """Chunks end at fixed positions (multiples of ``prefill_chunk``), whatever the load."""
-        prompt = len(request.engine_prompt)
+        prompt = len(request.prompt_ids)
         return min(prompt, (request.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
 
     # -- executing and updating ----------------------------------------------------------------------------

@@ -3,10 +3,12 @@
 leave) and choosing tokens from the logits on the host, one ``TokenChooser`` per sequence.
 
 The engine, not the core, keeps each sequence's chooser and the token it chose last (the next
-decode step's input), as a GPU engine keeps them on its device; the core sees token ids only."""
+decode step's input), as a GPU engine keeps them on its device; the core sees token ids only. A
+resumed sequence's tokens (``SeqStart.generated``) take the chooser's place until they are all fed."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
@@ -30,6 +32,7 @@ class HostEngine:
         self._choosers: dict[SeqId, TokenChooser] = {}
         self._prompts: dict[SeqId, list[int]] = {}  # until the prompt is in the cache: the prefix cache keeps it
         self._next: dict[SeqId, int] = {}  # the token each running sequence feeds its next decode step
+        self._forced: dict[SeqId, deque[int]] = {}  # a resumed sequence's tokens, fed instead of chosen
         self._stored: dict[SeqId, np.ndarray] = {}  # first-token logits of a whole prompt restored from the cache
 
     # -- primitives (subclasses) ---------------------------------------------------------------------
@@ -112,6 +115,8 @@ class HostEngine:
     # -- helpers -----------------------------------------------------------------------------------------
     def _start(self, start: SeqStart) -> None:
         self._choosers[start.seq] = TokenChooser(start.params, start.seed, start.prompt_ids, start.generated)
+        if start.generated:
+            self._forced[start.seq] = deque(start.generated)
         self._prompts[start.seq] = start.prompt_ids
         if start.restore:
             stored = self.restore_prefix(start.seq, start.prompt_ids, start.restore)
@@ -146,6 +151,12 @@ class HostEngine:
                                                  for row, target in zip(logits, chunk.targets)]
 
     def _choose(self, seq: SeqId, logits: np.ndarray, mask: np.ndarray | None, result: StepResult) -> None:
+        forced = self._forced.get(seq)
+        if forced:  # a resumed token, already sent: the next step's input, and nothing to report
+            self._next[seq] = forced.popleft()
+            if not forced:
+                del self._forced[seq]
+            return
         chooser = self._choosers[seq]
         try:
             token = chooser.choose(logits, mask)
@@ -162,6 +173,7 @@ class HostEngine:
         self._choosers.pop(seq, None)
         self._prompts.pop(seq, None)
         self._next.pop(seq, None)
+        self._forced.pop(seq, None)
         self._stored.pop(seq, None)
         if seq in self:
             self.remove(seq)

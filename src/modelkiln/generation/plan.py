@@ -25,8 +25,10 @@ class SeqStart:
     """A sequence new to the engine. ``restore``: prompt tokens the engine takes from its own
     prefix cache (``cached_prefix`` said how many); when that is the whole prompt, the engine
     chooses the first token from the logits it stored with it. ``generated``: answer tokens a
-    resumed request had already produced (they are in ``prompt_ids`` too, at the end): the
-    sampling counters (penalties, the random draw's position) start after them."""
+    resumed request had already produced: after the prompt, the engine feeds them through decode
+    steps instead of choosing (reporting nothing for them), as the first run computed them, and
+    chooses from the step after the last; the sampling counters (penalties, the random draw's
+    position) start after them."""
 
     seq: SeqId
     prompt_ids: list[int]

@@ -13,7 +13,7 @@ pulling: the client's connection stays open, and what it receives is the uninter
 token for token (every draw is keyed by (seed, token index), and the replica replays the text
 state through the resumed tokens: ``serve/generation/resume.py``). Nothing is sent twice: the
 tokens passed on are exactly those in ``resume_ids``. The gap is the loss's detection, the new
-replica's prefill of prompt + answer so far, and its queue."""
+replica's queue and its recompute: the prompt's prefill, then a decode step per token sent."""
 
 from __future__ import annotations
 

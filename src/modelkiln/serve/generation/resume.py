@@ -3,7 +3,8 @@
 answer's ``seed`` (every answer reports one), and the server streams the rest of the answer.
 
 The rest is exactly what the first run would have sent, on any server of the same artifact: the
-server prefills prompt + those tokens, the draws are keyed by (seed, token index)
+server prefills the prompt and feeds those tokens through decode steps, as the first run computed
+them (``generation/core.py``), the draws are keyed by (seed, token index)
 (``generation/sampling.py``), and the text state (detokenizer, held-back stop-string text, grammar)
 is replayed through the tokens (``generation/sequence.py``). Usage counts the whole answer, as the
 uninterrupted answer's would. kiln ray's router resumes the same way when a replica is lost."""
