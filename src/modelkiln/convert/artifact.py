@@ -11,9 +11,12 @@ from pathlib import Path
 from ..tasks import text_generation
 
 
-def default_precisions(task: str, device: str) -> tuple[str, ...]:
+def default_precisions(task: str, device: str, gguf: bool = False) -> tuple[str, ...]:
     """Every variant that fits the device: a text-generation model gets the low-bit decoders
-    (``int4`` = MatMulNBits), an encoder the fused graph and, on CUDA, TensorRT."""
+    (``int4`` = MatMulNBits), or from a GGUF file its own blocks only (``gguf``: exactly the file's
+    weights, and no fp32 copy of the model needed); an encoder the fused graph and, on CUDA, TensorRT."""
+    if task == text_generation.NAME and gguf:
+        return ("gguf",)
     if task == text_generation.NAME:
         return ("fp32", "int8", "int4") if device == "cpu" else ("fp32", "int8", "int4", "fp16")
     return ("fp32", "optimized", "int8") if device == "cpu" else ("fp32", "optimized", "fp16", "tensorrt")

@@ -47,6 +47,10 @@ class SourceModel:
         return str(self.folder) if self.gguf_file else self.ref
 
     @property
+    def gguf_path(self) -> Path | None:
+        return self.folder / self.gguf_file if self.folder is not None and self.gguf_file else None
+
+    @property
     def load_kwargs(self) -> dict[str, str]:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
