@@ -25,7 +25,7 @@ import numpy as np
 from .generation_gate import nll_sum
 from .logit_store import LogitStore
 
-REFERENCE_BATCH = 8  # whole model: sequences run together (a forward reads the weights once for all)
+REFERENCE_BATCH = 8  # sequences run together (a forward reads the weights once for all)
 LOGIT_CHUNK_BYTES = 128 << 20  # layer reference: logits of all positions for this many bytes of vocabulary
 
 
@@ -96,32 +96,37 @@ class LayerReference:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         rows = [list(s) for s in sequences] + paragraphs
+        # Sequences of similar lengths together, right-padded: attention is causal, so a real
+        # position never sees the padding after it, and no mask is needed.
+        order = sorted(range(len(rows)), key=lambda j: len(rows[j]))
+        groups = [order[a:a + REFERENCE_BATCH] for a in range(0, len(order), REFERENCE_BATCH)]
         with torch.inference_mode():
-            hidden = self._embed(rows, torch)
-            rotary = self._rotary(torch)
+            embedded = self._embed(rows, torch)
+            hidden = [torch.nn.utils.rnn.pad_sequence([embedded[j] for j in g], batch_first=True) for g in groups]
             longest = max(len(r) for r in rows)
             positions = torch.arange(longest)[None]
-            cos, sin = rotary(hidden[0][:, :1].expand(1, longest, -1), positions)
+            cos, sin = self._rotary(torch)(hidden[-1][:1, :1].expand(1, longest, -1), positions)
             for i in range(self.decoder.spec.layers):
                 layer = skeleton.model.layers[i]
                 layer.load_state_dict(self._layer_state(i, torch), assign=True)
-                for j, h in enumerate(hidden):
+                for k, h in enumerate(hidden):
                     n = h.shape[1]
-                    hidden[j] = layer(h, attention_mask=None, position_ids=positions[:, :n],
+                    hidden[k] = layer(h, attention_mask=None, position_ids=positions[:, :n],
                                       position_embeddings=(cos[:, :n], sin[:, :n]))
                 skeleton.model.layers[i] = None  # its weights go with it
             norm = skeleton.model.norm
             norm.load_state_dict({"weight": torch.from_numpy(self.decoder.tensor("final_norm"))}, assign=True)
-            final = torch.cat([norm(h)[0] for h in hidden])  # [all positions, hidden]
+            own = {j: norm(h[r, :len(rows[j])]) for g, h in zip(groups, hidden) for r, j in enumerate(g)}
+            final = torch.cat([own[j] for j in range(len(rows))])  # [all positions, hidden], in the rows' order
             return self._head(final, rows, len(sequences), store, torch)
 
     def _embed(self, rows: list[list[int]], torch: Any) -> list[Any]:
-        """Each sequence's embedding rows [1, len, hidden], dequantizing only the tokens used."""
+        """Each sequence's embedding rows [len, hidden], dequantizing only the tokens used."""
         table = self.decoder.tensor("embed")
         used = sorted({t for r in rows for t in r})
         values = np.concatenate([table.rows(used[a:a + 4096]) for a in range(0, len(used), 4096)])
         index = {t: k for k, t in enumerate(used)}
-        return [torch.from_numpy(values[[index[t] for t in r]])[None] for r in rows]
+        return [torch.from_numpy(values[[index[t] for t in r]]) for r in rows]
 
     def _rotary(self, torch: Any) -> Any:
         rotary = self.decoder.rotary_module()
