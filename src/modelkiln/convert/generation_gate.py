@@ -21,6 +21,7 @@ is judged, a sequence at a time. Which thresholds a precision must meet is ``Gat
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,12 +70,16 @@ class CandidateRun:
     perplexity: float
 
 
-def nll_sum(logits: np.ndarray, ids: list[int]) -> tuple[float, int]:
-    """Summed negative log-likelihood of each next token of ``ids``, and how many."""
-    lg = logits[:-1].astype(np.float64)
-    m = lg.max(axis=1, keepdims=True)
-    log_z = (m + np.log(np.exp(lg - m).sum(axis=1, keepdims=True)))[:, 0]
-    return float((log_z - lg[np.arange(len(ids) - 1), ids[1:]]).sum()), len(ids) - 1
+def nll_sum(logits: np.ndarray, ids: list[int], rows: int = 32) -> tuple[float, int]:
+    """Summed negative log-likelihood of each next token of ``ids``, and how many (in float64, a
+    few rows at a time: a whole paragraph's logits in float64 would be 0.3 GB for a 152k vocabulary)."""
+    total = 0.0
+    for a in range(0, len(ids) - 1, rows):
+        lg = logits[a:min(a + rows, len(ids) - 1)].astype(np.float64)
+        m = lg.max(axis=1, keepdims=True)
+        log_z = (m + np.log(np.exp(lg - m).sum(axis=1, keepdims=True)))[:, 0]
+        total += float((log_z - lg[np.arange(len(lg)), ids[a + 1:a + 1 + len(lg)]]).sum())
+    return total, len(ids) - 1
 
 
 def perplexity(logits: list[np.ndarray], paragraphs: list[list[int]]) -> float:
@@ -86,18 +91,29 @@ def perplexity(logits: list[np.ndarray], paragraphs: list[list[int]]) -> float:
 def core_run(core: EngineCore, prompts: list[list[int]], new_tokens: int, together: bool) -> list[tuple[list[int], np.ndarray]]:
     """(greedy tokens, the logits each was chosen from [tokens, vocab]) per prompt, through the
     engine core: every prompt alone (one after another), or all submitted at once."""
-    requests = [Request(i, ids, greedy(new_tokens)) for i, ids in enumerate(prompts)]
-    done = complete(core, requests) if together else [complete(core, [r])[0] for r in requests]
-    return [(c.token_ids, np.stack(c.logits)) for c in done]
+    if not together:
+        return [_alone(core, i, ids, new_tokens) for i, ids in enumerate(prompts)]
+    out = []
+    for done in complete(core, [Request(i, ids, greedy(new_tokens)) for i, ids in enumerate(prompts)]):
+        out.append((done.token_ids, np.stack(done.logits)))
+        done.logits.clear()  # one copy of the logits at a time
+    return out
+
+
+def _alone(core: EngineCore, i: int, ids: list[int], new_tokens: int) -> tuple[list[int], np.ndarray]:
+    done = complete(core, [Request(i, ids, greedy(new_tokens))])[0]
+    return done.token_ids, np.stack(done.logits)
 
 
 def candidate_run(engine: Engine, core: EngineCore, gate: GatePrompts, new_tokens: int, vocab: int) -> CandidateRun:
     """The gate through the product: greedy tokens from ``core`` (made with ``keep_logits``), each
-    prompt alone; every prompt position's logits from the engine's prefill; the paragraphs' perplexity."""
+    prompt alone; every prompt position's logits from the engine's prefill; the paragraphs'
+    perplexity. Logits go to a temporary file as they come (a 152k-token vocabulary makes 0.6 MB a row)."""
     store = LogitStore(vocab)
     tokens = []
-    for i, (ids, steps) in enumerate(core_run(core, gate.prompts, new_tokens, together=False)):
-        tokens.append(ids)
+    for i, ids in enumerate(gate.prompts):
+        chosen, steps = _alone(core, i, ids, new_tokens)
+        tokens.append(chosen)
         store.put(("steps", i), steps)
     for i, ids in enumerate(gate.prompts):
         store.put(("prompt", i), _all_logits(engine, ("prompt", i), ids))
@@ -115,9 +131,13 @@ def _all_logits(engine: Engine, seq_id: object, ids: list[int]) -> np.ndarray:
         engine.remove(seq_id)
 
 
-def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+def _row_cosines(a: np.ndarray, b: np.ndarray, rows: int = 32) -> np.ndarray:
+    """Cosine of each row pair, in float64 a few rows at a time."""
+    out = np.empty(len(a))
+    for r in range(0, len(a), rows):
+        x, y = a[r:r + rows].astype(np.float64), b[r:r + rows].astype(np.float64)
+        out[r:r + rows] = (x * y).sum(1) / np.maximum(np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1), 1e-30)
+    return out
 
 
 @dataclass
@@ -202,21 +222,23 @@ class BatchInvariance:
                 f"{self.max_abs_diff:.2e})")
 
 
-def batch_invariance(alone: list[tuple[list[int], np.ndarray]], batched: list[tuple[list[int], np.ndarray]]) -> BatchInvariance:
-    """Compare greedy tokens, and the logits of the steps both runs fed the same tokens."""
+def batch_invariance(alone: list[list[int]], alone_logits: Callable[[int], np.ndarray],
+                     batched: list[tuple[list[int], np.ndarray]]) -> BatchInvariance:
+    """Compare greedy tokens, and the logits of the steps both runs fed the same tokens
+    (``alone_logits(i)``: prompt i's steps alone)."""
     differing, max_diff, min_cos = [], 0.0, 1.0
-    for i, ((a, la), (b, lb)) in enumerate(zip(alone, batched)):
+    for i, (a, (b, lb)) in enumerate(zip(alone, batched)):
         if a != b:
             differing.append(i)
         same = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) + 1  # step k's logits precede token k
         same = min(same, len(a))
-        max_diff = max(max_diff, float(np.abs(la[:same] - lb[:same]).max()))
-        min_cos = min(min_cos, float(_row_cosines(la[:same], lb[:same]).min()))
+        la = alone_logits(i)[:same]
+        max_diff = max(max_diff, float(np.abs(la - lb[:same]).max()))
+        min_cos = min(min_cos, float(_row_cosines(la, lb[:same]).min()))
     return BatchInvariance(differing, len(alone), max_diff, min_cos)
 
 
 def check_batch_invariance(core: EngineCore, gate: GatePrompts, alone: CandidateRun, new_tokens: int) -> BatchInvariance:
     """The gate's batch check for one variant: ``alone`` is its ``candidate_run`` on the same core."""
     batched = core_run(core, gate.prompts, new_tokens, together=True)
-    lone = [(tokens, alone.logits.get(("steps", i))) for i, tokens in enumerate(alone.tokens)]
-    return batch_invariance(lone, batched)
+    return batch_invariance(alone.tokens, lambda i: alone.logits.get(("steps", i)), batched)

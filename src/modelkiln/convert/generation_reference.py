@@ -26,7 +26,7 @@ from .generation_gate import nll_sum
 from .logit_store import LogitStore
 
 REFERENCE_BATCH = 8  # sequences run together (a forward reads the weights once for all)
-LOGIT_CHUNK_BYTES = 128 << 20  # layer reference: logits of all positions for this many bytes of vocabulary
+LOGIT_CHUNK_BYTES = 32 << 20  # layer reference: logits of all positions for this many bytes of vocabulary
 
 
 class Reference(Protocol):
@@ -114,6 +114,7 @@ class LayerReference:
                     hidden[k] = layer(h, attention_mask=None, position_ids=positions[:, :n],
                                       position_embeddings=(cos[:, :n], sin[:, :n]))
                 skeleton.model.layers[i] = None  # its weights go with it
+                self.decoder.release_pages()
             norm = skeleton.model.norm
             norm.load_state_dict({"weight": torch.from_numpy(self.decoder.tensor("final_norm"))}, assign=True)
             own = {j: norm(h[r, :len(rows[j])]) for g, h in zip(groups, hidden) for r, j in enumerate(g)}
@@ -164,13 +165,17 @@ class LayerReference:
             for j in range(stored):
                 store.put_columns(first_rows[j], a, logits[starts[j]:starts[j + 1]].numpy())
             if para.stop > para.start:
-                part = logits[para].double()
-                new_max = torch.maximum(running_max, part.max(dim=1).values)
-                running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(part - new_max[:, None]).sum(dim=1)
+                part = logits[para]
+                new_max = torch.maximum(running_max, part.max(dim=1).values.double())
+                # each term is at most 1: their float32 sum over a chunk is exact enough; the rows' totals are float64
+                terms = torch.exp(part - new_max.float()[:, None]).sum(dim=1, dtype=torch.float64)
+                running_sum = running_sum * torch.exp(running_max - new_max) + terms
                 running_max = new_max
                 inside = (targets >= a) & (targets < b)
                 hit = torch.from_numpy(np.flatnonzero(inside))
-                target_logit[hit] = part[hit, torch.from_numpy(targets[inside] - a)]
+                target_logit[hit] = part[hit, torch.from_numpy(targets[inside] - a)].double()
+            del logits
+        self.decoder.release_pages()
         if para.stop == para.start:
             return float("nan")
         nll = (running_max + torch.log(running_sum)) - target_logit

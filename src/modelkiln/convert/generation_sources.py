@@ -89,10 +89,16 @@ class GgufSource:
         check_fp32_memory(self.source.ref, self.decoder.parameters, wanted, max_model_gb, self.packed_memory_gb())
 
     def write_fp32(self, path: Path) -> GraphSummary:
-        return build_serving_graph(self.decoder, path)
+        try:
+            return build_serving_graph(self.decoder, path)
+        finally:
+            self.decoder.release_pages()
 
     def write_packed(self, path: Path, fp32_path: Path | None, accuracy_level: int) -> dict[str, Any]:
-        return build_serving_graph(self.decoder, path, pack=True, accuracy_level=accuracy_level).gguf_types
+        try:
+            return build_serving_graph(self.decoder, path, pack=True, accuracy_level=accuracy_level).gguf_types
+        finally:
+            self.decoder.release_pages()
 
     def unpackable_notes(self) -> list[str]:
         return [f"{kind}: {n} tensors dequantized to fp32 (no exact MatMulNBits form)"

@@ -142,6 +142,11 @@ def one_gguf_parse() -> Iterator[None]:
         gguf.GGUFReader = parse
 
 
+def forget_gguf_parse() -> None:
+    """Drop the kept parse (``one_gguf_parse``): for a reader of the tensors alone, its metadata is dead weight."""
+    _parsed_gguf.clear()
+
+
 def load_gguf_source(ref: str, path: Path, with_tokenizer: bool = True) -> SourceModel:
     """Config and tokenizer from a GGUF file's metadata (transformers needs the gguf package)."""
     with one_gguf_parse():
