@@ -36,6 +36,7 @@ not one multiplication); they are dequantized to fp32 and say so, never re-quant
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -235,13 +236,15 @@ def decode_blocks(kind: str, raw: np.ndarray) -> Blocks:
 class GgufMatrix:
     """A 2-D GGUF tensor as the matrix [N, K] a projection multiplies by (torch's [out, in] layout),
     read from the file's memory map a range of rows at a time. ``order`` moves whole rows (a
-    Llama's q/k rotary permutation): output row r is stored row ``order[r]``."""
+    Llama's q/k rotary permutation): output row r is stored row ``order[r]``. ``release``, if
+    given, is called after each read: it unmaps the pages read (``GgufDecoder.release_pages``)."""
 
     name: str
     kind: str  # the GGUF type's name: Q4_K, F16, IQ4_XS, ...
     data: Any  # the reader's memory-mapped rows [N, bytes per row] (float types: [N, K])
     shape: tuple[int, int]
     order: np.ndarray | None = None
+    release: Callable[[], None] | None = None
 
     @property
     def packable(self) -> bool:
@@ -257,7 +260,14 @@ class GgufMatrix:
 
     def _raw(self, start: int, stop: int) -> np.ndarray:
         rows = slice(start, stop) if self.order is None else self.order[start:stop]
-        return np.asarray(self.data[rows])
+        return self._read(rows)
+
+    def _read(self, rows: Any) -> np.ndarray:
+        """The raw rows, copied out of the file's map (whose pages are then released)."""
+        raw = np.array(self.data[rows])
+        if self.release is not None:
+            self.release()
+        return raw
 
     def blocks(self, start: int = 0, stop: int | None = None) -> Blocks:
         return decode_blocks(self.kind, self._raw(start, self.shape[0] if stop is None else stop))
@@ -269,7 +279,7 @@ class GgufMatrix:
     def rows(self, indices: list[int] | np.ndarray) -> np.ndarray:
         """The given rows in float32 (an embedding's rows for the tokens used)."""
         index = np.asarray(indices, dtype=np.int64)
-        return self._dequantize(np.asarray(self.data[index if self.order is None else self.order[index]]))
+        return self._dequantize(self._read(index if self.order is None else self.order[index]))
 
     def _dequantize(self, raw: np.ndarray) -> np.ndarray:
         from gguf import GGMLQuantizationType, dequantize

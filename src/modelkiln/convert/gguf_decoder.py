@@ -12,6 +12,7 @@ move with it. Qwen2 files are not permuted."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from functools import cached_property
 from pathlib import Path
@@ -113,15 +114,19 @@ class GgufDecoder:
     def parameters(self) -> int:
         return int(sum(int(t.n_elements) for t in self.tensors.values()))
 
-    def release_pages(self) -> None:
-        """Unmap the file's pages read so far from this process (they stay in the page cache: a
-        later read maps them again without reading the disk). A memory map's resident pages count
-        as the process's memory; without this, reading the whole file once keeps all of it."""
+    def release_pages(self, start: int = 0, length: int = 0) -> None:
+        """Unmap the file's pages in [start, start + length) (all of them by default) from this
+        process; they stay in the page cache, so a later read maps them again without the disk. A
+        memory map's resident pages count as the process's memory: without this, reading the whole
+        file once keeps all of it."""
         import mmap
 
         file_map = getattr(self._file_map, "_mmap", None)
-        if file_map is not None and hasattr(mmap, "MADV_DONTNEED"):
-            file_map.madvise(mmap.MADV_DONTNEED)
+        if file_map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first = start - start % mmap.PAGESIZE
+        size = (length + start - first) if length else len(file_map) - first
+        file_map.madvise(mmap.MADV_DONTNEED, first, min(size, len(file_map) - first))
 
     @property
     def file_bytes(self) -> int:
@@ -164,7 +169,8 @@ class GgufDecoder:
             return values if order is None else values[order]
         if name not in self._matrices:
             data = t.data if t.tensor_type.name not in FLOAT_TYPES else np.asarray(t.data).reshape(shape[0], -1)
-            self._matrices[name] = GgufMatrix(name, t.tensor_type.name, data, (shape[0], shape[1]), order)
+            release = functools.partial(self.release_pages, int(t.data_offset), int(t.n_bytes))
+            self._matrices[name] = GgufMatrix(name, t.tensor_type.name, data, (shape[0], shape[1]), order, release)
         return self._matrices[name]
 
     def rope_freq_factors(self) -> np.ndarray | None:
