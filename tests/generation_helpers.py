@@ -138,7 +138,7 @@ def make_tiny_causal_lm(folder: Path, family: str) -> Path:
 # Byte offsets of each GGUF block's fp16 scale fields (d, and dmin where there is one), from
 # gguf-py's quants.py layouts: random blocks get finite scales there.
 GGUF_FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-                    "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+                    "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0]}
 
 
 def random_gguf_blocks(kind: str, rows: int, cols: int, rng, scale: float = 0.1):

@@ -13,7 +13,7 @@ from modelkiln.convert.external_data import TensorFile
 from modelkiln.convert.gguf_blocks import STORAGE, GgufMatrix, decode_blocks
 from modelkiln.convert.linear_weights import GraphBuilder
 
-KINDS = list(STORAGE)
+KINDS = list(STORAGE)  # every type packed exactly
 
 
 def _raw(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -112,9 +112,7 @@ def test_a_type_without_an_exact_form_stays_fp32(tmp_path):
     import gguf
 
     rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, (16, 4, 18), dtype=np.uint8)
-    raw[..., 0:2] = np.float16(0.01).reshape(1).view(np.uint8)
-    raw = raw.reshape(16, -1)
+    raw = random_gguf_blocks("IQ4_NL", 16, 128, rng)
     matrix = GgufMatrix("w", "IQ4_NL", raw, (16, 128))
     assert not matrix.packable
     g = GraphBuilder(TensorFile(tmp_path / "iq.onnx"), pack=True)

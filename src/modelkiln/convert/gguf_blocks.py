@@ -270,7 +270,15 @@ class GgufMatrix:
         return raw
 
     def blocks(self, start: int = 0, stop: int | None = None) -> Blocks:
-        return decode_blocks(self.kind, self._raw(start, self.shape[0] if stop is None else stop))
+        blocks = decode_blocks(self.kind, self._raw(start, self.shape[0] if stop is None else stop))
+        if not (np.isfinite(blocks.scale).all() and (blocks.offset is None or np.isfinite(blocks.offset).all())):
+            raise self._corrupt()
+        return blocks
+
+    def _corrupt(self) -> Exception:
+        from ..errors import ModelLoadError
+
+        return ModelLoadError(f"GGUF tensor {self.name} ({self.kind}) holds non-finite values: the file is corrupt")
 
     def dequantized(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows [start, stop) in float32, as gguf-py dequantizes them (what transformers loads)."""
@@ -285,8 +293,8 @@ class GgufMatrix:
         from gguf import GGMLQuantizationType, dequantize
 
         values = np.ascontiguousarray(dequantize(raw, GGMLQuantizationType[self.kind]), dtype=np.float32)
-        if not values.flags.writeable:  # a float type's rows are a view of the read-only file map
-            values = values.copy()
+        if not np.isfinite(values).all():
+            raise self._corrupt()
         return values.reshape(raw.shape[0], self.shape[1])
 
     def full(self) -> np.ndarray:

@@ -157,6 +157,15 @@ def _load_gguf_source(ref: str, path: Path, with_tokenizer: bool) -> SourceModel
     from transformers import AutoConfig, AutoTokenizer
 
     folder, name = path.resolve().parent, path.name
+    try:  # parsed here first (and kept: one_gguf_parse), so that a bad file is named as such
+        import gguf
+
+        gguf.GGUFReader(str(path))
+    except ImportError:
+        pass  # transformers names the missing package below
+    except Exception as exc:  # gguf-py raises ValueError, IndexError, struct errors... on a truncated or corrupt file
+        raise ModelLoadError(f"{ref} is not a readable GGUF file (truncated or corrupt?): "
+                             f"{str(exc).splitlines()[0] or type(exc).__name__}") from exc
     try:
         config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
     except ValueError as exc:  # "GGUF model with architecture X is not supported yet"
