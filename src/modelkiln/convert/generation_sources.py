@@ -126,9 +126,6 @@ class TransformersSource:
             self.graph = {"kind": "export", "opset": DECODER_OPSET, "why": str(exc)}
             log.info("decoder graph: the torch export (%s)", exc)
 
-    def check_memory(self, wanted: list[str], max_model_gb: float | None) -> None:
-        """Checked before the weights were loaded (``__init__``)."""
-
     def write_fp32(self, path: Path) -> GraphSummary | None:
         if self.graph["kind"] == "serving":
             return build_serving_graph(TorchDecoderWeights(self.model), path)

@@ -176,7 +176,7 @@ class GgufDecoder:
     def rope_freq_factors(self) -> np.ndarray | None:
         """llama.cpp's ``rope_freqs`` (Llama 3's rotary scaling, stored as a tensor): inv_freq is divided by them."""
         t = self.tensors.get("rope_freqs.weight")
-        return None if t is None else np.asarray(t.data, np.float32).reshape(-1)
+        return None if t is None else np.array(t.data, np.float32).reshape(-1)  # a copy: the map is read-only
 
     def rotary_module(self) -> Any:
         """transformers' rotary embedding of this model type (its inv_freq from the config)."""
