@@ -17,6 +17,7 @@ import pytest
 from generation_helpers import tiny_tokenizer
 from modelkiln.errors import InvalidInputError
 from modelkiln.generation.constraints import MAX_DEPTH, Grammars, compile_constraint
+from modelkiln.generation.vocabulary import Vocabulary
 
 PADDED_WORDS = 16  # 512 bits: the model's vocabulary padded past the tokenizer's 400
 
@@ -33,7 +34,7 @@ def eos(tokenizer):
 
 @pytest.fixture(scope="module")
 def grammars(tokenizer, eos):
-    return Grammars(tokenizer, [eos])
+    return Grammars(Vocabulary(tokenizer, [eos]))
 
 
 def allowed(words: np.ndarray) -> np.ndarray:
@@ -159,7 +160,7 @@ def test_depth_and_size_limits(grammars):
 
 
 def test_cache_is_keyed_by_the_canonical_spec_and_bounded(tokenizer, eos):
-    grammars = Grammars(tokenizer, [eos], max_entries=3)
+    grammars = Grammars(Vocabulary(tokenizer, [eos]), max_entries=3)
     a = compile_constraint("json_schema", {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
                            grammars)
     same = compile_constraint("json_schema", {"schema": {"properties": {"a": {"type": "integer"}}, "type": "object"}},
@@ -195,3 +196,10 @@ def test_a_bitmask_smaller_than_the_vocabulary_is_refused(grammars):
     matcher = compile_constraint("regex", "a", grammars).matcher()
     with pytest.raises(ValueError, match="at least 13 words"):
         matcher.fill_bitmask(np.zeros(4, dtype=np.int32))
+
+
+def test_vocabulary_spells_each_token_in_bytes(tokenizer, eos):
+    vocabulary = Vocabulary(tokenizer, [eos])
+    ids = tokenizer.encode("héllo wörld").ids
+    assert b"".join(vocabulary.token_bytes(i) for i in ids) == "héllo wörld".encode()
+    assert vocabulary.token_text(eos) == "<|im_end|>" and vocabulary.token_bytes(10_000) == b""

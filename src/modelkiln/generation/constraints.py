@@ -3,6 +3,7 @@ llguidance (docs/structured-outputs.md says why this engine and what it was meas
 
 The interface the engine core uses is three calls per sequence and step::
 
+    grammars = Grammars(Vocabulary(tokenizer, eos_ids))  # once per model
     grammar = compile_constraint("json_schema", {"schema": {...}, "strict": True}, grammars)  # at request parsing
     matcher = grammar.matcher()                        # one per sequence, when it is admitted
     matcher.fill_bitmask(words)                        # int32[ceil(vocab / 32)], bit set = token allowed
@@ -12,7 +13,7 @@ The interface the engine core uses is three calls per sequence and step::
 
 ``words`` may be wider than the tokenizer's vocabulary (a model's embedding is often padded to a
 multiple of 64): the padded rows are never allowed. The end-of-sequence ids are the artifact's
-(given to ``Grammars``); the mask allows them exactly where the grammar may end. Once
+(given to ``Vocabulary``); the mask allows them exactly where the grammar may end. Once
 ``is_terminated()`` the mask holds only them, so an engine may also end the answer at once with
 ``finish_reason: "stop"`` rather than spend a step on it.
 
@@ -31,14 +32,12 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer
-
 from ..errors import InvalidInputError
+from .vocabulary import Vocabulary
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "lark", "gbnf")
 MAX_DEPTH = 32  # nesting of a schema's objects and arrays (a schema's own $ref recursion is not limited)
@@ -95,19 +94,15 @@ class Grammar:
 
 
 class Grammars:
-    """One tokenizer's grammar compiler and its cache of compiled grammars (LRU, bounded by count
+    """One model's grammar compiler and its cache of compiled grammars (LRU, bounded by count
     and by the size of the grammar texts; safe from any thread)."""
 
-    def __init__(self, tokenizer: Tokenizer, eos_ids: Sequence[int], max_entries: int = CACHE_ENTRIES,
-                 max_bytes: int = CACHE_BYTES):
+    def __init__(self, vocabulary: Vocabulary, max_entries: int = CACHE_ENTRIES, max_bytes: int = CACHE_BYTES):
         import llguidance
 
-        if not eos_ids:
-            raise InvalidInputError("this model names no end-of-sequence token, so a constrained answer could not end")
         self._llg = llguidance
-        self.vocab_size = tokenizer.get_vocab_size()
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=list(eos_ids))
-        self.eos_ids = tuple(eos_ids)
+        self.vocabulary = vocabulary
+        self.vocab_size = vocabulary.size
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._bytes = 0
@@ -135,6 +130,8 @@ class Grammars:
         return grammar
 
     def _build(self, kind: str, spec: Any, key: str) -> Grammar:
+        if not self.vocabulary.eos_ids:
+            raise InvalidInputError("this model names no end-of-sequence token, so a constrained answer could not end")
         llg = self._llg.LLMatcher
         if kind == "json_object":
             text = llg.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
@@ -156,7 +153,7 @@ class Grammars:
                 raise InvalidInputError(f"the GBNF grammar does not parse: {exc}") from None
         else:
             raise InvalidInputError(f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
-        prototype = llg(self.tokenizer, text, log_level=0)
+        prototype = llg(self.vocabulary.llg, text, log_level=0)
         if prototype.is_error():
             raise InvalidInputError(f"{_NAMES[kind]} cannot be used: {_first_line(prototype.get_error())}")
         # build the lexer now (the first mask), so that each sequence's copy starts with it
