@@ -17,6 +17,7 @@ default, which the client did not ask for, is cut to the room left; the answer t
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -122,6 +123,16 @@ _CONSTRAINT_FIELDS = (("guided_json", "json_schema"), ("guided_regex", "regex"),
 _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
 
 
+def _json_text(name: str, spec: Any) -> Any:
+    """A schema may come as JSON text (vLLM's guided_json takes either)."""
+    if not isinstance(spec, str):
+        return spec
+    try:
+        return json.loads(spec)
+    except ValueError:
+        raise InvalidInputError(f"'{name}' is a string that is not JSON") from None
+
+
 def requested_constraint(fields: Mapping[str, Any]) -> tuple[str, Any] | None:
     """The constraint a request asks for, as (kind, spec) for ``compile_constraint``, or None."""
     asked: list[tuple[str, str, Any]] = []
@@ -151,6 +162,7 @@ def requested_constraint(fields: Mapping[str, Any]) -> tuple[str, Any] | None:
             if key in _STRUCTURED_OUTPUTS and value is not None:
                 asked.append((f"structured_outputs.{key}", _STRUCTURED_OUTPUTS[key], value))
     asked += [(name, kind, fields[name]) for name, kind in _CONSTRAINT_FIELDS if fields.get(name) is not None]
+    asked = [(name, kind, _json_text(name, spec) if kind == "json_schema" else spec) for name, kind, spec in asked]
     if len(asked) > 1:
         raise InvalidInputError(f"ask for one constraint at most, got {', '.join(repr(a[0]) for a in asked)}")
     return (asked[0][1], asked[0][2]) if asked else None

@@ -97,6 +97,7 @@ class ToolStream:
         self.in_call = False  # hermes: inside <tool_call>...; llama3_json: the answer began with '{'
         self.decided = isinstance(tool_format, Hermes)  # llama3_json: decided at the first visible character
         self.calls: list[ToolCall] = []
+        self.space = ""  # trailing whitespace of the content sent so far, held back
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """The content to send now and the calls completed by ``text``."""
@@ -116,30 +117,37 @@ class ToolStream:
             if self.in_call:
                 end = self.buffer.find(Hermes.CLOSE)
                 if end < 0:
-                    return content, calls
+                    break
                 block = self.buffer[:end + len(Hermes.CLOSE)]
                 self.buffer = self.buffer[end + len(Hermes.CLOSE):]
                 self.in_call = False
                 _, parsed = self.format.parse(Hermes.OPEN + block)
                 if parsed:
+                    self.space = ""  # whitespace before a call is not content
                     calls += parsed
+                    self.calls += parsed
                 else:
-                    content += Hermes.OPEN + block
+                    content += self._content(Hermes.OPEN + block)
                 continue
             start = self.buffer.find(Hermes.OPEN)
             if start >= 0:
-                content += self.buffer[:start]
+                content += self._content(self.buffer[:start])
                 self.buffer = self.buffer[start + len(Hermes.OPEN):]
                 self.in_call = True
                 continue
             keep = _partial_suffix(self.buffer, Hermes.OPEN)
-            content += self.buffer[:len(self.buffer) - keep]
+            content += self._content(self.buffer[:len(self.buffer) - keep])
             self.buffer = self.buffer[len(self.buffer) - keep:]
             break
-        self.calls += calls
-        if self.calls and not content.strip():
-            content = ""  # whitespace between calls is not content
         return content, calls
+
+    def _content(self, text: str) -> str:
+        """Content to send, less its trailing whitespace, which waits to see whether a call follows
+        (the whole answer's content is stripped around its calls the same way)."""
+        text = self.space + text
+        body = text.rstrip()
+        self.space = text[len(body):]
+        return body if not self.calls or body.strip() else ""
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """What is left at the end: an unfinished call is content after all."""
@@ -150,6 +158,7 @@ class ToolStream:
             content, calls = self.format.parse(left)
             self.calls += calls
             return content or "", calls
+        left, self.space = self.space + left, ""
         return ("" if self.calls and not left.strip() else left), []
 
 

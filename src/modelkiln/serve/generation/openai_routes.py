@@ -82,7 +82,7 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
 _MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id")
 
 
-def _chat_messages(messages: Any) -> list[dict[str, Any]]:
+def openai_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("'messages' must be a non-empty list")
     out = []
@@ -135,7 +135,7 @@ def register(app: FastAPI, plane: DataPlane) -> None:
                 syntax = tool_format(model.artifact.chat_template)
                 if tools.constrained:
                     constraint = ("lark", syntax.grammar(tools, lambda text: _special_id(model, text)))
-            messages = _chat_messages(body.get("messages"))
+            messages = openai_messages(body.get("messages"))
             prompts: list[Any] = [None]
             prompt_ids = [await chat_ids(model, messages, tools.tools if syntax else None)]
         else:
