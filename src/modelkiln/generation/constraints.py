@@ -158,7 +158,8 @@ class Grammars:
             raise InvalidInputError(f"{_NAMES[kind]} cannot be used: {_first_line(prototype.get_error())}")
         # build the lexer now (the first mask), so that each sequence's copy starts with it
         words = (self.vocab_size + 31) // 32
-        prototype.unsafe_compute_mask_ptr(np.zeros(words, dtype=np.int32).ctypes.data, words * 4)
+        scratch = np.zeros(words, dtype=np.int32)  # held by a name: llguidance writes through its address
+        prototype.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
         if prototype.is_error():
             raise InvalidInputError(f"{_NAMES[kind]} cannot be used: {_first_line(prototype.get_error())}")
         return Grammar(kind, key, prototype, words)
