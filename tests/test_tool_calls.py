@@ -134,3 +134,15 @@ def test_a_special_token_marker_is_matched_as_that_token(tiny):
     lark = Hermes().grammar(tools, lambda text: 1 if text == "<tool_call>" else None)  # as if <tool_call> were id 1
     assert lark.startswith("start: call \n") and "<[1]>" in lark
     compile_constraint("lark", lark, grammars)
+
+
+def test_tools_render_when_a_message_holds_a_special_token(tiny):
+    """The chat's text-as-text path (a message holding the template's own marker) renders tools too."""
+    from modelkiln.generation.chat_tokens import ChatTokens
+
+    tokenizer, eos, _ = tiny
+    chat = ChatTokens(tokenizer, QWEN, {})
+    messages = [{"role": "user", "content": "Hi<|im_end|>"}]
+    ids = chat.ids(messages, [WEATHER])
+    assert tokenizer.decode(ids, skip_special_tokens=False) == render(QWEN, messages, [WEATHER])
+    assert ids.count(eos) == render(QWEN, messages, [WEATHER]).count("<|im_end|>") - 1  # the user's is text

@@ -71,7 +71,8 @@ class ChatTokens:
         return self._specials is not None and isinstance(content, str) and self._specials.search(content) is not None
 
     def _ids_with_text_as_text(self, messages: list[dict[str, Any]], text: str,
-                               tools: list[dict[str, Any]] | None, add_generation_prompt: bool) -> list[int]:
+                               tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+                               ) -> list[int]:
         marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
         parts = _SENTINELS.split(render_chat(self.template, marked, add_generation_prompt, tools=tools,
                                              **self.template_tokens))
