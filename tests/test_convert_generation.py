@@ -13,6 +13,7 @@ from generation_helpers import make_tiny_causal_lm, write_tiny_gguf
 from modelkiln.convert.generation_gate import GatePrompts, GateTolerance, torch_run
 from modelkiln.convert.pipeline import ConvertConfig, convert
 from modelkiln.errors import ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
+from modelkiln.generation.engine import EngineOptions
 from modelkiln.generation.model import TextGenerationModel
 from modelkiln.generation.padded_engine import PaddedEngine
 from modelkiln.generation.serving_engine import ServingEngine
@@ -27,7 +28,7 @@ def _convert(model, out, **options):
 
 def _engine_greedy(artifact, variant: str, ids: list[int], n: int, path=None) -> list[int]:
     path = path or artifact.variant_path(variant)[1]
-    engine = artifact.engine_for_file(path, threads=1)
+    engine = artifact.engine_for_file(path, EngineOptions(threads=1))
     logits, tokens = engine.add(0, ids), []
     for _ in range(n):
         tokens.append(int(np.argmax(logits)))
@@ -56,7 +57,7 @@ def test_families_convert_and_generate_pytorchs_greedy_tokens(tmp_path, family, 
     assert manifest.generation["graph"]["kind"] == graph
     if graph == "export":
         assert family in manifest.generation["graph"]["why"] and manifest.opset == 23
-    engine = TextGenerationModel(tmp_path / "art").engine("fp32", threads=1)
+    engine = TextGenerationModel(tmp_path / "art").engine("fp32", EngineOptions(threads=1))
     assert isinstance(engine, ServingEngine if graph == "serving" else PaddedEngine)
     fp32 = manifest.variants[0]
     assert fp32.kept and fp32.validation.agreement == 1.0 and fp32.validation.max_abs_diff < 1e-3
@@ -188,7 +189,7 @@ def test_q4_1_gguf_int4_packs_the_files_own_blocks(tmp_path, accuracy_level):
     ids = artifact.prompt_ids(PROMPT)
     logits = {}
     for name in ("model.onnx", "model.int4.onnx"):
-        engine = artifact.engine_for_file(out / name, threads=1)
+        engine = artifact.engine_for_file(out / name, EngineOptions(threads=1))
         logits[name] = engine.prefill("p", ids, all_logits=True)
     scale = float(np.abs(logits["model.onnx"]).max())
     diff = float(np.abs(logits["model.int4.onnx"] - logits["model.onnx"]).max())

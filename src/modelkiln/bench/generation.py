@@ -19,13 +19,13 @@ from typing import Any, ContextManager
 
 from ..errors import KilnError
 from ..generation.core import DEFAULT_MAX_RUNNING, Request, greedy, run_to_completion
-from ..generation.model import TextGenerationModel
+from ..generation.model import CoreOptions, TextGenerationModel
 from ..extras import install_hint
 from .generation_backends import (LlamaCppBackend, OrtGenaiBackend, TorchBackend, gguf_path, llama_cpp_available,
                                   llama_cpp_install_hint, ort_genai_available)
 from .isolation import DEFAULT_TIMEOUT_S, ChildFailed, run_in_child
 from .runner import machine_info
-from .timing import Stats
+from ..timing import Stats
 
 PEERS = ("llama.cpp", "onnxruntime-genai")  # the peer engines `kiln bench --peers` can run
 
@@ -114,8 +114,8 @@ class OnnxBackend:
                  max_batch: int = DEFAULT_MAX_RUNNING):
         """``path``: a graph file to run instead of the artifact's ``variant`` (benchmarks of candidates)."""
         max_batch = max(max_batch, DEFAULT_MAX_RUNNING)
-        self.core = (model.core_for_file(path, threads, max_running=max_batch) if path
-                     else model.core(variant, threads, max_running=max_batch))
+        options = CoreOptions(threads=threads, max_running=max_batch)
+        self.core = model.core_for_file(path, options) if path else model.core(variant, options)
 
     def prefill_seconds(self, ids: list[int]) -> float:
         """Time to the first token of a lone request with this prompt, computed in full: the engine's

@@ -24,7 +24,7 @@ from ..manifest import Manifest, is_artifact
 from ..runtime.engine import Engine
 from ..runtime.onnx import OnnxEngine, cuda_available
 from .isolation import DEFAULT_TIMEOUT_S, ChildFailed, run_in_child
-from .timing import Stats, measure
+from ..timing import Stats, measure
 
 Steps = Callable[[str], ContextManager[None]]
 

@@ -21,8 +21,9 @@ import numpy as np
 
 from ..atomic import atomic_folder
 from ..errors import ConversionError, ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
-from ..generation.core import EngineCore
-from ..generation.model import TextGenerationModel
+from ..generation.core import EngineCore, Request, greedy
+from ..generation.engine import ONNX_EXPORT, ONNX_SERVING
+from ..generation.model import CoreOptions, TextGenerationModel
 from ..machine import cpu_description
 from ..manifest import Manifest, TokenizerSpec, Variant
 from . import source as src
@@ -182,6 +183,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         settings["graph"] = {"kind": "export", "opset": DECODER_OPSET, "why": str(exc)}
         log.info("decoder graph: the torch export (%s)", exc)
     serving = settings["graph"]["kind"] == "serving"
+    engine = ONNX_SERVING if serving else ONNX_EXPORT
     tok = source.tokenizer
     pad = tok.pad_token if isinstance(tok.pad_token, str) else (tok.eos_token or "")
     manifest = Manifest(
@@ -220,8 +222,8 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
 
         def check(name: str, path: Path, **details: Any) -> Variant:
             with steps(f"Validating {name} ({len(gate.prompts)} prompts, {GREEDY_TOKENS} greedy tokens each)"):
-                core = artifact.core_for_file(path, cfg.threads, keep_logits=True)
-                run = onnx_run(core.engine, core, gate, GREEDY_TOKENS)
+                core = artifact.core_for_file(path, CoreOptions(threads=cfg.threads, keep_logits=True), kind=engine)
+                run = onnx_run(core, gate, GREEDY_TOKENS)
             validation, found, reason = judge(reference, run, gate_cfg[name])
             with steps(f"Checking {name}'s batch invariance (each prompt alone vs among the others, batched)"):
                 reason = _refuse_batch_variant(check_batch_invariance(core, gate, run, GREEDY_TOKENS),
@@ -229,7 +231,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
             if validation.passed:
                 cores[name] = core
             variant = Variant(name, name, "cpu", path.name, validation.passed, reason=reason, validation=validation,
-                              details={**details, **found})
+                              details={**details, **found}, engine=engine)
             variants.append(variant)
             return variant
 
@@ -310,22 +312,23 @@ def _refuse_batch_variant(invariance: Any, validation: Any, details: dict[str, A
 
 def _time_decode(cores: dict[str, EngineCore], variants: list[Variant], seconds: float) -> None:
     """ms per decode step at batch 1, past DECODE_PAST to DECODE_PAST + DECODE_STEPS tokens: each
-    round prefills a prompt on every variant in turn and times its steps one by one (interleaved,
-    so a burst of load elsewhere hits every variant alike)."""
+    round runs a prompt on every variant in turn and times its core's steps one by one once it
+    decodes (interleaved, so a burst of load elsewhere hits every variant alike)."""
     prompt = list(range(1, DECODE_PAST + 1))
     samples: dict[str, list[float]] = {v.name: [] for v in variants}
     deadline = time.perf_counter() + seconds
     for round_ in range(TIMING_ROUNDS):
         for v in variants:
-            engine = cores[v.name].engine
-            engine.prefill("timing", prompt)
-            engine.join("timing")
-            for step in range(DECODE_STEPS):
+            core = cores[v.name]
+            core.add_request(Request(("timing", round_), prompt, greedy(DECODE_STEPS + 1)))
+            core.step()  # the prompt, its first token and the first decode step
+            for step in range(DECODE_STEPS - 1):
                 started = time.perf_counter()
-                engine.step({"timing": 1})
+                core.step()
                 if round_ or step >= 2:  # the first steps of the first round warm the session up
                     samples[v.name].append(time.perf_counter() - started)
-            engine.remove("timing")
+            while core.has_work():
+                core.step()
         if round_ >= 1 and time.perf_counter() > deadline:
             break
     for v in variants:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..generation.core import Engine, EngineCore, Request, complete, greedy
+from ..generation.core import EngineCore, Request, complete, greedy, prompt_logits
 from ..manifest import Validation
 
 
@@ -133,22 +133,14 @@ def core_run(core: EngineCore, prompts: list[list[int]], new_tokens: int, togeth
     return Run(tokens=[c.token_ids for c in done], step_logits=[np.stack(c.logits) for c in done])
 
 
-def onnx_run(engine: Engine, core: EngineCore, gate: GatePrompts, new_tokens: int) -> Run:
-    """The same through the product: every prompt position's logits from the engine's prefill, the
-    greedy tokens from ``core`` (made with ``keep_logits``) with each prompt alone."""
+def onnx_run(core: EngineCore, gate: GatePrompts, new_tokens: int) -> Run:
+    """The same through the product: every prompt position's logits and the greedy tokens from
+    ``core`` (made with ``keep_logits``), each prompt alone."""
     run = core_run(core, gate.prompts, new_tokens, together=False)
-    for i, ids in enumerate(gate.prompts):
-        run.prompt_logits.append(_all_logits(engine, ("prompt", i), ids))
-    run.perplexity = perplexity([_all_logits(engine, ("p", j), ids) for j, ids in enumerate(gate.paragraphs)],
+    run.prompt_logits = [prompt_logits(core, ids, ("prompt", i)) for i, ids in enumerate(gate.prompts)]
+    run.perplexity = perplexity([prompt_logits(core, ids, ("p", j)) for j, ids in enumerate(gate.paragraphs)],
                                 gate.paragraphs)
     return run
-
-
-def _all_logits(engine: Engine, seq_id: object, ids: list[int]) -> np.ndarray:
-    try:
-        return engine.prefill(seq_id, ids, all_logits=True)
-    finally:
-        engine.remove(seq_id)
 
 
 def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..atomic import atomic_folder, check_output
-from ..bench.timing import measure_interleaved
+from ..timing import measure_interleaved
 from ..errors import ConversionError, ValidationFailedError
 from ..machine import cpu_description
 from ..manifest import Manifest, TokenizerSpec, Variant

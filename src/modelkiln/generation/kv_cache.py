@@ -16,6 +16,7 @@ the next running row once; a decode step copies nothing."""
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 from dataclasses import dataclass
 
@@ -26,6 +27,32 @@ _PAGE = mmap.PAGESIZE
 # refuse a reservation larger than RAM: what is used is bounded by the engine core's KV budget, not by
 # the reservation. (Linux's MAP_NORESERVE; Python's mmap module names it from 3.13 only.)
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+KV_MEMORY_SHARE = 4  # the default KV budget: a quarter of the memory this process may use
+
+
+def usable_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or less under a cgroup limit (a
+    container's memory limit, Kubernetes' ``resources.limits.memory``)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 << 30
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def host_kv_capacity(bytes_per_token: int, most: int) -> int:
+    """Tokens of KV a host engine may hold: ``KV_MEMORY_SHARE`` of the usable memory, at most ``most``."""
+    return max(1, min(most, usable_memory() // KV_MEMORY_SHARE // max(bytes_per_token, 1)))
 
 
 @dataclass(frozen=True)

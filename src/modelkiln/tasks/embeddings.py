@@ -10,7 +10,7 @@ import numpy as np
 from tokenizers import Encoding
 
 from ..manifest import Pooling
-from ..serve.types import TensorSpec
+from .tensors import TensorSpec
 from . import tensors as t
 from .base import Task, TaskInfo, TextInput
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import InvalidInputError
 from ..manifest import Manifest
-from ..serve.types import TensorSpec
+from .tensors import TensorSpec
 from . import tensors as t
 
 NAME = "text-generation"

@@ -14,7 +14,7 @@ MODELS_DIR = Path(__file__).parent / "models"
 # The package, its errors and manifest, and the tasks (what every model here imports, with what
 # those import).
 _TASKS = (
-    "__init__.py", "errors.py", "manifest.py", "samples.py", "serve/__init__.py", "serve/types.py",
+    "__init__.py", "errors.py", "manifest.py", "samples.py",
     "tasks/__init__.py", "tasks/base.py", "tasks/classification.py", "tasks/embeddings.py",
     "tasks/question_answering.py", "tasks/token_classification.py", "tasks/tensors.py",
 )

@@ -21,8 +21,7 @@ from tokenizers import Tokenizer
 
 from ...errors import InvalidInputError
 from ...generation.chat_tokens import encode
-from ...generation.core import EngineCore
-from ...generation.model import TextGenerationModel
+from ...generation.model import CoreOptions, TextGenerationModel
 from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
 from ...tasks import text_generation as contract
@@ -39,12 +38,6 @@ log = logging.getLogger("modelkiln.serve")
 
 _job_ids = itertools.count(1)
 
-KV_MEMORY_FRACTION = 4  # default KV budget: 1/4 of memory
-# Default prefix cache: 1/8 of the KV budget, at most 2048 tokens. A bound that a busy server reaches within
-# minutes, after which its memory stays flat; what pays is a few shared prefixes (system prompts), not every
-# prompt's last blocks.
-PREFIX_CACHE_SHARE = 8
-PREFIX_CACHE_MAX_TOKENS = 2048
 # Texts longer than this are tokenized in a thread (tokenizers releases the GIL there): tokenizing
 # 4,096 characters takes about 2 ms on the event loop; an 8 MiB prompt took 4.1 s, during which no
 # stream got a token.
@@ -88,34 +81,18 @@ class GenerationModel:
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         started = time.perf_counter()
-        self.kv_budget = self.settings.max_kv_tokens or self._default_kv_budget()
-        prefix_tokens = self.settings.prefix_cache_tokens
-        if prefix_tokens is None:
-            prefix_tokens = min(self.kv_budget // PREFIX_CACHE_SHARE, PREFIX_CACHE_MAX_TOKENS)
-        engine = self.artifact.engine(self.variant.name, self.threads, self.settings.device,
-                                      max_rows=self.settings.max_batch_size, prefix_cache_tokens=prefix_tokens)
-        if self.settings.warmup:  # the first requests should not pay for onnxruntime's first runs
-            engine.prefill("warm-up", [0, 1, 2, 3])  # not a prompt: its prefix is not cached
-            engine.join("warm-up")
-            engine.step({"warm-up": 4})
-            engine.remove("warm-up")
-        core = EngineCore(engine, self.tokenizer, self.artifact.eos_ids, max_running=self.settings.max_batch_size,
-                          max_waiting=self.settings.max_queue_size, kv_budget=self.kv_budget,
-                          prefill_chunk=self.settings.prefill_chunk, hooks=_MetricHooks(self.metrics, self.name, self.kv_budget))
+        s = self.settings
+        hooks = _MetricHooks(self.metrics, self.name)
+        options = CoreOptions(threads=self.threads, device=s.device, max_running=s.max_batch_size,
+                              max_waiting=s.max_queue_size, kv_budget=s.max_kv_tokens, prefill_chunk=s.prefill_chunk,
+                              prefix_cache_tokens=s.prefix_cache_tokens, warm_up=s.warmup)
+        core = self.artifact.core(self.variant.name, options, hooks)
+        self.kv_budget = hooks.kv_budget = core.kv_budget
         self.scheduler = Scheduler(core, name=self.name)
         self.scheduler.start()
         self.ready = True
         log.info("loaded text-generation model %s (variant %s, %d thread(s), KV budget %d tokens, context %d) in %.1fs",
                  self.name, self.variant.name, self.threads, self.kv_budget, self.max_context, time.perf_counter() - started)
-
-    def _default_kv_budget(self) -> int:
-        settings = self.artifact.settings
-        per_token = 2 * int(settings.get("layers") or 1) * int(settings.get("kv_heads") or 1) * int(settings.get("head_dim") or 1) * 4
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            memory = 8 << 30
-        return max(1, min(self.settings.max_batch_size * self.max_context, memory // KV_MEMORY_FRACTION // per_token))
 
     def stop(self) -> None:
         """Refuse new requests; finish the accepted ones; end the scheduler thread."""
@@ -320,7 +297,7 @@ def max_prompt_chars(tokenizer: Tokenizer, max_context: int) -> int:
 class _MetricHooks(CoreHooks):
     """Scheduler events → vLLM-named Prometheus metrics (called on the scheduler thread)."""
 
-    def __init__(self, metrics: Metrics, name: str, kv_budget: int):
+    def __init__(self, metrics: Metrics, name: str):
         self.ttft = metrics.time_to_first_token.labels(name)
         self.itl = metrics.inter_token_latency.labels(name)
         self.e2e = metrics.e2e_latency.labels(name)
@@ -331,7 +308,7 @@ class _MetricHooks(CoreHooks):
         self.running = metrics.requests_running.labels(name)
         self.waiting = metrics.requests_waiting.labels(name)
         self.kv_usage = metrics.kv_cache_usage.labels(name)
-        self.kv_budget = kv_budget
+        self.kv_budget = 1  # the core's, once it is built
 
     def token(self, job, now: float) -> None:  # type: ignore[no-untyped-def]
         if job.first_token_at == 0.0:
