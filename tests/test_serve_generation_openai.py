@@ -1,11 +1,6 @@
 """The OpenAI API as clients use it, on a real `kiln serve` of the tiny Llama, with the unmodified
 `openai` client: n answers, lists of prompts, echo, structured outputs, logit_bias, penalties,
-logprobs, tools (through Qwen2.5's real chat template), /tokenize and /detokenize.
-
-Tests marked ``SEAM`` check what the engine's sampling does with the new settings (the grammar's
-token mask, penalties, logit_bias, log-probabilities on each delta); they are strict xfails until
-the engine applies them, so each turns into a failure (XPASS) the day it starts working: then the
-mark goes."""
+logprobs, tools (through Qwen2.5's real chat template), /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -23,8 +18,6 @@ from test_serve import Server
 MODEL, QWEN = "tiny", "qwen"
 PROMPT = "The quick brown fox"
 ROWS = 8
-SEAM = pytest.mark.xfail(strict=True, reason="waits for the engine to apply the token mask, penalties, logit_bias "
-                                             "and to put log-probabilities on each delta")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}
 
@@ -160,7 +153,6 @@ def test_a_constraint_with_ignore_eos_is_refused(client):
         client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"ignore_eos": True, "guided_regex": "a+"})
 
 
-@SEAM
 def test_json_schema_answers_parse(client):
     for temperature in (0, 1.0):
         parsed = client.beta.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A pet?"}],
@@ -169,10 +161,17 @@ def test_json_schema_answers_parse(client):
         assert isinstance(parsed, Pet)
 
 
-@SEAM
 def test_json_object_answers_are_objects(client):
-    assert isinstance(json.loads(chat(client, response_format={"type": "json_object"},
-                                      max_tokens=200).choices[0].message.content), dict)
+    """A random model writes long strings, so some answers reach max_tokens mid-string; every one
+    that ends by itself is an object."""
+    ended = 0
+    for seed in range(6):
+        choice = chat(client, response_format={"type": "json_object"}, max_tokens=300, temperature=1.0,
+                      seed=seed).choices[0]
+        if choice.finish_reason == "stop":
+            ended += 1
+            assert isinstance(json.loads(choice.message.content), dict)
+    assert ended
 
 
 # --- penalties, logit_bias, logprobs -----------------------------------------------------------
@@ -184,7 +183,6 @@ def test_logit_bias_outside_the_vocabulary_is_refused(client):
     assert complete(client, logit_bias={"5": -100}, temperature=0).choices
 
 
-@SEAM
 def test_logit_bias_forces_a_token(client, server):
     first = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": complete(
         client, temperature=0, max_tokens=1).choices[0].text, "add_special_tokens": False}).json()["tokens"][0]
@@ -194,14 +192,12 @@ def test_logit_bias_forces_a_token(client, server):
                                                       "add_special_tokens": False}).json()["tokens"] == [forced]
 
 
-@SEAM
 def test_frequency_penalty_changes_a_repetitive_answer(client):
     plain = complete(client, temperature=0, max_tokens=40).choices[0].text
     assert len(set(plain.split())) < len(plain.split()), "the greedy answer repeats itself"
     assert complete(client, temperature=0, max_tokens=40, frequency_penalty=2.0).choices[0].text != plain
 
 
-@SEAM
 def test_chat_logprobs(client):
     answer = chat(client, logprobs=True, top_logprobs=2, max_tokens=5, extra_body={"ignore_eos": True})
     content = answer.choices[0].logprobs.content
@@ -209,7 +205,6 @@ def test_chat_logprobs(client):
     assert all(isinstance(c.token, str) and all(0 <= b < 256 for b in c.bytes) for c in content)
 
 
-@SEAM
 def test_completion_logprobs_with_echo(client):
     answer = complete(client, logprobs=3, echo=True, temperature=0)
     logprobs = answer.choices[0].logprobs
@@ -251,10 +246,10 @@ def test_tools_through_qwens_template(client, server):
     assert "<tool_response>\n-3 degrees\n</tool_response>" in text["prompt"] and '"name": "get_weather"' in text["prompt"]
 
 
-@SEAM
 def test_a_named_tool_choice_always_calls_it(client):
     for stream in (False, True):
-        kw = dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=1.0, seed=3)
+        kw = dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=1.0, seed=3,
+                  max_tokens=300)
         if not stream:
             choice = tool_chat(client, **kw).choices[0]
             assert choice.finish_reason == "tool_calls"
