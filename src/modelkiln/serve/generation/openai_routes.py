@@ -20,6 +20,7 @@ import itertools
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,7 +28,7 @@ from starlette.responses import Response
 
 from ...errors import InvalidInputError
 from ...generation.params import choices
-from ...generation.tool_calls import ToolFormat, Tools, parse_tools, template_messages_with_tools, tool_format
+from ...generation.tool_calls import ToolFormat, parse_tools, template_messages_with_tools, tool_format
 from ..dataplane import DataPlane
 from .answers import Answers, chat_ids, request_params, submit, vocabulary, with_seed
 from .http import json_body, sse, sse_response, whole_answer
@@ -67,7 +68,7 @@ def _check(body: dict[str, Any], chat: bool) -> None:
         raise InvalidInputError("'stream_options' is an object, allowed only with 'stream': true")
 
 
-def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+def _completion_prompts_given(prompt: Any) -> list[str | list[int]]:
     """One prompt (a string, a list of token ids) or a list of them."""
     def one(p: Any) -> bool:
         return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(isinstance(i, int) for i in p))
@@ -113,6 +114,37 @@ def _special_id(model: GenerationModel, text: str) -> int | None:
     return token if added is not None and added.special else None
 
 
+@dataclass
+class _Prompts:
+    """What a request asks the model to continue: each prompt as given (None for a chat), its ids,
+    and for a chat with tools the template's call syntax and the constraint tool_choice asks for."""
+
+    given: list[Any]
+    ids: list[list[int]]
+    syntax: ToolFormat | None = None
+    constraint: tuple[str, Any] | None = None
+
+
+async def _chat_prompt(model: GenerationModel, body: dict[str, Any]) -> _Prompts:
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    syntax, constraint = None, None
+    if tools is not None and tools.choice != "none":
+        syntax = tool_format(model.artifact.chat_template)
+        if tools.constrained:
+            constraint = ("lark", syntax.grammar(tools, lambda text: _special_id(model, text)))
+    ids = await chat_ids(model, openai_messages(body.get("messages")), tools.tools if syntax else None)
+    return _Prompts([None], [ids], syntax, constraint)
+
+
+async def _completion_prompts(model: GenerationModel, body: dict[str, Any], n: int) -> _Prompts:
+    given = _completion_prompts_given(body.get("prompt"))
+    rows = model.settings.max_batch_size
+    if len(given) * n > rows:
+        raise InvalidInputError(f"{len(given)} prompts x n = {n} make {len(given) * n} answers; this "
+                                f"server runs at most {rows} at once (--max-batch-size)")
+    return _Prompts(given, [await model.prompt_ids(p) for p in given])
+
+
 def register(app: FastAPI, plane: DataPlane) -> None:
     limit, timeout = plane.settings.max_body_bytes, plane.settings.body_read_timeout_s
 
@@ -123,47 +155,28 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         if name is not None and not isinstance(name, str):
             raise InvalidInputError(f"'model' must be a string, got {name!r}")
         model = plane.generation_model(name)
-        rows = model.settings.max_batch_size
-        n = choices(body, rows)
+        n = choices(body, model.settings.max_batch_size)
+        prompts = await (_chat_prompt(model, body) if chat else _completion_prompts(model, body, n))
+        params = [await request_params(model, body, len(ids), prompts.constraint) for ids in prompts.ids]
         streaming = bool(body.get("stream"))
-        tools: Tools | None = None
-        syntax: ToolFormat | None = None
-        constraint = None
-        if chat:
-            tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
-            if tools is not None and tools.choice != "none":
-                syntax = tool_format(model.artifact.chat_template)
-                if tools.constrained:
-                    constraint = ("lark", syntax.grammar(tools, lambda text: _special_id(model, text)))
-            messages = openai_messages(body.get("messages"))
-            prompts: list[Any] = [None]
-            prompt_ids = [await chat_ids(model, messages, tools.tools if syntax else None)]
-        else:
-            prompts = _completion_prompts(body.get("prompt"))
-            if len(prompts) * n > rows:
-                raise InvalidInputError(f"{len(prompts)} prompts x n = {n} make {len(prompts) * n} answers; this "
-                                        f"server runs at most {rows} at once (--max-batch-size)")
-            prompt_ids = [await model.prompt_ids(p) for p in prompts]
-        params = [await request_params(model, body, len(ids), constraint) for ids in prompt_ids]
-        wants_logprobs = params[0].logprobs is not None
-        vocab = await vocabulary(model) if wants_logprobs else None
-        echo = bool(body.get("echo")) and not chat
+        vocab = await vocabulary(model) if params[0].logprobs is not None else None
+        echo = bool(body.get("echo"))
         writers: dict[int, ChatChoice | CompletionChoice] = {}
         requests = []
-        for p, (prompt, ids, settings) in enumerate(zip(prompts, prompt_ids, params)):
+        for p, (given, ids, settings) in enumerate(zip(prompts.given, prompts.ids, params)):
             for i in range(n):
-                index = p * n + i
+                index = p * n + i  # OpenAI's numbering of n answers to each of several prompts
                 if chat:
-                    writers[index] = ChatChoice(index, vocab, wants_logprobs, syntax, streaming)
+                    writers[index] = ChatChoice(index, vocab, vocab is not None, prompts.syntax, streaming)
                 else:
-                    text = (prompt if isinstance(prompt, str) else model.tokenizer.decode(ids)) if echo else None
-                    writers[index] = CompletionChoice(index, vocab, wants_logprobs, text, ids, streaming)
+                    text = (given if isinstance(given, str) else model.tokenizer.decode(ids)) if echo else None
+                    writers[index] = CompletionChoice(index, vocab, vocab is not None, text, ids, streaming)
                 requests.append((index, ids, with_seed(settings, i)))
         answers = await submit(model, requests)
         kind = "chatcmpl" if chat else "cmpl"
         head = {"id": _ids.next(kind), "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": model.name}
-        prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        prompt_tokens = sum(len(ids) for ids in prompts.ids)
         started = time.perf_counter()
         if streaming:
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
