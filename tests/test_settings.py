@@ -175,7 +175,8 @@ def test_tune_sweeps_what_the_declaration_marks(monkeypatch):
     assert sweepable_flags() == {name: cli_flag(name) for name in sweepable()}
     assert sweepable_flags()["max_queue_delay_ms"] == "--max-queue-delay-ms" and "port" not in sweepable_flags()
     # per kind of model: what the declaration's sweep= names for it
-    assert list(sweepable_flags("generation")) == ["variant", "threads", "max_batch_size", "prefill_chunk"]
+    assert list(sweepable_flags("generation")) == ["variant", "threads", "max_batch_size", "generation_replicas",
+                                                   "prefill_chunk"]
     assert "prefill_chunk" not in sweepable_flags("encoder") and "instances" in sweepable_flags("encoder")
     assert sweep_default("max_batch_size", "encoder") == "32" and sweep_default("max_batch_size", "generation") == "8,16"
     # marking another field sweepable in the declaration is all it takes: kiln serve's flag for
@@ -230,6 +231,7 @@ def test_grid_combinations_follow_the_declaration():
     with pytest.raises(KilnError, match="not sweepable for encoder models: port"):
         Grid({"port": (1, 2)}).combinations()
     combos = Grid({"variant": ("fp32",), "prefill_chunk": (64, 256)}, "generation").combinations()
-    assert combos == [{"variant": "fp32", "threads": None, "max_batch_size": None, "prefill_chunk": c} for c in (64, 256)]
+    assert combos == [{"variant": "fp32", "threads": None, "max_batch_size": None, "generation_replicas": None,
+                       "prefill_chunk": c} for c in (64, 256)]
     with pytest.raises(KilnError, match="not sweepable for generation models: instances"):
         Grid({"instances": (1, 2)}, "generation").combinations()

@@ -134,15 +134,21 @@ def test_tune_generation_picks_the_best_within_the_limits(two_accuracy_artifact,
     from modelkiln.loadtest.report import read_json
 
     artifact = two_accuracy_artifact
-    r = kiln("tune", str(artifact), "--variants", "fp32,fp32-ppl5", "--max-batch-size", "4", *SHORT_GENERATION_RUN,
-             "--ttft-p99-ms", "60000", "--max-ppl-increase", "1%", "-o", str(tmp_path / "best.json"),
-             "--json", str(tmp_path / "all.json"), timeout=120)
+    r = kiln("tune", str(artifact), "--variants", "fp32,fp32-ppl5", "--max-batch-size", "4", "--generation-replicas", "1",
+             *SHORT_GENERATION_RUN, "--ttft-p99-ms", "60000", "--max-ppl-increase", "1%", "-o",
+             str(tmp_path / "best.json"), "--json", str(tmp_path / "all.json"), timeout=120)
     assert r.returncode == 0, r.stderr
-    rows = {line.split("│")[2].strip(): line for line in r.stdout.splitlines() if line.count("│") > 10}
-    assert set(rows) - {""} == {"fp32", "fp32-ppl5"}  # "": a cell wrapped onto a second line
+    rows: dict[str, str] = {}  # a row's cells, with the lines its wrapped cells continue on
+    for line in (line for line in r.stdout.splitlines() if line.count("│") > 10):
+        name = line.split("│")[2].strip()
+        last = name or last  # noqa: F821 - the first table line names its variant
+        rows[last] = rows.get(last, "") + " " + line.split("│")[-2].strip()
+    assert set(rows) == {"fp32", "fp32-ppl5"}
     assert "◀ chosen" in rows["fp32"] and "excluded: perplexity +5.00% > 1%" in rows["fp32-ppl5"]
-    assert f"Chosen: kiln serve {artifact} --variant fp32 --max-batch-size 4 --prefill-chunk 128" in r.stdout
-    assert read_serve_config(tmp_path / "best.json") == {"variant": "fp32", "max_batch_size": 4, "prefill_chunk": 128}
+    assert (f"Chosen: kiln serve {artifact} --variant fp32 --max-batch-size 4 --generation-replicas 1 "
+            "--prefill-chunk 128") in r.stdout
+    assert read_serve_config(tmp_path / "best.json") == {"variant": "fp32", "max_batch_size": 4, "generation_replicas": 1,
+                                                         "prefill_chunk": 128}
 
     data = json.loads((tmp_path / "all.json").read_text())
     assert data["kind"] == "generation" and data["limits"] == {"ttft_p99_ms": 60000.0, "max_ppl_increase": 0.01}
@@ -160,7 +166,7 @@ def test_tune_generation_picks_the_best_within_the_limits(two_accuracy_artifact,
 
 
 def test_tune_generation_says_when_no_configuration_meets_the_limits(tiny_generation_artifact, tmp_path):
-    r = kiln("tune", str(tiny_generation_artifact), "--variants", "fp32", "--max-batch-size", "2",
+    r = kiln("tune", str(tiny_generation_artifact), "--variants", "fp32", "--max-batch-size", "2", "--generation-replicas", "1",
              "--prefill-chunk", "16,64", *SHORT_GENERATION_RUN, "--ttft-p99-ms", "0.001", "-o",
              str(tmp_path / "best.json"), "--json", str(tmp_path / "all.json"), timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr

@@ -112,6 +112,9 @@ class ServeSettings(BaseModel):
         None, "Generation: tokens of prompt-prefix KV kept for the prompts that follow (chat templates, system "
               "prompts; answers are the same with or without); 0: off.", ge=0,
         shown_default="1/8 of max-kv-tokens, at most 2048")
+    generation_replicas: Optional[int] = setting(
+        None, "Generation: engine replicas, each batching its own streams on its share of the CPUs (each loads the "
+              "weights once more).", sweep={"generation": "1,2"}, gt=0, shown_default="1")
     prefill_chunk: int = setting(128, "Generation: prompt tokens prefilled per scheduler step (running streams "
                                       "get a token between chunks).", sweep={"generation": "128"}, gt=0)
     generation_timeout_s: float = setting(600.0, "Generation: seconds per request, waiting and generating.",

@@ -1,5 +1,5 @@
 """A served text-generation model: the artifact (tokenizer, chat template, end-of-sequence ids),
-one engine, the engine core that schedules it and the ``Scheduler`` thread that steps the core.
+its engine replicas (usually one), each an engine core with the ``Scheduler`` thread that steps it.
 
 It is a ``served.ServedModel``, as the encoder's ``EncoderModel`` is (load, stop, release, ready,
 in_flight, stats, metadata, OIP infer), so the data plane and the model repository handle both
@@ -71,10 +71,11 @@ class GenerationModel:
         self.max_context = self.artifact.max_context or self.manifest.max_length
         self.tokenizer = self.artifact.tokenizer
         self.defaults = self.artifact.default_params()
-        # One engine (one scheduler batches every stream) using every CPU this server may use: `--cpus`
-        # under Ray sizes it from the replica's reservation, not from the host's cores.
-        self.instances = 1
-        self.threads = settings.threads or settings.cpus or os.cpu_count() or 1
+        # Engine replicas, each its own core batching its own streams, splitting the CPUs this server may
+        # use (`--cpus` under Ray sizes them from the replica's reservation, not from the host's cores).
+        cpus = settings.cpus or os.cpu_count() or 1
+        self.instances = settings.generation_replicas or 1
+        self.threads = settings.threads or max(1, cpus // self.instances)
         self.chat = self.artifact.chat_tokens(settings.special_tokens_in_messages)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_context)
 
@@ -82,35 +83,40 @@ class GenerationModel:
     def load(self) -> None:
         started = time.perf_counter()
         s = self.settings
-        hooks = _MetricHooks(self.metrics, self.name)
+        totals = _Totals(self.metrics, self.name, self.instances)
         options = CoreOptions(threads=self.threads, device=s.device, max_running=s.max_batch_size,
                               max_waiting=s.max_queue_size, kv_budget=s.max_kv_tokens, prefill_chunk=s.prefill_chunk,
-                              prefix_cache_tokens=s.prefix_cache_tokens, warm_up=s.warmup)
-        core = self.artifact.core(self.variant.name, options, hooks)
-        self.kv_budget = hooks.kv_budget = core.kv_budget
-        self.scheduler = Scheduler(core, name=self.name)
-        self.scheduler.start()
+                              prefix_cache_tokens=s.prefix_cache_tokens, warm_up=s.warmup, kv_share=self.instances)
+        self.schedulers = []
+        for replica in range(self.instances):
+            core = self.artifact.core(self.variant.name, options, _MetricHooks(self.metrics, self.name, totals, replica))
+            totals.budgets[replica] = core.kv_budget
+            self.schedulers.append(Scheduler(core, name=f"{self.name}-{replica}" if self.instances > 1 else self.name))
+        for scheduler in self.schedulers:
+            scheduler.start()
+        self.kv_budget = sum(totals.budgets)
         self.ready = True
-        log.info("loaded text-generation model %s (variant %s, %d thread(s), KV budget %d tokens, context %d) in %.1fs",
-                 self.name, self.variant.name, self.threads, self.kv_budget, self.max_context, time.perf_counter() - started)
+        log.info("loaded text-generation model %s (variant %s, %d engine replica(s) x %d thread(s), KV budget %d tokens, "
+                 "context %d) in %.1fs", self.name, self.variant.name, self.instances, self.threads, self.kv_budget,
+                 self.max_context, time.perf_counter() - started)
 
     def stop(self) -> None:
         """Refuse new requests; finish the accepted ones; end the scheduler thread."""
         self.ready = False
-        if hasattr(self, "scheduler"):
-            self.scheduler.stop()
+        for scheduler in getattr(self, "schedulers", ()):
+            scheduler.stop()
 
     def release(self) -> None:
         self.stop()
-        self.__dict__.pop("scheduler", None)
+        self.__dict__.pop("schedulers", None)
 
     @property
     def full(self) -> bool:
-        return self.scheduler.waiting >= self.settings.max_queue_size
+        return self.queued >= self.settings.max_queue_size
 
     @property
     def queued(self) -> int:
-        return self.scheduler.waiting
+        return sum(s.waiting for s in self.schedulers)
 
     def record(self, ok: bool, seconds: float) -> None:
         s = self.stats
@@ -169,9 +175,11 @@ class GenerationModel:
         """Submit now (``OverloadedError`` at once when the wait queue is full, before any answer is
         sent); the returned stream yields the answer's deltas, the last with ``finish_reason``."""
         timeout_s = timeout_s or self.settings.generation_timeout_s
+        # the replica with the fewest requests admitted or waiting: rows free soonest there
+        scheduler = min(self.schedulers, key=lambda s: s.running + s.waiting)
         job = Job(next(_job_ids), prompt_ids, params, deadline=time.monotonic() + timeout_s,
-                  loop=asyncio.get_running_loop(), queue=asyncio.Queue())
-        self.scheduler.submit(job)
+                  loop=asyncio.get_running_loop(), queue=asyncio.Queue(), scheduler=scheduler)
+        scheduler.submit(job)
         return Stream(self, job)
 
     # -- protocol description ----------------------------------------------------------------------
@@ -275,8 +283,8 @@ class Stream:
         if self._open:
             self._open = False
             self.model.in_flight -= 1
-            if cancel:
-                self.model.scheduler.cancel(self.job)
+            if cancel and self.job.scheduler is not None:
+                self.job.scheduler.cancel(self.job)
 
 
 async def _off_loop(chars: int, work: Callable[..., list[int]], *args: Any) -> list[int]:
@@ -294,10 +302,29 @@ def max_prompt_chars(tokenizer: Tokenizer, max_context: int) -> int:
     return max_context * longest * (1 if tokenizer.normalizer is None else 4)
 
 
-class _MetricHooks(CoreHooks):
-    """Scheduler events → vLLM-named Prometheus metrics (called on the scheduler thread)."""
+class _Totals:
+    """The gauges a model reports once for all its engine replicas: each replica's last iteration, summed."""
 
-    def __init__(self, metrics: Metrics, name: str):
+    def __init__(self, metrics: Metrics, name: str, replicas: int):
+        self.running = metrics.requests_running.labels(name)
+        self.waiting = metrics.requests_waiting.labels(name)
+        self.kv_usage = metrics.kv_cache_usage.labels(name)
+        self.budgets = [1] * replicas
+        self._last = [(0, 0, 0)] * replicas
+
+    def iteration(self, replica: int, running: int, waiting: int, cache_tokens: int) -> None:
+        self._last[replica] = (running, waiting, cache_tokens)  # one list item: safe across replica threads
+        last = list(self._last)
+        self.running.set(sum(r for r, _, _ in last))
+        self.waiting.set(sum(w for _, w, _ in last))
+        self.kv_usage.set(min(1.0, sum(c for _, _, c in last) / sum(self.budgets)))
+
+
+class _MetricHooks(CoreHooks):
+    """An engine replica's events → vLLM-named Prometheus metrics (called on its scheduler thread)."""
+
+    def __init__(self, metrics: Metrics, name: str, totals: _Totals, replica: int):
+        self.totals, self.replica = totals, replica
         self.ttft = metrics.time_to_first_token.labels(name)
         self.itl = metrics.inter_token_latency.labels(name)
         self.e2e = metrics.e2e_latency.labels(name)
@@ -305,10 +332,6 @@ class _MetricHooks(CoreHooks):
         self.prefix_queries = metrics.prefix_cache_queries.labels(name)
         self.prefix_hits = metrics.prefix_cache_hits.labels(name)
         self.generation_tokens = metrics.generation_tokens.labels(name)
-        self.running = metrics.requests_running.labels(name)
-        self.waiting = metrics.requests_waiting.labels(name)
-        self.kv_usage = metrics.kv_cache_usage.labels(name)
-        self.kv_budget = 1  # the core's, once it is built
 
     def token(self, job, now: float) -> None:  # type: ignore[no-untyped-def]
         if job.first_token_at == 0.0:
@@ -326,6 +349,4 @@ class _MetricHooks(CoreHooks):
         self.e2e.observe(now - job.arrived)
 
     def iteration(self, running: int, waiting: int, cache_tokens: int) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(min(1.0, cache_tokens / self.kv_budget))
+        self.totals.iteration(self.replica, running, waiting, cache_tokens)
