@@ -133,12 +133,12 @@ def test_seeds_reproduce_sampling(client):
 
 
 def test_openai_errors_are_openai_shaped(client, server):
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
-        client.completions.create(model=MODEL, prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"'n' must be in \[1, 16\]"):
+        client.completions.create(model=MODEL, prompt=PROMPT, n=17)
     with pytest.raises(openai.BadRequestError, match="context is 1024 tokens"):
         client.completions.create(model=MODEL, prompt="fox " * 2000, max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
-        client.completions.create(model=MODEL, prompt=PROMPT, frequency_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match=r"frequency_penalty must be in \[-2, 2\]"):
+        client.completions.create(model=MODEL, prompt=PROMPT, frequency_penalty=2.5)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)
     with pytest.raises(openai.NotFoundError, match="unknown model"):

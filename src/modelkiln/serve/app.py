@@ -30,7 +30,7 @@ from . import inference_routes
 from .auth import bearer_matches
 from .dataplane import DataPlane, build_dataplane
 from .errors import error_response
-from .generation import generate_routes, openai_routes
+from .generation import generate_routes, openai_routes, tokenize_routes
 from .generation.http import CLIENT_CLOSED
 from .metrics import Metrics
 from .request_watch import RequestWatch
@@ -284,6 +284,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
     # -- text generation: OpenAI completions and Triton's generate extension (serve/generation/) -----
     generate_routes.register(app, plane)
     openai_routes.register(app, plane)
+    tokenize_routes.register(app, plane)
 
     @app.get("/v1/models")
     async def openai_models() -> Response:
