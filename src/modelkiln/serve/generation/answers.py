@@ -1,71 +1,21 @@
-"""What the generation routes need besides the model itself: its vocabulary and grammar compiler
-(built on first use: llguidance reads tokenizer.json in about 0.2 s), the request's settings parsed
-off the event loop when they compile a grammar, and a request's several answers (OpenAI's ``n``, a
-list of prompts) submitted together and read as one stream.
+"""A request's several answers (OpenAI's ``n``, a list of prompts) submitted together and read as
+one stream.
 
-Each answer is its own engine request. The answers to one prompt share its prefill only through
-the engine's prefix cache, which keeps a prompt once its prefill is done: answers admitted in the
-same step each prefill the prompt again."""
+Each answer is its own engine request. The answers to one prompt share its prefill through the
+engine's prefix cache: the core admits a request whose prompt another one is still prefilling
+only once that prompt is in the cache (``generation/core.py``), so the siblings' first tokens come
+from the stored prompt with no computation."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
-import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any
 
-from ...generation.constraints import Grammars
-from ...generation.params import choice_seed, requested_constraint, sampling_params
+from ...generation.params import choice_seed
 from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
-from ...generation.vocabulary import Vocabulary
-from .model import INLINE_CHARS, GenerationModel, Stream
-
-_lock = threading.Lock()
-_grammars: weakref.WeakKeyDictionary[GenerationModel, Grammars] = weakref.WeakKeyDictionary()
-
-
-def grammars(model: GenerationModel) -> Grammars:
-    """The model's grammar compiler and vocabulary, built once (from any thread)."""
-    with _lock:
-        found = _grammars.get(model)
-    if found is None:
-        found = Grammars(Vocabulary(model.tokenizer, model.artifact.eos_ids))
-        with _lock:
-            found = _grammars.setdefault(model, found)
-    return found
-
-
-async def vocabulary(model: GenerationModel) -> Vocabulary:
-    with _lock:
-        found = _grammars.get(model)
-    return found.vocabulary if found is not None else (await asyncio.to_thread(grammars, model)).vocabulary
-
-
-async def request_params(model: GenerationModel, fields: Mapping[str, Any], prompt_tokens: int,
-                         constraint: tuple[str, Any] | None = None) -> SamplingParams:
-    """``fields`` → SamplingParams for ``model``; a grammar is compiled in a thread (a large schema
-    takes tens of milliseconds, which the event loop's other streams should not wait for)."""
-    if constraint is None and requested_constraint(fields) is None and fields.get("logit_bias") is None:
-        return sampling_params(fields, model.defaults, prompt_tokens, model.max_context)
-    return await asyncio.to_thread(lambda: sampling_params(fields, model.defaults, prompt_tokens, model.max_context,
-                                                           grammars(model), constraint))
-
-
-async def chat_ids(model: GenerationModel, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """``model.chat_ids`` with OpenAI's ``tools`` rendered by the chat template too."""
-    if tools is None:
-        return await model.chat_ids(messages)
-    chars = sum(len(m.get("content") or "") for m in messages) + len(json.dumps(tools))
-    model._check_chars(chars)
-    ids = model.chat.ids(messages, tools) if chars <= INLINE_CHARS else await asyncio.to_thread(model.chat.ids,
-                                                                                                 messages, tools)
-    return model._fit(ids)
-
+from .model import GenerationModel, Stream
 
 def with_seed(params: SamplingParams, index: int) -> SamplingParams:
     return params if index == 0 else replace(params, seed=choice_seed(params.seed, index))

@@ -25,7 +25,6 @@ from starlette.responses import Response
 from ...errors import InvalidInputError
 from ...tasks import text_generation as contract
 from ..dataplane import DataPlane
-from .answers import request_params
 from .http import json_body, sse, sse_response, whole_answer
 from .model import GenerationModel, Stream
 
@@ -62,7 +61,7 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         model = plane.generation_model(name, version)
         text, fields = _fields(body)
         ids = await model.prompt_ids(text)
-        params = await request_params(model, fields, len(ids))
+        params = await model.params(fields, len(ids))
         return model, model.generate(ids, params, model.timeout(fields))
 
     @app.post("/v2/models/{name}/generate")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -31,7 +33,9 @@ from ..model import Stats
 from ..settings import ModelSpec, ServeSettings
 from ..types import MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, TensorSpec, request_timeout
 from . import oip
-from ...generation.params import sampling_params
+from ...generation.constraints import Grammars
+from ...generation.params import requested_constraint, sampling_params
+from ...generation.vocabulary import Vocabulary
 from .scheduler import CoreHooks, Job, Scheduler
 
 log = logging.getLogger("modelkiln.serve")
@@ -78,6 +82,8 @@ class GenerationModel:
         self.threads = settings.threads or max(1, cpus // self.instances)
         self.chat = self.artifact.chat_tokens(settings.special_tokens_in_messages)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_context)
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -139,12 +145,14 @@ class GenerationModel:
             raise InvalidInputError(f"a token-id prompt must hold integers in [0, {vocab})")
         return self._fit(ids)
 
-    async def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Messages rendered with the artifact's chat template, their text kept as text
-        (``generation/chat_tokens.py``)."""
-        chars = sum(len(m.get("content") or "") for m in messages)
+    async def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Messages (and OpenAI's ``tools``) rendered with the artifact's chat template, their text kept
+        as text (``generation/chat_tokens.py``)."""
+        chars = sum(len(m.get("content") or "") for m in messages) + (len(json.dumps(tools)) if tools else 0)
         self._check_chars(chars)
-        return self._fit(await _off_loop(chars, self.chat.ids, messages))
+        if tools is None:
+            return self._fit(await _off_loop(chars, self.chat.ids, messages))
+        return self._fit(await _off_loop(chars, self.chat.ids, messages, tools))
 
     def _check_chars(self, chars: int) -> None:
         """A prompt too long for the context by its length alone is refused before it is tokenized."""
@@ -163,8 +171,28 @@ class GenerationModel:
             ids = ids[len(ids) - self.max_context + 1:]
         return ids
 
-    def params(self, fields: Mapping[str, Any], prompt_tokens: int) -> SamplingParams:
-        return sampling_params(fields, self.defaults, prompt_tokens, self.max_context)
+    @property
+    def grammars(self) -> Grammars:
+        """The model's grammar compiler and vocabulary, built on first use (llguidance reads
+        tokenizer.json in about 0.2 s), from any thread."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(Vocabulary(self.tokenizer, self.artifact.eos_ids))
+            return self._grammars
+
+    async def vocabulary(self) -> Vocabulary:
+        return self._grammars.vocabulary if self._grammars is not None else (await asyncio.to_thread(
+            lambda: self.grammars)).vocabulary
+
+    async def params(self, fields: Mapping[str, Any], prompt_tokens: int,
+                     constraint: tuple[str, Any] | None = None) -> SamplingParams:
+        """The request's fields → SamplingParams; a grammar (or logit_bias's vocabulary check) is
+        prepared in a thread: a large schema takes tens of milliseconds the other streams should not
+        wait for. ``constraint``: one the caller derived (a tool call's syntax)."""
+        if constraint is None and requested_constraint(fields) is None and fields.get("logit_bias") is None:
+            return sampling_params(fields, self.defaults, prompt_tokens, self.max_context)
+        return await asyncio.to_thread(lambda: sampling_params(fields, self.defaults, prompt_tokens, self.max_context,
+                                                               self.grammars, constraint))
 
     def timeout(self, parameters: Mapping[str, Any] | None = None) -> float:
         """The server's generation timeout, or less when the request asks."""
@@ -201,7 +229,7 @@ class GenerationModel:
     async def _start_oip(self, request: InferRequest) -> Stream:
         """An OIP request checked and submitted: its deltas (a 4xx or 503 error before any)."""
         ids = await self.prompt_ids(oip.prompt(request))
-        params = self.params(oip.sampling_fields(request.parameters), len(ids))
+        params = await self.params(oip.sampling_fields(request.parameters), len(ids))
         return self.generate(ids, params, self.timeout(request.parameters))
 
     async def infer(self, request: InferRequest) -> InferResponse:

@@ -30,7 +30,7 @@ from ...errors import InvalidInputError
 from ...generation.params import choices
 from ...generation.tool_calls import ToolFormat, parse_tools, template_messages_with_tools, tool_format
 from ..dataplane import DataPlane
-from .answers import Answers, chat_ids, request_params, submit, vocabulary, with_seed
+from .answers import Answers, submit, with_seed
 from .http import json_body, sse, sse_response, whole_answer
 from .model import GenerationModel
 from .openai_choices import ChatChoice, CompletionChoice
@@ -132,7 +132,7 @@ async def _chat_prompt(model: GenerationModel, body: dict[str, Any]) -> _Prompts
         syntax = tool_format(model.artifact.chat_template)
         if tools.constrained:
             constraint = ("lark", syntax.grammar(tools, lambda text: _special_id(model, text)))
-    ids = await chat_ids(model, openai_messages(body.get("messages")), tools.tools if syntax else None)
+    ids = await model.chat_ids(openai_messages(body.get("messages")), tools.tools if syntax else None)
     return _Prompts([None], [ids], syntax, constraint)
 
 
@@ -157,9 +157,9 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         model = plane.generation_model(name)
         n = choices(body, model.settings.max_batch_size)
         prompts = await (_chat_prompt(model, body) if chat else _completion_prompts(model, body, n))
-        params = [await request_params(model, body, len(ids), prompts.constraint) for ids in prompts.ids]
+        params = [await model.params(body, len(ids), prompts.constraint) for ids in prompts.ids]
         streaming = bool(body.get("stream"))
-        vocab = await vocabulary(model) if params[0].logprobs is not None else None
+        vocab = await model.vocabulary() if params[0].logprobs is not None else None
         echo = bool(body.get("echo"))
         writers: dict[int, ChatChoice | CompletionChoice] = {}
         requests = []
