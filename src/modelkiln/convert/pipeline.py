@@ -25,7 +25,8 @@ from ..tasks import Task, TextInput, make_task, task_class
 from . import generation
 from . import source as src
 from . import variants as build
-from .artifact import default_precisions, remove_onnx, versions
+from .artifact import ONNX_ENGINE, TORCH_ENGINE, default_precisions, remove_variant_file, versions
+from .torch_weights import TORCH_PRECISIONS
 from .export import EXTERNAL_DATA_THRESHOLD, OPSET, TaskModule, export_onnx
 from .validate import (DEFAULT_TOLERANCES, Reference, Tolerance, batch_invariance, failure_reason, run_reference,
                        validate)
@@ -51,6 +52,7 @@ class ConvertConfig:
     task: str = "auto"
     precisions: Sequence[str] | None = None  # None: every variant that fits the device
     device: str = "cpu"
+    engine: str = ONNX_ENGINE  # "onnx": ONNX Runtime graphs; "torch": weights for the torch engines
     calibration_texts: Sequence[TextInput] | None = None
     tolerances: dict[str, Tolerance] = field(default_factory=lambda: dict(DEFAULT_TOLERANCES))
     threads: int | None = None
@@ -65,6 +67,12 @@ class ConvertConfig:
     gate_squad: int = 4  # SQuAD question + context chat prompts (and as many perplexity paragraphs)
     generation_gate: dict | None = None  # precision → generation_gate.GateTolerance overrides
     max_model_gb: float | None = None  # fp32 weight size limit; default: a third of the machine's memory
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def default_texts(task: str) -> list[TextInput]:
@@ -143,12 +151,19 @@ class _Builder:
 def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
     """Run a whole conversion. Raises a KilnError subclass with a one-line message on failure."""
     device = cfg.device
-    if device == "cuda" and not cuda_available():
+    if cfg.engine not in (ONNX_ENGINE, TORCH_ENGINE):
+        raise ConversionError(f"unknown engine {cfg.engine!r} (choose from {ONNX_ENGINE}, {TORCH_ENGINE})")
+    if device not in ("cpu", "cuda"):
+        raise ConversionError(f"unknown device {device!r} (choose from cpu, cuda)")
+    if device == "cuda" and cfg.engine == TORCH_ENGINE and not torch_cuda_available():
+        raise ConversionError("--device cuda: torch sees no CUDA device here")
+    if device == "cuda" and cfg.engine == ONNX_ENGINE and not cuda_available():
         raise ConversionError("--device cuda: onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu)")
-    wanted = list(cfg.precisions or default_precisions(cfg.task, device))
-    unknown = [p for p in wanted if p not in PRECISIONS + generation.PRECISIONS]
+    wanted = list(cfg.precisions or default_precisions(cfg.task, device, cfg.engine))
+    known = TORCH_PRECISIONS if cfg.engine == TORCH_ENGINE else PRECISIONS + generation.PRECISIONS
+    unknown = [p for p in wanted if p not in known]
     if unknown:
-        raise ConversionError(f"unknown precision {unknown} (choose from {', '.join(PRECISIONS)}, or all)")
+        raise ConversionError(f"unknown precision {unknown} for --engine {cfg.engine} (choose from {', '.join(known)})")
     if cfg.task not in ("auto", generation.TASK):
         task_class(cfg.task)  # fail fast on a typo, before loading anything
     check_output(Path(cfg.out), cfg.force)
@@ -212,7 +227,7 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
 
         for v in b.variants:
             if v.file and not v.kept:
-                remove_onnx(folder / v.file)
+                remove_variant_file(folder / v.file)
         if not any(v.kept for v in b.variants):
             summary = "; ".join(f"{v.name}: {v.reason}" for v in b.variants)
             raise ValidationFailedError(f"no variant passed validation ({summary})")

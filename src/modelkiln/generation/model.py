@@ -116,7 +116,7 @@ class TextGenerationModel:
                       kind: str | None = None) -> EngineCore:
         o = options or CoreOptions()
         engine = self.engine_for_file(path, EngineOptions(o.threads, o.device, o.max_running, 0, o.keep_logits,
-                                                          o.memory_arena), kind)
+                                                          o.memory_arena, o.batch_invariant, o.kv_budget), kind)
         budget = o.kv_budget or engine.kv_capacity()
         prefix = o.prefix_cache_tokens if o.prefix_cache_tokens is not None else default_prefix_cache(budget)
         engine.use_prefix_cache(prefix)
@@ -131,7 +131,8 @@ class CoreOptions:
     """How a core and its engine run. ``kv_budget``: tokens of KV at most (None: what the engine
     says its device holds); ``prefix_cache_tokens``: None is ``default_prefix_cache`` of that
     budget, 0 none; ``keep_logits``: outputs carry their logits (the gate); ``warm_up``: run the
-    engine once before the first request."""
+    engine once before the first request; ``batch_invariant``: the torch engine's invariant kernels
+    (EngineOptions)."""
 
     threads: int | None = None
     device: str = "cpu"
@@ -143,6 +144,7 @@ class CoreOptions:
     keep_logits: bool = False
     warm_up: bool = False
     memory_arena: bool = True
+    batch_invariant: bool = True
 
 
 # The default prefix cache: 1/8 of the KV budget, at most 2048 tokens. A bound that a busy server reaches
