@@ -119,6 +119,7 @@ def convert(
     quiet_transformers()
 
     from .convert.pipeline import PRECISIONS, ConvertConfig
+    from .convert.torch_weights import TORCH_PRECISIONS
     from .convert.pipeline import convert as run_convert
     from .convert.validate import DEFAULT_TOLERANCES
     from .data import read_text_file
@@ -133,7 +134,10 @@ def convert(
         tolerances["int8"] = replace(tolerances["int8"], min_agreement=int8_min_agreement)
     if fp16_min_cosine is not None:
         tolerances["fp16"] = replace(tolerances["fp16"], min_mean_cosine=fp16_min_cosine)
-    precisions = list(PRECISIONS) if precision.strip() == "all" else split_list(precision)
+    if precision.strip() == "all":
+        precisions = list(TORCH_PRECISIONS if engine == "torch" else PRECISIONS)
+    else:
+        precisions = split_list(precision)
     gate_counts = number_list(gate_prompts, "--gate-prompts")
     if len(gate_counts) != 2:
         raise typer.BadParameter("--gate-prompts takes SHORT,SQUAD, e.g. 8,4")

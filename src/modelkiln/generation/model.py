@@ -82,7 +82,7 @@ class TextGenerationModel:
         """The variant run when none is named: the one the converter chose (the fastest within its
         accuracy budget), else the fastest kept one (artifacts converted before it chose)."""
         name = self.settings.get("default_variant")
-        if name and device == "cpu" and any(v.name == name for v in self.manifest.kept_variants()):
+        if name and any(v.name == name and v.device == device for v in self.manifest.kept_variants()):
             return self.manifest.variant(name)
         return self.manifest.fastest_variant(device)
 
