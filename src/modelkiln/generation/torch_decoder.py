@@ -131,6 +131,8 @@ class TorchDecoder:
         self.lm_head = tensors.pop("lm_head.weight", None)
         self.lm_head = self.embed if self.lm_head is None else self.lm_head.to(dtype)
         self.cos, self.sin = _rotary_tables(config, max_length, device, dtype)
+        first = self.layers[0]
+        kernels.calibrate([first.qkv, first.out, first.gate_up, first.down, self.lm_head])
 
     def _take(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         if name not in tensors:

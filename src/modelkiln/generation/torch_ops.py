@@ -14,9 +14,12 @@ Why PyTorch's own kernels are not batch-invariant (measured with torch 2.13 on a
 
 The invariant forms, the ideas of Thinking Machines' ``batch_invariant_ops`` and vLLM's batch-invariant
 mode written with PyTorch's own kernels:
-- **linear**: every matrix product has the same shape, ``tile`` rows (the last tile padded), so the
-  library takes the same path for every call; within a call a row's result does not depend on its
-  position or neighbours (checked bit for bit on the CPU for every position of a 16-row tile);
+- **linear**: ``calibrate`` asks the machine's library, at load and on the model's own weights,
+  from how many rows on a product gives every row the bits it has alone (at row 0 of a call of that
+  many rows), whatever the row count and the row's position: probed for 1 to 129 rows. Where such a
+  floor exists a product pads to the floor and runs once; where none does (cuBLAS picks tiles and
+  split-K by shape), every product runs in ``tile``-row pieces of one shape, the last padded, so
+  the library takes one path for every call;
 - **RMSNorm's sum of squares** as a fixed-tile product with a column of ones where the device's own
   reduction depends on the row count (CUDA); the CPU's mean is kept (measured invariant);
 - **decode attention** split into fixed blocks of ``SPLIT`` key positions: the scores and the
@@ -38,7 +41,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-TILE_ROWS = {"cpu": 16, "cuda": 64}  # rows of every matrix product in the invariant form
+TILE_ROWS = {"cpu": 16, "cuda": 64}  # rows of every matrix product in the invariant form, without a floor
+FLOORS = (1, 2, 4, 8, 16)  # the row floors ``calibrate`` tries, fewest first
+PROBE_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 129)  # row counts it tries them with
+PROBE_WIDTH = 4096
 SPLIT = 128  # key positions per block of the invariant decode attention
 
 
@@ -54,14 +60,50 @@ class Kernels:
         cuda = device.type == "cuda"
         self.attention = attention or ("sdpa" if cuda or not invariant else "split")
         self.norm = norm or ("ones" if cuda and invariant else "mean")
+        self.floor: int | None = None  # rows from which one product keeps every row's bits (calibrate)
         self._ones: dict[int, torch.Tensor] = {}
+
+    def calibrate(self, weights: list[torch.Tensor]) -> None:
+        """Probe the library's matrix product on ``weights`` (the model's own shapes and dtype):
+        ``floor`` becomes the fewest rows (of FLOORS) from which every row of a call gets the bits it
+        gets alone at row 0 of a ``floor``-row call, for every row count of PROBE_ROWS; with no floor,
+        products run in ``tile``-row pieces, and where a row's bits depend on its position even in
+        a fixed-shape call, one row per call."""
+        if not self.invariant:
+            return
+        if self.norm == "ones":
+            weights = [*weights, self._ones_row(weights[0].shape[1], weights[0].device)]
+        # at most PROBE_WIDTH output columns of each (the LM head's 49k would take seconds): the row
+        # count and the reduction length, which decide the path, are the model's own
+        weights = [w[:PROBE_WIDTH] for w in weights]
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        rows = max(PROBE_ROWS) + max(FLOORS, default=1) + self.tile
+        probes = [torch.randn(rows, w.shape[1], generator=generator).to(w.device, w.dtype) for w in weights]
+        for floor in FLOORS:
+            if all(_steady(x, w, floor) for x, w in zip(probes, weights)):
+                self.floor = floor
+                return
+        self.floor = None
+        if not all(_position_free(x, w, self.tile) for x, w in zip(probes, weights)):
+            self.tile = 1
+
+    def describe(self) -> str:
+        if not self.invariant:
+            return "PyTorch's kernels as they come"
+        product = f"one call of at least {self.floor} rows" if self.floor else f"{self.tile}-row tiles"
+        return f"matrix products: {product}; decode attention: {self.attention}; RMSNorm: {self.norm}"
 
     # -- linear layers ---------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] · weightᵀ [in, out] (+ bias)."""
         if not self.invariant:
             return F.linear(x, weight, bias)
-        rows, tile = x.shape[0], self.tile
+        rows = x.shape[0]
+        if self.floor is not None:
+            if rows >= self.floor:
+                return F.linear(x, weight, bias)
+            return F.linear(F.pad(x, (0, 0, 0, self.floor - rows)), weight, bias)[:rows]
+        tile = self.tile
         padded = -(-rows // tile) * tile
         if padded != rows:
             x = F.pad(x, (0, 0, 0, padded - rows))
@@ -80,13 +122,16 @@ class Kernels:
         x32 = x.float()
         if self.norm == "ones":
             width = x32.shape[-1]
-            ones = self._ones.get(width)
-            if ones is None:
-                ones = self._ones[width] = torch.ones(1, width, dtype=torch.float32, device=x.device)
-            variance = self.linear(x32 * x32, ones) / width
+            variance = self.linear(x32 * x32, self._ones_row(width, x.device)) / width
         else:
             variance = x32.pow(2).mean(-1, keepdim=True)
         return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+    def _ones_row(self, width: int, device: torch.device) -> torch.Tensor:
+        ones = self._ones.get(width)
+        if ones is None:
+            ones = self._ones[width] = torch.ones(1, width, dtype=torch.float32, device=device)
+        return ones
 
     # -- attention -------------------------------------------------------------------------------------
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -127,6 +172,44 @@ class Kernels:
         mask = visible.repeat(groups, 1)[None, None]
         out = F.scaled_dot_product_attention(grouped, keys[None], values[None], attn_mask=mask)
         return out.view(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3).reshape(n, heads, head_dim)
+
+
+def _steady(x: torch.Tensor, weight: torch.Tensor, floor: int) -> bool:
+    """Whether ``F.linear`` gives row i of every M-row call (M from PROBE_ROWS, at least ``floor``)
+    the bits row i gets at row 0 of a ``floor``-row call whose other rows are something else. Row
+    counts go up: the first difference ends the probe."""
+    filler = x[len(x) - floor + 1:] if floor > 1 else x[:0]
+    alone: dict[int, torch.Tensor] = {}
+    for rows in (m for m in PROBE_ROWS if m >= floor):
+        together = F.linear(x[:rows], weight)
+        for i in _probed_rows(rows):
+            if i not in alone:
+                alone[i] = F.linear(torch.cat([x[i:i + 1], filler]), weight)[0]
+            if not torch.equal(together[i], alone[i]):
+                return False
+    return True
+
+
+def _probed_rows(rows: int) -> list[int]:
+    """The rows a probe compares: the first ones, those around power-of-two boundaries (where kernels
+    split rows between blocks and threads), the middle and the last ones."""
+    picked = {0, 1, 2, 3, rows // 2, rows - 2, rows - 1}
+    edge = 4
+    while edge < rows:
+        picked |= {edge - 1, edge}
+        edge *= 2
+    return sorted(i for i in picked if 0 <= i < rows)
+
+
+def _position_free(x: torch.Tensor, weight: torch.Tensor, tile: int) -> bool:
+    """Whether a ``tile``-row call gives a row the same bits at every position."""
+    first = F.linear(x[:tile], weight)[0]
+    for position in range(1, tile):
+        moved = x[tile:2 * tile].clone()
+        moved[position] = x[0]
+        if not torch.equal(F.linear(moved, weight)[position], first):
+            return False
+    return True
 
 
 def _split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
