@@ -194,9 +194,9 @@ class TorchEngine:
             raise InvalidInputError(f"sequence {start.seq!r} is already in the engine")
         if start.restore:
             raise KilnError("this engine has no prefix cache")
-        if len(start.prompt_ids) >= self.max_length:
-            raise InvalidInputError(f"{len(start.prompt_ids)} prompt tokens leave no room in the engine's "
-                                    f"{self.max_length}-token rows")
+        if len(start.prompt_ids) > self.max_context:
+            raise InvalidInputError(f"{len(start.prompt_ids)} prompt tokens exceed the engine's context of "
+                                    f"{self.max_context} tokens")
         if not self._free:
             raise KilnError(f"no free slot: the engine runs {self.max_rows} sequences at most")
         slot = self._free.pop(0)
@@ -267,7 +267,7 @@ class TorchEngine:
         if chunk.keep_logits:
             result.prompt_logits[chunk.seq] = logits.cpu().numpy()
         if chunk.targets is not None:
-            top = self.sampler._slots[self._sequences[chunk.seq].slot].params.prompt_logprobs or 0
+            top = self.sampler.params(self._sequences[chunk.seq].slot).prompt_logprobs or 0
             targets = list(chunk.targets) + [0] * (len(chunk.token_ids) - len(chunk.targets))
             scored = token_logprobs(logits, targets, [top] * len(targets))
             result.prompt_logprobs[chunk.seq] = scored[:len(chunk.targets)]

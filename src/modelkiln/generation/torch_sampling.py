@@ -70,6 +70,9 @@ class DeviceSampler:
     def leave(self, slot: int) -> None:
         self._slots.pop(slot, None)
 
+    def params(self, slot: int) -> SamplingParams:
+        return self._slots[slot].params
+
     # -- choosing --------------------------------------------------------------------------------
     def choose(self, slots: Sequence[int], logits: torch.Tensor, masks: Sequence[np.ndarray | None]) -> Choice:
         """One token per row: ``logits`` [rows, vocab] (the model's, fp32) of the sequences in ``slots``;
