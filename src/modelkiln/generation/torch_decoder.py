@@ -148,12 +148,12 @@ class TorchDecoder:
                 return None
             return torch.cat([self._take(tensors, k) for k in keys])
 
+        qkv, gate_up = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]
         return _Layer(self._take(tensors, p + "input_layernorm.weight"),
-                      cat(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "weight"),  # type: ignore[arg-type]
-                      cat(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "bias"),
+                      cat(qkv, "weight"), cat(qkv, "bias"),  # type: ignore[arg-type]
                       self._take(tensors, p + "self_attn.o_proj.weight"), cat(["self_attn.o_proj"], "bias"),
                       self._take(tensors, p + "post_attention_layernorm.weight"),
-                      cat(["mlp.gate_proj", "mlp.up_proj"], "weight"), cat(["mlp.gate_proj", "mlp.up_proj"], "bias"),  # type: ignore[arg-type]
+                      cat(gate_up, "weight"), cat(gate_up, "bias"),  # type: ignore[arg-type]
                       self._take(tensors, p + "mlp.down_proj.weight"), cat(["mlp.down_proj"], "bias"),
                       self.config.windows[i])
 

@@ -235,9 +235,9 @@ class TorchEngine:
         positions = [s.length for s in states]
         slots = [s.slot for s in states]
         longest = max(positions, default=0) + 1
-        if not chunks and self.graphs is not None and self.graphs.covers(len(decode), longest):
-            return self.graphs.run(ids, positions, slots, longest), {seq: (i, 1) for i, seq in enumerate(decode)}  # type: ignore[arg-type]
         rows = {seq: (i, 1) for i, seq in enumerate(decode)}
+        if not chunks and self.graphs is not None and self.graphs.covers(len(decode), longest):
+            return self.graphs.run(ids, positions, slots, longest), rows  # type: ignore[arg-type]
         select = list(range(len(decode)))
         packed = []
         for chunk in chunks:

@@ -109,9 +109,11 @@ class DeviceSampler:
             self.counts[index[kept_index], chosen_tokens] += 1.0
         for r in kept:
             states[r].position += 1
-        wanted = [(r, params[r].logprobs) for r in kept if params[r].logprobs is not None]
-        logprobs = dict(zip([r for r, _ in wanted], token_logprobs(logits[[r for r, _ in wanted]], [host[r] for r, _ in wanted],
-                                                                   [k for _, k in wanted]))) if wanted else {}
+        asking = [r for r in kept if params[r].logprobs is not None]
+        logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}
+        if asking:
+            found = token_logprobs(logits[asking], [host[r] for r in asking], [params[r].logprobs or 0 for r in asking])
+            logprobs = dict(zip(asking, found))
         return Choice(host, errors, logprobs)
 
     def _processed(self, logits: torch.Tensor, index: torch.Tensor, params: list[SamplingParams],
@@ -141,7 +143,8 @@ class DeviceSampler:
             if mask is not None:
                 packed[r] = 0
                 packed[r, :min(words, mask.shape[-1])] = mask[:words]
-        bits = torch.from_numpy(packed).to(self.device).unsqueeze(-1) >> torch.arange(32, device=self.device, dtype=torch.int32)
+        shifts = torch.arange(32, device=self.device, dtype=torch.int32)
+        bits = torch.from_numpy(packed).to(self.device).unsqueeze(-1) >> shifts
         return (bits & 1).bool().view(len(masks), words * 32)[:, :self.vocab]
 
     def _allowed(self, masks: Sequence[np.ndarray | None], tokens: torch.Tensor) -> torch.Tensor | None:
@@ -149,7 +152,8 @@ class DeviceSampler:
             return None
         return self._mask_rows(masks).gather(1, tokens[:, None])[:, 0]
 
-    def _draw(self, scores: torch.Tensor, params: list[SamplingParams], draws: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def _draw(self, scores: torch.Tensor, params: list[SamplingParams],
+              draws: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """TokenChooser._draw for several rows: (tokens, rows whose settings gave no probabilities).
         Rows whose best score is not finite are left to ``_fallback_rows``."""
         scores = scores.double()
@@ -192,7 +196,8 @@ class DeviceSampler:
             tokens[r] = int(top[min(int(u * len(top)), len(top) - 1)])
 
 
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
+                   tops: Sequence[int]) -> list[tuple[float, list[tuple[int, float]]]]:
     """``sampling.token_logprobs`` for several rows: the model's log-probability of each row's token
     and its ``top`` most likely tokens with theirs (most likely first, ties by token id), in float64."""
     logprobs = torch.log_softmax(logits.double(), dim=-1)

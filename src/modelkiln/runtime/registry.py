@@ -44,7 +44,8 @@ def _open_onnx(folder: Path, manifest: Manifest, variant: Variant, threads: int 
                keep_hidden: bool) -> Engine:
     from .onnx import OnnxEngine
 
-    return OnnxEngine(folder / variant.file, device=variant.device, threads=threads, label=variant.name,  # type: ignore[operator]
+    assert variant.file is not None
+    return OnnxEngine(folder / variant.file, device=variant.device, threads=threads, label=variant.name,
                       memory_arena=memory_arena)
 
 
@@ -52,7 +53,8 @@ def _open_torch(folder: Path, manifest: Manifest, variant: Variant, threads: int
                 keep_hidden: bool) -> Engine:
     from .torch_encoder import TorchEncoderEngine  # noqa: PLC0415 - torch only for this engine
 
-    return TorchEncoderEngine(folder, manifest, folder / variant.file, device=variant.device, threads=threads,  # type: ignore[operator]
+    assert variant.file is not None
+    return TorchEncoderEngine(folder, manifest, folder / variant.file, device=variant.device, threads=threads,
                               label=variant.name, keep_hidden=keep_hidden)
 
 

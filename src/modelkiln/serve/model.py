@@ -207,7 +207,7 @@ class EncoderModel(BatchHooks):
 
     def metadata(self) -> ModelMetadata:
         return ModelMetadata(
-            name=self.name, versions=(self.version,), platform=_platform(self.variant.engine),
+            name=self.name, versions=(self.version,), platform=platform_of(self.variant.engine),
             inputs=self.input_specs(), outputs=self.output_specs(),
             parameters={"task": self.task.name, "variant": self.variant.name, "max_length": self.manifest.max_length,
                         "tokenized_inputs": list(self.manifest.input_names)})
@@ -326,6 +326,6 @@ class EncoderModel(BatchHooks):
         return list(self.engine.output_names)
 
 
-def _platform(engine: str | None) -> str:
+def platform_of(engine: str | None) -> str:
     """Triton's platform name for the variant's engine (model metadata)."""
     return "pytorch" if engine == "torch" else "onnxruntime_onnx"
