@@ -35,6 +35,8 @@ DEFAULT_GATE = {
     "int8": GateTolerance(max_ppl_increase=0.03, all_greedy=False),
     "int4": GateTolerance(max_ppl_increase=0.03, all_greedy=False),
     "fp16": GateTolerance(max_ppl_increase=0.01, all_greedy=False),
+    # bf16 keeps 8 significant bits (fp16 11): the torch engine's half-precision variant on CUDA
+    "bf16": GateTolerance(max_ppl_increase=0.02, all_greedy=False),
 }
 
 

@@ -39,12 +39,11 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..errors import InvalidInputError, KilnError, OverloadedError, RequestTimeoutError
-from .plan import Chunk, Engine, SeqStart, StepPlan, StepResult
+from .plan import DEFAULT_MAX_RUNNING, Chunk, Engine, SeqStart, StepPlan, StepResult
 from .sampling import SamplingParams
 from .sequence import Delta, SequenceState
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step: a running stream's gap grows by one chunk's time
-DEFAULT_MAX_RUNNING = 32
 DEFAULT_MAX_WAITING = 1024  # requests waiting for a row before new ones are refused at once
 DEFAULT_TIMEOUT_S = 600.0  # a request's time, waiting and generating
 

@@ -29,7 +29,7 @@ from ...generation.sequence import Delta
 from ...tasks import text_generation as contract
 from ..json_api import PredictRequest, PredictResponse
 from ..metrics import Metrics
-from ..model import Stats
+from ..model import Stats, platform_of
 from ..settings import ModelSpec, ServeSettings
 from ..types import MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, TensorSpec, request_timeout
 from . import oip
@@ -220,7 +220,8 @@ class GenerationModel:
     # -- what the data plane calls (served.ServedModel) ---------------------------------------------
     def metadata(self) -> ModelMetadata:
         return ModelMetadata(
-            name=self.name, versions=(self.version,), platform="onnxruntime_onnx", inputs=self.input_specs(),
+            name=self.name, versions=(self.version,), platform=platform_of(self.variant.engine),
+            inputs=self.input_specs(),
             outputs=self.output_specs(), parameters={"task": self.task.name, "variant": self.variant.name,
                                                      "max_context": self.max_context,
                                                      "kv_tokens": self.kv_budget if self.ready else None,
