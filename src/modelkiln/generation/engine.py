@@ -5,9 +5,9 @@ the torch export (convert/decoder_export.py). Both answer the calls the engine c
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from ..cpus import available_cpus
 from . import graph_io as io
 from .core import DEFAULT_MAX_RUNNING, Engine
 from .decoder import DecoderSession, open_session
@@ -28,6 +28,6 @@ def open_engine(path: Path | str, *, heads: int, max_context: int | None, thread
     prompt-prefix KV kept for the prompts that follow (serving graph only; 0: none)."""
     session = open_session(path, device, threads, memory_arena)
     if graph_kind(session) == io.SERVING_GRAPH:
-        return ServingEngine(session, heads=heads, threads=threads or os.cpu_count() or 1,
+        return ServingEngine(session, heads=heads, threads=threads or available_cpus().count,
                              max_context=max_context, max_rows=max_rows, prefix_cache_tokens=prefix_cache_tokens)
     return PaddedEngine(DecoderSession(path, device=device, session=session), max_context)

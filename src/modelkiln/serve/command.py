@@ -73,7 +73,18 @@ def serve(
     settings = settings.with_models(specs)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_server(settings)
+    run_server(with_cpu_budget(settings))
+
+
+def with_cpu_budget(settings: Any) -> Any:
+    """The settings with ``cpus`` set to the CPUs this server sizes its threads from (its affinity
+    mask, its cgroup quota, or less when ``--cpus`` says so; more is refused), said on stderr."""
+    from ..cpus import cpu_budget
+    from .settings import cli_flag
+
+    budget = cpu_budget(settings.cpus, cli_flag("cpus"))
+    print(f"CPU budget: {budget}", file=sys.stderr, flush=True)
+    return settings.replace(cpus=budget.count)
 
 
 class ServeCommand(DerivedOptionsCommand):

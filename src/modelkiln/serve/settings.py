@@ -25,6 +25,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
+from ..cpus import available_cpus
 from ..errors import KilnError
 
 ENV_PREFIX = "KILN_"
@@ -67,10 +68,10 @@ class ServeSettings(BaseModel):
     device: Literal["cpu", "cuda"] = setting("cpu", "cpu or cuda.")
     variant: Optional[str] = setting(None, "Variant for every model given without one: int8, fp32, ...",
                                      sweep="kept", shown_default="fastest kept for the device")
-    # A server sharing its host (a Ray replica given N CPUs, a container with a CPU quota) sizes
-    # its engine threads from its share, not from the host's core count.
-    cpus: Optional[int] = setting(None, "CPU cores this server may use; engine threads are sized from it.", ge=1,
-                                  shown_default="the host's cores")
+    # A server sharing its host (a Ray replica given N CPUs, a process pinned with taskset, a
+    # container with a CPU quota) sizes its engine threads from its share (``modelkiln.cpus``).
+    cpus: Optional[int] = setting(None, "CPUs this server may use (at most what it may run on); engine threads are "
+                                        "sized from it.", ge=1, shown_default="its affinity mask or cgroup quota")
     threads: Optional[int] = setting(None, "onnxruntime intra-op threads per instance.", sweep="auto", ge=1,
                                      shown_default="cpus / instances")
     instances: Optional[int] = setting(None, "Engine sessions per model running batches in parallel.",
@@ -151,7 +152,7 @@ class ServeSettings(BaseModel):
         (measured: 541 vs 430 sentences/s at batch 8; onnxruntime's pool threads also spin between
         ops and starve the event loop). A lone request on an idle server, though, leaves a core
         unused that way; a third session using every core runs it (3.1 → 2.2 ms at batch 1)."""
-        cpus = self.cpus or os.cpu_count() or 1
+        cpus = self.cpus or available_cpus().count
         instances = self.instances or (1 if self.device != "cpu" else min(2, cpus))
         threads = self.threads or max(1, cpus // instances)
         alone = cpus if self.alone_threads is None else self.alone_threads

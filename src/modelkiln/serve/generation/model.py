@@ -19,6 +19,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from ...cpus import available_cpus
 from ...errors import InvalidInputError
 from ...generation.chat_tokens import encode
 from ...generation.core import EngineCore
@@ -81,7 +82,7 @@ class GenerationModel:
         # One engine (one scheduler batches every stream) using every CPU this server may use: `--cpus`
         # under Ray sizes it from the replica's reservation, not from the host's cores.
         self.instances = 1
-        self.threads = settings.threads or settings.cpus or os.cpu_count() or 1
+        self.threads = settings.threads or settings.cpus or available_cpus().count
         self.chat = self.artifact.chat_tokens(settings.special_tokens_in_messages)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_context)
 
