@@ -141,3 +141,15 @@ def test_bench_threads_default_to_the_budget(zoo, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     machine = json.loads(out.read_text())["machine"]
     assert machine["threads"] == 1 and machine["cores"] == 1
+
+
+def test_default_layout_two_thread_sessions_and_a_worker_per_four_cpus():
+    assert ServeSettings(cpus=2).engine_layout() == (2, 1, 2)  # as before on 2 cores
+    assert ServeSettings(cpus=3).engine_layout() == (3, 1, 3)
+    assert ServeSettings(cpus=4).engine_layout() == (2, 2, 4)
+    assert ServeSettings(cpus=16).engine_layout() == (8, 2, 16)
+    assert ServeSettings(cpus=16, threads=1).engine_layout()[:2] == (16, 1)
+    assert ServeSettings(cpus=16, instances=4).engine_layout()[:2] == (4, 4)
+    assert [ServeSettings(cpus=c).worker_count(generation=False) for c in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 16]
+    assert ServeSettings(cpus=16).worker_count(generation=True) == 1
+    assert ServeSettings(cpus=2, workers=2).worker_count(generation=False) == 2

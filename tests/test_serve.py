@@ -35,6 +35,7 @@ class Server:
                  timeout: float = 60.0, cwd: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
         full_env = {**os.environ, "KILN_THREADS": "1", "KILN_PORT": str(self.port), **(env or {})}
         self.proc = subprocess.Popen([sys.executable, *python_flags, "-m", "modelkiln", "serve", *args],
                                      env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)

@@ -239,7 +239,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
     @app.get("/v2/models/{name}/stats")
     @app.get("/v2/models/{name}/versions/{version}/stats")
     async def model_stats(name: str | None = None, version: str | None = None) -> Response:
-        return json_response({"model_stats": [stats_json(s) for s in plane.model_statistics(name, version)]})
+        return json_response({"model_stats": [stats_json(s) for s in await plane.model_statistics(name, version)]})
 
     @app.get("/v2/models/{name}")
     @app.get("/v2/models/{name}/versions/{version}")
@@ -262,7 +262,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
         ready = options.get("ready", False) if isinstance(options, dict) else None
         if not isinstance(ready, bool):
             raise InvalidInputError('the index request body must be {} or {"ready": true|false}')
-        return json_response([asdict(e) for e in plane.repository_index(ready_only=ready)])
+        return json_response([asdict(e) for e in await plane.repository_index(ready_only=ready)])
 
     @app.post("/v2/repository/models/{name}/load")
     async def repository_load(name: str) -> Response:
@@ -276,8 +276,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        for model in plane.models.values():
-            metrics.queued.labels(model.name).set(model.queued)
+        plane.publish_queue_gauges()
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 

@@ -44,9 +44,16 @@ class Repository(Protocol):
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
-    def index(self, ready_only: bool = False) -> list[RepositoryModel]: ...
+    async def index(self, ready_only: bool = False) -> list[RepositoryModel]: ...
     async def load(self, name: str) -> None: ...
     async def unload(self, name: str) -> None: ...
+
+
+class Peers(Protocol):
+    """The worker processes of ``kiln serve --workers N`` (this one included), through their
+    supervisor (``workers.SupervisorLink``)."""
+
+    async def statistics(self, name: str | None, version: str | None) -> list[ModelStatistics]: ...
 
 
 def build_dataplane(settings: ServeSettings, metrics: Metrics | None = None,
@@ -87,6 +94,7 @@ class DataPlane:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.repository: Repository | None = None  # build_dataplane sets it (load/unload/poll)
+        self.peers: Peers | None = None  # the other workers of ``kiln serve --workers N`` (workers.py)
 
     async def start(self) -> None:
         """Background work that needs the event loop (poll mode's repository scans)."""
@@ -96,6 +104,12 @@ class DataPlane:
     async def close(self) -> None:
         if self.repository is not None:
             await self.repository.close()
+
+    def publish_queue_gauges(self) -> None:
+        """Set each model's ``kiln_queue_inputs`` to its queue now (before /metrics is rendered;
+        a worker of ``--workers N`` also every ``workers.GAUGE_REFRESH_S``, for the others' renders)."""
+        for model in self.models.values():
+            self.metrics.queued.labels(model.name).set(model.queued)
 
     def stop(self) -> None:
         """Drain every model's queue, then end its engine threads (at shutdown)."""
@@ -154,7 +168,13 @@ class DataPlane:
     def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
         return self.model(name, version, need_ready=False).metadata()
 
-    def model_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
+    async def model_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
+        """This process's statistics, or, in a worker of ``--workers N``, every worker's added up."""
+        if self.peers is not None:
+            return await self.peers.statistics(name, version)
+        return self.local_statistics(name, version)
+
+    def local_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
         models = [self.model(name, version, need_ready=False)] if name else list(self.models.values())
         out = []
         for m in models:
@@ -168,9 +188,9 @@ class DataPlane:
 
     # -- Triton's model repository extension --------------------------------------------------------
     # (serve/repository.py: modes, and how a load or unload leaves other requests alone)
-    def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
+    async def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
         if self.repository is not None:
-            return self.repository.index(ready_only)
+            return await self.repository.index(ready_only)
         index = [RepositoryModel(m.name, m.version, "READY" if m.ready else "UNAVAILABLE",
                                  "" if m.ready else "not loaded yet") for m in self.models.values()]
         return [e for e in index if e.state == "READY"] if ready_only else index

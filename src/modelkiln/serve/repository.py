@@ -143,8 +143,11 @@ class ModelRepository:
             self._poller = None
 
     # -- the repository extension -----------------------------------------------------------------
-    def index(self, ready_only: bool = False) -> list[RepositoryModel]:
+    async def index(self, ready_only: bool = False) -> list[RepositoryModel]:
         """Every served model, and every repository folder not loaded (UNAVAILABLE, with why)."""
+        return await asyncio.to_thread(self._index, ready_only)  # reads the folder: off the event loop
+
+    def _index(self, ready_only: bool) -> list[RepositoryModel]:
         assert self.models is not None
         served = self.models.served()
         entries = {name: RepositoryModel(name, MODEL_VERSION, "READY" if ready else "UNAVAILABLE",
