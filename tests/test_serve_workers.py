@@ -29,11 +29,11 @@ from test_serve import Server
 
 
 def worker_pids(pid: int) -> list[int]:
-    """The worker processes of a server (multiprocessing's spawned children, not its resource tracker)."""
+    """The worker processes of a server."""
     children = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         children += [int(c) for c in (task / "children").read_text().split()]
-    return sorted(c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace"))
+    return sorted(c for c in children if "worker_main" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace"))
 
 
 def worker_of(response: httpx.Response) -> str:

@@ -124,10 +124,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", required=True, type=Path)
     ap.add_argument("--concurrency", default="1,16")
-    ap.add_argument("--duration", type=int, default=10)
+    ap.add_argument("--duration", type=int, default=10, help="seconds per window")
     ap.add_argument("--rounds", type=int, default=3, help="fresh servers, one after another")
+    ap.add_argument("--pairs", type=int, default=1, help="windows per concurrency and round (alternating servers)")
     ap.add_argument("--server-args", default="", help="extra kiln serve flags")
     ap.add_argument("--prefix", default="", help="a command the server runs under, e.g. 'taskset -c 0'")
+    ap.add_argument("--baseline-src", type=Path,
+                    help="also serve from this source tree (a worktree of the commit to compare with: its src/ is "
+                         "put first on PYTHONPATH), the two servers measured in alternating windows, so that load "
+                         "elsewhere on the machine falls on both alike")
+    ap.add_argument("--baseline-args", help="a baseline server with these kiln serve flags instead (e.g. --workers 1)")
+    ap.add_argument("--baseline-prefix", help="a baseline server run under this command instead")
     ap.add_argument("--label", default="")
     ap.add_argument("--trivial-model", action="store_true", help="serve a copy whose model costs next to nothing")
     ap.add_argument("--json", type=Path)
@@ -139,32 +146,64 @@ def main() -> None:
     artifact = args.artifact.resolve()
     if args.trivial_model:
         artifact = trivial_copy(artifact, Path(tempfile.mkdtemp()))
+    kinds = [(args.label or "this tree", shlex.split(args.prefix), shlex.split(args.server_args))]
+    compared = args.baseline_src or args.baseline_args is not None or args.baseline_prefix is not None
+    if compared:
+        source = ["env", f"PYTHONPATH={args.baseline_src.resolve() / 'src'}"] if args.baseline_src else []
+        prefix = args.prefix if args.baseline_prefix is None else args.baseline_prefix
+        server_args = args.server_args if args.baseline_args is None else args.baseline_args
+        kinds.append(("baseline", [*source, *shlex.split(prefix)], shlex.split(server_args)))
     rows = []
     for r in range(args.rounds):
-        with ServeProcess(artifact, "bench", {}, extra_args=shlex.split(args.server_args),
-                          prefix=shlex.split(args.prefix)) as server:
-            run_wrk(server.url, script, 16, 3, 2)  # warm-up
+        servers = [(label, ServeProcess(artifact, "bench", {}, extra_args=extra, prefix=prefix))
+                   for label, prefix, extra in kinds]
+        try:
+            for _, server in servers:
+                run_wrk(server.url, script, 16, 3, 2)  # warm-up
             for c in (int(x) for x in args.concurrency.split(",")):
-                row = measure(server.url, server.proc.pid, script, c, args.duration)
-                rows.append({"round": r + 1, **row})
-                print(f"{args.label} round {r + 1} c={c}: {row['rps']:.0f} req/s, p50 {row['p50_ms']:.2f} ms; "
-                      f"CPU/request {row['cpu_us']:.0f} us = loop {row['loop_us']:.0f} + engine threads "
-                      f"{row['engine_us']:.0f} + other {row['other_us']:.0f}; model {row['model_us']:.0f}, "
-                      f"front {row['front_us']:.0f}", flush=True)
-    print(f"\nmedians over {args.rounds} rounds ({args.label or 'default'}; load average "
+                for pair in range(args.pairs):
+                    for label, server in (servers if (r + pair) % 2 == 0 else servers[::-1]):
+                        row = {"round": r + 1, "pair": pair, "server": label,
+                               **measure(server.url, server.proc.pid, script, c, args.duration)}
+                        rows.append(row)
+                        print(f"{label} round {r + 1} c={c}: {row['rps']:.0f} req/s, p50 {row['p50_ms']:.2f} ms; "
+                              f"CPU/request {row['cpu_us']:.0f} us = loop {row['loop_us']:.0f} + other threads "
+                              f"{row['engine_us'] + row['other_us']:.0f}; model {row['model_us']:.0f}, "
+                              f"front {row['front_us']:.0f}", flush=True)
+        finally:
+            for _, server in servers:
+                server.stop()
+    print(f"\nmedians over {args.rounds} rounds x {args.pairs} windows (load average "
           f"{Path('/proc/loadavg').read_text().split()[0]} after)")
-    print("| concurrency | req/s | p50 ms | CPU us/req | loop | engine threads | model | front |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| server | concurrency | req/s | p50 ms | CPU us/req | loop | other threads | model | front |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     summary = []
-    for c in sorted({row["concurrency"] for row in rows}):
-        same = [row for row in rows if row["concurrency"] == c]
-        med = {k: statistics.median(row[k] for row in same) for k in same[0] if k not in ("round", "concurrency")}
-        summary.append({"concurrency": c, **med})
-        print(f"| {c} | {med['rps']:.0f} | {med['p50_ms']:.2f} | {med['cpu_us']:.0f} | {med['loop_us']:.0f} "
-              f"| {med['engine_us']:.0f} | {med['model_us']:.0f} | {med['front_us']:.0f} |")
+    for label, _, _ in kinds:
+        for c in sorted({row["concurrency"] for row in rows}):
+            same = [row for row in rows if row["concurrency"] == c and row["server"] == label]
+            med = {k: statistics.median(row[k] for row in same) for k in same[0]
+                   if k not in ("round", "pair", "server", "concurrency")}
+            summary.append({"server": label, "concurrency": c, **med})
+            print(f"| {label} | {c} | {med['rps']:.0f} | {med['p50_ms']:.2f} | {med['cpu_us']:.0f} | {med['loop_us']:.0f} "
+                  f"| {med['engine_us'] + med['other_us']:.0f} | {med['model_us']:.0f} | {med['front_us']:.0f} |")
+    if compared:
+        print("\npaired windows, this tree / baseline (median ratio):")
+        for c in sorted({row["concurrency"] for row in rows}):
+            pairs = {}
+            for row in rows:
+                if row["concurrency"] == c:
+                    pairs.setdefault((row["round"], row["pair"]), {})[row["server"]] = row
+            both = [p for p in pairs.values() if len(p) == 2]
+            ratio = {k: statistics.median(p[kinds[0][0]][k] / p["baseline"][k] for p in both)
+                     for k in ("rps", "p50_ms", "cpu_us", "loop_us")}
+            print(f"c={c}: req/s x{ratio['rps']:.3f}, p50 x{ratio['p50_ms']:.3f}, CPU/request x{ratio['cpu_us']:.3f}, "
+                  f"loop CPU/request x{ratio['loop_us']:.3f} ({len(both)} pairs)")
     if args.json:
         args.json.write_text(json.dumps({"label": args.label, "server_args": args.server_args, "prefix": args.prefix,
-                                         "rows": rows, "median": summary}, indent=2) + "\n")
+                                         "baseline_src": str(args.baseline_src or ""),
+                                         "baseline_args": args.baseline_args, "baseline_prefix": args.baseline_prefix,
+                                         "rows": rows,
+                                         "median": summary}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ become responses in one place (``errors.error_response``)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -42,6 +43,8 @@ access = logging.getLogger("modelkiln.serve.access")
 
 JSON = "application/json"
 PUBLIC_PREFIX = "/v2/health/"  # the only routes that need no API key (probes)
+TIMED_ROUTES = frozenset(("infer", "predict", "embeddings", "completions", "chat_completions", "generate",
+                          "generate_stream"))  # in kiln_request_duration_seconds
 OPENAI_PREFIX = "/v1/"  # errors in OpenAI's shape
 
 
@@ -104,6 +107,12 @@ class Gate:
         self.access_log = access_log
         self.ids = RequestIds()
         self.watch = watch
+        # prometheus_client's ``labels(...)`` validates and hashes its arguments on every call: keep
+        # the labelled children (bounded: model names come from request paths)
+        self._requests_child = functools.lru_cache(maxsize=1024)(
+            lambda model, route, status: metrics.requests.labels(model, route, str(status), "http"))
+        self._seconds_child = functools.lru_cache(maxsize=256)(
+            lambda model, route: metrics.request_seconds.labels(model, route, "http"))
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -153,10 +162,9 @@ class Gate:
         seconds = time.perf_counter() - started
         model, route = route_of(path)
         model = answered_by or model
-        self.metrics.requests.labels(model, route, str(status), "http").inc()
-        if route in ("infer", "predict", "embeddings", "completions", "chat_completions", "generate",
-                     "generate_stream"):
-            self.metrics.request_seconds.labels(model, route, "http").observe(seconds)
+        self._requests_child(model, route, status).inc()
+        if route in TIMED_ROUTES:
+            self._seconds_child(model, route).observe(seconds)
         if self.access_log:
             access.info("%s %s %s %d %.1fms", request_id, scope["method"], path, status, seconds * 1000)
 

@@ -14,19 +14,14 @@ from .settings import ServeSettings
 def serve_http(app: Any, settings: ServeSettings, sockets: list[socket.socket] | None = None,
                on_server: Callable[[Any], None] | None = None) -> None:
     """Serve ``app`` until SIGTERM or SIGINT (a drained stop exits 0), on ``settings.host:port``
-    or on ``sockets`` already bound (a worker's; SIGINT is then its supervisor's to turn into a
-    SIGTERM). ``on_server``: given the uvicorn server before it starts (a worker stops it when its
-    supervisor is gone)."""
+    or on ``sockets`` already bound (a worker's). ``on_server``: given the uvicorn server before
+    it starts (a worker stops it when its supervisor is gone)."""
     import uvicorn
 
     from .http_protocol import bounded_head_protocol
 
-    in_worker = sockets is not None
-
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:
-            if in_worker and sig == signal.SIGINT:
-                return
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
             # uvicorn re-raises the signal after a graceful shutdown, which would make the
             # process die of SIGTERM; a drained shutdown is a success, so exit 0 instead.

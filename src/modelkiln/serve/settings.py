@@ -83,7 +83,7 @@ class ServeSettings(BaseModel):
     # The event loop and the engine threads' Python work share one interpreter lock per process;
     # worker processes each have their own (docs/serve.md: "Worker processes").
     workers: Optional[int] = setting(None, "Server processes sharing the ports, each with its own event loop, models "
-                                           "and share of the cpus.", ge=1,
+                                           "and share of the cpus.", sweep={"encoder": "auto"}, ge=1,
                                      shown_default="1 per 4 cpus; 1 for text-generation models")
     # The session that runs a lone request on an idle server (see Batcher: ``alone``).
     alone_threads: Optional[int] = setting(

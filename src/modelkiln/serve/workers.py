@@ -9,8 +9,9 @@ it. Worker processes each have their own lock, loop and engines (``ServeSettings
 How it stays one server:
 - The supervisor (the process ``kiln serve`` started: ``Supervisor``) loads no model. It reserves
   the ports (a bound, not listening, socket: a second server on the same port fails as before),
-  starts the workers (spawned: fresh interpreters), waits until every one has loaded the models,
-  then lets them all serve.
+  starts the workers (fresh interpreters, each in a session of its own, talking to it over a
+  socket pair in JSON: nothing in the server unpickles), waits until every one has loaded the
+  models, then lets them all serve.
 - Each worker is a whole server (``command.serve_http``: uvicorn, gRPC if on, the data plane and
   engines, sized to its share of the CPU budget) listening through its own ``SO_REUSEPORT``
   socket on the same port: the kernel spreads new connections over the workers (by a hash of the
@@ -37,20 +38,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
 import socket
 import sys
 import tempfile
-import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from .. import errors
 from ..errors import ArtifactError, KilnError
 from ..manifest import Manifest
 from ..tasks.text_generation import is_generation
@@ -71,13 +73,31 @@ class WorkerGone(KilnError):
     """The worker process on the other end exited (or its supervisor did)."""
 
 
-# --- a call/reply channel over a multiprocessing pipe, on an asyncio loop ---------------------------
+def error_to_json(exc: BaseException) -> list[str]:
+    """A typed error as [class name, message] (anything else: KilnError with its type and message)."""
+    if isinstance(exc, KilnError) and getattr(errors, type(exc).__name__, None) is type(exc):
+        return [type(exc).__name__, str(exc)]
+    return ["KilnError", str(exc) if isinstance(exc, KilnError) else f"{type(exc).__name__}: {exc}"]
+
+
+def error_from_json(value: list[str]) -> KilnError:
+    kind = getattr(errors, value[0], KilnError)
+    return kind(value[1]) if isinstance(kind, type) and issubclass(kind, KilnError) else KilnError(value[1])
+
+
+def statistics_from_json(rows: list[dict]) -> list[ModelStatistics]:
+    durations = ("success", "fail", "queue", "compute_infer")
+    return [ModelStatistics(**{k: Duration(**v) if k in durations else v for k, v in row.items()}) for row in rows]
+
+
+# --- a call/reply channel over a socket pair, on an asyncio loop ---------------------------------
 
 
 class Channel:
-    """Calls both ways over one pipe: ``await call(op, *args)`` runs ``handlers[op](*args)`` on
-    the other side and returns its result or raises its error. Other messages (the start-up
-    handshake) go to ``on_message``; ``on_closed`` runs once when the other side is gone."""
+    """Calls both ways over one socket: ``await call(op, *args)`` runs ``handlers[op](*args)`` on
+    the other side and returns its result (as JSON has it: dataclasses become dicts) or raises its
+    typed error. Other messages (the start-up handshake) go to ``on_message``; ``on_closed`` runs
+    once when the other side is gone. Messages are JSON lists, framed by ``Connection``."""
 
     def __init__(self, conn: Connection, handlers: Mapping[str, Callable[..., Awaitable[Any]]],
                  on_message: Callable[[Any], None] = lambda message: None,
@@ -101,7 +121,7 @@ class Channel:
         if self.closed:
             raise WorkerGone("the other process is gone")
         try:
-            self.conn.send(message)
+            self.conn.send_bytes(orjson.dumps(message, default=asdict))
         except (OSError, ValueError):
             self.close()
             raise WorkerGone("the other process is gone") from None
@@ -112,7 +132,7 @@ class Channel:
         reply = self._loop.create_future()
         self._waiting[number] = reply
         try:
-            self.send(("call", number, op, args))
+            self.send(["call", number, op, args])
             return await reply
         finally:
             self._waiting.pop(number, None)
@@ -120,11 +140,11 @@ class Channel:
     def _readable(self) -> None:
         try:
             while not self.closed and self.conn.poll():
-                self._dispatch(self.conn.recv())
+                self._dispatch(orjson.loads(self.conn.recv_bytes()))
         except (EOFError, OSError):
             self.close()
 
-    def _dispatch(self, message: Any) -> None:
+    def _dispatch(self, message: list) -> None:
         if message[0] == "call":
             task = asyncio.ensure_future(self._answer(*message[1:]))
             self._tasks.add(task)
@@ -133,19 +153,19 @@ class Channel:
             _, number, error, value = message
             reply = self._waiting.get(number)
             if reply is not None and not reply.done():
-                reply.set_exception(error) if error is not None else reply.set_result(value)
+                reply.set_exception(error_from_json(error)) if error is not None else reply.set_result(value)
         else:
             self.on_message(message)
 
-    async def _answer(self, number: int, op: str, args: tuple) -> None:
+    async def _answer(self, number: int, op: str, args: list) -> None:
         error, value = None, None
         try:
             value = await self.handlers[op](*args)
-        except Exception as exc:  # typed errors travel as they are; anything else as its message
-            error = exc if isinstance(exc, KilnError) else KilnError(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # typed errors travel with their kind; anything else as its message
+            error = error_to_json(exc)
         if not self.closed:
             try:
-                self.send(("reply", number, error, value))
+                self.send(["reply", number, error, value])
             except WorkerGone:
                 pass
 
@@ -200,40 +220,31 @@ def reserve_port(host: str, port: int, what: str, flag: str) -> socket.socket:
 # --- the worker side ------------------------------------------------------------------------------
 
 
-@dataclass
-class WorkerStart:
-    """What a worker process is started with (pickled into it)."""
-
-    index: int
-    settings: ServeSettings  # its share of the cpus; its models; the ports the supervisor reserved
-    log_level: str
-
-
-def worker_main(start: WorkerStart, conn: Connection) -> None:
-    """A worker process: load the models, say so, wait for the word, serve until SIGTERM."""
-    # Ctrl-C in a terminal reaches every process of the group; the supervisor turns it into one
-    # SIGTERM per worker (a second SIGINT would make uvicorn stop without answering).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=start.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s %(name)s [worker {start.index}]: %(message)s")
+def worker_main(fd: int) -> None:
+    """A worker process (``python -c``, the supervisor's end of a socket pair as ``fd``): read its
+    start, load the models, say so, wait for the word, serve until SIGTERM."""
+    conn = Connection(fd)
+    start = orjson.loads(conn.recv_bytes())
+    settings = ServeSettings.model_validate(start["settings"])
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s [worker {start['index']}]: %(message)s")
     from .app import create_app
     from .dataplane import build_dataplane
     from .http_server import serve_http
 
-    settings = start.settings
     link = SupervisorLink(conn, settings.model_control_mode)
     try:
         plane = build_dataplane(settings, repository=link)
     except BaseException as exc:
-        conn.send(("failed", str(exc) if isinstance(exc, KilnError) else f"{type(exc).__name__}: {exc}"))
+        conn.send_bytes(orjson.dumps(["failed", error_to_json(exc)[1]]))
         raise SystemExit(2) from None
     link.plane = plane
     plane.peers = link
-    conn.send(("loaded",))
+    conn.send_bytes(orjson.dumps(["loaded"]))
     try:
-        if conn.recv() != ("serve",):
+        if orjson.loads(conn.recv_bytes()) != ["serve"]:
             return
-    except (EOFError, OSError):  # the supervisor gave up (another worker failed to load)
+    except (EOFError, OSError):  # the supervisor gave up (another worker failed to load) or is gone
         plane.stop()
         return
     serve_http(create_app(plane), settings, sockets=[shared_listener(settings.host, settings.port)],
@@ -274,7 +285,7 @@ class SupervisorLink:
             await asyncio.sleep(GAUGE_REFRESH_S)
 
     async def index(self, ready_only: bool = False) -> list[RepositoryModel]:
-        return await self.channel.call("index", ready_only)
+        return [RepositoryModel(**entry) for entry in await self.channel.call("index", ready_only)]
 
     async def load(self, name: str) -> None:
         await self.channel.call("load", name)
@@ -284,13 +295,13 @@ class SupervisorLink:
 
     # dataplane.Peers
     async def statistics(self, name: str | None, version: str | None) -> list[ModelStatistics]:
-        return await self.channel.call("statistics", name, version)
+        return statistics_from_json(await self.channel.call("statistics", name, version))
 
     # asked by the supervisor
-    async def _install(self, spec: ModelSpec) -> None:
+    async def _install(self, spec: dict) -> None:
         from .local_models import LocalModels
 
-        await LocalModels(self.plane).install(spec, set())
+        await LocalModels(self.plane).install(ModelSpec(**spec), set())
 
     async def _remove(self, name: str) -> None:
         from .local_models import LocalModels
@@ -307,11 +318,15 @@ class SupervisorLink:
 @dataclass(eq=False)
 class Worker:
     index: int
-    process: Any  # multiprocessing.Process
+    process: asyncio.subprocess.Process
     channel: Channel
     loaded: asyncio.Future
     serving: bool = False
-    started: float = field(default_factory=time.monotonic)
+
+    def stop(self) -> None:
+        """SIGTERM: it stops accepting, answers what it accepted, exits."""
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
 
 
 class WorkerModels:
@@ -340,7 +355,7 @@ class WorkerModels:
                 for worker in failed:  # loaded elsewhere (so not the artifact): a fresh worker loads it again
                     log.warning("worker %d could not load %s (%s); replacing it", worker.index, spec.name,
                                 outcomes[worker])
-                    worker.process.terminate()
+                    worker.stop()
         finally:
             loading.discard(spec.name)
 
@@ -414,8 +429,6 @@ class Supervisor:
         self.models = WorkerModels(self, specs)
         self.repository.attach(self.models, startup.folders)
         self.metrics_dir = tempfile.mkdtemp(prefix="kiln-metrics-")
-        os.environ[MULTIPROCESS_DIR] = self.metrics_dir  # read by each worker's prometheus_client at import
-        self.context = multiprocessing.get_context("spawn")
         self.workers: dict[int, Worker] = {}
         self.changing: asyncio.Lock  # a change of the served models, or a worker starting: one at a time
         self.stopping = False
@@ -438,7 +451,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopped.set)
-        started = [self._spawn(k) for k in range(self.count)]
+        started = [await self._spawn(k) for k in range(self.count)]
         try:
             await self._all_loaded(started)
         except BaseException:
@@ -466,48 +479,47 @@ class Supervisor:
         self.stopping = True
         workers = list(self.workers.values())
         for worker in workers:
-            if worker.process.is_alive():
-                worker.process.terminate()
-        await asyncio.gather(*(asyncio.to_thread(w.process.join) for w in workers))
-        return 0 if all(w.process.exitcode == 0 for w in workers) else 1
+            worker.stop()
+        await asyncio.gather(*(w.process.wait() for w in workers))
+        return 0 if all(w.process.returncode == 0 for w in workers) else 1
 
     # -- workers ----------------------------------------------------------------------------------
-    def _spawn(self, index: int) -> Worker:
-        parent, child = self.context.Pipe()
-        settings = self.worker_settings.with_models(tuple(self.models.specs.values()))
-        start = WorkerStart(index, settings, settings.log_level)
-        process = self.context.Process(target=worker_main, args=(start, child), name=f"kiln-worker-{index}",
-                                       daemon=False)
-        process.start()
-        child.close()
+    async def _spawn(self, index: int) -> Worker:
+        ours, theirs = socket.socketpair()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", f"from modelkiln.serve.workers import worker_main; worker_main({theirs.fileno()})",
+            pass_fds=[theirs.fileno()], start_new_session=True,  # Ctrl-C reaches the supervisor, which stops them
+            env={**os.environ, MULTIPROCESS_DIR: self.metrics_dir})  # read by the worker's prometheus_client at import
+        theirs.close()
         loop = asyncio.get_running_loop()
         worker = Worker(index, process, None, loop.create_future())  # type: ignore[arg-type]
         worker.loaded.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody awaits: no warning
-        worker.channel = Channel(parent, self._handlers(), on_message=lambda m: self._message(worker, m))
+        worker.channel = Channel(Connection(ours.detach()), self._handlers(),
+                                 on_message=lambda m: self._message(worker, m))
+        settings = self.worker_settings.with_models(tuple(self.models.specs.values()))
+        worker.channel.send({"index": index, "settings": settings.model_dump(mode="json")})
         worker.channel.attach()
-        loop.add_reader(process.sentinel, self._exited, worker)
         self.workers[index] = worker
+        asyncio.ensure_future(self._watch(worker))
         return worker
 
     def _serve(self, worker: Worker) -> None:
-        worker.channel.send(("serve",))
+        worker.channel.send(["serve"])
         worker.serving = True
         self.failures.pop(worker.index, None)
 
-    def _message(self, worker: Worker, message: Any) -> None:
-        if message == ("loaded",) and not worker.loaded.done():
+    def _message(self, worker: Worker, message: list) -> None:
+        if message == ["loaded"] and not worker.loaded.done():
             worker.loaded.set_result(None)
         elif message[0] == "failed" and not worker.loaded.done():
             worker.loaded.set_exception(KilnError(message[1]))
 
-    def _exited(self, worker: Worker) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(worker.process.sentinel)
-        worker.process.join()
+    async def _watch(self, worker: Worker) -> None:
+        code = await worker.process.wait()
         worker.channel.close()
         if not worker.loaded.done():
             worker.loaded.set_exception(KilnError(
-                f"worker {worker.index} exited with code {worker.process.exitcode} while loading the models"))
+                f"worker {worker.index} exited with code {code} while loading the models"))
         if not worker.serving:  # a start that failed: the next one waits longer
             self.failures[worker.index] = self.failures.get(worker.index, 0) + 1
         from prometheus_client import multiprocess
@@ -515,9 +527,8 @@ class Supervisor:
         multiprocess.mark_process_dead(worker.process.pid, self.metrics_dir)  # its live gauges; counters stay
         if self.stopping or self.workers.get(worker.index) is not worker:
             return
-        log.warning("worker %d (pid %d) exited with code %s; starting another", worker.index, worker.process.pid,
-                    worker.process.exitcode)
-        asyncio.ensure_future(self._replace(worker.index))
+        log.warning("worker %d (pid %d) exited with code %s; starting another", worker.index, worker.process.pid, code)
+        await self._replace(worker.index)
 
     async def _replace(self, index: int) -> None:
         """A new worker in the place of one that exited, with the models served now."""
@@ -527,7 +538,7 @@ class Supervisor:
         async with self.changing:
             if self.stopping:
                 return
-            worker = self._spawn(index)
+            worker = await self._spawn(index)
             try:
                 await worker.loaded
             except KilnError as exc:
@@ -555,10 +566,10 @@ class Supervisor:
         results = await asyncio.gather(*(w.channel.call("statistics", name, version) for w in workers),
                                        return_exceptions=True)
         answered = [r for r in results if not isinstance(r, WorkerGone)]
-        errors = [r for r in answered if isinstance(r, Exception)]
-        if errors and len(errors) == len(answered):
-            raise errors[0]
-        return add_statistics([r for r in answered if not isinstance(r, Exception)])
+        failed = [r for r in answered if isinstance(r, Exception)]
+        if failed and len(failed) == len(answered):
+            raise failed[0]
+        return add_statistics([statistics_from_json(r) for r in answered if not isinstance(r, Exception)])
 
 
 def run_workers(settings: ServeSettings, count: int, startup: Startup) -> int:
