@@ -123,6 +123,7 @@ def run_server(settings: object) -> None:
     startup = startup_specs(settings)
     workers = settings.worker_count(generation=generates_text(startup.specs))
     if workers > 1:
-        print(f"{workers} workers, {max(1, (settings.cpus or 1) // workers)} CPUs each", file=sys.stderr, flush=True)
+        share = max(1, (settings.cpus or 1) // workers)
+        print(f"{workers} workers, {share} CPU{'s' if share > 1 else ''} each", file=sys.stderr, flush=True)
         sys.exit(run_workers(settings, workers, startup))
     serve_http(build_app(settings), settings)  # every model checked and loaded before binding: a bad one fails fast

@@ -452,8 +452,13 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopped.set)
         started = [await self._spawn(k) for k in range(self.count)]
+        loading, stop = asyncio.ensure_future(self._all_loaded(started)), asyncio.ensure_future(self.stopped.wait())
         try:
-            await self._all_loaded(started)
+            await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not loading.done():  # SIGTERM while loading: nothing was served yet
+                loading.cancel()
+                return await self._stop_all()
+            loading.result()  # KilnError: a worker could not load (a bad artifact fails fast, as with one process)
         except BaseException:
             await self._stop_all()
             raise
