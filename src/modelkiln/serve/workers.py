@@ -10,9 +10,9 @@ How it stays one server:
 - The supervisor (the process ``kiln serve`` started: ``Supervisor``) loads no model. It reserves
   the ports (a bound, not listening, socket: a second server on the same port fails as before),
   starts the workers (fresh interpreters, each in a session of its own, talking to it over a
-  socket pair in JSON: nothing in the server unpickles), waits until every one has loaded the
+  socket pair in JSON: ``channel.py``), waits until every one has loaded the
   models, then lets them all serve.
-- Each worker is a whole server (``command.serve_http``: uvicorn, gRPC if on, the data plane and
+- Each worker is a whole server (``http_server.serve_http``: uvicorn, gRPC if on, the data plane and
   engines, sized to its share of the CPU budget) listening through its own ``SO_REUSEPORT``
   socket on the same port: the kernel spreads new connections over the workers (by a hash of the
   connection's addresses, so each gets its share of a client's connections; a keep-alive
@@ -36,7 +36,6 @@ How it stays one server:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import shutil
@@ -45,17 +44,17 @@ import socket
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from .. import errors
 from ..errors import ArtifactError, KilnError
 from ..manifest import Manifest
 from ..tasks.text_generation import is_generation
+from .channel import Channel, WorkerGone, error_to_json
 from .metrics import MULTIPROCESS_DIR
 from .repository import Folder, ModelRepository
 from .settings import ModelSpec, ServeSettings
@@ -67,119 +66,6 @@ RESTART_DELAYS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after each failed start o
 # A worker sets its queue gauges this often: /metrics, answered by any worker, reads every worker's
 # last value (a queue emptied by departed clients runs no batch, which would otherwise set it).
 GAUGE_REFRESH_S = 0.1
-
-
-class WorkerGone(KilnError):
-    """The worker process on the other end exited (or its supervisor did)."""
-
-
-def error_to_json(exc: BaseException) -> list[str]:
-    """A typed error as [class name, message] (anything else: KilnError with its type and message)."""
-    if isinstance(exc, KilnError) and getattr(errors, type(exc).__name__, None) is type(exc):
-        return [type(exc).__name__, str(exc)]
-    return ["KilnError", str(exc) if isinstance(exc, KilnError) else f"{type(exc).__name__}: {exc}"]
-
-
-def error_from_json(value: list[str]) -> KilnError:
-    kind = getattr(errors, value[0], KilnError)
-    return kind(value[1]) if isinstance(kind, type) and issubclass(kind, KilnError) else KilnError(value[1])
-
-
-def statistics_from_json(rows: list[dict]) -> list[ModelStatistics]:
-    durations = ("success", "fail", "queue", "compute_infer")
-    return [ModelStatistics(**{k: Duration(**v) if k in durations else v for k, v in row.items()}) for row in rows]
-
-
-# --- a call/reply channel over a socket pair, on an asyncio loop ---------------------------------
-
-
-class Channel:
-    """Calls both ways over one socket: ``await call(op, *args)`` runs ``handlers[op](*args)`` on
-    the other side and returns its result (as JSON has it: dataclasses become dicts) or raises its
-    typed error. Other messages (the start-up handshake) go to ``on_message``; ``on_closed`` runs
-    once when the other side is gone. Messages are JSON lists, framed by ``Connection``."""
-
-    def __init__(self, conn: Connection, handlers: Mapping[str, Callable[..., Awaitable[Any]]],
-                 on_message: Callable[[Any], None] = lambda message: None,
-                 on_closed: Callable[[], None] = lambda: None):
-        self.conn = conn
-        self.handlers = handlers
-        self.on_message = on_message
-        self.on_closed = on_closed
-        self.closed = False
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._tasks: set[asyncio.Task] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def attach(self) -> None:
-        """Start reading on the running loop."""
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self.conn.fileno(), self._readable)
-
-    def send(self, message: Any) -> None:
-        if self.closed:
-            raise WorkerGone("the other process is gone")
-        try:
-            self.conn.send_bytes(orjson.dumps(message, default=asdict))
-        except (OSError, ValueError):
-            self.close()
-            raise WorkerGone("the other process is gone") from None
-
-    async def call(self, op: str, *args: Any) -> Any:
-        assert self._loop is not None
-        number = next(self._ids)
-        reply = self._loop.create_future()
-        self._waiting[number] = reply
-        try:
-            self.send(["call", number, op, args])
-            return await reply
-        finally:
-            self._waiting.pop(number, None)
-
-    def _readable(self) -> None:
-        try:
-            while not self.closed and self.conn.poll():
-                self._dispatch(orjson.loads(self.conn.recv_bytes()))
-        except (EOFError, OSError):
-            self.close()
-
-    def _dispatch(self, message: list) -> None:
-        if message[0] == "call":
-            task = asyncio.ensure_future(self._answer(*message[1:]))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        elif message[0] == "reply":
-            _, number, error, value = message
-            reply = self._waiting.get(number)
-            if reply is not None and not reply.done():
-                reply.set_exception(error_from_json(error)) if error is not None else reply.set_result(value)
-        else:
-            self.on_message(message)
-
-    async def _answer(self, number: int, op: str, args: list) -> None:
-        error, value = None, None
-        try:
-            value = await self.handlers[op](*args)
-        except Exception as exc:  # typed errors travel with their kind; anything else as its message
-            error = error_to_json(exc)
-        if not self.closed:
-            try:
-                self.send(["reply", number, error, value])
-            except WorkerGone:
-                pass
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self.conn.fileno())
-        for reply in self._waiting.values():
-            if not reply.done():
-                reply.set_exception(WorkerGone("the other process is gone"))
-        self.conn.close()
-        self.on_closed()
 
 
 # --- ports ---------------------------------------------------------------------------------------
@@ -363,6 +249,12 @@ class WorkerModels:
         async with self.supervisor.changing:
             self.specs.pop(name, None)
             await self.supervisor.each_worker("remove", name)
+
+
+def statistics_from_json(rows: list[dict]) -> list[ModelStatistics]:
+    """Statistics as a worker sent them (JSON: dataclasses as dicts)."""
+    durations = ("success", "fail", "queue", "compute_infer")
+    return [ModelStatistics(**{k: Duration(**v) if k in durations else v for k, v in row.items()}) for row in rows]
 
 
 def add_statistics(per_worker: list[list[ModelStatistics]]) -> list[ModelStatistics]:
