@@ -75,9 +75,9 @@ def metric_sum(url: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def measure(url: str, pid: int, script: Path, concurrency: int, seconds: int) -> dict:
+def measure(url: str, pid: int, script: Path, concurrency: int, seconds: int, load_prefix: list[str]) -> dict:
     cpu0, compute0 = thread_cpu(pid), metric_sum(url, "kiln_batch_compute_seconds_sum")
-    run = run_wrk(url, script, concurrency, seconds, threads=1 if concurrency == 1 else 2)
+    run = run_wrk(url, script, concurrency, seconds, threads=1 if concurrency == 1 else 2, prefix=load_prefix)
     cpu1, compute1 = thread_cpu(pid), metric_sum(url, "kiln_batch_compute_seconds_sum")
     n = max(run["requests"], 1)
     per = {k: (cpu1[k] - cpu0[k]) / n * 1e6 for k in cpu0}
@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=1, help="windows per concurrency and round (alternating servers)")
     ap.add_argument("--server-args", default="", help="extra kiln serve flags")
     ap.add_argument("--prefix", default="", help="a command the server runs under, e.g. 'taskset -c 0'")
+    ap.add_argument("--load-prefix", default="", help="a command wrk runs under, e.g. 'taskset -c 1'")
     ap.add_argument("--baseline-src", type=Path,
                     help="also serve from this source tree (a worktree of the commit to compare with: its src/ is "
                          "put first on PYTHONPATH), the two servers measured in alternating windows, so that load "
@@ -164,7 +165,8 @@ def main() -> None:
                 for pair in range(args.pairs):
                     for label, server in (servers if (r + pair) % 2 == 0 else servers[::-1]):
                         row = {"round": r + 1, "pair": pair, "server": label,
-                               **measure(server.url, server.proc.pid, script, c, args.duration)}
+                               **measure(server.url, server.proc.pid, script, c, args.duration,
+                                         shlex.split(args.load_prefix))}
                         rows.append(row)
                         print(f"{label} round {r + 1} c={c}: {row['rps']:.0f} req/s, p50 {row['p50_ms']:.2f} ms; "
                               f"CPU/request {row['cpu_us']:.0f} us = loop {row['loop_us']:.0f} + other threads "
