@@ -38,7 +38,7 @@ EXTENSIONS = ("binary_tensor_data", "statistics", "model_repository")
 class Repository(Protocol):
     """The model repository a data plane answers with: ``repository.ModelRepository`` over this
     process's models, or, in a worker of ``kiln serve --workers N``, the supervisor's
-    (``workers.RemoteRepository``), which changes every worker's models at once."""
+    (``workers.SupervisorLink``), which changes every worker's models at once."""
 
     mode: str
 
