@@ -204,7 +204,8 @@ def test_tune_options_are_the_numeric_sweepable_settings():
     assert {n: options[n].opts[0] for n in numeric} == {n: cli_flag(n) for n in numeric}
     # not given: the values the declaration gives for the artifact's kind, which the help says
     assert all(options[n].default is None for n in numeric)
-    assert "Default: 1,2; encoders only." in options["instances"].help
+    assert "Default: auto; encoders only." in options["instances"].help
+    assert "Default: 1,2 for encoders, auto for text generation." in options["threads"].help
     assert "Default: 32 for encoders, 8,16 for text generation." in options["max_batch_size"].help
     r = kiln("tune", "--help", env={"COLUMNS": "80"}, timeout=60)
     text = " ".join(r.stdout.split())

@@ -164,7 +164,8 @@ def bench(
     batch: str = typer.Option("1,8,32", help="Batch sizes."),
     seq: str = typer.Option("", help="Sequence lengths (tokens); default 16,128,384 (prompt lengths 16,128,512 for text generation)."),
     past: int = typer.Option(128, help="Text generation: the past (tokens) of every sequence in the decode cells."),
-    threads: Optional[int] = typer.Option(None, help="Intra-op threads for every backend (default: all cores)."),
+    threads: Optional[int] = typer.Option(None, help="Intra-op threads for every backend (default: the CPUs this "
+                                                     "process may use: its affinity mask or cgroup quota)."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated variants to run (default: every kept one)."),
     reference: bool = typer.Option(True, help="Run the PyTorch fp32 reference (needs modelkiln[convert])."),
     warmup: int = typer.Option(3, help="Warm-up runs per cell."),
@@ -188,6 +189,9 @@ def bench(
         reference = False
     quiet_transformers()
     from .bench.generation_command import bench_generation, generation_artifact
+    from .cpus import available_cpus
+
+    threads = threads or available_cpus().count  # a pinned or quota-limited process: its share, not the host's cores
     from .bench.report import print_table, write_json
     from .bench.runner import BenchConfig, run_bench
 

@@ -18,6 +18,7 @@ from typing import Any, ContextManager
 import numpy as np
 from tokenizers import Tokenizer
 
+from ..cpus import available_cpus
 from ..errors import KilnError
 from ..machine import cpu_description
 from ..manifest import Manifest, is_artifact
@@ -74,11 +75,9 @@ class BenchResult:
 
 def machine_info(threads: int | None) -> dict[str, Any]:
     """The CPU (model, vector extensions, cores) and the runtime a bench ran with."""
-    import os
-
     import onnxruntime
 
-    return {**cpu_description(), "threads": threads or os.cpu_count(), "onnxruntime": onnxruntime.__version__,
+    return {**cpu_description(), "threads": threads or available_cpus().count, "onnxruntime": onnxruntime.__version__,
             "python": platform.python_version()}
 
 

@@ -7,10 +7,10 @@ Artifacts written before the field existed name their graph's kind in its metada
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
+from ..cpus import available_cpus
 from ..errors import ArtifactError
 from . import graph_io as io
 from .decoder import DecoderSession, open_session
@@ -32,7 +32,7 @@ def _open_onnx(path: Path, shape: ModelShape, options: EngineOptions, kind: str 
     session = open_session(path, options.device, options.threads, options.memory_arena)
     kind = kind or graph_kind(session)
     if kind == ONNX_SERVING:
-        return ServingEngine(session, heads=shape.heads, threads=options.threads or os.cpu_count() or 1,
+        return ServingEngine(session, heads=shape.heads, threads=options.threads or available_cpus().count,
                              max_context=shape.max_context, max_rows=options.max_rows,
                              prefix_cache_tokens=options.prefix_cache_tokens, keep_logits=options.keep_logits)
     return PaddedEngine(DecoderSession(path, device=options.device, session=session), shape.max_context,

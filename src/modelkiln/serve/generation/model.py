@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from ...cpus import available_cpus
 from ...errors import InvalidInputError
 from ...generation.chat_tokens import encode
 from ...generation.model import CoreOptions, TextGenerationModel
@@ -77,7 +77,7 @@ class GenerationModel:
         self.defaults = self.artifact.default_params()
         # Engine replicas, each its own core batching its own streams, splitting the CPUs this server may
         # use (`--cpus` under Ray sizes them from the replica's reservation, not from the host's cores).
-        cpus = settings.cpus or os.cpu_count() or 1
+        cpus = settings.cpus or available_cpus().count
         self.instances = settings.generation_replicas or 1
         self.threads = settings.threads or max(1, cpus // self.instances)
         self.chat = self.artifact.chat_tokens(settings.special_tokens_in_messages)
