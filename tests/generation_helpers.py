@@ -253,3 +253,35 @@ def tiny_generation_artifact(tmp_path_factory) -> Path:
     convert(ConvertConfig(model=str(make_tiny_llama(root / "hf")), out=out, task="text-generation",
                           precisions=["fp32", "int8"], threads=1, timing_seconds=0.02))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_torch_artifact(tmp_path_factory) -> Path:
+    """The tiny Llama converted by `kiln convert --task text-generation --engine torch` (torch-fp32,
+    on the CPU), shared by the torch engine's tests and the CLI tests."""
+    from modelkiln.convert.pipeline import ConvertConfig, convert
+
+    root = tmp_path_factory.mktemp("tiny-torch")
+    out = root / "tiny-llama-torch"
+    convert(ConvertConfig(model=str(make_tiny_llama(root / "hf")), out=out, task="text-generation", engine="torch",
+                          precisions=["fp32"], threads=1, timing_seconds=0.02))
+    return out
+
+
+def make_tiny_mistral(folder: Path, sliding_window: int = 12) -> Path:
+    """A saved random Mistral with a short sliding window (attention sees the last ``sliding_window``
+    positions), so that prompts and answers of a few dozen tokens cross it."""
+    import torch
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fast = _save_tokenizer(folder)
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(tf.MistralConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, sliding_window=sliding_window,
+        eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.eval().save_pretrained(folder)
+    return folder

@@ -15,6 +15,7 @@ from modelkiln.convert.generation_reference import WholeModelReference
 from modelkiln.convert.logit_store import LogitStore
 from modelkiln.convert.pipeline import ConvertConfig, convert
 from modelkiln.errors import ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
+from modelkiln.generation.engine import EngineOptions
 from modelkiln.generation.model import TextGenerationModel
 from modelkiln.generation.padded_engine import PaddedEngine
 from modelkiln.generation.serving_engine import ServingEngine
@@ -29,7 +30,7 @@ def _convert(model, out, **options):
 
 def _engine_greedy(artifact, variant: str, ids: list[int], n: int, path=None) -> list[int]:
     path = path or artifact.variant_path(variant)[1]
-    engine = artifact.engine_for_file(path, threads=1)
+    engine = artifact.engine_for_file(path, EngineOptions(threads=1))
     logits, tokens = engine.add(0, ids), []
     for _ in range(n):
         tokens.append(int(np.argmax(logits)))
@@ -58,7 +59,7 @@ def test_families_convert_and_generate_pytorchs_greedy_tokens(tmp_path, family, 
     assert manifest.generation["graph"]["kind"] == graph
     if graph == "export":
         assert family in manifest.generation["graph"]["why"] and manifest.opset == 23
-    engine = TextGenerationModel(tmp_path / "art").engine("fp32", threads=1)
+    engine = TextGenerationModel(tmp_path / "art").engine("fp32", EngineOptions(threads=1))
     assert isinstance(engine, ServingEngine if graph == "serving" else PaddedEngine)
     fp32 = manifest.variants[0]
     assert fp32.kept and fp32.validation.agreement == 1.0 and fp32.validation.max_abs_diff < 1e-3
@@ -193,7 +194,7 @@ def test_q4_1_gguf_packs_the_files_own_blocks(tmp_path, accuracy_level):
                                                     dtype=torch.float32).eval()
     with torch.no_grad():
         expected_logits = model(torch.tensor([ids])).logits[0].numpy()
-    logits = artifact.engine("gguf", threads=1).prefill("p", ids, all_logits=True)
+    logits = artifact.engine("gguf", EngineOptions(threads=1)).prefill("p", ids, all_logits=True)
     scale = float(np.abs(expected_logits).max())
     diff = float(np.abs(logits - expected_logits).max())
     assert diff < (1e-5 if accuracy_level == 0 else 0.02) * scale, (diff, scale)

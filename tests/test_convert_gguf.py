@@ -19,6 +19,7 @@ from generation_helpers import write_tiny_gguf
 from helpers import SRC, assert_one_line_error, kiln
 from modelkiln.convert.pipeline import ConvertConfig, convert
 from modelkiln.errors import ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError
+from modelkiln.generation.engine import EngineOptions
 from modelkiln.generation.model import TextGenerationModel
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -113,7 +114,7 @@ def test_k_quants_mixed_in_projections_and_a_type_kept_fp32(tmp_path):
     model = _torch_model(gguf_path)
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].numpy()
-    got = artifact.engine(threads=1).prefill("p", ids, all_logits=True)
+    got = artifact.engine(None, EngineOptions(threads=1)).prefill("p", ids, all_logits=True)
     assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max()
 
 

@@ -10,7 +10,7 @@ import time
 
 from helpers import SRC, kiln
 from modelkiln.bench.stability import timing_warnings
-from modelkiln.bench.timing import Stats
+from modelkiln.timing import Stats
 from modelkiln.net import free_port
 
 CONVERT_MODULES = ("torch", "transformers", "onnx", "onnxscript")

@@ -67,7 +67,7 @@ def test_fp32_greedy_answers_equal_pytorch_on_squad_prompts(artifact):
     from modelkiln.bench.generation_backends import TorchBackend
     from modelkiln.bench.generation_eval import eval_inputs
     from modelkiln.generation.core import Request, complete
-    from modelkiln.generation.model import TextGenerationModel
+    from modelkiln.generation.model import CoreOptions, TextGenerationModel
     from modelkiln.generation.sampling import SamplingParams
 
     model = TextGenerationModel(artifact)
@@ -75,5 +75,5 @@ def test_fp32_greedy_answers_equal_pytorch_on_squad_prompts(artifact):
     params = SamplingParams(max_new_tokens=16)
     torch_model = TorchBackend(model, 1)
     torch_answers = [torch_model.greedy_text(p, params, model) for p in prompts]
-    ours = complete(model.core("fp32", threads=1, max_running=4), [Request(i, p, params) for i, p in enumerate(prompts)])
+    ours = complete(model.core("fp32", CoreOptions(threads=1, max_running=4)), [Request(i, p, params) for i, p in enumerate(prompts)])
     assert len(prompts) == 6 and [c.text for c in ours] == torch_answers

@@ -10,11 +10,12 @@ import pytest
 
 from generation_helpers import export_decoder
 from modelkiln.errors import InvalidInputError
-from modelkiln.generation.core import EngineCore, Request, complete
+from modelkiln.generation.core import EngineCore, Request, complete, run_to_completion
 from modelkiln.generation.detokenizer import IncrementalDetokenizer
+from modelkiln.generation.engine import EngineOptions
 from modelkiln.generation.model import TextGenerationModel
 from modelkiln.generation.padded_engine import PaddedEngine
-from modelkiln.generation.sampling import Sampler, SamplingParams, apply_repetition_penalty
+from modelkiln.generation.sampling import SamplingParams, TokenChooser
 from modelkiln.generation.serving_engine import ServingEngine
 from modelkiln.generation.stopping import StopStringMatcher
 
@@ -36,7 +37,7 @@ def exported_graph(tiny_generation_artifact, tmp_path_factory):
 def make_engine(request, tiny, exported_graph):
     def make(max_context=None, max_rows=8):
         path = tiny.variant_path("fp32")[1] if request.param == "serving" else exported_graph
-        engine = tiny.engine_for_file(path, threads=1, max_rows=max_rows)
+        engine = tiny.engine_for_file(path, EngineOptions(threads=1, max_rows=max_rows))
         if max_context is not None:
             engine.max_context = max_context
         return engine
@@ -100,7 +101,7 @@ def test_batched_sequences_join_and_leave_and_match_their_lone_runs(make_engine)
 def test_a_ghost_row_changes_no_answer(tiny):
     """Where a machine's kernels round a lone row differently, the serving engine decodes a lone
     sequence with a throw-away row beside it: forced on here, the answers stay those of a lone row."""
-    engine = tiny.engine("fp32", threads=1)
+    engine = tiny.engine("fp32", EngineOptions(threads=1))
     plain = [greedy_alone(engine, p, 8) for p in PROMPTS]
     engine.ghost_rows = True
     assert engine._rows_to_bind(1) == 2 and engine._rows_to_bind(2) == 2
@@ -121,7 +122,7 @@ def test_chunked_prefill_equals_one_prefill(make_engine):
 def test_any_chunking_of_a_prompt_gives_the_same_bits(tiny):
     """However a prompt is cut into chunks (a prefix-cache hit leaves any remainder, one token
     included), its logits and the steps after it are the whole prompt's, bit for bit."""
-    engine = tiny.engine("fp32", threads=1, prefix_cache_tokens=0)
+    engine = tiny.engine("fp32", EngineOptions(threads=1))
     prompt = PROMPTS[2]
 
     def run(split):
@@ -195,7 +196,7 @@ def test_a_burst_of_new_prompts_prefills_in_one_call(tiny):
     each answer is its answer alone."""
     from modelkiln.generation.core import greedy
 
-    engine = tiny.engine("fp32", threads=1, prefix_cache_tokens=0)
+    engine = tiny.engine("fp32", EngineOptions(threads=1))
     calls = []
     first, single = engine.prefill_first, engine.prefill
     engine.prefill_first = lambda prompts: (calls.append(len(prompts)), first(prompts))[1]
@@ -218,8 +219,9 @@ def test_a_prefix_cache_hit_changes_no_answer(tiny):
                for t in texts]
 
     def run(prefix_cache: bool, together: bool):
-        engine = tiny.engine("fp32", threads=1, prefix_cache_tokens=4096 if prefix_cache else 0)
-        core = EngineCore(engine, tiny.tokenizer, tiny.eos_ids, keep_logits=True, prefill_chunk=8)
+        engine = tiny.engine("fp32", EngineOptions(threads=1, prefix_cache_tokens=4096 if prefix_cache else 0,
+                                                   keep_logits=True))
+        core = EngineCore(engine, tiny.tokenizer, tiny.eos_ids, prefill_chunk=8)
         requests = [Request(i, p, greedy(12)) for i, p in enumerate(prompts)]
         done = complete(core, requests) if together else [complete(core, [r])[0] for r in requests]
         return done, engine
@@ -239,24 +241,45 @@ def test_a_prefix_cache_hit_changes_no_answer(tiny):
 def test_the_prefix_cache_evicts_least_recently_used_chains():
     from modelkiln.generation.prefix_cache import PrefixCache
 
+    def blocks(cache, ids):
+        return [b.tokens for b in cache.lookup(ids)[0]]
+
     cache = PrefixCache(max_tokens=100, block_tokens=2)
     kv = lambda a, b: np.full((1, 1, b - a, 1), a, np.float32)  # noqa: E731
     cache.insert([1, 2, 3, 4, 5], kv)  # blocks [1,2] and [1,2,3,4]
     cache.insert([7, 8, 9], kv)  # block [7,8]
     assert cache.tokens == 6
-    assert [b.tokens for b in cache.lookup([1, 2, 3, 4, 6])] == [(1, 2), (3, 4)]  # now the most recent
-    assert cache.lookup([1, 2, 3, 4]) and len(cache.lookup([1, 2, 3, 4])) == 1  # the last token is never restored
+    assert blocks(cache, [1, 2, 3, 4, 6]) == [(1, 2), (3, 4)]  # now the most recent
+    assert blocks(cache, [1, 2, 3, 4]) == [(1, 2)]  # the last token is never restored without a whole entry
     assert cache.evict(1) == 2 and cache.tokens == 4  # [7,8] went first
     assert cache.evict(1) == 2 and cache.tokens == 2  # then [1,2,3,4], used less recently than its start [1,2]
-    assert [b.tokens for b in cache.lookup([1, 2, 3])] == [(1, 2)]
+    assert blocks(cache, [1, 2, 3]) == [(1, 2)]
     cache.insert([1, 2, 3, 4, 5], kv)
     cache.lookup([1, 2, 3, 4, 6])  # the start, then its child: the start is now the older of the two
     assert cache.evict(1) == 4 and cache.tokens == 0  # the start goes, and its child with it (unreachable)
-    assert cache.lookup([1, 2, 3]) == []
+    assert blocks(cache, [1, 2, 3]) == []
     small = PrefixCache(max_tokens=4, block_tokens=2)  # a bound: the oldest chain makes room
     small.insert([1, 2, 3, 4], kv)
     small.insert([5, 6, 7, 8], kv)
-    assert small.tokens == 4 and [b.tokens for b in small.lookup([5, 6, 7, 8, 9])] == [(5, 6), (7, 8)]
+    assert small.tokens == 4 and blocks(small, [5, 6, 7, 8, 9]) == [(5, 6), (7, 8)]
+
+
+def test_a_prompt_seen_whole_is_restored_whole_with_its_last_logits():
+    from modelkiln.generation.prefix_cache import PrefixCache
+
+    cache = PrefixCache(max_tokens=100, block_tokens=2)
+    kv = lambda a, b: np.full((1, 1, b - a, 1), a, np.float32)  # noqa: E731
+    logits = np.arange(4, dtype=np.float32)
+    cache.insert([1, 2, 3, 4, 5], kv, logits)
+    assert cache.tokens == 5  # two blocks and the one-token tail
+    found, whole = cache.lookup([1, 2, 3, 4, 5])
+    assert [b.tokens for b in found] == [(1, 2), (3, 4)] and whole is not None
+    assert whole.tail_kv.shape[2] == 1 and whole.tail_kv[0, 0, 0, 0] == 4 and np.array_equal(whole.logits, logits)
+    assert cache.cached_tokens([1, 2, 3, 4, 5]) == 5 and cache.cached_tokens([1, 2, 3, 4, 6]) == 4
+    cache.insert([1, 2, 3, 4], kv, logits)  # a whole prompt ending on a block boundary: an empty tail
+    assert cache.cached_tokens([1, 2, 3, 4]) == 4
+    cache.evict(1)  # whole entries go first
+    assert cache.lookup([1, 2, 3, 4, 5])[1] is None and cache.cached_tokens([1, 2, 3, 4, 5]) == 4
 
 
 # --- the engine core: sampling, seeds, stop strings ---------------------------------------------------
@@ -264,7 +287,7 @@ def test_the_prefix_cache_evicts_least_recently_used_chains():
 
 @pytest.fixture(scope="module")
 def core(tiny):
-    return EngineCore(tiny.engine("fp32", threads=1), tiny.tokenizer, eos_ids=[0], max_running=4)
+    return EngineCore(tiny.engine("fp32", EngineOptions(threads=1)), tiny.tokenizer, eos_ids=[0], max_running=4)
 
 
 def prompt_ids(core, text):
@@ -332,20 +355,23 @@ def test_eos_token_finishes_with_stop(core):
 
 def test_top_k_1_and_tiny_top_p_are_greedy():
     logits = np.random.default_rng(0).normal(size=100).astype(np.float32)
-    for params in (SamplingParams(temperature=1.0, top_k=1, seed=3), SamplingParams(temperature=1.0, top_p=1e-6, seed=3)):
-        sampler = Sampler(params)
-        assert {sampler(logits) for _ in range(20)} == {int(np.argmax(logits))}
+    for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)):
+        chooser = TokenChooser(params, seed=3)
+        assert {chooser.choose(logits) for _ in range(20)} == {int(np.argmax(logits))}
 
 
 def test_top_k_samples_only_among_the_k_best():
     logits = np.random.default_rng(1).normal(size=50).astype(np.float32)
-    sampler = Sampler(SamplingParams(temperature=5.0, top_k=3, seed=0))
-    assert {sampler(logits) for _ in range(200)} == set(np.argsort(-logits)[:3].tolist())
+    chooser = TokenChooser(SamplingParams(temperature=5.0, top_k=3), seed=0)
+    assert {chooser.choose(logits) for _ in range(200)} == set(np.argsort(-logits)[:3].tolist())
 
 
 def test_repetition_penalty_lowers_seen_tokens():
-    logits = np.array([2.0, -2.0, 1.0], dtype=np.float32)
-    np.testing.assert_allclose(apply_repetition_penalty(logits, [0, 1], 2.0), [1.0, -4.0, 1.0])
+    logits = np.array([2.0, -2.0, 1.9], dtype=np.float32)
+    assert TokenChooser(SamplingParams(), seed=0, prompt_ids=[0, 1]).choose(logits) == 0
+    chooser = TokenChooser(SamplingParams(repetition_penalty=2.0), seed=0, prompt_ids=[0, 1])
+    assert chooser.choose(logits) == 2  # 2.0 / 2 < 1.9
+    assert chooser.choose(np.array([2.2, -2.0, 2.1], dtype=np.float32)) == 0  # token 2 is seen now: 1.05 < 1.1
 
 
 def test_invalid_sampling_settings_are_typed_errors():
@@ -363,11 +389,13 @@ def test_extreme_but_valid_settings_still_choose_a_token():
     logits = np.random.default_rng(2).normal(size=100).astype(np.float32) * 10
     seen = list(range(100))
     for params in (dict(temperature=1e-300), dict(temperature=1e300), dict(repetition_penalty=1e-300),
-                   dict(repetition_penalty=1e300), dict(temperature=1e-300, repetition_penalty=1e-300)):
-        sampler = Sampler(SamplingParams(seed=0, **{"temperature": 1.0, **params}))
-        assert 0 <= sampler(logits, seen) < 100
+                   dict(repetition_penalty=1e300), dict(temperature=1e-300, repetition_penalty=1e-300),
+                   dict(frequency_penalty=2.0, presence_penalty=-2.0), dict(logit_bias=((3, 100.0), (4, -100.0)))):
+        chooser = TokenChooser(SamplingParams(**{"temperature": 1.0, **params}), seed=0, prompt_ids=seen,
+                               generated=seen)
+        assert 0 <= chooser.choose(logits) < 100
     # a tiny temperature is greedy
-    assert Sampler(SamplingParams(temperature=1e-300, seed=0))(logits) == int(np.argmax(logits))
+    assert TokenChooser(SamplingParams(temperature=1e-300), seed=0).choose(logits) == int(np.argmax(logits))
 
 
 def test_stop_matcher_holds_a_possible_prefix_across_chunks():
@@ -431,3 +459,167 @@ def test_the_bench_times_a_batch_larger_than_its_steps(tiny):
     backend.core.prefill_chunk = 8  # one prompt per step
     samples = backend.decode_step_seconds([list(range(5, 15))] * 8, steps=2)
     assert len(samples) == 2 and backend.core.running == 0
+
+
+# --- the seam: what a request can ask of the engine beyond tokens -------------------------------------
+
+
+def test_logprobs_are_the_models_own_and_top_ones_are_sorted(tiny):
+    """logprobs=k: each token comes with the model's log-probability of it and the k most likely
+    tokens at that step (from the same logits the token was chosen from, kept for the check)."""
+    from modelkiln.generation.sampling import log_softmax
+
+    core = EngineCore(tiny.engine("fp32", EngineOptions(threads=1, keep_logits=True)), tiny.tokenizer)
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=3, logprobs=3, ignore_eos=True)
+    outputs = list(run_to_completion(core, [Request("r", prompt_ids(core, "The quick brown fox"), params)]))
+    assert len(outputs) == 6
+    for output in outputs:
+        expected = log_softmax(output.logits)
+        delta = output.delta
+        assert delta.logprob == pytest.approx(expected[delta.token_id], abs=1e-9)
+        assert [t for t, _ in delta.top_logprobs] == np.argsort(-expected, kind="stable")[:3].tolist()
+        assert [lp for _, lp in delta.top_logprobs] == sorted((lp for _, lp in delta.top_logprobs), reverse=True)
+    plain = complete(core, [Request("r", prompt_ids(core, "The quick brown fox"), SamplingParams(
+        max_new_tokens=6, temperature=0.8, seed=3, ignore_eos=True))])[0]
+    assert plain.token_ids == [o.delta.token_id for o in outputs]  # asking for logprobs changes no token
+
+
+def test_prompt_logprobs_score_every_prompt_token_across_chunks(tiny):
+    """prompt_logprobs (completions' echo): each prompt token after the first gets its log-probability
+    given the tokens before it, equal to the full-prompt logits' (chunked by 4 here)."""
+    from modelkiln.generation.core import greedy, prompt_logits
+    from modelkiln.generation.sampling import log_softmax
+
+    core = EngineCore(tiny.engine("fp32", EngineOptions(threads=1, prefix_cache_tokens=4096)), tiny.tokenizer,
+                      prefill_chunk=4)
+    ids = prompt_ids(core, "Once upon a time there was a little fox")
+    assert len(ids) > 8
+    complete(core, [Request("warm", ids, greedy(2))])  # cached now: a scored prompt must still be computed
+    first = next(o for o in run_to_completion(core, [Request("r", ids, greedy(1, prompt_logprobs=2))]))
+    scored = first.delta.prompt_logprobs
+    assert scored[0] is None and len(scored) == len(ids)
+    expected = log_softmax(prompt_logits(core, ids))
+    for position, (logprob, top) in enumerate(scored[1:]):
+        assert logprob == pytest.approx(expected[position, ids[position + 1]], abs=1e-6)
+        assert len(top) == 2 and top[0][1] >= top[1][1]
+
+
+def test_a_repeated_prompt_takes_its_first_token_from_the_cache(tiny):
+    """A prompt seen whole before computes nothing: the engine runs no prefill for it, and its tokens
+    and every logit equal a cold run's."""
+    from modelkiln.generation.core import greedy
+
+    engine = tiny.engine("fp32", EngineOptions(threads=1, prefix_cache_tokens=4096, keep_logits=True))
+    core = EngineCore(engine, tiny.tokenizer)
+    ids = prompt_ids(core, "Hello there, how are you today?")
+    cold = complete(core, [Request("a", ids, greedy(6))])[0]
+    calls = []
+    single, first = engine.prefill, engine.prefill_first
+    engine.prefill = lambda *a, **k: (calls.append("prefill"), single(*a, **k))[1]
+    engine.prefill_first = lambda *a, **k: (calls.append("prefill_first"), first(*a, **k))[1]
+    warm = complete(core, [Request("b", ids, greedy(6))])[0]
+    assert calls == [] and engine.prefixes.hit_tokens >= len(ids)
+    assert warm.token_ids == cold.token_ids
+    assert all(np.array_equal(x, y) for x, y in zip(warm.logits, cold.logits))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_resumed_request_continues_exactly(tiny, sampled):
+    """A request resumed elsewhere as prompt + the tokens already sent (``resume_ids``, with the
+    original seed) gives the rest of the uninterrupted answer, token for token and text for text:
+    draws are keyed by (seed, position), penalties count the resumed tokens."""
+    core = EngineCore(tiny.engine("fp32", EngineOptions(threads=1)), tiny.tokenizer)
+    ids = prompt_ids(core, "The quick brown fox")
+    extra = dict(temperature=0.9, top_p=0.95, frequency_penalty=0.5, seed=11) if sampled else {}
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, **extra)
+    whole = list(run_to_completion(core, [Request("w", ids, params)]))
+    for cut in (1, 7, 15):
+        sent = [o.delta.token_id for o in whole[:cut]]
+        rest = list(run_to_completion(core, [Request("r", ids, params, resume_ids=sent, seed=whole[0].request.seed)]))
+        assert [o.delta.token_id for o in rest] == [o.delta.token_id for o in whole[cut:]]
+        assert "".join(o.delta.text for o in rest) == "".join(o.delta.text for o in whole[cut:])
+        assert rest[-1].delta.finish_reason == whole[-1].delta.finish_reason
+
+
+def test_a_request_without_a_seed_gets_one_that_reproduces_it(tiny):
+    core = EngineCore(tiny.engine("fp32", EngineOptions(threads=1)), tiny.tokenizer)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    first = Request("a", prompt_ids(core, "Hi!"), params)
+    tokens = complete(core, [first])[0].token_ids
+    assert first.seed is not None
+    again = complete(core, [Request("b", prompt_ids(core, "Hi!"), params, seed=first.seed)])[0].token_ids
+    assert again == tokens
+
+
+def test_penalties_and_logit_bias_steer_the_choice(tiny):
+    """OpenAI's semantics, applied in the engine: a +100 bias forces a token; presence and frequency
+    penalties make repeats rarer than without them (greedy)."""
+    core = EngineCore(tiny.engine("fp32", EngineOptions(threads=1)), tiny.tokenizer)
+    ids = prompt_ids(core, "The quick brown fox")
+    forced = complete(core, [Request("a", ids, SamplingParams(max_new_tokens=5, ignore_eos=True,
+                                                                logit_bias=((42, 100.0),)))])[0]
+    assert forced.token_ids == [42] * 5
+    plain = complete(core, [Request("b", ids, SamplingParams(max_new_tokens=40, ignore_eos=True))])[0].token_ids
+    spread = complete(core, [Request("c", ids, SamplingParams(max_new_tokens=40, ignore_eos=True, presence_penalty=2.0,
+                                                               frequency_penalty=2.0))])[0].token_ids
+    assert len(set(spread)) > len(set(plain))
+
+
+class _OnlyTokens:
+    """A stand-in grammar: every token must be one of ``allowed``, and the answer ends after ``length``."""
+
+    def __init__(self, allowed, length):
+        self.allowed, self.length = allowed, length
+
+    def matcher(self):
+        grammar = self
+
+        class Matcher:
+            taken = 0
+
+            def fill_bitmask(self, words):
+                for token in grammar.allowed:
+                    words[token >> 5] |= np.int32(1 << (token & 31)) if (token & 31) < 31 else np.int32(-(1 << 31))
+
+            def accept(self, token):
+                self.taken += 1
+                return token in grammar.allowed
+
+            def is_terminated(self):
+                return self.taken >= grammar.length
+
+        return Matcher()
+
+
+def test_a_grammars_mask_is_applied_where_the_token_is_chosen(tiny):
+    """Every token comes from the grammar's bitmask (computed while the model runs), sampled or not,
+    alone or among unconstrained streams; the answer ends when the grammar says so."""
+    core = EngineCore(tiny.engine("fp32", EngineOptions(threads=1)), tiny.tokenizer, max_running=4)
+    grammar = _OnlyTokens({3, 63, 64, 200}, length=7)
+    ids = prompt_ids(core, "The quick brown fox")
+    for extra in ({}, dict(temperature=1.0, seed=5)):
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True, constraint=grammar, **extra)
+        alone = complete(core, [Request("g", ids, params)])[0]
+        crowd = complete(core, [Request("x", ids, SamplingParams(max_new_tokens=20, ignore_eos=True)),
+                                Request("g", ids, params)])[1]
+        assert set(alone.token_ids) <= grammar.allowed and len(alone.token_ids) == 7
+        assert alone.finish_reason == "stop" and crowd.token_ids == alone.token_ids
+
+
+def test_answers_to_one_prompt_compute_it_once(tiny):
+    """Requests with the same prompt arriving together (OpenAI's n): the first computes the prompt,
+    the others wait for it to be in the prefix cache and take their first token from it; each answer
+    equals its answer alone."""
+    engine = tiny.engine("fp32", EngineOptions(threads=1, prefix_cache_tokens=4096))
+    core = EngineCore(engine, tiny.tokenizer, max_running=4)
+    ids = prompt_ids(core, "Once upon a time there was a little fox")
+    params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    alone = [complete(core, [Request(i, ids, p)])[0].token_ids for i, p in enumerate(params)]
+    engine.use_prefix_cache(4096)  # empty again
+    computed = []
+    single, first = engine.prefill, engine.prefill_first
+    engine.prefill = lambda seq, tokens, **k: (computed.append(len(tokens)), single(seq, tokens, **k))[1]
+    engine.prefill_first = lambda prompts: (computed.extend(len(t) for _, t in prompts), first(prompts))[1]
+    together = complete(core, [Request(i, ids, p) for i, p in enumerate(params)])
+    assert computed == [len(ids)]
+    assert [c.token_ids for c in together] == alone

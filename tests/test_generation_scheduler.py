@@ -11,6 +11,7 @@ import pytest
 
 from modelkiln.errors import InvalidInputError, OverloadedError, RequestTimeoutError
 from modelkiln.generation.core import CoreHooks, EngineCore, Request
+from modelkiln.generation.engine import EngineOptions
 from modelkiln.generation.model import TextGenerationModel
 from modelkiln.generation.sampling import SamplingParams
 from modelkiln.serve.generation.scheduler import Job, Scheduler
@@ -35,7 +36,7 @@ def make(tiny, **kw) -> tuple[Scheduler, Recorder]:
     hooks = Recorder()
     options = dict(max_running=8, max_waiting=8, kv_budget=100_000, prefill_chunk=16)
     options.update(kw)
-    engine = tiny.engine("fp32", threads=1, max_rows=options["max_running"])
+    engine = tiny.engine("fp32", EngineOptions(threads=1, max_rows=options["max_running"]))
     scheduler = Scheduler(EngineCore(engine, tiny.tokenizer, tiny.eos_ids, hooks=hooks, **options))
     scheduler.start()
     return scheduler, hooks
@@ -211,7 +212,7 @@ def test_a_request_whose_own_settings_fail_ends_alone(tiny):
 def test_a_hang_up_mid_prefill_frees_the_sequence_at_the_next_step(tiny):
     """The core stepped by hand: a 300-token prompt, chunks of 16; after its first chunk the client
     leaves; the next step frees its cache without computing another chunk or a token."""
-    engine = tiny.engine("fp32", threads=1, prefix_cache_tokens=0)
+    engine = tiny.engine("fp32", EngineOptions(threads=1))
     core = EngineCore(engine, tiny.tokenizer, tiny.eos_ids, prefill_chunk=16)
     prompt = tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20).ids[:300]
     core.add_request(Request("long", prompt, SamplingParams(max_new_tokens=4)))

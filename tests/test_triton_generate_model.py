@@ -9,6 +9,7 @@ import importlib.util
 import json
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -45,8 +46,12 @@ class Sender:
 
     def __init__(self, broken=False):
         self.broken = broken
+        self.cancelled = False  # Triton's python backend says so when the client has gone
         self.responses: list[tuple[_Response, int]] = []
         self.done = threading.Event()
+
+    def is_cancelled(self):
+        return self.cancelled
 
     def send(self, response, flags=0):
         if self.broken:
@@ -94,12 +99,13 @@ def load_model(tiny_generation_artifact, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))  # model.py puts its snapshot first: undone after the test
     models = []
 
-    def load(max_batch: int):
+    def load(max_batch: int, **more: str):
         spec = importlib.util.spec_from_file_location(f"kiln_triton_generate_{len(models)}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         model = module.TritonPythonModel()
-        parameters = {"max_batch": {"string_value": str(max_batch)}, "threads": {"string_value": "1"}}
+        parameters = {"max_batch": {"string_value": str(max_batch)}, "threads": {"string_value": "1"},
+                      **{k: {"string_value": v} for k, v in more.items()}}
         model.initialize({"model_config": json.dumps({"parameters": parameters})})
         models.append(model)
         return model
@@ -112,8 +118,9 @@ def load_model(tiny_generation_artifact, tmp_path, monkeypatch):
 def test_the_batch_stays_within_max_batch(load_model):
     model = load_model(max_batch=2)
     widest = []
-    step = model.core.engine.step
-    model.core.engine.step = lambda tokens: (widest.append(len(tokens)), step(tokens))[1]
+    engine = model.driver.core.engine
+    step = engine.step
+    engine.step = lambda tokens: (widest.append(len(tokens)), step(tokens))[1]
     senders = [Sender() for _ in range(6)]
     model.execute([FakeRequest(f"Hello number {i}", s, max_tokens=8, ignore_eos=True) for i, s in enumerate(senders)])
     assert all(s.done.wait(60) for s in senders)
@@ -130,3 +137,33 @@ def test_a_response_that_cannot_be_sent_costs_that_request_only(load_model):
     model.execute([FakeRequest("The quick brown fox", later, max_tokens=6, ignore_eos=True)])
     assert later.done.wait(60), "the model's thread ended with the failed send"
     assert later.text() == good.text()
+
+
+def test_a_client_that_leaves_frees_its_sequence_and_others_go_on(load_model):
+    """The Triton model runs the same driver thread as kiln serve: a request whose client has gone
+    (its sender says so) is aborted at the next step instead of generating to its end."""
+    model = load_model(max_batch=4)
+    leaving, staying = Sender(), Sender()
+    model.execute([FakeRequest("The quick brown fox", leaving, max_tokens=400, ignore_eos=True, stream=True),
+                   FakeRequest("The quick brown fox", staying, max_tokens=40, ignore_eos=True)])
+    deadline = time.monotonic() + 60
+    while not leaving.responses and time.monotonic() < deadline:
+        time.sleep(0.01)
+    leaving.cancelled = True
+    assert staying.done.wait(60) and staying.text()
+    core = model.driver.core
+    deadline = time.monotonic() + 10
+    while core.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.running == 0 and len(leaving.responses) < 400
+
+
+def test_a_request_past_its_deadline_ends_with_an_error(load_model):
+    model = load_model(max_batch=4, timeout_s="0.2")
+    sender = Sender()
+    slow = model.driver.core.engine.step
+    model.driver.core.engine.step = lambda tokens: (time.sleep(0.05), slow(tokens))[1]  # 100 tokens: 5 s
+    model.execute([FakeRequest("The quick brown fox", sender, max_tokens=100, ignore_eos=True)])
+    assert sender.done.wait(60)
+    response, flags = sender.responses[-1]
+    assert flags and response.error is not None and "timed out" in str(response.error)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from modelkiln.bench.accuracy import sts_spearman
 from modelkiln.bench.runner import machine_info, make_feeds
-from modelkiln.bench.timing import measure_interleaved
+from modelkiln.timing import measure_interleaved
 from modelkiln.convert import variants as build
 from modelkiln.convert.validate import batch_invariance
 from modelkiln.data import read_sts, sts_sentences

@@ -19,13 +19,13 @@ from typing import Any, ContextManager
 
 from ..errors import KilnError
 from ..generation.core import DEFAULT_MAX_RUNNING, Request, greedy, run_to_completion
-from ..generation.model import TextGenerationModel
+from ..generation.model import CoreOptions, TextGenerationModel
 from ..extras import install_hint
 from .generation_backends import (LlamaCppBackend, OrtGenaiBackend, TorchBackend, gguf_path, llama_cpp_available,
                                   llama_cpp_install_hint, ort_genai_available)
 from .isolation import DEFAULT_TIMEOUT_S, ChildFailed, run_in_child
 from .runner import machine_info
-from .timing import Stats
+from ..timing import Stats
 
 PEERS = ("llama.cpp", "onnxruntime-genai")  # the peer engines `kiln bench --peers` can run
 
@@ -107,15 +107,16 @@ def real_token_windows(model: TextGenerationModel, length: int, count: int) -> l
 
 
 class OnnxBackend:
-    """One of the artifact's own variants, driven through the engine core as ``kiln serve`` drives
-    it (chunked prefill, sampling, the engine's batch): what a request costs, not only the graph."""
+    """One of the artifact's own variants (an ONNX graph, or a torch variant), driven through the
+    engine core as ``kiln serve`` drives it (chunked prefill, sampling, the engine's batch): what a
+    request costs, not only the graph."""
 
     def __init__(self, model: TextGenerationModel, variant: str | None, threads: int | None, path: Path | None = None,
                  max_batch: int = DEFAULT_MAX_RUNNING):
         """``path``: a graph file to run instead of the artifact's ``variant`` (benchmarks of candidates)."""
         max_batch = max(max_batch, DEFAULT_MAX_RUNNING)
-        self.core = (model.core_for_file(path, threads, max_running=max_batch) if path
-                     else model.core(variant, threads, max_running=max_batch))
+        options = CoreOptions(threads=threads, max_running=max_batch)
+        self.core = model.core_for_file(path, options) if path else model.core(variant, options)
 
     def prefill_seconds(self, ids: list[int]) -> float:
         """Time to the first token of a lone request with this prompt, computed in full: the engine's
@@ -222,14 +223,16 @@ def _run_peer(label: str, peer: dict[str, Any], inputs: GenerationInputs, cfg: G
     return [GenerationCell.from_dict(c) for c in out["cells"]], out["notes"]
 
 
-OWN_PREFIX = "onnxruntime "  # the artifact's own rows ("onnxruntime int4"; the onnxruntime-genai peer is not one)
+# the artifact's own rows ("onnxruntime int4", "kiln torch-fp32"; the onnxruntime-genai peer is not one)
+OWN_PREFIXES = ("onnxruntime ", "kiln ")
 
 
 def _own_variants(model: TextGenerationModel, cfg: GenerationBenchConfig) -> Iterator[tuple[str, Callable[[], Any]]]:
     for v in model.manifest.kept_variants():
         if v.device != "cpu" or (cfg.variants and v.name not in cfg.variants):
             continue
-        yield f"{OWN_PREFIX}{v.name}", lambda v=v: OnnxBackend(model, v.name, cfg.threads, max_batch=max(cfg.batches))
+        label = f"kiln {v.name}" if v.engine == "torch" else f"onnxruntime {v.name}"
+        yield label, lambda v=v: OnnxBackend(model, v.name, cfg.threads, max_batch=max(cfg.batches))
 
 
 def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
@@ -262,7 +265,7 @@ def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
 
 def best_ratio(result: GenerationBenchResult, phase: str, batch: int, tokens: int, against: str) -> float | None:
     """Fastest ONNX variant's tokens/s over ``against``'s in one cell (for the summary line)."""
-    ours = [c.tokens_per_s for c in result.cells if c.backend.startswith(OWN_PREFIX)
+    ours = [c.tokens_per_s for c in result.cells if c.backend.startswith(OWN_PREFIXES)
             and (c.phase, c.batch, c.tokens) == (phase, batch, tokens)]
     theirs = [c.tokens_per_s for c in result.cells if c.backend.startswith(against)
               and (c.phase, c.batch, c.tokens) == (phase, batch, tokens)]

@@ -18,8 +18,8 @@ from typing import ContextManager
 import numpy as np
 
 from ..data import SquadQuestion, read_squad
-from ..generation.core import Request, complete
-from ..generation.model import TextGenerationModel
+from ..generation.core import Request, complete, prompt_logits
+from ..generation.model import CoreOptions, TextGenerationModel
 from ..generation.sampling import SamplingParams
 
 SQUAD_INSTRUCTION = "Answer the question with a short phrase copied from the context.\n\nContext: {context}\n\nQuestion: {question}"
@@ -110,12 +110,10 @@ def evaluate_generation(model: TextGenerationModel, threads: int | None, referen
     for v in model.manifest.kept_variants():
         if v.device != "cpu" or (variants and v.name not in variants):
             continue
-        core = model.core(v.name, threads, max_running=8)
+        core = model.core(v.name, CoreOptions(threads=threads, max_running=8))
 
-        def logits(ids: list[int], engine=core.engine) -> np.ndarray:
-            out = engine.prefill("ppl", ids, all_logits=True)
-            engine.remove("ppl")
-            return out
+        def logits(ids: list[int], core=core) -> np.ndarray:
+            return prompt_logits(core, ids)
 
         with steps(f"{v.name}: perplexity on {len(texts)} paragraphs"):
             ppl = perplexity_of(logits, texts)

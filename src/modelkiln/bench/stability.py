@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .timing import Stats
+from ..timing import Stats
 
 # p95 over median: on a quiet machine ONNX Runtime and PyTorch cells stay well under this.
 MAX_SPREAD = 1.5

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..generation.core import Engine, EngineCore, Request, complete, greedy
+from ..generation.core import EngineCore, Request, complete, greedy, prompt_logits
 from ..manifest import Validation
 from .logit_store import LogitStore
 
@@ -45,6 +45,8 @@ DEFAULT_GATE = {
     "int8": GateTolerance(max_ppl_increase=0.03, all_greedy=False),
     "int4": GateTolerance(max_ppl_increase=0.03, all_greedy=False),
     "fp16": GateTolerance(max_ppl_increase=0.01, all_greedy=False),
+    # bf16 keeps 8 significant bits (fp16 11): the torch engine's half-precision variant on CUDA
+    "bf16": GateTolerance(max_ppl_increase=0.02, all_greedy=False),
 }
 
 
@@ -105,10 +107,11 @@ def _alone(core: EngineCore, i: int, ids: list[int], new_tokens: int) -> tuple[l
     return done.token_ids, np.stack(done.logits)
 
 
-def candidate_run(engine: Engine, core: EngineCore, gate: GatePrompts, new_tokens: int, vocab: int) -> CandidateRun:
+def candidate_run(core: EngineCore, gate: GatePrompts, new_tokens: int, vocab: int) -> CandidateRun:
     """The gate through the product: greedy tokens from ``core`` (made with ``keep_logits``), each
-    prompt alone; every prompt position's logits from the engine's prefill; the paragraphs'
-    perplexity. Logits go to a temporary file as they come (a 152k-token vocabulary makes 0.6 MB a row)."""
+    prompt alone; every prompt position's logits, computed the way a request's prompt is; the
+    paragraphs' perplexity. Logits go to a temporary file as they come (a 152k-token vocabulary
+    makes 0.6 MB a row)."""
     store = LogitStore(vocab)
     tokens = []
     for i, ids in enumerate(gate.prompts):
@@ -116,19 +119,12 @@ def candidate_run(engine: Engine, core: EngineCore, gate: GatePrompts, new_token
         tokens.append(chosen)
         store.put(("steps", i), steps)
     for i, ids in enumerate(gate.prompts):
-        store.put(("prompt", i), _all_logits(engine, ("prompt", i), ids))
+        store.put(("prompt", i), prompt_logits(core, ids, ("prompt", i)))
     total, count = 0.0, 0
     for j, ids in enumerate(gate.paragraphs):
-        s, n = nll_sum(_all_logits(engine, ("p", j), ids), ids)
+        s, n = nll_sum(prompt_logits(core, ids, ("p", j)), ids)
         total, count = total + s, count + n
     return CandidateRun(tokens, store, math.exp(total / max(count, 1)))
-
-
-def _all_logits(engine: Engine, seq_id: object, ids: list[int]) -> np.ndarray:
-    try:
-        return engine.prefill(seq_id, ids, all_logits=True)
-    finally:
-        engine.remove(seq_id)
 
 
 def _row_cosines(a: np.ndarray, b: np.ndarray, rows: int = 32) -> np.ndarray:

@@ -26,19 +26,22 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Keep generating after an end-of-sequence token."),
     variant: Optional[str] = typer.Option(None, help="Variant to run (default: the fastest kept one)."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads (default: all cores)."),
+    device: str = typer.Option("cpu", help="cpu or cuda: where the engine runs (a torch variant converted for cuda needs cuda)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, timings) instead of streaming."),
 ) -> None:
     """Generate text from PROMPT with a text-generation artifact, streaming tokens as they come."""
     from .core import Request, run_to_completion
-    from .model import TextGenerationModel
+    from .model import CoreOptions, TextGenerationModel
+    from .params import sampling_params
 
     model = TextGenerationModel(artifact)
-    params = model.default_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()) or None,
-                                  ignore_eos=ignore_eos or None)
     ids = model.prompt_ids(prompt, chat=chat, system=system)
-    variant_name, _ = model.variant_path(variant)
-    core = model.core(variant_name, threads, max_running=1)
+    fields = {"max_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+              "repetition_penalty": repetition_penalty, "seed": seed, "stop": list(stop) if stop else None,
+              "ignore_eos": ignore_eos or None}
+    params = sampling_params(fields, model.default_params(), len(ids), model.max_context or model.manifest.max_length)
+    variant_name, _ = model.variant_path(variant, device)
+    core = model.core(variant_name, CoreOptions(threads=threads, device=device, max_running=1))
     started = time.perf_counter()
     first_token_at = None
     pieces: list[str] = []

@@ -1,19 +1,24 @@
 """The engine core: one object that owns a decoder engine and every request on it, and advances
 them all by one ``step()``. It has no threads and no asyncio; ``kiln generate``, ``kiln eval``,
-the gate, ``kiln bench`` (``run_to_completion``), ``kiln serve`` and the Triton model (each a
-thread calling ``step()``) drive the same core, so they schedule alike.
+the gate, ``kiln bench`` (``run_to_completion``), ``kiln serve`` and the Triton model (each
+through ``driver.CoreDriver``) drive the same core, so they schedule alike.
 
-One ``step()``:
+One ``step()`` schedules, executes and updates (vLLM v1's ``schedule()`` → ``execute_model()`` →
+``update_from_output()``):
 1. take what arrived (``add_request``, ``abort``: safe from any thread, under a lock);
-2. drop what was aborted (a client left) or ran out of time: its cache is freed before the next
-   engine call, so a disconnect costs at most the call already running;
+2. drop what was aborted (a client left) or ran out of time: the next plan tells the engine to free
+   its cache before anything runs, so a disconnect costs at most the call already running;
 3. admit waiting requests, oldest first, while a row is free (``max_running``) and the KV cache
    holds every admitted sequence up to its last possible token (``kv_budget``, counted the way the
-   engine lays its cache out: ``engine.kv_tokens_needed``);
-4. prefill admitted prompts in chunks of ``prefill_chunk`` tokens, at most ``prefill_chunk`` tokens
-   per step in all (at least one chunk), so a long prompt costs running streams one chunk's time per
-   token instead of its whole prefill; a prompt fully prefilled yields its first token and joins;
-5. one decode step for every running sequence; finished ones leave at once.
+   engine lays its cache out: ``engine.kv_tokens_needed``); ask the engine's prefix cache how much
+   of each new prompt it holds;
+4. plan prompt chunks of at most ``prefill_chunk`` tokens, at most ``prefill_chunk`` tokens per
+   step in all (at least one chunk), one chunk per prompt per step, so a long prompt costs running
+   streams one chunk's time per step instead of its whole prefill; a prompt's last chunk gives its
+   first token and the sequence decodes from the next step on;
+5. one decode step for every running sequence.
+The engine (``plan.Engine``) executes each plan and returns the tokens it chose; the core turns them
+into text (``sequence.SequenceState``), applies stop rules and grammars, and reports.
 
 Chunk boundaries are fixed (tokens 0-127, 128-255, ...) whatever the load, so a prompt's cache is
 computed the same way alone and under load: an answer does not depend on what else runs (with the
@@ -21,52 +26,38 @@ serving graph, bit for bit; the gate checks it through this same code)."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from ..errors import InvalidInputError, KilnError, OverloadedError, RequestTimeoutError
+from .plan import DEFAULT_MAX_RUNNING, Chunk, Engine, SeqStart, StepPlan, StepResult
 from .sampling import SamplingParams
 from .sequence import Delta, SequenceState
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step: a running stream's gap grows by one chunk's time
-DEFAULT_MAX_RUNNING = 32
-
-
-class Engine(Protocol):
-    """What the core needs of a decoder engine (serving_engine.py, padded_engine.py)."""
-
-    max_context: int | None
-    rows: list[Hashable]
-
-    prefix_tokens: int  # tokens the engine's prefix cache holds (they count in the KV budget)
-
-    def prefill(self, seq_id: Hashable, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray: ...
-    def prefill_first(self, prompts: Sequence[tuple[Hashable, Sequence[int]]]) -> list[np.ndarray]: ...
-    @property
-    def free_staging_rows(self) -> int: ...  # how many new sequences prefill_first can take now
-    def restore_prefix(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> int: ...
-    def remember_prefix(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> None: ...
-    def evict_prefixes(self, tokens: int) -> int: ...
-    def join(self, seq_id: Hashable) -> None: ...
-    def step(self, next_tokens: dict[Hashable, int]) -> np.ndarray: ...
-    def remove(self, seq_id: Hashable) -> None: ...
-    def __contains__(self, seq_id: Hashable) -> bool: ...
-    @property
-    def cache_tokens(self) -> int: ...
-    def kv_tokens_needed(self, reserves: Sequence[int]) -> int: ...
+DEFAULT_MAX_WAITING = 1024  # requests waiting for a row before new ones are refused at once
+DEFAULT_TIMEOUT_S = 600.0  # a request's time, waiting and generating
 
 
 @dataclass(eq=False)
 class Request:
     """One generation request. ``reserve``: the KV tokens it may reach (prompt + max new tokens,
-    within the context); ``deadline``: ``time.monotonic()`` after which it ends with a timeout."""
+    within the context); ``deadline``: ``time.monotonic()`` after which it ends with a timeout.
+    ``resume_ids``: answer tokens an earlier run of this request already sent (a stream moved to
+    another replica): they are prefilled after the prompt, count toward ``max_new_tokens`` and the
+    penalties, and the random draws go on from their positions, so the rest of the answer is what
+    the earlier run would have produced. ``seed``: the one the draws use (the request's, or one
+    chosen at ``add_request``: reported, so a client can resume a sampled answer too).
+    ``score``: keep every prompt position's logits (``Output.request.prompt_logits``)."""
 
     request_id: Hashable
     prompt_ids: list[int]
@@ -74,20 +65,28 @@ class Request:
     deadline: float = float("inf")
     arrived: float = field(default_factory=time.monotonic)
     reserve: int = 0
+    resume_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    score: bool = False
     # the core's bookkeeping
     state: SequenceState | None = None
-    prefilled: int = 0  # prompt tokens in the cache so far
-    prefix_checked: bool = False  # the engine's prefix cache was asked for this prompt
-    next_token: int = -1  # fed to the next decode step
+    prefilled: int = 0  # tokens of ``engine_prompt`` in the engine's cache so far
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logits: list = field(default_factory=list)
+
+    @property
+    def engine_prompt(self) -> list[int]:
+        """What the engine computes before the first new token: the prompt and the resumed tokens."""
+        return self.prompt_ids + self.resume_ids if self.resume_ids else self.prompt_ids
 
 
 @dataclass
 class Output:
     """What one step produced for one request: a token (``delta``; the last one has a
     ``finish_reason``) or an ``error`` that ends it. ``logits``: the row the token was chosen
-    from, kept only when the core was made with ``keep_logits`` (the gate compares them)."""
+    from, kept only when the engine was made with ``keep_logits`` (the gate compares them)."""
 
     request: Request
     delta: Delta | None = None
@@ -116,7 +115,7 @@ class EngineCore:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, eos_ids: Iterable[int] = (), *,
                  max_running: int = DEFAULT_MAX_RUNNING, max_waiting: int | None = None,
                  kv_budget: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 hooks: CoreHooks | None = None, keep_logits: bool = False):
+                 hooks: CoreHooks | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
@@ -125,13 +124,14 @@ class EngineCore:
         self.kv_budget = kv_budget
         self.prefill_chunk = prefill_chunk
         self.hooks = hooks or CoreHooks()
-        self.keep_logits = keep_logits
         self._lock = threading.Lock()  # guards the inbox: add_request and abort come from other threads
         self._arrived: deque[Request] = deque()
         self._aborted: set[Hashable] = set()
         self._waiting: deque[Request] = deque()
         self._prefilling: list[Request] = []  # admitted, prompt not all in the cache yet
-        self._running: dict[Hashable, Request] = {}  # in the engine's decode batch
+        self._running: dict[Hashable, Request] = {}  # decoding
+        self._leaving: list[Hashable] = []  # sequences the engine still holds and must free at its next call
+        self._masker: ThreadPoolExecutor | None = None  # grammar masks, computed while the model runs
 
     # -- from any thread ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -143,6 +143,8 @@ class EngineCore:
         if self.kv_budget is not None and self.engine.kv_tokens_needed([request.reserve]) > self.kv_budget:
             raise InvalidInputError(f"prompt + max_tokens = {request.reserve} tokens exceed the server's KV cache of "
                                     f"{self.kv_budget} tokens (--max-kv-tokens): ask for fewer tokens")
+        if request.seed is None:
+            request.seed = request.params.seed if request.params.seed is not None else secrets.randbits(63)
         with self._lock:
             if self.max_waiting is not None and len(self._arrived) + len(self._waiting) >= self.max_waiting:
                 raise OverloadedError(f"{len(self._arrived) + len(self._waiting)} generation requests waiting; retry later")
@@ -179,22 +181,35 @@ class EngineCore:
         """One iteration in two parts: the outputs of dropping, admitting and prefilling (first tokens),
         then those of the decode step. A caller that delivers the first part before asking for the
         second sends a new request its first token a decode step earlier (a whole step of every running
-        sequence: 9 ms alone, 45 ms among 16 on SmolLM2). Ask for both parts: the decode runs only then."""
+        sequence: 9 ms alone, 45 ms among 16 on SmolLM2). Ask for both parts: the decode runs only then.
+        An engine that runs chunks and decode rows in one call (``mixed_steps``) gets one plan, and both
+        parts come after it."""
         outputs: list[Output] = []
         with self._lock:
             self._waiting.extend(self._arrived)
             self._arrived.clear()
             aborted, self._aborted = self._aborted, set()
+        mixed = self.engine.capabilities.mixed_steps
         try:
             self._drop(aborted, outputs)
-            self._admit(outputs)
-            self._prefill(outputs)
+            plan = self._plan_prompts(outputs)
+            chunked = [r for r in self._prefilling if r.request_id in _chunked(plan)]
+            if mixed:  # the rows running before this step decode in the same call
+                decoding = list(self._running.values())
+                plan.decode = [r.request_id for r in decoding]
+                self._execute(plan, chunked + decoding, outputs)
+            elif not plan.empty:
+                self._execute(plan, chunked, outputs)
         except Exception as exc:  # a bug or an engine failure: fail what is active, keep going
             self._fail_active(exc, outputs)
         yield outputs
         outputs = []
         try:
-            self._decode(outputs)
+            decoding = [] if mixed else list(self._running.values())  # those that just joined too
+            if decoding:
+                self._execute(StepPlan(decode=[r.request_id for r in decoding]), decoding, outputs)
+            if self._leaving:  # finished ones give their memory back now, not when the next request comes
+                self._free_leaving()
         except Exception as exc:
             self._fail_active(exc, outputs)
         self.hooks.iteration(self.running, self.waiting, self.engine.cache_tokens)
@@ -207,18 +222,22 @@ class EngineCore:
             self._arrived.clear()
         outputs = [Output(r, error=error) for r in self._waiting]
         self._waiting.clear()
-        for request in [*self._prefilling, *self._running.values()]:
-            self._remove(request)
-            outputs.append(Output(request, error=error))
+        active = [*self._prefilling, *self._running.values()]
+        self._prefilling.clear()
+        self._running.clear()
+        self._leaving += [r.request_id for r in active]
+        outputs += [Output(r, error=error) for r in active]
+        self._free_leaving()
         return outputs
 
+    # -- scheduling --------------------------------------------------------------------------------------
     def _drop(self, aborted: set[Hashable], outputs: list[Output]) -> None:
         now = time.monotonic()
         for request in [*self._prefilling, *self._running.values()]:
             if request.request_id in aborted:
-                self._remove(request)
+                self._leave(request)
             elif now > request.deadline:
-                self._remove(request)
+                self._leave(request)
                 outputs.append(Output(request, error=_timeout(request)))
         if aborted or any(now > r.deadline for r in self._waiting):
             kept: deque[Request] = deque()
@@ -231,10 +250,18 @@ class EngineCore:
                     kept.append(request)
             self._waiting = kept
 
-    def _admit(self, outputs: list[Output]) -> None:
+    def _admit(self, outputs: list[Output]) -> list[Request]:
         active = [r.reserve for r in [*self._prefilling, *self._running.values()]]
+        admitted: list[Request] = []
+        # A prompt another request is still computing waits for it to be in the prefix cache: the answers
+        # to one prompt (OpenAI's n) then compute it once, and the others take their first token from it.
+        computing = {tuple(r.engine_prompt) for r in self._prefilling} if self.engine.capabilities.prefix_cache else None
+        deferred: list[Request] = []
         while self._waiting and len(active) < self.max_running:
             request = self._waiting[0]
+            if computing is not None and tuple(request.engine_prompt) in computing and not _scored(request):
+                deferred.append(self._waiting.popleft())
+                continue
             if self.kv_budget is not None:
                 needed = self.engine.kv_tokens_needed([*active, request.reserve])
                 if needed > self.kv_budget:
@@ -245,142 +272,149 @@ class EngineCore:
             self._waiting.popleft()
             try:
                 request.state = SequenceState(request.request_id, request.prompt_ids, request.params, self.tokenizer,
-                                              self.eos_ids, self.engine.max_context)
-            except Exception as exc:  # noqa: BLE001 - its own settings failed (a seed numpy refuses): it alone ends
+                                              self.eos_ids, self.engine.max_context, resumed=request.resume_ids)
+            except Exception as exc:  # noqa: BLE001 - its own settings failed (a grammar): it alone ends
                 outputs.append(Output(request, error=_kiln_error(exc)))
                 continue
             active.append(request.reserve)
+            admitted.append(request)
+            if computing is not None:
+                computing.add(tuple(request.engine_prompt))
+        self._waiting.extendleft(reversed(deferred))  # still the oldest
+        return admitted
+
+    def _plan_prompts(self, outputs: list[Output]) -> StepPlan:
+        """Admit, then plan this step's prompt chunks (and the sequences the engine must free)."""
+        plan = StepPlan()
+        for request in self._admit(outputs):
+            prompt = request.engine_prompt
+            cached = self.engine.capabilities.prefix_cache and not _scored(request)
+            restore = self.engine.cached_prefix(prompt) if cached else 0
+            self.hooks.prefix(request, restore)
+            request.prefilled = restore
+            plan.starts.append(SeqStart(request.request_id, prompt, request.params, request.seed,  # type: ignore[arg-type]
+                                        restore=restore, generated=list(request.resume_ids)))
             self._prefilling.append(request)
-
-    def _prefill(self, outputs: list[Output]) -> None:
         budget = self.prefill_chunk
-        while self._prefilling and budget > 0:
-            request = self._prefilling[0]
-            self._restore_prefix(request)
-            if request.prefilled == 0:  # a first chunk with no past: others like it share the call
-                spent = self._prefill_first_chunks(budget, outputs)
-                if not spent:
-                    break
-                budget -= spent
-                continue
+        for request in self._prefilling:
+            prompt = request.engine_prompt
             end = self._chunk_end(request)
-            if end - request.prefilled > budget and budget < self.prefill_chunk:
+            n = end - request.prefilled
+            if n > budget and budget < self.prefill_chunk:
                 break  # the next chunk does not fit in what is left of this step
-            try:
-                logits = self.engine.prefill(request.request_id, request.prompt_ids[request.prefilled:end])
-            except InvalidInputError as exc:  # this prompt's fault (too long for the context): this request only
-                self._prefilling.pop(0)
-                self._remove(request)
-                outputs.append(Output(request, error=exc))
-                continue
-            budget -= end - request.prefilled
-            request.prefilled = end
-            if end == len(request.prompt_ids):
-                self._prefilling.pop(0)
-                self._prefilled(request, logits, outputs)
-
-    def _restore_prefix(self, request: Request) -> None:
-        if not request.prefix_checked:
-            request.prefix_checked = True
-            request.prefilled = self.engine.restore_prefix(request.request_id, request.prompt_ids)
-            self.hooks.prefix(request, request.prefilled)
+            targets = None
+            if request.params.prompt_logprobs is not None:
+                targets = prompt[request.prefilled + 1:end + 1]
+            plan.chunks.append(Chunk(request.request_id, request.prefilled, prompt[request.prefilled:end],
+                                     last=end == len(prompt), targets=targets, keep_logits=request.score))
+            budget -= n
+            if budget <= 0:
+                break
+        plan.finished, self._leaving = self._leaving, []
+        return plan
 
     def _chunk_end(self, request: Request) -> int:
         """Chunks end at fixed positions (multiples of ``prefill_chunk``), whatever the load."""
-        return min(len(request.prompt_ids), (request.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
+        prompt = len(request.engine_prompt)
+        return min(prompt, (request.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
 
-    def _prefill_first_chunks(self, budget: int, outputs: list[Output]) -> int:
-        """The first chunks of the new prompts at the head of the queue that have no cached prefix,
-        in one engine call, as many as fit ``budget`` counted in padded tokens (rows × the longest)
-        and the engine's free staging rows. Returns the tokens spent (0: not even one fits)."""
-        group: list[Request] = []
-        width = 0
-        for request in self._prefilling:
-            self._restore_prefix(request)
-            if request.prefilled or len(group) >= self.engine.free_staging_rows:
-                break
-            chunk = self._chunk_end(request)
-            if (len(group) + 1) * max(width, chunk) > budget and (group or budget < self.prefill_chunk):
-                break
-            group.append(request)
-            width = max(width, chunk)
-        if not group:
-            return 0
-        try:
-            logits = self.engine.prefill_first([(r.request_id, r.prompt_ids[:self._chunk_end(r)]) for r in group])
-        except InvalidInputError as exc:  # a prompt too long for the context: each alone says which
-            if len(group) > 1:
-                group = group[:1]
-                return self._prefill_first_chunks(self._chunk_end(group[0]), outputs)
-            self._prefilling.remove(group[0])
-            self._remove(group[0])
-            outputs.append(Output(group[0], error=exc))
-            return self._chunk_end(group[0])
-        for request, row in zip(group, logits):
-            request.prefilled = self._chunk_end(request)
-            if request.prefilled == len(request.prompt_ids):
+    # -- executing and updating ----------------------------------------------------------------------------
+    def _execute(self, plan: StepPlan, requests: list[Request], outputs: list[Output]) -> None:
+        """Run ``plan``; ``requests`` are those whose chunk or decode row is in it."""
+        if not plan.finished:
+            plan.finished, self._leaving = self._leaving, []
+        by_id = {r.request_id: r for r in requests}
+        choosing = [r for r in requests if r.request_id in self._running or _ends_prompt(plan, r.request_id)]
+        plan.masks = self._masks(choosing)
+        result = self.engine.execute(plan)
+        self._update(plan, by_id, result, outputs)
+
+    def _masks(self, choosing: list[Request]) -> Any:
+        """The grammar bitmasks of the sequences that choose a token in this call, computed in a
+        thread while the engine's model runs (onnxruntime and the grammar engine release the GIL)."""
+        constrained = [r for r in choosing if r.state is not None and r.state.matcher is not None]
+        if not constrained:
+            return None
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
+        future = self._masker.submit(lambda: {r.request_id: r.state.bitmask() for r in constrained})  # type: ignore[union-attr]
+        return future.result
+
+    def _update(self, plan: StepPlan, by_id: dict[Hashable, Request], result: StepResult,
+                outputs: list[Output]) -> None:
+        for seq, error in result.errors.items():
+            request = by_id[seq]
+            self._leave(request)
+            outputs.append(Output(request, error=_kiln_error(error)))
+        for chunk in plan.chunks:
+            request = by_id[chunk.seq]
+            if chunk.seq in result.errors:
+                continue
+            request.prefilled = chunk.start + len(chunk.token_ids)
+            request.prompt_logprobs += result.prompt_logprobs.get(chunk.seq, [])
+            if chunk.seq in result.prompt_logits:
+                request.prompt_logits.append(result.prompt_logits[chunk.seq])
+            if chunk.last:
                 self._prefilling.remove(request)
-                self._prefilled(request, row, outputs)
-        return len(group) * width
+                self._running[chunk.seq] = request
+        for sampled in result.sampled:
+            request = by_id[sampled.seq]
+            assert request.state is not None
+            try:
+                delta = request.state.accept(sampled.token)
+            except Exception as exc:  # noqa: BLE001 - its grammar refused the token: it alone ends
+                self._leave(request)
+                outputs.append(Output(request, error=_kiln_error(exc)))
+                continue
+            delta.logprob, delta.top_logprobs = sampled.logprob, sampled.top_logprobs
+            if request.params.prompt_logprobs is not None and request.first_token_at == 0.0:
+                delta.prompt_logprobs = [None, *request.prompt_logprobs]
+            now = time.monotonic()
+            self.hooks.token(request, now)
+            if request.first_token_at == 0.0:
+                request.first_token_at = now
+            request.last_token_at = now
+            outputs.append(Output(request, delta, logits=sampled.logits))
+            if delta.finish_reason is not None:
+                self.hooks.finished(request, now)
+                self._leave(request)
 
-    def _prefilled(self, request: Request, logits: np.ndarray, outputs: list[Output]) -> None:
-        """A prompt all in the cache: remember its prefix, emit its first token, join the batch."""
-        self.engine.remember_prefix(request.request_id, request.prompt_ids)
-        if self._emit(request, logits, outputs):
-            self.engine.remove(request.request_id)
-        else:
-            self.engine.join(request.request_id)
-            self._running[request.request_id] = request
-
-    def _decode(self, outputs: list[Output]) -> None:
-        if not self._running:
-            return
-        logits = self.engine.step({seq: r.next_token for seq, r in self._running.items()})
-        done = [request for row, seq in enumerate(list(self.engine.rows))
-                if self._emit(request := self._running[seq], logits[row], outputs)]
-        for request in done:
-            self._remove(request)
-
-    def _emit(self, request: Request, logits: np.ndarray, outputs: list[Output]) -> bool:
-        """Choose and accept the request's next token; record its output. True when it is done."""
-        assert request.state is not None
-        try:
-            token = request.state.choose(logits)
-            delta = request.state.accept(token)
-        except Exception as exc:  # noqa: BLE001 - its own sampling failed: it ends alone, the batch goes on
-            outputs.append(Output(request, error=_kiln_error(exc)))
-            return True
-        request.next_token = token
-        now = time.monotonic()
-        self.hooks.token(request, now)
-        if request.first_token_at == 0.0:
-            request.first_token_at = now
-        request.last_token_at = now
-        outputs.append(Output(request, delta, logits=logits.copy() if self.keep_logits else None))
-        if delta.finish_reason is not None:
-            self.hooks.finished(request, now)
-            return True
-        return False
-
-    def _remove(self, request: Request) -> None:
+    def _leave(self, request: Request) -> None:
+        """Forget a request; the engine frees its sequence at its next call."""
         self._running.pop(request.request_id, None)
         if request in self._prefilling:
             self._prefilling.remove(request)
-        if request.request_id in self.engine:
-            self.engine.remove(request.request_id)
+        self._leaving.append(request.request_id)
+
+    def _free_leaving(self) -> None:
+        leaving, self._leaving = self._leaving, []
+        try:
+            self.engine.execute(StepPlan(finished=leaving))
+        except Exception:  # noqa: BLE001 - the engine is in a bad state; the next requests start afresh
+            pass
 
     def _fail_active(self, exc: Exception, outputs: list[Output]) -> None:
         error = _kiln_error(exc)
         failed = [*self._prefilling, *self._running.values()]
         self._prefilling.clear()
         self._running.clear()
-        for request in failed:
-            outputs.append(Output(request, error=error))
-            try:
-                if request.request_id in self.engine:
-                    self.engine.remove(request.request_id)
-            except Exception:  # noqa: BLE001 - the engine is in a bad state; the next requests start afresh
-                pass
+        self._leaving += [r.request_id for r in failed]
+        outputs += [Output(request, error=error) for request in failed]
+        self._free_leaving()
+
+
+def _scored(request: Request) -> bool:
+    """Whether its prompt's positions are wanted (log-probabilities, scores): computed in full, never
+    restored from the prefix cache."""
+    return request.params.prompt_logprobs is not None or request.score
+
+
+def _chunked(plan: StepPlan) -> set[Hashable]:
+    return {c.seq for c in plan.chunks}
+
+
+def _ends_prompt(plan: StepPlan, seq: Hashable) -> bool:
+    return any(c.seq == seq and c.last for c in plan.chunks)
 
 
 def _kiln_error(exc: Exception) -> KilnError:
@@ -436,6 +470,14 @@ def complete(core: EngineCore, requests: Sequence[Request]) -> list[Completion]:
         if output.logits is not None:
             completion.logits.append(output.logits)
     return [done[r.request_id] for r in requests]
+
+
+def prompt_logits(core: EngineCore, prompt_ids: Sequence[int], request_id: Hashable = "score") -> np.ndarray:
+    """Every position's logits [len, vocab] of a prompt, computed the way a request's prompt is
+    (the same chunks): the gate's and the eval's comparisons and perplexities."""
+    request = Request(request_id, list(prompt_ids), greedy(1), score=True)
+    complete(core, [request])
+    return np.concatenate(request.prompt_logits)
 
 
 def greedy(max_new_tokens: int, **overrides: Any) -> SamplingParams:

@@ -1,33 +1,58 @@
-"""Opening the right engine for a decoder graph: ``ServingEngine`` for the serving graph
-(GroupQueryAttention, in-place cache; convert/serving_graph.py), ``PaddedEngine`` for a graph from
-the torch export (convert/decoder_export.py). Both answer the calls the engine core makes
-(``core.Engine``); which one a graph needs is written in its metadata (``graph_io.GRAPH_KIND_KEY``)."""
+"""Which engine runs a decoder variant: a registry keyed by the variant's ``engine`` (kiln.json),
+as text-embeddings-inference picks a backend. ``onnx-serving``: the serving graph
+(``serving_engine.py``: GroupQueryAttention, in-place cache, prefix cache); ``onnx-export``: a graph
+from the torch export (``padded_engine.py``); ``torch``: a PyTorch model on CPU or CUDA
+(``torch_engine.py``; imported only when asked, so the ONNX serving path needs no torch).
+Artifacts written before the field existed name their graph's kind in its metadata instead."""
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from pathlib import Path
 
+from ..cpus import available_cpus
+from ..errors import ArtifactError
 from . import graph_io as io
-from .core import DEFAULT_MAX_RUNNING, Engine
 from .decoder import DecoderSession, open_session
-from .padded_engine import PaddedEngine
-from .prefix_cache import DEFAULT_MAX_TOKENS
-from .serving_engine import ServingEngine
+from .plan import Engine, EngineOptions, ModelShape
+
+ONNX_SERVING, ONNX_EXPORT, TORCH = "onnx-serving", "onnx-export", "torch"
 
 
 def graph_kind(session) -> str:  # type: ignore[no-untyped-def]
-    return session.get_modelmeta().custom_metadata_map.get(io.GRAPH_KIND_KEY, "export")
+    """The engine an ONNX decoder graph needs, from its metadata (artifacts without ``engine``)."""
+    kind = session.get_modelmeta().custom_metadata_map.get(io.GRAPH_KIND_KEY, "export")
+    return ONNX_SERVING if kind == io.SERVING_GRAPH else ONNX_EXPORT
 
 
-def open_engine(path: Path | str, *, heads: int, max_context: int | None, threads: int | None = None,
-                device: str = "cpu", max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True,
-                prefix_cache_tokens: int = DEFAULT_MAX_TOKENS) -> Engine:
-    """``heads``: the model's attention heads (the serving engine keeps rows × heads ≥ threads);
-    ``max_rows``: the most sequences decoding together; ``prefix_cache_tokens``: the most tokens of
-    prompt-prefix KV kept for the prompts that follow (serving graph only; 0: none)."""
-    session = open_session(path, device, threads, memory_arena)
-    if graph_kind(session) == io.SERVING_GRAPH:
-        return ServingEngine(session, heads=heads, threads=threads or os.cpu_count() or 1,
-                             max_context=max_context, max_rows=max_rows, prefix_cache_tokens=prefix_cache_tokens)
-    return PaddedEngine(DecoderSession(path, device=device, session=session), max_context)
+def _open_onnx(path: Path, shape: ModelShape, options: EngineOptions, kind: str | None) -> Engine:
+    from .padded_engine import PaddedEngine
+    from .serving_engine import ServingEngine
+
+    session = open_session(path, options.device, options.threads, options.memory_arena)
+    kind = kind or graph_kind(session)
+    if kind == ONNX_SERVING:
+        return ServingEngine(session, heads=shape.heads, threads=options.threads or available_cpus().count,
+                             max_context=shape.max_context, max_rows=options.max_rows,
+                             prefix_cache_tokens=options.prefix_cache_tokens, keep_logits=options.keep_logits)
+    return PaddedEngine(DecoderSession(path, device=options.device, session=session), shape.max_context,
+                        max_rows=options.max_rows, keep_logits=options.keep_logits)
+
+
+def _open_torch(path: Path, shape: ModelShape, options: EngineOptions, kind: str | None) -> Engine:
+    from .torch_engine import open_torch_engine  # noqa: PLC0415 - torch only for this engine
+
+    return open_torch_engine(path, shape, options)
+
+
+ENGINES: dict[str, Callable[[Path, ModelShape, EngineOptions, str | None], Engine]] = {
+    ONNX_SERVING: _open_onnx, ONNX_EXPORT: _open_onnx, TORCH: _open_torch,
+}
+
+
+def open_engine(path: Path, kind: str | None, shape: ModelShape, options: EngineOptions) -> Engine:
+    """The engine of kind ``kind`` on a variant's file; None: an ONNX graph whose metadata says which."""
+    opener = ENGINES.get(kind or ONNX_SERVING)
+    if opener is None:
+        raise ArtifactError(f"unknown engine '{kind}' in kiln.json (known: {', '.join(ENGINES)})")
+    return opener(path, shape, options, kind)

@@ -3,6 +3,7 @@ end-of-sequence ids and decoder variants, and the engine and engine core built o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -13,9 +14,9 @@ from ..manifest import Manifest, Variant
 from ..tasks.text_generation import is_generation
 from .chat import chat_messages, render_chat
 from .chat_tokens import ChatTokens
-from .core import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, Engine, EngineCore
-from .engine import open_engine
-from .prefix_cache import DEFAULT_MAX_TOKENS
+from .core import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, CoreHooks, EngineCore
+from .engine import EngineOptions, ModelShape, open_engine
+from .plan import Engine
 from .sampling import SamplingParams
 
 
@@ -81,7 +82,7 @@ class TextGenerationModel:
         """The variant run when none is named: the one the converter chose (the fastest within its
         accuracy budget), else the fastest kept one (artifacts converted before it chose)."""
         name = self.settings.get("default_variant")
-        if name and device == "cpu" and any(v.name == name for v in self.manifest.kept_variants()):
+        if name and any(v.name == name and v.device == device for v in self.manifest.kept_variants()):
             return self.manifest.variant(name)
         return self.manifest.fastest_variant(device)
 
@@ -94,31 +95,70 @@ class TextGenerationModel:
     def heads(self) -> int:
         return int(self.settings.get("heads") or 1)
 
-    def engine(self, variant: str | None = None, threads: int | None = None, device: str = "cpu",
-               max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True,
-               prefix_cache_tokens: int = DEFAULT_MAX_TOKENS) -> Engine:
-        _, path = self.variant_path(variant, device)
-        return self.engine_for_file(path, threads, device, max_rows, memory_arena, prefix_cache_tokens)
+    def engine(self, variant: str | None = None, options: EngineOptions = EngineOptions()) -> Engine:
+        chosen = self.manifest.variant(variant) if variant else self.default_variant(options.device)
+        assert chosen.file is not None
+        return self.engine_for_file(self.folder / chosen.file, options, chosen.engine)
 
-    def engine_for_file(self, path: Path, threads: int | None = None, device: str = "cpu",
-                        max_rows: int = DEFAULT_MAX_RUNNING, memory_arena: bool = True,
-                        prefix_cache_tokens: int = DEFAULT_MAX_TOKENS) -> Engine:
+    def engine_for_file(self, path: Path, options: EngineOptions = EngineOptions(), kind: str | None = None) -> Engine:
         """An engine on a graph file of this model (the converter's candidates are not variants yet)."""
-        return open_engine(path, heads=self.heads, max_context=self.max_context, threads=threads, device=device,
-                           max_rows=max_rows, memory_arena=memory_arena, prefix_cache_tokens=prefix_cache_tokens)
+        return open_engine(path, kind, ModelShape(self.heads, self.max_context), options)
 
-    def core(self, variant: str | None = None, threads: int | None = None, max_running: int = DEFAULT_MAX_RUNNING,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, keep_logits: bool = False, device: str = "cpu") -> EngineCore:
-        """An engine core on one variant, with nothing queued: ``core.complete`` or ``run_to_completion`` drive it."""
-        _, path = self.variant_path(variant, device)
-        return self.core_for_file(path, threads, max_running, prefill_chunk, keep_logits, device)
+    def core(self, variant: str | None = None, options: CoreOptions | None = None,
+             hooks: CoreHooks | None = None) -> EngineCore:
+        """The engine core on one variant: what ``kiln serve``, the Triton model, ``kiln generate``,
+        the gate and the bench all run, built here alone so they schedule alike."""
+        chosen = self.manifest.variant(variant) if variant else self.default_variant((options or CoreOptions()).device)
+        assert chosen.file is not None
+        return self.core_for_file(self.folder / chosen.file, options, hooks, chosen.engine)
 
-    def core_for_file(self, path: Path, threads: int | None = None, max_running: int = DEFAULT_MAX_RUNNING,
-                      prefill_chunk: int = DEFAULT_PREFILL_CHUNK, keep_logits: bool = False,
-                      device: str = "cpu") -> EngineCore:
-        engine = self.engine_for_file(path, threads, device, max_rows=max_running)
-        return EngineCore(engine, self.tokenizer, self.eos_ids, max_running=max_running, prefill_chunk=prefill_chunk,
-                          keep_logits=keep_logits)
+    def core_for_file(self, path: Path, options: CoreOptions | None = None, hooks: CoreHooks | None = None,
+                      kind: str | None = None) -> EngineCore:
+        o = options or CoreOptions()
+        engine = self.engine_for_file(path, EngineOptions(o.threads, o.device, o.max_running, 0, o.keep_logits,
+                                                          o.memory_arena, o.batch_invariant,
+                                                          o.kv_budget // o.kv_share if o.kv_budget else None), kind)
+        budget = (o.kv_budget or engine.kv_capacity()) // o.kv_share
+        prefix = o.prefix_cache_tokens if o.prefix_cache_tokens is not None else default_prefix_cache(budget)
+        engine.use_prefix_cache(prefix)
+        if o.warm_up:
+            engine.warm_up()
+        return EngineCore(engine, self.tokenizer, self.eos_ids, max_running=o.max_running, max_waiting=o.max_waiting,
+                          kv_budget=budget, prefill_chunk=o.prefill_chunk, hooks=hooks)
+
+
+@dataclass(frozen=True)
+class CoreOptions:
+    """How a core and its engine run. ``kv_budget``: tokens of KV at most (None: what the engine
+    says its device holds); ``prefix_cache_tokens``: None is ``default_prefix_cache`` of that
+    budget, 0 none; ``keep_logits``: outputs carry their logits (the gate); ``warm_up``: run the
+    engine once before the first request; ``batch_invariant``: the torch engine's invariant kernels
+    (EngineOptions); ``kv_share``: cores sharing that budget (a server's engine replicas), each
+    getting its fraction."""
+
+    threads: int | None = None
+    device: str = "cpu"
+    max_running: int = DEFAULT_MAX_RUNNING
+    max_waiting: int | None = None
+    kv_budget: int | None = None
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefix_cache_tokens: int | None = None
+    keep_logits: bool = False
+    warm_up: bool = False
+    memory_arena: bool = True
+    batch_invariant: bool = True
+    kv_share: int = 1
+
+
+# The default prefix cache: 1/8 of the KV budget, at most 2048 tokens. A bound that a busy server reaches
+# within minutes, after which its memory stays flat; what pays is a few shared prefixes (system prompts), not
+# every prompt's last blocks.
+PREFIX_CACHE_SHARE = 8
+PREFIX_CACHE_MAX_TOKENS = 2048
+
+
+def default_prefix_cache(kv_budget: int) -> int:
+    return min(kv_budget // PREFIX_CACHE_SHARE, PREFIX_CACHE_MAX_TOKENS)
 
 
 def _generation_section(manifest: Manifest) -> dict:

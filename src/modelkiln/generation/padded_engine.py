@@ -1,7 +1,7 @@
 """The engine over an exported decoder graph (convert/decoder_export.py: the architectures the
 serving graph does not cover, and artifacts converted before it existed): prefill, then decode
-steps over a batch of sequences that can change between steps. Same calls as ``serving_engine.py``;
-the engine core (``core.py``) drives either.
+steps over a batch of sequences that can change between steps. The same primitives as
+``serving_engine.py``; ``execute`` (host_engine.py) runs the core's plans with them.
 
 How sequences of different lengths share one batch
     Each sequence is prefilled alone, into its own cache (several prefill calls extend it: chunked
@@ -23,6 +23,9 @@ import numpy as np
 
 from ..errors import InvalidInputError
 from .decoder import DecoderSession, Past
+from .host_engine import HostEngine
+from .kv_cache import host_kv_capacity
+from .plan import EngineCapabilities
 
 SeqId = Hashable
 
@@ -35,9 +38,13 @@ class _Pending:
     length: int
 
 
-class PaddedEngine:
-    def __init__(self, decoder: DecoderSession, max_context: int | None = None):
+class PaddedEngine(HostEngine):
+    def __init__(self, decoder: DecoderSession, max_context: int | None = None, max_rows: int = 32,
+                 keep_logits: bool = False):
+        super().__init__()
         self.decoder = decoder
+        self.keep_logits = keep_logits
+        self.capabilities = EngineCapabilities(decoder.device, max_rows)
         self.max_context = max_context
         self._pending: dict[SeqId, _Pending] = {}
         self.rows: list[SeqId] = []  # running sequences, in batch row order
@@ -56,28 +63,22 @@ class PaddedEngine:
         """Token slots the caches hold now, padding included (running rows × width, plus pending)."""
         return len(self.rows) * self.width + sum(p.length for p in self._pending.values())
 
-    # no prefix cache: the padded batch re-pads every sequence that joins (the engine core calls these alike)
-    prefix_tokens = 0
-    free_staging_rows = 1 << 30  # each pending sequence has a cache of its own
+    # no prefix cache (HostEngine's answers): the padded batch re-pads every sequence that joins
 
     def prefill_first(self, prompts: Sequence[tuple[SeqId, Sequence[int]]]) -> list[np.ndarray]:
         """One prefill per sequence: the exported graph would pad them to a shared width."""
         return [self.prefill(seq_id, ids) for seq_id, ids in prompts]
-
-    def restore_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> int:
-        return 0
-
-    def remember_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> None:
-        pass
-
-    def evict_prefixes(self, tokens: int) -> int:
-        return 0
 
     @staticmethod
     def kv_tokens_needed(reserves: Sequence[int]) -> int:
         """Cache tokens for sequences that may reach ``reserves`` tokens: every row is as wide as
         the widest (left padding)."""
         return len(reserves) * max(reserves, default=0)
+
+    def kv_capacity(self) -> int:
+        d = self.decoder
+        per_token = 2 * d.layers * int(d.kv_heads) * int(d.head_dim) * np.dtype(d.cache_dtype).itemsize
+        return host_kv_capacity(per_token, self.capabilities.max_rows * (self.max_context or 4096))
 
     def length(self, seq_id: SeqId) -> int:
         """Tokens in a sequence's cache."""

@@ -7,6 +7,12 @@ that prefix's last ``BLOCK_TOKENS`` positions of every layer's key and value. A 
 longest chain of cached blocks it starts with (leaving at least its last token to compute: its
 logits give the first answer token) and is prefilled from there.
 
+A prompt seen whole before computes nothing: with its blocks, the cache keeps a ``Whole`` entry
+holding the positions after its last full block and the logits of its last position, from which
+the engine chooses the first token (a repeated prompt's time to first token is a copy). There are
+at most ``MAX_WHOLE`` of them (a row of logits is the vocabulary's size), least recently used
+first out.
+
 Reuse changes no answer: the serving graph computes a position's key and value the same, bit for
 bit, whether the prompt before it was prefilled in one call, in chunks, or restored from here
 (every op works row by row, and GroupQueryAttention over each row's own length).
@@ -26,7 +32,7 @@ import numpy as np
 # Small blocks reuse more of a prompt (only whole blocks are reused): a chat template's system prompt is
 # often 20-30 tokens. A block costs one dictionary entry and one copy in and out.
 BLOCK_TOKENS = 8
-DEFAULT_MAX_TOKENS = 4096  # outside kiln serve, which sizes it from its KV budget
+MAX_WHOLE = 32  # whole prompts kept with their last logits (151,936 floats each for Qwen2.5's vocabulary)
 
 
 @dataclass
@@ -38,18 +44,28 @@ class _Block:
     children: set[int] = field(default_factory=set)
 
 
+@dataclass
+class Whole:
+    """A whole prompt: the KV of its positions after the last full block, its last position's logits."""
+
+    tokens: tuple[int, ...]
+    tail_kv: np.ndarray  # [layer key/value, kv_heads, len(tokens) % block, head_dim]
+    logits: np.ndarray
+
+
 class PrefixCache:
     def __init__(self, max_tokens: int, block_tokens: int = BLOCK_TOKENS):
         self.max_tokens = max_tokens
         self.block_tokens = block_tokens
         self._blocks: OrderedDict[int, _Block] = OrderedDict()  # least recently used first
+        self._wholes: OrderedDict[tuple[int, ...], Whole] = OrderedDict()
         self.queried_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of which restored from the cache
 
     @property
     def tokens(self) -> int:
         """Tokens of KV the cache holds (what it costs in the KV budget)."""
-        return len(self._blocks) * self.block_tokens
+        return len(self._blocks) * self.block_tokens + sum(w.tail_kv.shape[2] for w in self._wholes.values())
 
     def _keys(self, token_ids: Sequence[int], blocks: int) -> list[tuple[int, tuple[int, ...]]]:
         keys, parent = [], None
@@ -59,23 +75,51 @@ class PrefixCache:
             keys.append((parent, tokens))
         return keys
 
-    def lookup(self, token_ids: Sequence[int]) -> list[_Block]:
-        """The cached blocks the prompt starts with (at most all but its last token), marked used."""
+    def lookup(self, token_ids: Sequence[int], count: bool = True) -> tuple[list[_Block], Whole | None]:
+        """The cached blocks the prompt starts with, marked used, and its ``Whole`` entry when the
+        prompt was seen whole (then every block is there and nothing needs computing); without
+        one, at most all but its last token. ``count``: record the query in the hit statistics."""
+        whole = self._wholes.get(tuple(token_ids))
+        blocks = len(token_ids) // self.block_tokens if whole is not None else (len(token_ids) - 1) // self.block_tokens
         found: list[_Block] = []
-        for key, tokens in self._keys(token_ids, (len(token_ids) - 1) // self.block_tokens):
+        for key, tokens in self._keys(token_ids, blocks):
             block = self._blocks.get(key)
             if block is None or block.tokens != tokens:
                 break
             found.append(block)
+        if whole is not None and len(found) < blocks:  # some of its blocks were evicted: blocks only
+            whole, found = None, found[:(len(token_ids) - 1) // self.block_tokens]
         for block in found:
             self._blocks.move_to_end(block.key)
-        self.queried_tokens += len(token_ids)
-        self.hit_tokens += len(found) * self.block_tokens
-        return found
+        if whole is not None:
+            self._wholes.move_to_end(tuple(token_ids))
+        if count:
+            self.queried_tokens += len(token_ids)
+            self.hit_tokens += len(token_ids) if whole is not None else len(found) * self.block_tokens
+        return found, whole
 
-    def insert(self, token_ids: Sequence[int], read_kv) -> int:  # type: ignore[no-untyped-def]
+    def cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of the prompt's tokens ``lookup`` restores (all of them for a ``Whole`` hit)."""
+        blocks, whole = self.lookup(token_ids)
+        return len(token_ids) if whole is not None else len(blocks) * self.block_tokens
+
+    def insert(self, token_ids: Sequence[int], read_kv, last_logits: np.ndarray | None = None) -> int:  # type: ignore[no-untyped-def]
         """Cache every full block of ``token_ids`` not cached yet; ``read_kv(start, stop)`` returns
-        a copy of those positions' KV. Returns the tokens added."""
+        a copy of those positions' KV. With ``last_logits`` (and room), the whole prompt too.
+        Returns the tokens added."""
+        added = self._insert_blocks(token_ids, read_kv)
+        fits = len(token_ids) <= self.max_tokens
+        if last_logits is not None and fits and tuple(token_ids) not in self._wholes:
+            tail = len(token_ids) // self.block_tokens * self.block_tokens
+            self._wholes[tuple(token_ids)] = Whole(tuple(token_ids), read_kv(tail, len(token_ids)), last_logits.copy())
+            added += len(token_ids) - tail
+            while len(self._wholes) > MAX_WHOLE:
+                self._wholes.popitem(last=False)
+        if self.tokens > self.max_tokens:  # the oldest make room (never this prompt's: just used)
+            self.evict(self.tokens - self.max_tokens)
+        return added
+
+    def _insert_blocks(self, token_ids: Sequence[int], read_kv) -> int:  # type: ignore[no-untyped-def]
         added, parent = 0, None
         blocks = min(len(token_ids), self.max_tokens) // self.block_tokens
         for b, (key, tokens) in enumerate(self._keys(token_ids, blocks)):
@@ -89,14 +133,14 @@ class PrefixCache:
                 added += self.block_tokens
             self._blocks.move_to_end(key)
             parent = key
-        if self.tokens > self.max_tokens:  # the oldest chains make room (never this prompt's: just used)
-            self.evict(self.tokens - self.max_tokens)
         return added
 
     def evict(self, tokens: int) -> int:
-        """Free at least ``tokens`` tokens (or everything), least recently used first. Returns the
-        tokens freed."""
+        """Free at least ``tokens`` tokens (or everything), least recently used first: whole-prompt
+        entries, then block chains. Returns the tokens freed."""
         freed = 0
+        while self._wholes and freed < tokens:
+            freed += self._wholes.popitem(last=False)[1].tail_kv.shape[2]
         while self._blocks and freed < tokens:
             freed += self._drop(next(iter(self._blocks)))
         return freed
@@ -111,3 +155,4 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._wholes.clear()

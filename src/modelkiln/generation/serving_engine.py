@@ -1,6 +1,6 @@
 """The engine over the serving graph (convert/serving_graph.py): prefill into a staging row, join
-the decode batch, decode steps, leave. The same five calls as the export graph's engine
-(``engine.py``), so the engine core drives either.
+the decode batch, decode steps, leave. ``execute`` (host_engine.py, shared with the export graph's
+engine) runs the core's plans with these primitives and chooses tokens on the host.
 
 Why a sequence's answer does not depend on its batch
     GroupQueryAttention computes each (row, head) over that row's own length, single-threaded per
@@ -22,7 +22,9 @@ import onnxruntime as ort
 
 from ..errors import InvalidInputError, KilnError
 from . import graph_io as io
-from .kv_cache import CacheShape, RowRegion
+from .host_engine import HostEngine
+from .kv_cache import CacheShape, RowRegion, host_kv_capacity
+from .plan import EngineCapabilities
 from .prefix_cache import PrefixCache
 
 SeqId = Hashable
@@ -35,10 +37,11 @@ class _Staged:
     length: int  # tokens in its cache
 
 
-class ServingEngine:
+class ServingEngine(HostEngine):
     def __init__(self, session: ort.InferenceSession, heads: int, threads: int, max_context: int | None,
                  max_rows: int = 32, staging_rows: int | None = None, max_length: int | None = None,
-                 prefix_cache_tokens: int = 0):
+                 prefix_cache_tokens: int = 0, keep_logits: bool = False):
+        super().__init__()
         inputs = {i.name: i for i in session.get_inputs()}
         for required in (io.INPUT_IDS, io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH, io.LOGIT_POSITIONS, io.past_key_name(0)):
             if required not in inputs:
@@ -65,7 +68,8 @@ class ServingEngine:
         self._past_names = [n for i in range(self.layers) for n in (io.past_key_name(i), io.past_value_name(i))]
         self._present_names = [n for i in range(self.layers) for n in (io.present_key_name(i), io.present_value_name(i))]
         self._row_positions = np.arange(self.running.rows, dtype=np.int64)  # a decode step: each row's one token
-        self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.keep_logits = keep_logits
+        self.use_prefix_cache(prefix_cache_tokens)
         self.ghost_rows = False
         self.ghost_rows = self._lone_row_differs()
 
@@ -84,6 +88,10 @@ class ServingEngine:
         """Cache tokens (RAM) for sequences that may reach ``reserves`` tokens: each its own."""
         return sum(reserves)
 
+    def kv_capacity(self) -> int:
+        """Tokens of KV the host's memory holds by the default share, at most every row full."""
+        return host_kv_capacity(self.shape.bytes_per_token, self.max_rows * self.shape.max_length)
+
     def length(self, seq_id: SeqId) -> int:
         if seq_id in self._staged:
             return self._staged[seq_id].length
@@ -92,27 +100,43 @@ class ServingEngine:
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._staged or seq_id in self.rows
 
-    # -- prefill ---------------------------------------------------------------------------
-    def restore_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> int:
-        """Start a new sequence with the longest cached prefix of its prompt; returns the tokens
-        restored (the prompt is prefilled from there)."""
-        blocks = self.prefixes.lookup(prompt_ids) if self.prefixes else []
-        if not blocks:
-            return 0
+    # -- the prefix cache ---------------------------------------------------------------------
+    def use_prefix_cache(self, tokens: int) -> None:
+        """Keep at most ``tokens`` tokens of prompt prefixes (0: none); what was cached is dropped."""
+        self.prefixes = PrefixCache(tokens) if tokens > 0 else None
+        self.capabilities = EngineCapabilities("cpu", self.max_rows, mixed_steps=False, prefix_cache=tokens > 0)
+
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """How many of the prompt's tokens the prefix cache holds (counted in its hit statistics)."""
+        return self.prefixes.cached_tokens(prompt_ids) if self.prefixes else 0
+
+    def restore_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int], tokens: int) -> np.ndarray | None:
+        """Start a new sequence with its prompt's first ``tokens`` from the prefix cache (what
+        ``cached_prefix`` said); the stored first-token logits when that is the whole prompt."""
+        if self.prefixes is None:
+            raise KilnError("this engine has no prefix cache")
+        blocks, whole = self.prefixes.lookup(prompt_ids, count=False)
+        size = self.prefixes.block_tokens
+        restored = len(prompt_ids) if whole is not None else len(blocks) * size
+        if restored != tokens:
+            raise KilnError(f"the prefix cache holds {restored} tokens of this prompt, not the {tokens} planned")
         staged = self._stage(seq_id)
-        size = self.prefixes.block_tokens  # type: ignore[union-attr]
         for b, block in enumerate(blocks):
             self.staging.write(staged.row, b * size, block.kv)
-        staged.length = len(blocks) * size
-        return staged.length
+        if whole is not None:
+            self.staging.write(staged.row, len(blocks) * size, whole.tail_kv)
+        staged.length = restored
+        return whole.logits if whole is not None else None
 
-    def remember_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> None:
-        """Cache the full blocks of a prefilled prompt (its staged KV) for the prompts that follow."""
+    def remember_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int], last_logits: np.ndarray) -> None:
+        """Cache a prefilled prompt (its staged KV, and its last logits) for the prompts that follow."""
         staged = self._staged.get(seq_id)
         if self.prefixes is None or staged is None or staged.length < len(prompt_ids):
             return
         row = staged.row
-        self.prefixes.insert(prompt_ids, lambda start, stop: self.staging.read(row, start, stop))
+        self.prefixes.insert(prompt_ids, lambda start, stop: self.staging.read(row, start, stop), last_logits)
+
+    # -- prefill ---------------------------------------------------------------------------
 
     def evict_prefixes(self, tokens: int) -> int:
         return self.prefixes.evict(tokens) if self.prefixes else 0
@@ -190,10 +214,6 @@ class ServingEngine:
                 return free[i]
         raise KilnError(f"no {count} free staging rows side by side ({len(free)} of {self.staging.rows} free)")
 
-    @property
-    def free_staging_rows(self) -> int:
-        return len(self._free_staging)
-
     def join(self, seq_id: SeqId) -> None:
         """Move a prefilled sequence into the decode batch (it takes part in the next step)."""
         staged = self._staged.pop(seq_id)
@@ -207,7 +227,7 @@ class ServingEngine:
         self._lengths = np.append(self._lengths, np.int32(staged.length))
 
     def add(self, seq_id: SeqId, prompt_ids: Sequence[int]) -> np.ndarray:
-        """Prefill a whole prompt and join: returns the logits for the first new token."""
+        """Prefill a whole prompt and join: returns the logits for the first new token (tests)."""
         logits = self.prefill(seq_id, prompt_ids)
         self.join(seq_id)
         return logits

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..tasks.tensors import TensorSpec
+
 Parameters = dict[str, Any]  # OIP parameters: str / int / float / bool values
 MODEL_VERSION = "1"  # every served model has one version (a Triton repository folder without versions)
 
@@ -25,16 +27,6 @@ def request_timeout(limit_s: float, parameters: Mapping[str, Any] | None) -> flo
     if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
         return min(limit_s, asked / 1e6)
     return limit_s
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One input or output of a model as metadata shows it (shape -1 = any size)."""
-
-    name: str
-    datatype: str  # OIP datatype: BYTES, FP32, INT64, ...
-    shape: tuple[int, ...]
-    optional: bool = False
 
 
 @dataclass
@@ -130,8 +122,9 @@ class InferenceService(Protocol):
     def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata: ...
     async def infer(self, request: InferRequest) -> InferResponse: ...
     def stream_infer(self, request: InferRequest) -> AsyncIterator[InferResponse]: ...  # decoupled (gRPC stream)
-    def model_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]: ...
+    # async: with ``kiln serve --workers N`` both are asked of every worker process
+    async def model_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]: ...
     # Triton's model repository extension
-    def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]: ...
+    async def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]: ...
     async def load_model(self, name: str) -> None: ...
     async def unload_model(self, name: str) -> None: ...

@@ -24,7 +24,7 @@ from tokenizers import Encoding
 from ..errors import InvalidInputError
 from ..manifest import Manifest
 from ..samples import SAMPLE_TEXTS
-from ..serve.types import TensorSpec
+from .tensors import TensorSpec
 from . import tensors as t
 
 TextInput = str | tuple[str, str]

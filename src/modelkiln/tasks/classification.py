@@ -10,7 +10,7 @@ from tokenizers import Encoding
 
 from ..errors import InvalidInputError
 from ..samples import SAMPLE_PAIRS, SAMPLE_TEXTS
-from ..serve.types import TensorSpec
+from .tensors import TensorSpec
 from . import tensors as t
 from .base import Task, TaskInfo, TextInput, sigmoid, softmax
 

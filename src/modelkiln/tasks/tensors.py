@@ -11,11 +11,23 @@ functions at the end look a task class up by name, for clients that have no arti
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a model as metadata shows it (shape -1 = any size)."""
+
+    name: str
+    datatype: str  # OIP datatype: BYTES, FP32, INT64, ...
+    shape: tuple[int, ...]
+    optional: bool = False
+
 
 # --- inputs: BYTES, one element per example ------------------------------------------------------
 TEXT = "TEXT"
@@ -112,6 +124,8 @@ def _task(name: str) -> Any:
 def __getattr__(name: str) -> Any:
     """``TASK_INPUTS`` (task → (required, optional) input names) and ``TASK_OUTPUTS`` (task →
     output names), derived from the task classes."""
+    if name not in ("TASK_INPUTS", "TASK_OUTPUTS"):  # other lookups (dataclasses asks while this module loads)
+        raise AttributeError(name)
     from . import TASKS
 
     if name == "TASK_INPUTS":

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Encoding
 
-from ..serve.types import TensorSpec
+from .tensors import TensorSpec
 from . import tensors as t
 from .base import Task, TaskInfo, TextInput, softmax
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..manifest import Manifest
-from ..serve.types import TensorSpec as OipSpec
+from ..tasks.tensors import TensorSpec as OipSpec
 from ..tasks import make_task
 
 MODEL_BACKENDS = ("onnxruntime", "tensorrt", "python")

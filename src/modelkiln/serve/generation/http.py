@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from fastapi import Request
@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 from ...errors import InvalidInputError, KilnError, PayloadTooLargeError
 from ..codec import decompress
 from ..errors import error_response
-from .model import GenerationModel, Stream
+from .model import GenerationModel
 
 T = TypeVar("T")
 GONE: Any = object()  # what ``unless_gone`` returns when the client left first
@@ -58,7 +58,11 @@ def sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-def sse_response(stream: Stream, events: AsyncIterator[bytes], openai: bool) -> StreamingResponse:
+class Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+def sse_response(stream: Closable, events: AsyncIterator[bytes], openai: bool) -> StreamingResponse:
     """Send ``events``; an error after the first byte becomes an ``error`` event (the status is sent)."""
 
     async def body() -> AsyncIterator[bytes]:

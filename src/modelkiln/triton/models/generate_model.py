@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import sys
-import threading
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # the snapshot this repository was generated with wins over any installed modelkiln
@@ -24,23 +24,22 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402  (provided by Triton's python backend)
 
 from modelkiln.errors import KilnError  # noqa: E402
-from modelkiln.generation.core import EngineCore, Request  # noqa: E402
-from modelkiln.generation.model import TextGenerationModel  # noqa: E402
+from modelkiln.generation.core import DEFAULT_MAX_WAITING, DEFAULT_TIMEOUT_S, Request  # noqa: E402
+from modelkiln.generation.driver import CoreDriver  # noqa: E402
+from modelkiln.generation.model import CoreOptions, TextGenerationModel  # noqa: E402
+from modelkiln.generation.params import sampling_params  # noqa: E402
 
 log = logging.getLogger("modelkiln.triton")
 
-# input name → (SamplingParams field, type)
-SAMPLING_INPUTS = {"max_tokens": ("max_new_tokens", int), "temperature": ("temperature", float),
-                   "top_k": ("top_k", int), "top_p": ("top_p", float),
-                   "repetition_penalty": ("repetition_penalty", float), "seed": ("seed", int),
-                   "ignore_eos": ("ignore_eos", bool)}
+# inputs read as the request's sampling fields (generation/params.py checks them as kiln serve does)
+SAMPLING_INPUTS = ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "ignore_eos")
 
 
 class Job(Request):
     """A request, how it answers (``sender``, streamed or whole) and what it has said so far."""
 
-    def __init__(self, request_id, prompt_ids, params, sender, stream):
-        super().__init__(request_id, prompt_ids, params)
+    def __init__(self, request_id, prompt_ids, params, deadline, sender, stream):
+        super().__init__(request_id, prompt_ids, params, deadline=deadline)
         self.sender = sender
         self.stream = stream
         self.pieces = []
@@ -50,26 +49,24 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        threads = int(parameters.get("threads") or 0) or None
-        max_batch = int(parameters.get("max_batch") or 32)
         self.model = TextGenerationModel(HERE)
-        engine = self.model.engine(parameters.get("variant") or None, threads, max_rows=max_batch)
-        self.core = EngineCore(engine, self.model.tokenizer, self.model.eos_ids, max_running=max_batch)
+        self.timeout_s = float(parameters.get("timeout_s") or DEFAULT_TIMEOUT_S)
+        options = CoreOptions(threads=int(parameters.get("threads") or 0) or None,
+                              max_running=int(parameters.get("max_batch") or 32),
+                              max_waiting=int(parameters.get("max_queue") or DEFAULT_MAX_WAITING), warm_up=True)
+        # the same core kiln serve builds: KV budget from what the engine's memory holds, the queue bound,
+        # the prefill chunk, the prefix cache; one thread steps it (abort and deadlines included)
+        core = self.model.core(parameters.get("variant") or None, options)
+        self.driver = CoreDriver(core, self._deliver, name="triton")
         self.ids = iter(range(1, 1 << 62))
-        self.wake = threading.Condition()
-        self.running = True
-        self.scheduler = threading.Thread(target=self._schedule, name="kiln-generate", daemon=True)
-        self.scheduler.start()
+        self.driver.start()
 
     # -- requests ------------------------------------------------------------------------------
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
-                job = self._job(request, sender)
-                with self.wake:
-                    self.core.add_request(job)
-                    self.wake.notify()
+                self.driver.submit(self._job(request, sender))
             except (KilnError, ValueError, TypeError, UnicodeDecodeError) as exc:  # the request's fault: 400
                 error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -80,37 +77,34 @@ class TritonPythonModel:
         if text is None:
             raise ValueError("text_input is required")
         prompt = text.decode("utf-8") if isinstance(text, bytes) else str(text)
-        given = json.loads(request.parameters() or "{}")
-        overrides = {}
-        for name, (field, kind) in SAMPLING_INPUTS.items():
+        fields = json.loads(request.parameters() or "{}")
+        for name in SAMPLING_INPUTS:
             value = _scalar(request, name)
-            value = given.get(name) if value is None else value
-            if value is not None:
-                overrides[field] = kind(value)
-        stream = _scalar(request, "stream")
-        stream = bool(given.get("stream", False) if stream is None else stream)
-        params = self.model.default_params(**overrides)
-        return Job(next(self.ids), self.model.prompt_ids(prompt), params, sender, stream)
+            if value is not None:  # the tensors win over the parameters
+                fields[name] = value
+        stream_input = _scalar(request, "stream")
+        stream = bool(fields.pop("stream", False) if stream_input is None else stream_input)
+        ids = self.model.prompt_ids(prompt)
+        context = self.model.max_context or self.model.manifest.max_length
+        params = sampling_params(fields, self.model.default_params(), len(ids), context)
+        return Job(next(self.ids), ids, params, time.monotonic() + self.timeout_s, sender, stream)
 
-    # -- the scheduler thread -------------------------------------------------------------------
-    def _schedule(self):
-        while True:
-            with self.wake:
-                while self.running and not self.core.has_work():
-                    self.wake.wait()
-                if not self.running:
-                    return
-            for part in self.core.step_parts():  # the core fails its own requests on an engine error
-                for output in part:  # first tokens go out before the decode step
-                    try:
-                        self._answer(output)
-                    except Exception:  # a client gone or a bad response: that request only, the thread goes on
-                        log.exception("could not answer generation request %s", output.request_id)
+    # -- the driver thread's outputs ------------------------------------------------------------
+    def _deliver(self, outputs):
+        for output in outputs:
+            try:
+                self._answer(output)
+            except Exception:  # a client gone or a bad response: that request only, the thread goes on
+                log.exception("could not answer generation request %s", output.request_id)
+                self.driver.cancel(output.request_id)
 
     def _answer(self, output):
         job = output.request
         if output.error is not None:
             self._fail(job, output.error)
+            return
+        if _cancelled(job.sender):  # the client went away: free its sequence at the next step
+            self.driver.cancel(job.request_id)
             return
         delta = output.delta
         final = delta.finish_reason is not None
@@ -136,10 +130,12 @@ class TritonPythonModel:
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
-        with self.wake:
-            self.running = False
-            self.wake.notify()
-        self.scheduler.join(timeout=10)
+        self.driver.stop(timeout=10)
+
+
+def _cancelled(sender):
+    is_cancelled = getattr(sender, "is_cancelled", None)  # Triton's python backend 23.10 and later
+    return bool(is_cancelled()) if is_cancelled is not None else False
 
 
 def _scalar(request, name):
