@@ -112,7 +112,8 @@ class GgufSource:
 class TransformersSource:
     """Any other source: the model loaded by transformers in fp32."""
 
-    def __init__(self, source: src.SourceModel, wanted: list[str], max_model_gb: float | None, steps: Any):
+    def __init__(self, source: src.SourceModel, wanted: list[str], max_model_gb: float | None, steps: Any,
+                 torch_engine: bool = False):
         self.source = source
         params = count_parameters(source)
         check_fp32_memory(source.ref, params, [*wanted, "fp32"], max_model_gb, None)  # fp32 is always the base here
@@ -120,9 +121,16 @@ class TransformersSource:
             self.model = load_causal_lm(source)
         self.config = self.model.config
         self.generation_config = getattr(self.model, "generation_config", None)
+        self.graph: dict[str, Any]
+        if torch_engine:  # the weights for the torch engine: a family its forward covers, or a typed error
+            from ..generation.torch_decoder import DecoderConfig
+
+            DecoderConfig.of(self.config)
+            self.graph = {"kind": "torch", "opset": None}
+            return
         try:
             DecoderSpec.of(self.model)
-            self.graph: dict[str, Any] = {"kind": "serving", "opset": SERVING_GRAPH_OPSET}
+            self.graph = {"kind": "serving", "opset": SERVING_GRAPH_OPSET}
         except UnsupportedArchitectureError as exc:  # covered by the torch export instead: say why
             self.graph = {"kind": "export", "opset": DECODER_OPSET, "why": str(exc)}
             log.info("decoder graph: the torch export (%s)", exc)
@@ -176,8 +184,12 @@ def load_causal_lm(source: src.SourceModel) -> Any:
     return model.eval()
 
 
-def open_source(source: src.SourceModel, wanted: list[str], max_model_gb: float | None, steps: Any) -> GgufSource | TransformersSource:
-    """The source for ``source``, its memory checked for ``wanted`` before any graph is written."""
+def open_source(source: src.SourceModel, wanted: list[str], max_model_gb: float | None, steps: Any,
+                torch_engine: bool = False) -> GgufSource | TransformersSource:
+    """The source for ``source``, its memory checked for ``wanted`` before any graph is written
+    (the torch engine's variants are the transformers model's weights, whatever the file)."""
+    if torch_engine:
+        return TransformersSource(source, wanted, max_model_gb, steps, torch_engine=True)
     if GgufSource.covers(source):
         assert source.gguf_path is not None
         try:
