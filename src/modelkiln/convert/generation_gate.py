@@ -40,7 +40,7 @@ class GateTolerance:
 DEFAULT_GATE = {
     "fp32": GateTolerance(max_ppl_increase=0.001, all_greedy=True),
     # The GGUF's own blocks are the reference's weights; only the kernel's int8 activations
-    # (accuracy level 4) differ: SmolLM2 +0.25%.
+    # (accuracy level 4) differ: SmolLM2's Q4_1 file +0.6% on the gate's paragraphs.
     "gguf": GateTolerance(max_ppl_increase=0.03, all_greedy=False),
     "int8": GateTolerance(max_ppl_increase=0.03, all_greedy=False),
     "int4": GateTolerance(max_ppl_increase=0.03, all_greedy=False),
