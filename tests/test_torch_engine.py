@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from generation_helpers import make_tiny_causal_lm, make_tiny_mistral
-from modelkiln.convert.generation_gate import GatePrompts, check_batch_invariance, core_run
+from modelkiln.convert.generation_gate import GatePrompts, candidate_run, check_batch_invariance
 from modelkiln.convert.torch_weights import save_weights
 from modelkiln.errors import InvalidInputError
 from modelkiln.generation.core import EngineCore, Request, complete, greedy, prompt_logits, run_to_completion
@@ -105,8 +105,11 @@ def test_the_gates_batch_check_passes(tiny_torch_artifact):
     model = TextGenerationModel(tiny_torch_artifact)
     core = model.core(None, CoreOptions(threads=1, max_running=4, prefill_chunk=16, keep_logits=True))
     gate = GatePrompts(PROMPTS, ["text"] * len(PROMPTS), [])
-    alone = core_run(core, PROMPTS, 10, together=False)
-    invariance = check_batch_invariance(core, gate, alone, 10)
+    alone = candidate_run(core, gate, 10, int(model.settings["vocab_size"]))
+    try:
+        invariance = check_batch_invariance(core, gate, alone, 10)
+    finally:
+        alone.logits.close()
     assert invariance.differing == [] and invariance.max_abs_diff == 0.0
 
 

@@ -160,7 +160,7 @@ def export_engine(model: TextGenerationModel, folder: Path) -> PaddedEngine:
     path = folder / "model.onnx"
     if not path.is_file():
         from modelkiln.convert.decoder_export import export_decoder
-        from modelkiln.convert.generation import load_causal_lm
+        from modelkiln.convert.generation_sources import load_causal_lm
         from modelkiln.convert.source import load_source
 
         folder.mkdir(parents=True, exist_ok=True)

@@ -94,7 +94,7 @@ def convert(
     model: str = typer.Argument(..., help="Local model folder, Hugging Face hub id, or a .gguf file (text generation)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Artifact folder to write (atomically)."),
     task: str = typer.Option("auto", help="text-classification | sentence-embeddings | token-classification | question-answering | text-generation | auto"),
-    precision: str = typer.Option("", help="Comma-separated variants to build: fp32,optimized,int8,fp16,tensorrt or all (text generation: fp32,int8,int4; --engine torch: fp32,bf16,fp16). Default: all that fit the device."),
+    precision: str = typer.Option("", help="Comma-separated variants to build: fp32,optimized,int8,fp16,tensorrt or all (text generation: gguf,fp32,int8,int4, gguf = a GGUF file's own blocks; --engine torch: fp32,bf16,fp16). Default: all that fit the device; for a GGUF file, gguf."),
     device: str = typer.Option("cpu", help="cpu or cuda: the device variants are built, validated and timed on."),
     engine: str = typer.Option("onnx", help="onnx: ONNX Runtime graphs; torch: the weights for kiln's PyTorch engine (variants torch-fp32, torch-bf16, torch-fp16; needs modelkiln[convert] to serve)."),
     calibration_texts: Optional[Path] = typer.Option(None, help="Validation texts, one per line (a tab separates a pair / question-context)."),
@@ -106,9 +106,9 @@ def convert(
     int8_min_agreement: Optional[float] = typer.Option(None, help="Min task agreement for int8 (default 0.9)."),
     fp16_min_cosine: Optional[float] = typer.Option(None, help="Min mean cosine similarity for fp16 (default 0.999)."),
     int4_block_size: int = typer.Option(32, help="Text generation: weights per int4 scale (MatMulNBits block size)."),
-    int4_accuracy_level: int = typer.Option(4, help="Text generation: MatMulNBits accuracy level (4: int8 compute)."),
+    int4_accuracy_level: int = typer.Option(4, help="Text generation: MatMulNBits accuracy level of gguf, int8 and int4 (4: int8 compute; 0: fp32)."),
     gate_prompts: str = typer.Option("8,4", help="Text generation: gate prompts as SHORT,SQUAD (STS-B sentences, SQuAD chat prompts; as many SQuAD paragraphs for perplexity)."),
-    max_model_gb: Optional[float] = typer.Option(None, help="Text generation: refuse models whose fp32 weights exceed this (default: a third of the memory)."),
+    max_model_gb: Optional[float] = typer.Option(None, help="Text generation: refuse fp32, int8 and int4 of models whose fp32 weights exceed this (default: a third of the memory)."),
 ) -> None:
     """Export MODEL to ONNX, build faster variants, validate each against PyTorch, write an artifact."""
     from dataclasses import replace

@@ -14,12 +14,16 @@ from ..tasks import text_generation
 ONNX_ENGINE, TORCH_ENGINE = "onnx", "torch"  # kiln convert --engine
 
 
-def default_precisions(task: str, device: str, engine: str = ONNX_ENGINE) -> tuple[str, ...]:
+def default_precisions(task: str, device: str, engine: str = ONNX_ENGINE, gguf: bool = False) -> tuple[str, ...]:
     """Every variant that fits the device: a text-generation model gets the low-bit decoders
-    (``int4`` = MatMulNBits), an encoder the fused graph and, on CUDA, TensorRT; the torch engine
-    fp32, and bf16 too on CUDA (where it is fast: on the CPU it is slower than fp32)."""
+    (``int4`` = MatMulNBits), or from a GGUF file its own blocks only (``gguf``: exactly the file's
+    weights, and no fp32 copy of the model needed); an encoder the fused graph and, on CUDA,
+    TensorRT; the torch engine fp32, and bf16 too on CUDA (where it is fast: on the CPU it is
+    slower than fp32)."""
     if engine == TORCH_ENGINE:
         return ("fp32",) if device == "cpu" else ("fp32", "bf16")
+    if task == text_generation.NAME and gguf:
+        return ("gguf",)
     if task == text_generation.NAME:
         return ("fp32", "int8", "int4") if device == "cpu" else ("fp32", "int8", "int4", "fp16")
     return ("fp32", "optimized", "int8") if device == "cpu" else ("fp32", "optimized", "fp16", "tensorrt")
