@@ -15,9 +15,10 @@ BENCH_GRID ?= --batch 1,8 --seq 16,128
 LLM_GGUF = $$($(PY) -m modelkiln.embedded SmolLM2-135M-Instruct)
 LLM_ARTIFACT ?= artifacts/smollm2
 LLM_BENCH_GRID ?= --batch 1,8 --seq 128
-# The demo builds fp32 and int4 of the chat model: int4 is the variant served by default (docs/generation.md), and
-# int8 would add its own gate to the demo's time. `make demo LLM_PRECISION=fp32,int8,int4` builds it too.
-LLM_PRECISION ?= fp32,int4
+# The demo builds the chat model's packed variant only: gguf, the GGUF file's own blocks, which `kiln convert` builds
+# by default for a GGUF file and serves by default (docs/generation.md). `make demo LLM_PRECISION=gguf,fp32,int8,int4`
+# builds the others too, each with its own gate.
+LLM_PRECISION ?= gguf
 # torch is the only package taken from PyTorch's CPU wheel index: a plain `pip install torch` resolves to the
 # CUDA build on Linux (several GB of nvidia-* packages). Where that index cannot be reached (offline machines
 # with a local wheel folder), the plain pin is used; --retries 0 and a short timeout keep that fallback fast.

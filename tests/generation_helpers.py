@@ -137,11 +137,42 @@ def make_tiny_causal_lm(folder: Path, family: str) -> Path:
     return folder
 
 
-def write_tiny_gguf(path: Path, matrices: str = "F32", embedding: str = "F32") -> Path:
-    """A tiny random Llama (GQA) as a GGUF file, byte-level BPE tokenizer and chat template in its metadata,
-    written with the ``gguf`` package the way llama.cpp's converter writes one (HF weight layout).
-    ``matrices`` / ``embedding``: the GGUF type of the layers' weight matrices / of the token
-    embedding (tied to the LM head, as in SmolLM2's Q4_1 file, whose embedding is Q8_0)."""
+# Byte offsets of each GGUF block's fp16 scale fields (d, and dmin where there is one), from
+# gguf-py's quants.py layouts: random blocks get finite scales there.
+GGUF_FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
+                    "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0]}
+
+
+def random_gguf_blocks(kind: str, rows: int, cols: int, rng, scale: float = 0.1):
+    """[rows, bytes] of valid ``kind`` blocks: every code random, the fp16 scales finite and set so
+    that the weights' standard deviation is about ``scale`` (gguf-py cannot quantize K-quants)."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+
+    def set_scales(value: float) -> None:
+        for at in GGUF_FP16_FIELDS[kind]:
+            raw[..., at:at + 2] = np.float16(value).reshape(1).view(np.uint8)
+
+    set_scales(1.0)
+    std = float(gguf.quants.dequantize(raw.reshape(rows, -1), qtype).std())
+    set_scales(scale / std)
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_gguf(path: Path, matrices: str = "F32", embedding: str = "F32", architecture: str = "llama",
+                    hidden: int = 64, ff: int = 96, types: dict[str, str] | None = None,
+                    shapes: dict[str, tuple[int, int]] | None = None, tied: bool | None = None) -> Path:
+    """A tiny random decoder (GQA; ``architecture`` llama or qwen2, with q/k/v biases) as a GGUF
+    file, byte-level BPE tokenizer and chat template in its metadata, written with the ``gguf``
+    package the way llama.cpp's converter writes one. ``matrices`` / ``embedding``: the GGUF type
+    of the layers' weight matrices / of the token embedding, tied to the LM head unless ``tied``
+    says otherwise (by default a quantized embedding is tied, as in SmolLM2's Q4_1 file, whose
+    embedding is Q8_0); ``types``: other types for some matrices by name (``attn_v``, ``ffn_down``,
+    ``output``...); ``shapes``: other shapes [rows, columns] for some, a file that contradicts its config."""
     import gguf
     import numpy as np
 
@@ -150,8 +181,11 @@ def write_tiny_gguf(path: Path, matrices: str = "F32", embedding: str = "F32") -
     spec = json.loads((folder / "tokenizer.json").read_text())
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    hidden, ff, layers, heads, kv_heads, n_vocab = 64, 96, 2, 4, 2, len(vocab)
-    w = gguf.GGUFWriter(str(path), "llama")
+    layers, heads, kv_heads, n_vocab = 2, 4, 2, len(vocab)
+    types, shapes = dict(types or {}), dict(shapes or {})
+    tied = embedding != "F32" if tied is None else tied
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), architecture)
     w.add_context_length(512)
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
@@ -171,29 +205,38 @@ def write_tiny_gguf(path: Path, matrices: str = "F32", embedding: str = "F32") -
     w.add_chat_template(CHAT_TEMPLATE)
     rng = np.random.default_rng(0)
 
-    def tensor(name: str, *shape: int, scale: float = 0.1, kind: str = "F32") -> None:
-        values = (rng.standard_normal(shape) * scale).astype(np.float32)
+    def tensor(name: str, rows: int, cols: int, kind: str, scale: float = 0.1) -> None:
+        role = name.split(".")[-2]
+        rows, cols = shapes.get(role, (rows, cols))
+        kind = types.get(role, kind)
         if kind == "F32":
-            w.add_tensor(name, values)
+            w.add_tensor(name, (rng.standard_normal((rows, cols)) * scale).astype(np.float32))
+            return
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):  # gguf-py quantizes these itself
+            raw = gguf.quantize((rng.standard_normal((rows, cols)) * scale).astype(np.float32), qtype)
         else:
-            qtype = gguf.GGMLQuantizationType[kind]
-            w.add_tensor(name, gguf.quantize(values, qtype), raw_dtype=qtype)
+            raw = random_gguf_blocks(kind, rows, cols, rng, scale)
+        w.add_tensor(name, raw, raw_dtype=qtype)
 
-    tensor("token_embd.weight", n_vocab, hidden, scale=1.0, kind=embedding)
+    tensor("token_embd.weight", n_vocab, hidden, embedding, scale=1.0)
     head_dim = hidden // heads
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-        tensor(f"blk.{i}.attn_q.weight", hidden, hidden, kind=matrices)
-        tensor(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, kind=matrices)
-        tensor(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, kind=matrices)
-        tensor(f"blk.{i}.attn_output.weight", hidden, hidden, kind=matrices)
-        tensor(f"blk.{i}.ffn_gate.weight", ff, hidden, kind=matrices)
-        tensor(f"blk.{i}.ffn_up.weight", ff, hidden, kind=matrices)
-        tensor(f"blk.{i}.ffn_down.weight", hidden, ff, kind=matrices)
+        tensor(f"blk.{i}.attn_q.weight", hidden, hidden, matrices)
+        tensor(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, matrices)
+        tensor(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, matrices)
+        if architecture == "qwen2":
+            for role, rows in (("attn_q", hidden), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
+                w.add_tensor(f"blk.{i}.{role}.bias", (rng.standard_normal(rows) * 0.1).astype(np.float32))
+        tensor(f"blk.{i}.attn_output.weight", hidden, hidden, matrices)
+        tensor(f"blk.{i}.ffn_gate.weight", ff, hidden, matrices)
+        tensor(f"blk.{i}.ffn_up.weight", ff, hidden, matrices)
+        tensor(f"blk.{i}.ffn_down.weight", hidden, ff, matrices)
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-    if embedding == "F32":  # an untied head, as before; a quantized file ties it to the embedding
-        tensor("output.weight", n_vocab, hidden, scale=1.0)
+    if not tied:
+        tensor("output.weight", n_vocab, hidden, "F32", scale=1.0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -212,3 +255,35 @@ def tiny_generation_artifact(tmp_path_factory) -> Path:
     convert(ConvertConfig(model=str(make_tiny_llama(root / "hf")), out=out, task="text-generation",
                           precisions=["fp32", "int8"], threads=1, timing_seconds=0.02))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_torch_artifact(tmp_path_factory) -> Path:
+    """The tiny Llama converted by `kiln convert --task text-generation --engine torch` (torch-fp32,
+    on the CPU), shared by the torch engine's tests and the CLI tests."""
+    from modelkiln.convert.pipeline import ConvertConfig, convert
+
+    root = tmp_path_factory.mktemp("tiny-torch")
+    out = root / "tiny-llama-torch"
+    convert(ConvertConfig(model=str(make_tiny_llama(root / "hf")), out=out, task="text-generation", engine="torch",
+                          precisions=["fp32"], threads=1, timing_seconds=0.02))
+    return out
+
+
+def make_tiny_mistral(folder: Path, sliding_window: int = 12) -> Path:
+    """A saved random Mistral with a short sliding window (attention sees the last ``sliding_window``
+    positions), so that prompts and answers of a few dozen tokens cross it."""
+    import torch
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fast = _save_tokenizer(folder)
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(tf.MistralConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, sliding_window=sliding_window,
+        eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.eval().save_pretrained(folder)
+    return folder

@@ -7,19 +7,10 @@ import shutil
 
 import pytest
 
-from helpers import kiln
+from helpers import assert_one_line_error, kiln
 from modelkiln.convert.pipeline import ConvertConfig, convert
 from modelkiln.convert.validate import DEFAULT_TOLERANCES, Tolerance
 from modelkiln.errors import OutputNotWritableError, ValidationFailedError
-
-
-def assert_one_line_error(res, *fragments: str) -> None:
-    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
-    assert "Traceback" not in res.stderr
-    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, res.stderr[-2000:]
-    for fragment in fragments:
-        assert fragment in res.stderr.replace("\n", " "), res.stderr[-2000:]
 
 
 def test_unknown_task(zoo, tmp_path):

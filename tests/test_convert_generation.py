@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from generation_helpers import make_tiny_causal_lm, write_tiny_gguf
-from modelkiln.convert.generation_gate import GatePrompts, GateTolerance, torch_run
+from modelkiln.convert.generation_gate import GateTolerance
+from modelkiln.convert.generation_reference import WholeModelReference
+from modelkiln.convert.logit_store import LogitStore
 from modelkiln.convert.pipeline import ConvertConfig, convert
 from modelkiln.errors import ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError, ValidationFailedError
 from modelkiln.generation.engine import EngineOptions
@@ -97,22 +99,24 @@ def test_llama_gqa_every_variant_and_a_forced_gate_failure(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])  # rotary (GQA), absolute, parallel
-def test_batched_reference_equals_one_prompt_at_a_time(tmp_path, family):
-    """The gate's PyTorch reference runs prompts of different lengths together, left-padded: each
-    prompt's logits, greedy tokens and the paragraphs' perplexity must be what it gets alone."""
+def test_batched_reference_equals_one_sequence_at_a_time(tmp_path, family):
+    """The gate's whole-model reference runs sequences of different lengths together, left-padded:
+    each sequence's logits and the paragraphs' perplexity must be what it gets alone."""
     import torch
     import transformers as tf
 
     folder = make_tiny_causal_lm(tmp_path / "hf", family)
     model = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 400, n).tolist() for n in (5, 17, 2, 40, 9)]
-    gate = GatePrompts(prompts, ["text"] * len(prompts), [rng.integers(3, 400, n).tolist() for n in (30, 12, 21)])
-    alone, together = torch_run(model, gate, 12, batch=1), torch_run(model, gate, 12, batch=4)
-    assert together.tokens == alone.tokens
-    for a, b in zip(alone.prompt_logits + alone.step_logits, together.prompt_logits + together.step_logits):
-        assert a.shape == b.shape and np.isfinite(b).all() and np.abs(a - b).max() < 1e-4
-    assert together.perplexity == pytest.approx(alone.perplexity, rel=1e-6)
+    sequences = [tuple(rng.integers(3, 400, n).tolist()) for n in (5, 17, 2, 40, 9)]
+    paragraphs = [rng.integers(3, 400, n).tolist() for n in (30, 12, 21)]
+    with LogitStore(400) as alone, LogitStore(400) as together:
+        ppl_alone = WholeModelReference(model, batch=1).run(sequences, paragraphs, alone)
+        ppl_together = WholeModelReference(model, batch=4).run(sequences, paragraphs, together)
+        for s in sequences:
+            a, b = alone.get(s), together.get(s)
+            assert a.shape == (len(s), 400) and np.isfinite(b).all() and np.abs(a - b).max() < 1e-4
+    assert ppl_together == pytest.approx(ppl_alone, rel=1e-6)
 
 
 def test_tiny_gguf_converts_with_its_tokenizer_and_chat_template(tmp_path):
@@ -160,44 +164,42 @@ def test_no_variant_passing_fails_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("accuracy_level", [0, pytest.param(4, marks=pytest.mark.slow)])
-def test_q4_1_gguf_int4_packs_the_files_own_blocks(tmp_path, accuracy_level):
-    """int4 of a Q4_1 GGUF is the file's own blocks in MatMulNBits (the tied Q8_0 head as 8-bit):
-    the same weights as the fp32 graph, so the same logits (to float rounding at accuracy level 0;
-    level 4 quantizes activations to int8 inside the kernel) and the same greedy tokens."""
+def test_q4_1_gguf_packs_the_files_own_blocks(tmp_path, accuracy_level):
+    """A GGUF source's default variant is ``gguf``: its own blocks in MatMulNBits (Q4_1 with the
+    block-minimum correction, the tied Q8_0 embedding gathered and its head 8-bit), the same
+    weights as PyTorch's, so the same logits (to float rounding at accuracy level 0; level 4
+    quantizes activations to int8 inside the kernel) and the same greedy tokens."""
     import onnx
+    import torch
+    import transformers as tf
 
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_1", embedding="Q8_0")
     out = tmp_path / "art"
-    manifest = _convert(gguf_path, out, precisions=["fp32", "int4"], int4_accuracy_level=accuracy_level)
-    int4 = {v.name: v for v in manifest.variants}["int4"]
-    assert int4.validation.passed and int4.details["block_size"] == 32
-    # 2 layers × (q/k/v, o, gate/up, down: four projections, fused), and the head
-    assert int4.details["from_gguf_blocks"] == {"Q4_1": 8, "Q8_0": 1}
-    if not int4.kept:  # dropped as not faster than fp32 on a tiny model: rebuild it to compare
-        import torch
-        import transformers as tf
-
-        from modelkiln.convert.linear_weights import GgufWeights
-        from modelkiln.convert.serving_graph import build_serving_graph
-
-        model = tf.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                        dtype=torch.float32).eval()
-        build_serving_graph(model, GgufWeights(gguf_path, accuracy_level), out / "model.int4.onnx")
-    graph = onnx.load(str(out / "model.int4.onnx"), load_external_data=False).graph
+    manifest = _convert(gguf_path, out, int4_accuracy_level=accuracy_level)
+    assert [v.name for v in manifest.variants] == ["gguf"]
+    packed = manifest.variants[0]
+    assert packed.kept and packed.validation.passed and packed.details["accuracy_level"] == accuracy_level
+    # 2 layers × 7 matrices and the embedding, which the head shares
+    assert packed.details["from_gguf"] == {"Q4_1": {"count": 14, "stored": "4-bit, block 32, min correction"},
+                                           "Q8_0": {"count": 1, "stored": "8-bit, block 32"}}
+    assert manifest.generation["default_variant"] == "gguf"
+    assert "layer by layer" in manifest.generation["reference"]
+    graph = onnx.load(str(out / "model.gguf.onnx"), load_external_data=False).graph
+    # 2 layers × (q/k/v, o, gate/up, down: four projections, fused) and the head
     assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 9
+    assert not any(i.name == "embed.weight" for i in graph.initializer)  # the embedding stays quantized
     artifact = TextGenerationModel(out)
     ids = artifact.prompt_ids(PROMPT)
-    logits = {}
-    for name in ("model.onnx", "model.int4.onnx"):
-        engine = artifact.engine_for_file(out / name, EngineOptions(threads=1))
-        logits[name] = engine.prefill("p", ids, all_logits=True)
-    scale = float(np.abs(logits["model.onnx"]).max())
-    diff = float(np.abs(logits["model.int4.onnx"] - logits["model.onnx"]).max())
-    assert diff < (1e-4 if accuracy_level == 0 else 0.02) * scale, (diff, scale)
-    assert (logits["model.int4.onnx"].argmax(-1) == logits["model.onnx"].argmax(-1)).all()
-    expected = _torch_greedy(gguf_path.parent, ids, 8, gguf_file=gguf_path.name)
-    assert _engine_greedy(artifact, "fp32", ids, 8) == expected
-    assert _engine_greedy(artifact, "int4", ids, 8, path=out / "model.int4.onnx") == expected
+    model = tf.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                    dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected_logits = model(torch.tensor([ids])).logits[0].numpy()
+    logits = artifact.engine("gguf", EngineOptions(threads=1)).prefill("p", ids, all_logits=True)
+    scale = float(np.abs(expected_logits).max())
+    diff = float(np.abs(logits - expected_logits).max())
+    assert diff < (1e-5 if accuracy_level == 0 else 0.02) * scale, (diff, scale)
+    assert (logits.argmax(-1) == expected_logits.argmax(-1)).all()
+    assert _engine_greedy(artifact, "gguf", ids, 8) == _torch_greedy(gguf_path.parent, ids, 8, gguf_file=gguf_path.name)
 
 
 def _leak_the_batch_into_logits(src, dst, *_options) -> None:

@@ -598,8 +598,8 @@ class _OnlyTokens:
                     words[token >> 5] |= np.int32(1 << (token & 31)) if (token & 31) < 31 else np.int32(-(1 << 31))
 
             def accept(self, token):
-                assert token in grammar.allowed
                 self.taken += 1
+                return token in grammar.allowed
 
             def is_terminated(self):
                 return self.taken >= grammar.length
@@ -620,3 +620,22 @@ def test_a_grammars_mask_is_applied_where_the_token_is_chosen(tiny):
                                 Request("g", ids, params)])[1]
         assert set(alone.token_ids) <= grammar.allowed and len(alone.token_ids) == 7
         assert alone.finish_reason == "stop" and crowd.token_ids == alone.token_ids
+
+
+def test_answers_to_one_prompt_compute_it_once(tiny):
+    """Requests with the same prompt arriving together (OpenAI's n): the first computes the prompt,
+    the others wait for it to be in the prefix cache and take their first token from it; each answer
+    equals its answer alone."""
+    engine = tiny.engine("fp32", EngineOptions(threads=1, prefix_cache_tokens=4096))
+    core = EngineCore(engine, tiny.tokenizer, max_running=4)
+    ids = prompt_ids(core, "Once upon a time there was a little fox")
+    params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    alone = [complete(core, [Request(i, ids, p)])[0].token_ids for i, p in enumerate(params)]
+    engine.use_prefix_cache(4096)  # empty again
+    computed = []
+    single, first = engine.prefill, engine.prefill_first
+    engine.prefill = lambda seq, tokens, **k: (computed.append(len(tokens)), single(seq, tokens, **k))[1]
+    engine.prefill_first = lambda prompts: (computed.extend(len(t) for _, t in prompts), first(prompts))[1]
+    together = complete(core, [Request(i, ids, p) for i, p in enumerate(params)])
+    assert computed == [len(ids)]
+    assert [c.token_ids for c in together] == alone

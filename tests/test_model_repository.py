@@ -56,18 +56,32 @@ def wait_until(check, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def start(repo: Path, mode: str, *extra: str) -> Server:
+def start(repo: Path, mode: str, *extra: str, workers: int = 1) -> Server:
     return Server(["--model-repository", str(repo), "--model-control-mode", mode, "--variant", "fp32",
-                   "--api-key", KEY, "--no-warmup", *extra])
+                   "--api-key", KEY, "--no-warmup", "--workers", str(workers), *extra])
 
 
-def test_explicit_index_load_unload_and_failed_loads(tmp_path, sources):
+def everywhere(server: Server, path: str, body, status: int) -> None:
+    """Every worker (with --workers 2) answers ``status``: 12 requests on new connections, which
+    the kernel spreads over the workers, and at least two answering processes (their request ids)."""
+    replies = [call(server, path, body) for _ in range(12)]
+    assert [r.status_code for r in replies] == [status] * 12, [r.text for r in replies]
+    assert len({r.headers["x-request-id"].rsplit("-", 1)[0] for r in replies}) == server.workers
+
+
+# One process, and two worker processes: a load or unload asked of one worker is carried out by every
+# worker before it is answered (serve/workers.py).
+per_workers = pytest.mark.parametrize("workers", [1, 2])
+
+
+@per_workers
+def test_explicit_index_load_unload_and_failed_loads(tmp_path, sources, workers):
     repo = tmp_path / "repo"
     repo.mkdir()
     add(repo, "cls", sources["cls"])
     add(repo, "emb", sources["emb"])
     (repo / "notes").mkdir()  # a folder without kiln.json is not a model
-    server = start(repo, "explicit")
+    server = start(repo, "explicit", workers=workers)
     try:
         assert httpx.get(server.url + "/v2/health/ready").status_code == 200  # explicit: ready with nothing loaded
         assert call(server, "/v2/repository/index", headers={}).status_code == 401
@@ -80,7 +94,7 @@ def test_explicit_index_load_unload_and_failed_loads(tmp_path, sources):
 
         for name in ("cls", "emb"):
             assert call(server, f"/v2/repository/models/{name}/load").status_code == 200
-        assert call(server, "/v2/models/cls/predict", TEXT).status_code == 200
+        everywhere(server, "/v2/models/cls/predict", TEXT, 200)
         assert {n: e["state"] for n, e in index(server).items()} == {"cls": "READY", "emb": "READY"}
         assert call(server, "/v2/repository/models/nope/load").status_code == 404
         assert call(server, "/v2/repository/index", "not json").status_code == 400
@@ -91,7 +105,7 @@ def test_explicit_index_load_unload_and_failed_loads(tmp_path, sources):
         assert r.status_code == 400 and "failed to load 'broken'" in r.json()["error"], r.text
         assert index(server)["broken"]["state"] == "UNAVAILABLE"
         assert "load failed" in index(server)["broken"]["reason"]
-        assert call(server, "/v2/models/broken/predict", TEXT).status_code == 404
+        everywhere(server, "/v2/models/broken/predict", TEXT, 404)
 
         # a failed reload keeps the loaded version serving: a missing model file, a manifest of another version
         before = call(server, "/v2/models/emb/infer", {"inputs": [
@@ -112,7 +126,7 @@ def test_explicit_index_load_unload_and_failed_loads(tmp_path, sources):
         assert index(server)["emb"]["state"] == "READY"
 
         assert call(server, "/v2/repository/models/cls/unload").status_code == 200
-        assert call(server, "/v2/models/cls/predict", TEXT).status_code == 404
+        everywhere(server, "/v2/models/cls/predict", TEXT, 404)
         assert index(server)["cls"] == {"name": "cls", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
         assert set(index(server, ready=True)) == {"emb"}
         assert call(server, "/v2/repository/models/cls/unload").status_code == 200  # not loaded: nothing to do
@@ -133,7 +147,7 @@ def test_mode_none_serves_the_repository_and_refuses_load_and_unload(tmp_path, s
     add(repo, "cls", sources["cls"])
     plane = build_dataplane(ServeSettings(model_repository=str(repo), warmup=False, instances=1, threads=1))
     try:
-        assert [(e.name, e.state) for e in plane.repository_index()] == [("cls", "READY")]
+        assert [(e.name, e.state) for e in asyncio.run(plane.repository_index())] == [("cls", "READY")]
         for action in (plane.load_model, plane.unload_model):
             with pytest.raises(ModelControlError, match="model control mode none") as refused:
                 asyncio.run(action("cls"))
@@ -198,7 +212,8 @@ async def hammer(url: str, model: str, stop: asyncio.Event, clients: int) -> Cou
     return outcomes
 
 
-def test_load_and_unload_while_clients_call_another_model_and_the_one_unloaded(tmp_path, sources):
+@per_workers
+def test_load_and_unload_while_clients_call_another_model_and_the_one_unloaded(tmp_path, sources, workers):
     """The issue's load test: clients keep calling 'steady' and 'victim' while 'emb' is loaded,
     'victim' unloaded, loaded again and unloaded again. 'steady' never fails; 'victim' answers
     200 or a clean 404, never a 5xx or a hang."""
@@ -206,7 +221,7 @@ def test_load_and_unload_while_clients_call_another_model_and_the_one_unloaded(t
     repo.mkdir()
     for name, source in (("steady", "cls"), ("victim", "cls"), ("emb", "emb")):
         add(repo, name, sources[source])
-    server = start(repo, "explicit", "--warmup")
+    server = start(repo, "explicit", "--warmup", workers=workers)
     try:
         for name in ("steady", "victim"):
             assert call(server, f"/v2/repository/models/{name}/load").status_code == 200
@@ -236,13 +251,14 @@ def test_load_and_unload_while_clients_call_another_model_and_the_one_unloaded(t
     assert code == 0, err[-2000:]
 
 
-def test_poll_picks_up_added_changed_and_removed_folders_while_serving(tmp_path, sources):
+@per_workers
+def test_poll_picks_up_added_changed_and_removed_folders_while_serving(tmp_path, sources, workers):
     """Poll mode with clients calling 'steady' all along: a new folder is loaded, a changed one
     ('steady' itself) reloaded without a gap, a removed one unloaded; the API refuses load/unload."""
     repo = tmp_path / "repo"
     repo.mkdir()
     add(repo, "steady", sources["cls"])
-    server = start(repo, "poll", "--repository-poll-s", "0.2")
+    server = start(repo, "poll", "--repository-poll-s", "0.2", workers=workers)
     try:
         assert call(server, "/v2/repository/models/steady/load").status_code == 405
 
@@ -255,7 +271,7 @@ def test_poll_picks_up_added_changed_and_removed_folders_while_serving(tmp_path,
             steady = asyncio.create_task(hammer(server.url, "steady", stop, clients=4))
             await asyncio.to_thread(add, repo, "emb", sources["emb"])
             await asyncio.to_thread(wait_until, lambda: index(server).get("emb", {}).get("state") == "READY")
-            assert call(server, "/v2/models/emb/predict", TEXT).status_code == 200
+            await asyncio.to_thread(everywhere, server, "/v2/models/emb/predict", TEXT, 200)
 
             # a changed manifest: reloaded. The new model's statistics start from zero, so the
             # count (inputs answered, growing by ~100s a second) going down shows the swap.
@@ -267,7 +283,7 @@ def test_poll_picks_up_added_changed_and_removed_folders_while_serving(tmp_path,
 
             await asyncio.to_thread(shutil.rmtree, repo / "emb")
             await asyncio.to_thread(wait_until, lambda: "emb" not in index(server))
-            assert call(server, "/v2/models/emb/predict", TEXT).status_code == 404
+            await asyncio.to_thread(everywhere, server, "/v2/models/emb/predict", TEXT, 404)
 
             corrupt(add(repo, "broken", sources["emb"]))  # a folder that fails to load: logged, not served
             await asyncio.to_thread(wait_until, lambda: "load failed" in index(server)["broken"]["reason"])

@@ -1,5 +1,6 @@
 """The fault suite's short form (``benchmarks/reliability/reliability.py --short``) against a tiny embedding
-model and, in its generation mode, the tiny generation model, run as a user runs it (a subprocess
+model (served by one process, and by ``--workers 2``) and, in its generation mode, the tiny generation model,
+run as a user runs it (a subprocess
 starting real ``kiln serve`` processes), and its correctness goals asserted from the JSON it writes
 (the latency goals are reported, not asserted). About 1.5 minutes each on 2 cores (more on a loaded
 machine): marked slow, and run by CI on its own (``make reliability``, called from ``.ci/run``).
@@ -36,17 +37,24 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def short_run(artifact: Path, out: Path) -> tuple[subprocess.CompletedProcess, dict]:
+def short_run(artifact: Path, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "reliability" / "reliability.py"), str(artifact),
-                           "--short", "--variant", "fp32", "--out", str(out)], capture_output=True, text=True, env=env,
-                          timeout=400)
+                           "--short", "--variant", "fp32", "--out", str(out), *extra], capture_output=True, text=True,
+                          env=env, timeout=400)
     return done, json.loads((out / "reliability.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def run(zoo, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     return short_run(zoo.artifact("bert", "sentence-embeddings"), tmp_path_factory.mktemp("reliability"))
+
+
+@pytest.fixture(scope="module")
+def workers_run(zoo, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    """The same suite against kiln serve --workers 2: one server to its clients (serve/workers.py)."""
+    return short_run(zoo.artifact("bert", "sentence-embeddings"), tmp_path_factory.mktemp("reliability-workers"),
+                     "--workers", "2")
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +66,10 @@ def probe(report: dict, name: str) -> dict:
     return next(p for p in report["probes"] if p["name"] == name)
 
 
-@pytest.mark.parametrize("mode", ["encoder", "generation"])
-def test_every_probe_ran(mode, request):
-    done, report = request.getfixturevalue("run" if mode == "encoder" else "generation_run")
-    assert report["mode"] == mode
+@pytest.mark.parametrize("fixture", ["run", "workers_run", "generation_run"])
+def test_every_probe_ran(fixture, request):
+    done, report = request.getfixturevalue(fixture)
+    assert report["mode"] == ("generation" if fixture == "generation_run" else "encoder")
     assert [p["name"] for p in report["probes"]] == ["misrouting", "bad input", "disconnects", "overload", "soak",
                                                      "security", "sigterm"], done.stderr[-3000:]
     # Whether every goal was met is the script's exit code; its latency goals (503 p99, soak p99
@@ -70,8 +78,9 @@ def test_every_probe_ran(mode, request):
     assert done.returncode in (0, 1), done.stderr[-3000:]
 
 
-def test_the_goals_in_numbers(run):
-    _, report = run
+@pytest.mark.parametrize("fixture", ["run", "workers_run"])
+def test_the_goals_in_numbers(fixture, request):
+    _, report = request.getfixturevalue(fixture)
     m = probe(report, "misrouting")["details"]
     assert m["answers"] >= 3000 and m["misrouted"] == 0 and m["differs"] == 0 and m["statuses"] == {"200": m["requests"]}
     bad = probe(report, "bad input")["details"]

@@ -35,6 +35,7 @@ class Server:
                  timeout: float = 60.0, cwd: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
         full_env = {**os.environ, "KILN_THREADS": "1", "KILN_PORT": str(self.port), **(env or {})}
         self.proc = subprocess.Popen([sys.executable, *python_flags, "-m", "modelkiln", "serve", *args],
                                      env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
@@ -466,13 +467,35 @@ def test_sigterm_finishes_accepted_requests(artifacts):
         httpx.get(srv.url + "/v2/health/live")
 
 
-def test_server_never_imports_torch_or_transformers(artifacts):
-    """-X importtime lists every module the server process imports, on stderr."""
-    srv = Server([f"emb={artifacts['emb']}", f"qa={artifacts['qa']}"], python_flags=("-X", "importtime"))
-    post(srv, "/v2/models/emb/predict", {"inputs": "hello"}).raise_for_status()
-    post(srv, "/v1/embeddings", {"model": "emb", "input": ["hello"]}).raise_for_status()
-    code, err = srv.stop()
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_server_never_imports_torch_or_transformers(artifacts, workers, tmp_path):
+    """PYTHONPROFILEIMPORTTIME lists every module each server process imports (with --workers 2: the
+    supervisor and both workers) on stderr, here a file (three processes' lists fill a pipe)."""
+    log = tmp_path / "stderr.log"
+    port = free_port()
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "modelkiln", "serve", f"emb={artifacts['emb']}",
+                                 f"qa={artifacts['qa']}", "--workers", workers, "--port", str(port)],
+                                env={**os.environ, "KILN_THREADS": "1", "PYTHONPROFILEIMPORTTIME": "1"},
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 180
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                try:
+                    if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            httpx.post(url + "/v2/models/emb/predict", json={"inputs": "hello"}, timeout=30).raise_for_status()
+            httpx.post(url + "/v1/embeddings", json={"model": "emb", "input": ["hello"]}, timeout=30).raise_for_status()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(60)
     assert code == 0
+    err = log.read_text()
     imported = {line.rsplit("|", 1)[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
     assert "fastapi" in imported and "onnxruntime" in imported
     heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers", "pickle"))

@@ -133,12 +133,12 @@ def test_seeds_reproduce_sampling(client):
 
 
 def test_openai_errors_are_openai_shaped(client, server):
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
-        client.completions.create(model=MODEL, prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"'n' must be in \[1, 16\]"):
+        client.completions.create(model=MODEL, prompt=PROMPT, n=17)
     with pytest.raises(openai.BadRequestError, match="context is 1024 tokens"):
         client.completions.create(model=MODEL, prompt="fox " * 2000, max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
-        client.completions.create(model=MODEL, prompt=PROMPT, frequency_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match=r"frequency_penalty must be in \[-2, 2\]"):
+        client.completions.create(model=MODEL, prompt=PROMPT, frequency_penalty=2.5)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)
     with pytest.raises(openai.NotFoundError, match="unknown model"):
@@ -334,3 +334,27 @@ def test_sigterm_finishes_running_streams(artifact):
         assert events[-1] == "[DONE]"
         usage = json.loads(events[-2])["usage"]
         assert usage["completion_tokens"] == max_tokens
+
+
+def test_engine_replicas_give_the_same_answers_and_metrics_add_up(artifact, client):
+    """--generation-replicas 2: two engine cores, requests spread over them; greedy answers equal one
+    engine's, token for token (each replica runs the same graph with the same threads), and the
+    running-requests gauge sums both replicas."""
+    srv = GrpcServer([f"{MODEL}={artifact}", "--variant", "fp32", "--max-batch-size", "4", "--generation-replicas", "2",
+                      "--threads", "1"])
+    try:
+        two = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        prompts = [PROMPT, "Hello there", "x", "Numbers 1 2 3 4 5"] * 2
+
+        def answer(c, p):
+            return greedy(c, p, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
+
+        expected = [answer(client, p) for p in prompts]
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: answer(two, p), prompts))
+        assert got == expected
+        assert metric(srv, "vllm:num_requests_running") == 0
+        assert metric(srv, "vllm:generation_tokens_total") == 24 * len(prompts)
+    finally:
+        code, err = srv.stop()
+    assert code == 0, err[-2000:]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from modelkiln.data import sts_sentences
-from modelkiln.tune.sweep import process_memory_mb
+from modelkiln.tune.sweep import server_memory_mb
 from test_serve import Server
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def test_default_model_memory_and_sts_load(minilm):
         got = np.array([v for _, v in answers[:50]])
         # int8 dynamic quantization depends on the batch: compare by cosine, not bit for bit
         assert float(np.min(np.sum(expected * got, axis=1))) > 0.98
-        rss_mb = process_memory_mb(srv.proc.pid, "VmRSS")
+        rss_mb = server_memory_mb(srv.proc.pid, "VmRSS")
         assert rss_mb is not None and rss_mb < 400, f"server RSS {rss_mb} MB"
     finally:
         code, err = srv.stop()

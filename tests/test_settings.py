@@ -175,7 +175,8 @@ def test_tune_sweeps_what_the_declaration_marks(monkeypatch):
     assert sweepable_flags() == {name: cli_flag(name) for name in sweepable()}
     assert sweepable_flags()["max_queue_delay_ms"] == "--max-queue-delay-ms" and "port" not in sweepable_flags()
     # per kind of model: what the declaration's sweep= names for it
-    assert list(sweepable_flags("generation")) == ["variant", "threads", "max_batch_size", "prefill_chunk"]
+    assert list(sweepable_flags("generation")) == ["variant", "threads", "max_batch_size", "generation_replicas",
+                                                   "prefill_chunk"]
     assert "prefill_chunk" not in sweepable_flags("encoder") and "instances" in sweepable_flags("encoder")
     assert sweep_default("max_batch_size", "encoder") == "32" and sweep_default("max_batch_size", "generation") == "8,16"
     # marking another field sweepable in the declaration is all it takes: kiln serve's flag for
@@ -203,7 +204,8 @@ def test_tune_options_are_the_numeric_sweepable_settings():
     assert {n: options[n].opts[0] for n in numeric} == {n: cli_flag(n) for n in numeric}
     # not given: the values the declaration gives for the artifact's kind, which the help says
     assert all(options[n].default is None for n in numeric)
-    assert "Default: 1,2; encoders only." in options["instances"].help
+    assert "Default: auto; encoders only." in options["instances"].help
+    assert "Default: 1,2 for encoders, auto for text generation." in options["threads"].help
     assert "Default: 32 for encoders, 8,16 for text generation." in options["max_batch_size"].help
     r = kiln("tune", "--help", env={"COLUMNS": "80"}, timeout=60)
     text = " ".join(r.stdout.split())
@@ -230,6 +232,7 @@ def test_grid_combinations_follow_the_declaration():
     with pytest.raises(KilnError, match="not sweepable for encoder models: port"):
         Grid({"port": (1, 2)}).combinations()
     combos = Grid({"variant": ("fp32",), "prefill_chunk": (64, 256)}, "generation").combinations()
-    assert combos == [{"variant": "fp32", "threads": None, "max_batch_size": None, "prefill_chunk": c} for c in (64, 256)]
+    assert combos == [{"variant": "fp32", "threads": None, "max_batch_size": None, "generation_replicas": None,
+                       "prefill_chunk": c} for c in (64, 256)]
     with pytest.raises(KilnError, match="not sweepable for generation models: instances"):
         Grid({"instances": (1, 2)}, "generation").combinations()

@@ -134,15 +134,17 @@ def test_tune_generation_picks_the_best_within_the_limits(two_accuracy_artifact,
     from modelkiln.loadtest.report import read_json
 
     artifact = two_accuracy_artifact
-    r = kiln("tune", str(artifact), "--variants", "fp32,fp32-ppl5", "--max-batch-size", "4", *SHORT_GENERATION_RUN,
-             "--ttft-p99-ms", "60000", "--max-ppl-increase", "1%", "-o", str(tmp_path / "best.json"),
-             "--json", str(tmp_path / "all.json"), timeout=120)
+    r = kiln("tune", str(artifact), "--variants", "fp32,fp32-ppl5", "--max-batch-size", "4", "--generation-replicas", "1",
+             *SHORT_GENERATION_RUN, "--ttft-p99-ms", "60000", "--max-ppl-increase", "1%", "-o",
+             str(tmp_path / "best.json"), "--json", str(tmp_path / "all.json"), timeout=120)
     assert r.returncode == 0, r.stderr
-    rows = {line.split("│")[2].strip(): line for line in r.stdout.splitlines() if line.count("│") > 10}
-    assert set(rows) - {""} == {"fp32", "fp32-ppl5"}  # "": a cell wrapped onto a second line
+    rows = {variant: status for variant, status in _table_rows(r.stdout)}
+    assert set(rows) == {"fp32", "fp32-ppl5"}
     assert "◀ chosen" in rows["fp32"] and "excluded: perplexity +5.00% > 1%" in rows["fp32-ppl5"]
-    assert f"Chosen: kiln serve {artifact} --variant fp32 --max-batch-size 4 --prefill-chunk 128" in r.stdout
-    assert read_serve_config(tmp_path / "best.json") == {"variant": "fp32", "max_batch_size": 4, "prefill_chunk": 128}
+    assert (f"Chosen: kiln serve {artifact} --variant fp32 --max-batch-size 4 --generation-replicas 1 "
+            "--prefill-chunk 128") in r.stdout
+    assert read_serve_config(tmp_path / "best.json") == {"variant": "fp32", "max_batch_size": 4, "generation_replicas": 1,
+                                                         "prefill_chunk": 128}
 
     data = json.loads((tmp_path / "all.json").read_text())
     assert data["kind"] == "generation" and data["limits"] == {"ttft_p99_ms": 60000.0, "max_ppl_increase": 0.01}
@@ -160,12 +162,12 @@ def test_tune_generation_picks_the_best_within_the_limits(two_accuracy_artifact,
 
 
 def test_tune_generation_says_when_no_configuration_meets_the_limits(tiny_generation_artifact, tmp_path):
-    r = kiln("tune", str(tiny_generation_artifact), "--variants", "fp32", "--max-batch-size", "2",
+    r = kiln("tune", str(tiny_generation_artifact), "--variants", "fp32", "--max-batch-size", "2", "--generation-replicas", "1",
              "--prefill-chunk", "16,64", *SHORT_GENERATION_RUN, "--ttft-p99-ms", "0.001", "-o",
              str(tmp_path / "best.json"), "--json", str(tmp_path / "all.json"), timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no configuration met the limits (TTFT p99 ≤ 0.001 ms" in " ".join(r.stderr.split())
-    excluded = [line for line in r.stdout.splitlines() if "excluded: TTFT p99" in line and "> 0.001 ms" in line]
+    excluded = [status for _, status in _table_rows(r.stdout) if "excluded: TTFT p99" in status and "> 0.001 ms" in status]
     assert len(excluded) == 2 and "chosen" not in r.stdout
     data = json.loads((tmp_path / "all.json").read_text())
     assert data["chosen"] is None and data["serve_command"] is None
@@ -183,6 +185,19 @@ def test_tune_generation_refuses_what_does_not_apply(tiny_generation_artifact):
     for args, message in cases.items():
         r = kiln("tune", str(tiny_generation_artifact), *args, timeout=60)
         assert r.returncode == 2 and message in " ".join(r.stderr.split()), (args, r.stdout, r.stderr)
+
+
+def _table_rows(stdout: str) -> list[tuple[str, str]]:
+    """(variant, status) of each row of kiln tune's generation table, a status cell wrapped onto
+    continuation lines joined back."""
+    rows: list[tuple[str, str]] = []
+    for line in (line for line in stdout.splitlines() if line.count("│") > 10):
+        cells = [c.strip() for c in line.split("│")]
+        if cells[1]:  # the row number: a new row
+            rows.append((cells[2], cells[-2]))
+        elif rows:
+            rows[-1] = (rows[-1][0], f"{rows[-1][1]} {cells[-2]}".strip())
+    return rows
 
 
 def _trial(answered: dict[str, int], mismatches: int, ttft_p99_ms: float, perplexity_change: float | None):

@@ -39,8 +39,8 @@ import numpy as np
 
 from modelkiln.data import sts_sentences
 from modelkiln.embedded import embedded_model_path
-from modelkiln.generation.core import EngineCore, Request, complete, greedy, run_to_completion
-from modelkiln.generation.model import TextGenerationModel
+from modelkiln.generation.core import EngineCore, Request, complete, greedy, prompt_logits, run_to_completion
+from modelkiln.generation.model import CoreOptions, TextGenerationModel
 from modelkiln.generation.padded_engine import PaddedEngine
 from modelkiln.generation.decoder import DecoderSession
 from modelkiln.machine import cpu_description
@@ -124,12 +124,8 @@ def perplexities(model: TextGenerationModel, variants: list[str], notes: list[st
     paragraphs = [model.prompt_ids(p)[:256] for p in read_squad()[0][:16]]
     result = {}
     for v in variants:
-        engine = model.engine(v, THREADS, prefix_cache_tokens=0)
-        logits = []
-        for i, ids in enumerate(paragraphs):
-            logits.append(engine.prefill(i, ids, all_logits=True))
-            engine.remove(i)
-        result[f"kiln {v}"] = perplexity(logits, paragraphs)
+        core = model.core(v, CoreOptions(threads=THREADS, prefix_cache_tokens=0))
+        result[f"kiln {v}"] = perplexity([prompt_logits(core, ids, i) for i, ids in enumerate(paragraphs)], paragraphs)
     try:
         from llama_cpp import Llama
 
@@ -164,7 +160,7 @@ def export_engine(model: TextGenerationModel, folder: Path) -> PaddedEngine:
     path = folder / "model.onnx"
     if not path.is_file():
         from modelkiln.convert.decoder_export import export_decoder
-        from modelkiln.convert.generation import load_causal_lm
+        from modelkiln.convert.generation_sources import load_causal_lm
         from modelkiln.convert.source import load_source
 
         folder.mkdir(parents=True, exist_ok=True)
@@ -185,7 +181,7 @@ def main() -> None:
     model = TextGenerationModel(args.artifact)
     default = model.default_variant().name
     variants = [v.name for v in model.manifest.kept_variants() if v.device == "cpu"]
-    cores = {v: model.core(v, THREADS, max_running=16) for v in variants}
+    cores = {v: model.core(v, CoreOptions(threads=THREADS, max_running=16)) for v in variants}
     before = EngineCore(export_engine(model, args.export_cache), model.tokenizer, model.eos_ids, max_running=16)
     cpu = cpu_description()
     lines = [f"{cpu['cpu']} ({cpu['isa']}); SmolLM2 artifact {args.artifact} (default variant {default}); {THREADS} threads; "

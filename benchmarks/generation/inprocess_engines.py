@@ -50,11 +50,11 @@ def stream_stats(token_times: list[list[float]], starts: list[float]) -> dict:
 
 def run_kiln(spec: dict) -> dict:
     from modelkiln.generation.core import Request, greedy, run_to_completion
-    from modelkiln.generation.model import TextGenerationModel
+    from modelkiln.generation.model import CoreOptions, TextGenerationModel
 
     model = TextGenerationModel(spec["artifact"])
     variant = spec.get("variant") or model.default_variant().name
-    core = model.core(variant, threads=spec["threads"], max_running=max(spec["streams"]))
+    core = model.core(variant, CoreOptions(threads=spec["threads"], max_running=max(spec["streams"])))
 
     def wave(prompts: list[list[int]], tag: str) -> tuple[list[list[int]], list[list[float]], list[float], float]:
         requests = [Request(f"{tag}-{i}", ids, greedy(spec["tokens"])) for i, ids in enumerate(prompts)]

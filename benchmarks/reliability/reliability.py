@@ -71,6 +71,7 @@ async def run_generation(args: argparse.Namespace, written: Callable[[list[Probe
     chosen = [x.strip() for x in args.probes.split(",")] if args.probes else list(PROBES)
     server_args = ["--max-batch-size", str(GENERATION_RUNNING), "--max-queue-size", str(GENERATION_QUEUE)]
     server_args += ["--variant", args.variant] if args.variant else []
+    server_args += ["--workers", str(args.workers)] if args.workers else []
     short_texts, paragraphs = load_texts(p["short_prompts"])
     from modelkiln.data import read_squad
 
@@ -122,6 +123,7 @@ async def run(args: argparse.Namespace, written: Callable[[list[ProbeResult]], o
     p = plan(args)
     chosen = [x.strip() for x in args.probes.split(",")] if args.probes else list(PROBES)
     server_args = ["--max-queue-size", str(QUEUE)] + (["--variant", args.variant] if args.variant else [])
+    server_args += ["--workers", str(args.workers)] if args.workers else []
     short_texts, long_texts = load_texts(p["short_texts"])
     long_texts = long_texts[: p["long_texts"]] if p["long_texts"] else long_texts
     results: list[ProbeResult] = []
@@ -188,6 +190,7 @@ def write(args: argparse.Namespace, results: list[ProbeResult], started: float, 
     command = "python benchmarks/reliability/reliability.py " + " ".join(sys.argv[1:])
     context = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "artifact": str(args.artifact), "variant": args.variant or "kiln serve's default",
+               "workers": args.workers or "kiln serve's default",
                "seconds": round(seconds, 1), "cpus": os.cpu_count(), "python": platform.python_version(),
                "load_average_before": [round(x, 2) for x in load_before],
                "load_average_after": [round(x, 2) for x in load_now],
@@ -209,6 +212,7 @@ def main() -> int:
     parser.add_argument("artifact", nargs="?", type=Path, default=REPO / "artifacts" / "all-MiniLM-L6-v2")
     parser.add_argument("--variant", help="the variant to serve (default: what kiln serve picks)")
     parser.add_argument("--short", action="store_true", help="the CI form: a few thousand requests, under 3 minutes")
+    parser.add_argument("--workers", type=int, help="kiln serve --workers (default: what kiln serve picks)")
     parser.add_argument("--answers", type=int, help="answers the misrouting probe checks (default 100,000; short 3,000; "
                                                     "generation: 5,000; short 1,000)")
     parser.add_argument("--soak-minutes", type=float, help="soak length (default 30; short 0.33)")

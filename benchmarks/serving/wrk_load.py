@@ -49,8 +49,10 @@ def print_table(results: list[dict], server: str | None = None, header: bool = T
               f"| {r['p90_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |")
 
 
-def run_wrk(url: str, script: Path, connections: int, seconds: int, threads: int) -> dict:
-    out = subprocess.run(["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{seconds}s", "--latency",
+def run_wrk(url: str, script: Path, connections: int, seconds: int, threads: int, prefix: list[str] | None = None
+            ) -> dict:
+    """``prefix``: a command wrk runs under (``taskset -c 2-15``: off the server's cores)."""
+    out = subprocess.run([*(prefix or []), "wrk", "-t", str(threads), "-c", str(connections), "-d", f"{seconds}s", "--latency",
                           "-s", str(script), url], capture_output=True, text=True, check=True).stdout
     m = re.search(r"RESULT (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+) (\S+)", out)
     if not m:

@@ -18,15 +18,36 @@ def check_output(out: Path, force: bool) -> None:
         raise OutputNotWritableError(f"{out.resolve()} already exists (pass --force to replace it)")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_abandoned(out: Path) -> None:
+    """Delete the temporary folders a killed writer of ``out`` left (SIGKILL, power loss: no
+    cleanup ran). Their names carry the writer's process id; a folder whose writer still runs is kept."""
+    for stale in out.parent.glob(f".{out.name}.tmp-*-*"):
+        pid = stale.name[len(f".{out.name}.tmp-"):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it replaces ``out`` by rename, on any
-    failure (including Ctrl-C) it is deleted, so ``out`` is never half-written."""
+    failure (including Ctrl-C) it is deleted, so ``out`` is never half-written. A writer killed
+    outright leaves its hidden temporary folder; the next write of ``out`` removes it."""
     out = out.resolve()
     check_output(out, force)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        remove_abandoned(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     except OSError as exc:
         raise OutputNotWritableError(f"cannot write to {out.parent}: {exc.strerror or exc}") from exc
     try:

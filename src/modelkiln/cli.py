@@ -94,8 +94,9 @@ def convert(
     model: str = typer.Argument(..., help="Local model folder, Hugging Face hub id, or a .gguf file (text generation)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Artifact folder to write (atomically)."),
     task: str = typer.Option("auto", help="text-classification | sentence-embeddings | token-classification | question-answering | text-generation | auto"),
-    precision: str = typer.Option("", help="Comma-separated variants to build: fp32,optimized,int8,fp16,tensorrt or all. Default: all that fit the device."),
+    precision: str = typer.Option("", help="Comma-separated variants to build: fp32,optimized,int8,fp16,tensorrt or all (text generation: gguf,fp32,int8,int4, gguf = a GGUF file's own blocks; --engine torch: fp32,bf16,fp16). Default: all that fit the device; for a GGUF file, gguf."),
     device: str = typer.Option("cpu", help="cpu or cuda: the device variants are built, validated and timed on."),
+    engine: str = typer.Option("onnx", help="onnx: ONNX Runtime graphs; torch: the weights for kiln's PyTorch engine (variants torch-fp32, torch-bf16, torch-fp16; needs modelkiln[convert] to serve)."),
     calibration_texts: Optional[Path] = typer.Option(None, help="Validation texts, one per line (a tab separates a pair / question-context)."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads for validation and timing (default: all cores)."),
     name: Optional[str] = typer.Option(None, help="Model name in the manifest (default: the output folder's name)."),
@@ -105,9 +106,9 @@ def convert(
     int8_min_agreement: Optional[float] = typer.Option(None, help="Min task agreement for int8 (default 0.9)."),
     fp16_min_cosine: Optional[float] = typer.Option(None, help="Min mean cosine similarity for fp16 (default 0.999)."),
     int4_block_size: int = typer.Option(32, help="Text generation: weights per int4 scale (MatMulNBits block size)."),
-    int4_accuracy_level: int = typer.Option(4, help="Text generation: MatMulNBits accuracy level (4: int8 compute)."),
+    int4_accuracy_level: int = typer.Option(4, help="Text generation: MatMulNBits accuracy level of gguf, int8 and int4 (4: int8 compute; 0: fp32)."),
     gate_prompts: str = typer.Option("8,4", help="Text generation: gate prompts as SHORT,SQUAD (STS-B sentences, SQuAD chat prompts; as many SQuAD paragraphs for perplexity)."),
-    max_model_gb: Optional[float] = typer.Option(None, help="Text generation: refuse models whose fp32 weights exceed this (default: a third of the memory)."),
+    max_model_gb: Optional[float] = typer.Option(None, help="Text generation: refuse fp32, int8 and int4 of models whose fp32 weights exceed this (default: a third of the memory)."),
 ) -> None:
     """Export MODEL to ONNX, build faster variants, validate each against PyTorch, write an artifact."""
     from dataclasses import replace
@@ -118,6 +119,7 @@ def convert(
     quiet_transformers()
 
     from .convert.pipeline import PRECISIONS, ConvertConfig
+    from .convert.torch_weights import TORCH_PRECISIONS
     from .convert.pipeline import convert as run_convert
     from .convert.validate import DEFAULT_TOLERANCES
     from .data import read_text_file
@@ -132,12 +134,15 @@ def convert(
         tolerances["int8"] = replace(tolerances["int8"], min_agreement=int8_min_agreement)
     if fp16_min_cosine is not None:
         tolerances["fp16"] = replace(tolerances["fp16"], min_mean_cosine=fp16_min_cosine)
-    precisions = list(PRECISIONS) if precision.strip() == "all" else split_list(precision)
+    if precision.strip() == "all":
+        precisions = list(TORCH_PRECISIONS if engine == "torch" else PRECISIONS)
+    else:
+        precisions = split_list(precision)
     gate_counts = number_list(gate_prompts, "--gate-prompts")
     if len(gate_counts) != 2:
         raise typer.BadParameter("--gate-prompts takes SHORT,SQUAD, e.g. 8,4")
     cfg = ConvertConfig(
-        model=model, out=out_dir, task=task, precisions=precisions, device=device,
+        model=model, out=out_dir, task=task, precisions=precisions, device=device, engine=engine,
         calibration_texts=read_text_file(calibration_texts) if calibration_texts else None,
         tolerances=tolerances, threads=threads, force=force, name=name,
         int4_block_size=int4_block_size, int4_accuracy_level=int4_accuracy_level,
@@ -159,7 +164,8 @@ def bench(
     batch: str = typer.Option("1,8,32", help="Batch sizes."),
     seq: str = typer.Option("", help="Sequence lengths (tokens); default 16,128,384 (prompt lengths 16,128,512 for text generation)."),
     past: int = typer.Option(128, help="Text generation: the past (tokens) of every sequence in the decode cells."),
-    threads: Optional[int] = typer.Option(None, help="Intra-op threads for every backend (default: all cores)."),
+    threads: Optional[int] = typer.Option(None, help="Intra-op threads for every backend (default: the CPUs this "
+                                                     "process may use: its affinity mask or cgroup quota)."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated variants to run (default: every kept one)."),
     reference: bool = typer.Option(True, help="Run the PyTorch fp32 reference (needs modelkiln[convert])."),
     warmup: int = typer.Option(3, help="Warm-up runs per cell."),
@@ -183,6 +189,9 @@ def bench(
         reference = False
     quiet_transformers()
     from .bench.generation_command import bench_generation, generation_artifact
+    from .cpus import available_cpus
+
+    threads = threads or available_cpus().count  # a pinned or quota-limited process: its share, not the host's cores
     from .bench.report import print_table, write_json
     from .bench.runner import BenchConfig, run_bench
 

@@ -7,10 +7,11 @@ elsewhere the model comes from ``platform`` and the extensions are left empty.""
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 from pathlib import Path
 from typing import Any
+
+from .cpus import available_cpus
 
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -51,5 +52,7 @@ def vector_extensions(flags: set[str]) -> str:
 
 
 def cpu_description() -> dict[str, Any]:
-    """The one description of this machine's CPU that bench headers and manifests carry."""
-    return {"cpu": cpu_model(), "isa": vector_extensions(cpu_flags()), "cores": os.cpu_count()}
+    """The one description of this machine's CPU that bench headers and manifests carry; ``cores``
+    is what this process may use (``cpus.available_cpus``: a pinned or quota-limited process runs
+    on fewer cores than the host has, and its figures are those of its share)."""
+    return {"cpu": cpu_model(), "isa": vector_extensions(cpu_flags()), "cores": available_cpus().count}

@@ -11,7 +11,7 @@ from .manifest import Manifest
 
 
 def print_variants(console: Console, manifest: Manifest) -> None:
-    table = Table(title=f"{escape(manifest.name)}: {manifest.task}, inputs {', '.join(manifest.input_names)}", title_justify="left")
+    table = Table(title=f"{escape(manifest.name)}: {manifest.task}, inputs {_inputs(manifest.input_names)}", title_justify="left")
     for col in ("variant", "device", "kept", "max |Δ|", "min cos", "mean cos", "agreement", "batch cos", "ms (b1)", "note"):
         table.add_column(col, justify="left" if col in ("variant", "note", "device") else "right")
     for v in manifest.variants:
@@ -37,3 +37,10 @@ def print_accuracy(console: Console, scores: list[Score]) -> None:
     for s in scores:
         table.add_row(escape(s.backend), f"{s.spearman:.3f}", "—" if s.delta is None else f"{s.delta:+.4f}")
     console.print(table)
+
+
+def _inputs(names: list[str]) -> str:
+    """The model's inputs, a decoder's KV-cache tensors counted rather than listed (60 names for 30 layers)."""
+    cache = [n for n in names if n.startswith("past_key_values.")]
+    shown = ", ".join(n for n in names if n not in cache)
+    return f"{shown} and {len(cache)} KV-cache tensors" if cache else shown

@@ -62,7 +62,7 @@ def generation_cases(model: str, max_body: int) -> list[BadCase]:
     add("chat-model-a-number", chat, {**messages, "model": 7})
     add("generate-unknown-model", "/v2/models/nope/generate", {"text_input": "x"}, status=404)
     # OpenAI prompts and messages
-    for case_id, value in (("missing", None), ("a-number", 7), ("an-object", {"a": 1}), ("two-prompts", ["a", "b"]),
+    for case_id, value in (("missing", None), ("a-number", 7), ("an-object", {"a": 1}), ("mixed-list", ["a", 5]),
                            ("ids-out-of-vocabulary", [1, 2**40]), ("ids-negative", [1, -5]), ("empty", ""),
                            ("ids-bools", [True, False])):
         add(f"completions-prompt-{case_id}", completions, {**prompt, "prompt": value})
@@ -76,9 +76,14 @@ def generation_cases(model: str, max_body: int) -> list[BadCase]:
                            ("content-image", [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]),
                            ("content-part-no-text", [{"role": "user", "content": [{"type": "text"}]}])):
         add(f"chat-messages-{case_id}", chat, {**messages, "messages": value})
-    for case_id, extra in (("n-2", {"n": 2}), ("best-of-3", {"best_of": 3}), ("logprobs", {"logprobs": True}),
+    for case_id, extra in (("n-17", {"n": 17}), ("best-of-3", {"best_of": 3}),
+                           ("top-logprobs-21", {"logprobs": True, "top_logprobs": 21}),
                            ("echo", {"echo": True}), ("tools", {"tools": [{"type": "function"}]}),
-                           ("response-format", {"response_format": {"type": "json_object"}}),
+                           ("response-format-yaml", {"response_format": {"type": "yaml"}}),
+                           ("response-format-bad-schema", {"response_format": {"type": "json_schema", "json_schema": {
+                               "name": "x", "schema": {"type": "bogus"}}}}),
+                           ("two-constraints", {"response_format": {"type": "json_object"}, "guided_regex": "a"}),
+                           ("logit-bias-outside-vocabulary", {"logit_bias": {str(2**40): 1}}),
                            ("stream-a-string", {"stream": "yes"}), ("stream-options-unstreamed", {"stream_options": {}})):
         add(f"chat-{case_id}", chat, {**messages, **extra})
     # sampling settings, on the OpenAI bodies
@@ -91,7 +96,7 @@ def generation_cases(model: str, max_body: int) -> list[BadCase]:
                            ("temperature-1e999", b""), ("top-p-zero", {"top_p": 0}), ("top-p-2", {"top_p": 2}),
                            ("top-k-negative", {"top_k": -5}), ("seed-negative", {"seed": -1}),
                            ("seed-2**64", {"seed": 2**64}), ("repetition-penalty-zero", {"repetition_penalty": 0}),
-                           ("frequency-penalty", {"frequency_penalty": 0.5}), ("stop-empty", {"stop": ""}),
+                           ("frequency-penalty-3", {"frequency_penalty": 3}), ("stop-empty", {"stop": ""}),
                            ("stop-17", {"stop": [str(i) for i in range(17)]}), ("stop-numbers", {"stop": [1]}),
                            ("stop-token-ids-a-string", {"stop_token_ids": "x"}), ("ignore-eos-a-string", {"ignore_eos": "yes"})):
         if extra == b"":

@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 
 from modelkiln.net import child_environment, free_port, wait_until_ready
-from modelkiln.tune.sweep import process_memory_mb
+from modelkiln.tune.sweep import server_memory_mb
 
 SRC = Path(__file__).resolve().parents[3] / "src"
 API_KEY = "faultsuite-key"
@@ -76,7 +76,7 @@ class KilnServer:
         return self.proc.poll() is None
 
     def rss_mb(self) -> float | None:
-        return process_memory_mb(self.proc.pid, "VmRSS")
+        return server_memory_mb(self.proc.pid, "VmRSS")  # with --workers N, the workers' too
 
     def log(self) -> str:
         if not self._log.closed:

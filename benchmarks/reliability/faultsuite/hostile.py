@@ -420,7 +420,8 @@ async def disconnects(server: KilnServer, work: Workload, per_group: int) -> Pro
 
 
 def listening_addresses(port: int) -> list[str]:
-    """The local addresses listening on ``port`` (Linux /proc/net/tcp and tcp6)."""
+    """The local addresses listening on ``port`` (Linux /proc/net/tcp and tcp6), each once (the
+    workers of ``kiln serve --workers N`` each listen on the same address)."""
     found = []
     for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
         try:
@@ -436,7 +437,7 @@ def listening_addresses(port: int) -> list[str]:
                 found.append(":".join(address[i:i + 4] for i in range(0, 32, 4)))
             else:
                 found.append(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
-    return found
+    return sorted(set(found))
 
 
 STATIC_PATHS = ("serve", "runtime", "tasks", "generation", "manifest.py")  # what loads and serves an artifact

@@ -107,8 +107,9 @@ def real_token_windows(model: TextGenerationModel, length: int, count: int) -> l
 
 
 class OnnxBackend:
-    """One of the artifact's own variants, driven through the engine core as ``kiln serve`` drives
-    it (chunked prefill, sampling, the engine's batch): what a request costs, not only the graph."""
+    """One of the artifact's own variants (an ONNX graph, or a torch variant), driven through the
+    engine core as ``kiln serve`` drives it (chunked prefill, sampling, the engine's batch): what a
+    request costs, not only the graph."""
 
     def __init__(self, model: TextGenerationModel, variant: str | None, threads: int | None, path: Path | None = None,
                  max_batch: int = DEFAULT_MAX_RUNNING):
@@ -222,14 +223,16 @@ def _run_peer(label: str, peer: dict[str, Any], inputs: GenerationInputs, cfg: G
     return [GenerationCell.from_dict(c) for c in out["cells"]], out["notes"]
 
 
-OWN_PREFIX = "onnxruntime "  # the artifact's own rows ("onnxruntime int4"; the onnxruntime-genai peer is not one)
+# the artifact's own rows ("onnxruntime int4", "kiln torch-fp32"; the onnxruntime-genai peer is not one)
+OWN_PREFIXES = ("onnxruntime ", "kiln ")
 
 
 def _own_variants(model: TextGenerationModel, cfg: GenerationBenchConfig) -> Iterator[tuple[str, Callable[[], Any]]]:
     for v in model.manifest.kept_variants():
         if v.device != "cpu" or (cfg.variants and v.name not in cfg.variants):
             continue
-        yield f"{OWN_PREFIX}{v.name}", lambda v=v: OnnxBackend(model, v.name, cfg.threads, max_batch=max(cfg.batches))
+        label = f"kiln {v.name}" if v.engine == "torch" else f"onnxruntime {v.name}"
+        yield label, lambda v=v: OnnxBackend(model, v.name, cfg.threads, max_batch=max(cfg.batches))
 
 
 def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
@@ -262,7 +265,7 @@ def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
 
 def best_ratio(result: GenerationBenchResult, phase: str, batch: int, tokens: int, against: str) -> float | None:
     """Fastest ONNX variant's tokens/s over ``against``'s in one cell (for the summary line)."""
-    ours = [c.tokens_per_s for c in result.cells if c.backend.startswith(OWN_PREFIX)
+    ours = [c.tokens_per_s for c in result.cells if c.backend.startswith(OWN_PREFIXES)
             and (c.phase, c.batch, c.tokens) == (phase, batch, tokens)]
     theirs = [c.tokens_per_s for c in result.cells if c.backend.startswith(against)
               and (c.phase, c.batch, c.tokens) == (phase, batch, tokens)]

@@ -18,11 +18,14 @@ from typing import Any, ContextManager
 import numpy as np
 from tokenizers import Tokenizer
 
+from ..cpus import available_cpus
 from ..errors import KilnError
 from ..machine import cpu_description
 from ..manifest import Manifest, is_artifact
 from ..runtime.engine import Engine
-from ..runtime.onnx import OnnxEngine, cuda_available
+from ..runtime.onnx import cuda_available
+from ..runtime.pipeline import load_variant
+from ..runtime.registry import TORCH
 from .isolation import DEFAULT_TIMEOUT_S, ChildFailed, run_in_child
 from ..timing import Stats, measure
 
@@ -72,11 +75,9 @@ class BenchResult:
 
 def machine_info(threads: int | None) -> dict[str, Any]:
     """The CPU (model, vector extensions, cores) and the runtime a bench ran with."""
-    import os
-
     import onnxruntime
 
-    return {**cpu_description(), "threads": threads or os.cpu_count(), "onnxruntime": onnxruntime.__version__,
+    return {**cpu_description(), "threads": threads or available_cpus().count, "onnxruntime": onnxruntime.__version__,
             "python": platform.python_version()}
 
 
@@ -133,13 +134,12 @@ def _own_engines(folder: Path, manifest: Manifest, cfg: BenchConfig, skipped: li
     for v in manifest.kept_variants():
         if cfg.variants and v.name not in cfg.variants:
             continue
-        if v.device == "cuda" and not cuda_available():
-            skipped.append(f"onnxruntime {v.name}: no CUDA device")
+        label = "torch" if v.engine == TORCH else "onnxruntime"
+        if v.device == "cuda" and not (_torch_cuda() if v.engine == TORCH else cuda_available()):
+            skipped.append(f"{label} {v.name}: no CUDA device")
             continue
         assert v.file is not None
-        path = folder / v.file
-        yield (f"onnxruntime {v.name}", v.device,
-               lambda path=path, v=v: OnnxEngine(path, device=v.device, threads=cfg.threads, label=v.name))
+        yield (f"{label} {v.name}", v.device, lambda v=v: load_variant(folder, manifest, v, cfg.threads))
 
 
 def measure_engine(engine: Engine, label: str, feeds: dict[tuple[int, int], dict[str, np.ndarray]], cfg: BenchConfig,

@@ -11,9 +11,19 @@ from pathlib import Path
 from ..tasks import text_generation
 
 
-def default_precisions(task: str, device: str) -> tuple[str, ...]:
+ONNX_ENGINE, TORCH_ENGINE = "onnx", "torch"  # kiln convert --engine
+
+
+def default_precisions(task: str, device: str, engine: str = ONNX_ENGINE, gguf: bool = False) -> tuple[str, ...]:
     """Every variant that fits the device: a text-generation model gets the low-bit decoders
-    (``int4`` = MatMulNBits), an encoder the fused graph and, on CUDA, TensorRT."""
+    (``int4`` = MatMulNBits), or from a GGUF file its own blocks only (``gguf``: exactly the file's
+    weights, and no fp32 copy of the model needed); an encoder the fused graph and, on CUDA,
+    TensorRT; the torch engine fp32, and bf16 too on CUDA (where it is fast: on the CPU it is
+    slower than fp32)."""
+    if engine == TORCH_ENGINE:
+        return ("fp32",) if device == "cpu" else ("fp32", "bf16")
+    if task == text_generation.NAME and gguf:
+        return ("gguf",)
     if task == text_generation.NAME:
         return ("fp32", "int8", "int4") if device == "cpu" else ("fp32", "int8", "int4", "fp16")
     return ("fp32", "optimized", "int8") if device == "cpu" else ("fp32", "optimized", "fp16", "tensorrt")
@@ -28,7 +38,7 @@ def versions() -> dict[str, str]:
     return found
 
 
-def remove_onnx(path: Path) -> None:
-    """An ONNX file and its external-data file, if any."""
+def remove_variant_file(path: Path) -> None:
+    """A variant's file (ONNX or safetensors) and an ONNX file's external-data file, if any."""
     path.unlink(missing_ok=True)
     (path.parent / (path.name + ".data")).unlink(missing_ok=True)

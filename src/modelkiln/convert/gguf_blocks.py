@@ -1,260 +1,305 @@
-"""int4 straight from a GGUF file's own quantized blocks.
+"""A GGUF file's quantized blocks as ``MatMulNBits`` weights, exactly.
 
-A GGUF Q4_1 weight is stored in blocks of 32 along the input dimension: codes ``q`` in 0..15, a
-scale ``d`` and a minimum ``m`` per block (both fp16), and ``w = d·q + m``. transformers loads the
-file dequantized to exactly those fp32 values, which the decoder export writes as MatMul weights.
-Re-quantizing them with onnxruntime's symmetric 4-bit grid throws the GGUF grid away and adds a
-second rounding (SmolLM2: perplexity +28%). Packing the GGUF's own codes into ``MatMulNBits``
-instead loses nothing: the int4 graph computes the same weights as the fp32 graph.
+Every common GGUF type stores a weight row as blocks of integer codes with a scale per block (and,
+for some, a minimum), and gguf-py's ``dequantize`` turns them into float32 with a few fp32
+operations, e.g. Q4_K: ``(d·sc)·q − (dmin·m)``. Here each type becomes ``Blocks``: unsigned codes
+``c`` [rows, blocks, block], a scale ``s`` and an optional offset ``o`` per block, with
 
-MatMulNBits computes ``w = scale · (q − zero_point)``. Float zero points (``−m/d``) would express
-Q4_1 directly, but onnxruntime 1.32's CPU kernel takes them only on its unpacked path (measured
-8 ms against 0.24 ms for one 576×1536 MatMul), so a Q4_1 MatMul is split the way llama.cpp's
-own Q4_1 dot product is:
+    w = s · (c − zero) + o
 
-    x·W = MatMulNBits(x; q, d, zero point 8) + blocksum(x) · C,   C = m + 8·d per block
+computed with the very fp32 operations gguf-py uses, so the values are bit for bit its own
+(tests/test_gguf_blocks.py checks every type against ``gguf.quants.dequantize``).
 
-where ``blocksum(x)`` sums ``x`` over each block of 32 inputs (a MatMul with a 0/1 matrix,
-computed once per distinct input: q/k/v and gate/up share theirs) and ``C`` is [blocks, N] fp32,
-one value per 32 weights. Q4_0 (``w = d·(q − 8)``) and Q8_0 (``w = d·q``, codes shifted to
-unsigned with zero point 128) are MatMulNBits' own symmetric formats, packed as they are.
+``MatMulNBits`` (onnxruntime 1.32: 4- or 8-bit codes, power-of-two blocks of at least 16, fast
+only with its default zero point 2^(bits−1)) computes ``s · (c − 2^(bits−1))``. Where that is not
+the whole weight, the rest is one value per block, ``C = o + (2^(bits−1) − zero)·s``, added the way
+llama.cpp's own dot products add a block minimum:
 
-Which GGUF tensor is which graph weight is found by value, not by name: every row of the
-dequantized GGUF tensor is looked up among the columns of the graph's weights. That also recovers
-the row order transformers changes when it loads a Llama's q/k projections (it undoes llama.cpp's
-rotary permutation), and works for any architecture transformers reads from GGUF."""
+    x·W = MatMulNBits(x; c, s) + blocksum(x) · C
+
+with ``blocksum(x)`` the sums of ``x`` over each block of inputs (``linear_weights.py``). How each
+type is stored (``STORAGE``):
+
+    Q4_0  4-bit, block 32          d·(q − 8): MatMulNBits' own format
+    Q4_1  4-bit, block 32, min     d·q + m
+    Q5_0  8-bit, block 32          d·(q − 16), codes q + 112
+    Q5_1  8-bit, block 32, min     d·q + m, codes q + 128
+    Q8_0  8-bit, block 32          d·q, codes q + 128
+    Q2_K  4-bit, block 16, min     (d·sc)·q − dmin·m, 2-bit codes q + 8
+    Q3_K  4-bit, block 16          (d·(sc − 32))·q, 3-bit signed codes q + 8
+    Q4_K  4-bit, block 32, min     (d·sc)·q − dmin·m (6-bit sc and m per 32 weights)
+    Q5_K  8-bit, block 32, min     the same with 5-bit codes q + 128
+    Q6_K  8-bit, block 16          (d·sc)·(q − 32), signed 8-bit sc per 16 weights; codes q + 96
+
+Other types (IQ*, TQ*, MXFP4, ...) have no such form (their codes index a grid, or the scale is
+not one multiplication); they are dequantized to fp32 and say so, never re-quantized."""
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from ..errors import ConversionError
+QK_K = 256  # weights per K-quant super-block
+ROWS_PER_CHUNK_WEIGHTS = 1 << 24  # a matrix is decoded this many weights at a time
 
-log = logging.getLogger(__name__)
 
-BLOCK = 32  # weights per block in every GGUF type packed here
-MS_DOMAIN = "com.microsoft"
-PACKABLE = ("Q4_0", "Q4_1", "Q8_0")  # GGUF types MatMulNBits can take as they are
+@dataclass(frozen=True)
+class Storage:
+    """How a GGUF type is held in the graph: MatMulNBits' code width and block, and whether a
+    per-block correction (a minimum, or a zero point other than MatMulNBits') is added."""
+
+    bits: int
+    block: int
+    correction: bool
+
+    def __str__(self) -> str:
+        return f"{self.bits}-bit, block {self.block}" + (", min correction" if self.correction else "")
+
+
+STORAGE = {
+    "Q4_0": Storage(4, 32, False), "Q4_1": Storage(4, 32, True),
+    "Q5_0": Storage(8, 32, False), "Q5_1": Storage(8, 32, True),
+    "Q8_0": Storage(8, 32, False),
+    "Q2_K": Storage(4, 16, True), "Q3_K": Storage(4, 16, False),
+    "Q4_K": Storage(4, 32, True), "Q5_K": Storage(8, 32, True), "Q6_K": Storage(8, 16, False),
+}
+FLOAT_TYPES = ("F32", "F16", "BF16")  # not quantized: fp32 in the graph, exactly
 
 
 @dataclass(frozen=True)
 class Blocks:
-    """One GGUF tensor's blocks as MatMulNBits wants them: ``codes`` [N, blocks, 32] unsigned,
-    ``scale`` [N, blocks]; the weight is ``scale · (codes − zero) + offset``."""
+    """Weights as ``scale · (codes − zero) + offset`` per block: ``codes`` [N, blocks, block] unsigned
+    below 2^bits, ``scale`` and ``offset`` [N, blocks] float32."""
 
     kind: str
     codes: np.ndarray
     scale: np.ndarray
-    bits: int
     zero: int
-    offset: np.ndarray | None = None  # Q4_1's minimum m per block
+    offset: np.ndarray | None = None
 
-    @staticmethod
-    def concat(parts: list[Blocks]) -> Blocks | None:
-        """Several weights' blocks stacked along N (fused projections), or None when their types differ."""
-        first = parts[0]
-        if any((p.kind, p.bits, p.zero) != (first.kind, first.bits, first.zero) for p in parts):
-            return None
-        offset = None if first.offset is None else np.concatenate([p.offset for p in parts])  # type: ignore[misc]
-        return Blocks(first.kind, np.concatenate([p.codes for p in parts]), np.concatenate([p.scale for p in parts]),
-                      first.bits, first.zero, offset)
-
-    def take_rows(self, rows: np.ndarray) -> Blocks:
-        return Blocks(self.kind, self.codes[rows], self.scale[rows], self.bits, self.zero,
-                      None if self.offset is None else self.offset[rows])
+    @property
+    def storage(self) -> Storage:
+        return STORAGE[self.kind]
 
     def dequantized(self) -> np.ndarray:
-        """[N, K] float32, as MatMulNBits (plus the Q4_1 correction) computes it."""
-        w = self.scale[..., None] * (self.codes.astype(np.float32) - self.zero)
+        """[N, K] float32, with gguf-py's own operations: bit for bit its ``dequantize``."""
+        w = self.scale[..., None] * (self.codes.astype(np.float32) - np.float32(self.zero))
         if self.offset is not None:
             w = w + self.offset[..., None]
         return w.reshape(w.shape[0], -1)
 
+    def correction(self) -> np.ndarray | None:
+        """[N, blocks]: what MatMulNBits (zero point 2^(bits−1)) leaves out of each block's weights."""
+        shift = (1 << (self.storage.bits - 1)) - self.zero
+        if self.offset is None and shift == 0:
+            return None
+        total = np.zeros_like(self.scale) if self.offset is None else self.offset
+        return total + np.float32(shift) * self.scale if shift else total
+
+    def packed_codes(self) -> np.ndarray:
+        """MatMulNBits' B: [N, blocks, block·bits/8] bytes; 4-bit codes two to a byte, the first low."""
+        if self.storage.bits == 8:
+            return self.codes
+        return (self.codes[..., 0::2] | (self.codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+# --- decoding each type -----------------------------------------------------------------------------
+# Each decoder takes the raw blocks [M, type size] and returns codes [M, sub-blocks, sub-block size],
+# scale and offset [M, sub-blocks], the expressions following gguf-py's quants.py line by line.
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16).astype(np.float32)  # [M, 1]
+
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """GGUF's 16 bytes per block → 32 codes: the low nibbles are elements 0..15, the high 16..31."""
+    """16 bytes → 32 codes: the low nibbles are elements 0..15, the high 16..31."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def read_blocks(tensor: Any) -> Blocks | None:
-    """A ``gguf.ReaderTensor`` of type Q4_0, Q4_1 or Q8_0 as Blocks; None for any other type."""
-    from gguf import GGMLQuantizationType as T
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: 4 bytes, little-endian: bit j is element j's fifth bit."""
+    bits = np.ascontiguousarray(qh).view(np.uint32) >> np.arange(32, dtype=np.uint32)
+    return (bits & 1).astype(np.uint8)
 
-    kind = tensor.tensor_type
-    if kind.name not in PACKABLE:
-        return None
-    raw = np.asarray(tensor.data)
+
+def _q4_0(b: np.ndarray) -> tuple:
+    return _nibbles(b[:, 2:])[:, None], _half(b, 0), 8, None
+
+
+def _q4_1(b: np.ndarray) -> tuple:
+    return _nibbles(b[:, 4:])[:, None], _half(b, 0), 0, _half(b, 2)
+
+
+def _q5_0(b: np.ndarray) -> tuple:
+    q = _nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4)
+    return (q + 112)[:, None], _half(b, 0), 128, None
+
+
+def _q5_1(b: np.ndarray) -> tuple:
+    q = _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4)
+    return (q + 128)[:, None], _half(b, 0), 128, _half(b, 2)
+
+
+def _q8_0(b: np.ndarray) -> tuple:
+    q = np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.int16) + 128
+    return q.astype(np.uint8)[:, None], _half(b, 0), 128, None
+
+
+def _q2_k(b: np.ndarray) -> tuple:
+    m = len(b)
+    scales, qs = b[:, :16], b[:, 16:80]
+    d, dmin = _half(b, 80), _half(b, 82)
+    dl = d * (scales & 0xF).astype(np.float32)  # [M, 16]
+    ml = dmin * (scales >> 4).astype(np.float32)
+    q = (qs.reshape(m, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    return (q.reshape(m, 16, 16) + 8).astype(np.uint8), dl, 8, -ml
+
+
+def _q3_k(b: np.ndarray) -> tuple:
+    m = len(b)
+    hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
+    d = _half(b, 108)
+    low = (packed[:, :8].reshape(m, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(m, 16)
+    high = (packed[:, 8:].reshape(m, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(m, 16)
+    sc = (low & np.uint8(0x0F)) | ((high & np.uint8(0x03)) << np.uint8(4))
+    dl = d * (sc.astype(np.int8) - np.int8(32)).astype(np.float32)  # [M, 16]
+    ql = (qs.reshape(m, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)).reshape(m, 16, 16) & np.uint8(3)
+    qh = (hmask.reshape(m, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).reshape(m, 16, 16) & np.uint8(1)
+    q = ql.astype(np.int8) - ((qh ^ np.uint8(1)) << np.uint8(2)).astype(np.int8)  # -4..3
+    return (q + 8).astype(np.uint8), dl, 8, None
+
+
+def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: 12 bytes → eight 6-bit scales and eight 6-bit minimums."""
+    m = len(packed)
+    d, mins, both = np.split(packed.reshape(m, 3, 4), 3, axis=-2)
+    sc = np.concatenate([d & 0x3F, (both & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([mins & 0x3F, (both >> 4) | ((mins >> 2) & 0x30)], axis=-1)
+    return sc.reshape(m, 8), mn.reshape(m, 8)
+
+
+def _q4_k(b: np.ndarray) -> tuple:
+    m = len(b)
+    d, dmin = _half(b, 0), _half(b, 2)
+    sc, mn = _k_scale_min(b[:, 4:16])
+    q = (b[:, 16:].reshape(m, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+    return q.reshape(m, 8, 32), d * sc.astype(np.float32), 0, -(dmin * mn.astype(np.float32))
+
+
+def _q5_k(b: np.ndarray) -> tuple:
+    m = len(b)
+    d, dmin = _half(b, 0), _half(b, 2)
+    sc, mn = _k_scale_min(b[:, 4:16])
+    ql = (b[:, 48:].reshape(m, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+    qh = (b[:, 16:48].reshape(m, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & np.uint8(1)
+    q = ql.reshape(m, 8, 32) | (qh.reshape(m, 8, 32) << np.uint8(4))
+    return q + np.uint8(128), d * sc.astype(np.float32), 128, -(dmin * mn.astype(np.float32))
+
+
+def _q6_k(b: np.ndarray) -> tuple:
+    m = len(b)
+    ql, qh = b[:, :128], b[:, 128:192]
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _half(b, 208) * sc  # [M, 16]
+    low = (ql.reshape(m, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+    high = (qh.reshape(m, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(0x03)
+    q = low.reshape(m, 8, 32) | (high.reshape(m, 8, 32) << np.uint8(4))  # 0..63, the weight is q − 32
+    return (q + np.uint8(96)).reshape(m, 16, 16), d, 128, None
+
+
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
+             "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def decode_blocks(kind: str, raw: np.ndarray) -> Blocks:
+    """Raw GGUF rows [N, bytes per row] of type ``kind`` (a key of STORAGE) as Blocks [N, ...]."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     rows = raw.shape[0]
-    per_block = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34}[kind]
-    blocks = raw.reshape(rows, -1, per_block)
-
-    def half(lo: int) -> np.ndarray:
-        return blocks[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)
-
-    if kind == T.Q4_0:
-        return Blocks("Q4_0", _nibbles(blocks[..., 2:]), half(0), bits=4, zero=8)
-    if kind == T.Q4_1:
-        return Blocks("Q4_1", _nibbles(blocks[..., 4:]), half(0), bits=4, zero=0, offset=half(2))
-    signed = blocks[..., 2:].copy().view(np.int8)
-    return Blocks("Q8_0", (signed.astype(np.int16) + 128).astype(np.uint8), half(0), bits=8, zero=128)
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+    codes, scale, zero, offset = _DECODERS[kind](np.asarray(raw, dtype=np.uint8).reshape(-1, size))
+    block = STORAGE[kind].block
+    return Blocks(kind, np.ascontiguousarray(codes, dtype=np.uint8).reshape(rows, -1, block),
+                  np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1), zero,
+                  None if offset is None else np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, -1))
 
 
-def has_packable_blocks(gguf_path: Path) -> bool:
-    """Whether the file holds any Q4_0/Q4_1 tensor (the int4 this module builds)."""
-    from gguf import GGMLQuantizationType as T
-
-    return any(t.tensor_type in (T.Q4_0, T.Q4_1) for t in read_gguf(gguf_path).tensors)
+# --- one GGUF tensor as a matrix ---------------------------------------------------------------------
 
 
-def read_gguf(path: Path) -> Any:
-    """The file's ``GGUFReader``: the one transformers' loading parsed already (``source.one_gguf_parse``:
-    parsing SmolLM2's vocabulary alone takes seconds)."""
-    import gguf
+@dataclass(frozen=True)
+class GgufMatrix:
+    """A 2-D GGUF tensor as the matrix [N, K] a projection multiplies by (torch's [out, in] layout),
+    read from the file's memory map a range of rows at a time. ``order`` moves whole rows (a
+    Llama's q/k rotary permutation): output row r is stored row ``order[r]``. ``release``, if
+    given, is called after each read: it unmaps the pages read (``GgufDecoder.release_pages``)."""
 
-    from .source import one_gguf_parse
+    name: str
+    kind: str  # the GGUF type's name: Q4_K, F16, IQ4_XS, ...
+    data: Any  # the reader's memory-mapped rows [N, bytes per row] (float types: [N, K])
+    shape: tuple[int, int]
+    order: np.ndarray | None = None
+    release: Callable[[], None] | None = None
 
-    with one_gguf_parse():
-        return gguf.GGUFReader(str(path))
+    @property
+    def packable(self) -> bool:
+        """Whether the blocks go into MatMulNBits as they are (``STORAGE``)."""
+        return self.kind in STORAGE
 
+    @cached_property
+    def chunk_rows(self) -> int:
+        return max(1, ROWS_PER_CHUNK_WEIGHTS // max(self.shape[1], 1))
 
-class GgufRowIndex:
-    """Every row of every packable GGUF tensor, dequantized the way transformers does it
-    (``gguf.dequantize``), keyed by its bytes."""
+    def row_ranges(self) -> list[tuple[int, int]]:
+        return [(a, min(a + self.chunk_rows, self.shape[0])) for a in range(0, self.shape[0], self.chunk_rows)]
 
-    def __init__(self, reader: Any) -> None:
-        from gguf import dequantize
+    def _raw(self, start: int, stop: int) -> np.ndarray:
+        rows = slice(start, stop) if self.order is None else self.order[start:stop]
+        return self._read(rows)
 
-        self._blocks: dict[str, Blocks] = {}
-        self.tensors = {t.name: t for t in reader.tensors if t.tensor_type.name in PACKABLE}
-        self.rows: dict[bytes, list[tuple[str, int]]] = {}
-        for name, t in self.tensors.items():
-            values = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            for i, row in enumerate(values):
-                self.rows.setdefault(row.tobytes(), []).append((name, i))
+    def _read(self, rows: Any) -> np.ndarray:
+        """The raw rows, copied out of the file's map (whose pages are then released)."""
+        raw = np.array(self.data[rows])
+        if self.release is not None:
+            self.release()
+        return raw
 
-    def match(self, weight: np.ndarray) -> tuple[str, np.ndarray] | None:
-        """(tensor name, GGUF row of each column) for a [K, N] MatMul weight, or None."""
-        columns = np.ascontiguousarray(weight.T, dtype=np.float32)
-        found = [self.rows.get(c.tobytes()) for c in columns]
-        if any(f is None for f in found):
-            return None
-        names = set.intersection(*({n for n, _ in f} for f in found))  # type: ignore[union-attr]
-        if not names:
-            return None
-        name = sorted(names)[0]
-        return name, np.asarray([next(i for n, i in f if n == name) for f in found])  # type: ignore[union-attr]
-
-    def blocks_for(self, weight: np.ndarray) -> Blocks | None:
-        """The GGUF blocks that dequantize to exactly ``weight`` ([K, N], a MatMul's), or None."""
-        found = self.match(weight) if weight.ndim == 2 and weight.shape[0] % BLOCK == 0 else None
-        if found is None:
-            return None
-        name, rows = found
-        if name not in self._blocks:
-            self._blocks[name] = read_blocks(self.tensors[name])  # type: ignore[assignment]
-        blocks = self._blocks[name].take_rows(rows)
-        error = float(np.abs(blocks.dequantized() - weight.T).max())
-        if error > 1e-5 * max(float(np.abs(weight).max()), 1.0):
-            raise ConversionError(f"GGUF tensor {name} does not reproduce a graph weight [{weight.shape[0]}, "
-                                  f"{weight.shape[1]}] (max |Δ| {error:.3g}); cannot pack its blocks")
+    def blocks(self, start: int = 0, stop: int | None = None) -> Blocks:
+        blocks = decode_blocks(self.kind, self._raw(start, self.shape[0] if stop is None else stop))
+        if not (np.isfinite(blocks.scale).all() and (blocks.offset is None or np.isfinite(blocks.offset).all())):
+            raise self._corrupt()
         return blocks
 
+    def _corrupt(self) -> Exception:
+        from ..errors import ModelLoadError
 
-def packed_codes(blocks: Blocks) -> np.ndarray:
-    """MatMulNBits' B: [N, blocks, 32·bits/8] bytes, 4-bit codes two to a byte, the first in the low nibble."""
-    if blocks.bits == 8:
-        return blocks.codes
-    return (blocks.codes[..., 0::2] | (blocks.codes[..., 1::2] << 4)).astype(np.uint8)
+        return ModelLoadError(f"GGUF tensor {self.name} ({self.kind}) holds non-finite values: the file is corrupt")
 
+    def dequantized(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) in float32, as gguf-py dequantizes them (what transformers loads)."""
+        return self._dequantize(self._raw(start, self.shape[0] if stop is None else stop))
 
-def pack_gguf_blocks(src: Path, dst: Path, gguf_path: Path, accuracy_level: int) -> dict[str, int]:
-    """Write ``dst``: the fp32 decoder ``src`` with every MatMul whose weight is a Q4_0/Q4_1/Q8_0
-    tensor of ``gguf_path`` turned into MatMulNBits over that tensor's own blocks (Q4_1 with its
-    block-minimum correction). Other MatMuls stay fp32. Returns counts per GGUF type (and ``fp32``
-    for the MatMuls left as they were)."""
-    import onnx
-    from onnx import helper, numpy_helper
+    def rows(self, indices: list[int] | np.ndarray) -> np.ndarray:
+        """The given rows in float32 (an embedding's rows for the tokens used)."""
+        index = np.asarray(indices, dtype=np.int64)
+        return self._dequantize(self._read(index if self.order is None else self.order[index]))
 
-    from .variants import materialize_transposed_weights
+    def _dequantize(self, raw: np.ndarray) -> np.ndarray:
+        from gguf import GGMLQuantizationType, dequantize
 
-    model = onnx.load(str(src))
-    materialize_transposed_weights(model)
-    graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
-    index = GgufRowIndex(read_gguf(gguf_path))
-    blocksums: dict[str, str] = {}  # MatMul input → its per-block sums
-    counts: Counter[str] = Counter()
-    new_nodes: list[Any] = []
+        values = np.ascontiguousarray(dequantize(raw, GGMLQuantizationType[self.kind]), dtype=np.float32)
+        if not np.isfinite(values).all():
+            raise self._corrupt()
+        return values.reshape(raw.shape[0], self.shape[1])
 
-    def blocksum(x: str, k: int) -> str:
-        if x not in blocksums:
-            ones = f"gguf_blocksum_{k}"
-            if ones not in inits:
-                indicator = np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), np.float32))
-                inits[ones] = numpy_helper.from_array(indicator, ones)
-                graph.initializer.append(inits[ones])
-            blocksums[x] = f"{x}.gguf_blocksum"
-            new_nodes.append(helper.make_node("MatMul", [x, ones], [blocksums[x]], name=f"{x}.gguf_blocksum"))
-        return blocksums[x]
-
-    for node in graph.node:
-        weight_init = inits.get(node.input[1]) if node.op_type == "MatMul" else None
-        if weight_init is None:
-            new_nodes.append(node)
-            continue
-        weight = numpy_helper.to_array(weight_init)
-        blocks = index.blocks_for(weight)
-        if blocks is None:
-            counts["fp32"] += 1
-            new_nodes.append(node)
-            continue
-        k, n = weight.shape
-        stem = f"{weight_init.name}.gguf_{blocks.kind.lower()}"
-        packed = numpy_helper.from_array(packed_codes(blocks), f"{stem}.codes")
-        scales = numpy_helper.from_array(blocks.scale.reshape(-1).astype(np.float32), f"{stem}.scales")
-        graph.initializer.extend([packed, scales])
-        x, out = node.input[0], node.output[0]
-        product = out if blocks.offset is None else f"{out}.gguf_codes"
-        new_nodes.append(helper.make_node("MatMulNBits", [x, packed.name, scales.name], [product], name=f"{node.name}.nbits",
-                                          domain=MS_DOMAIN, K=k, N=n, bits=blocks.bits, block_size=BLOCK,
-                                          accuracy_level=accuracy_level))
-        if blocks.offset is not None:  # Q4_1: MatMulNBits took the codes from its default zero point 8
-            correction = (blocks.offset + 8.0 * blocks.scale).T.astype(np.float32)  # [blocks, N]
-            codes_from_8 = numpy_helper.from_array(correction, f"{stem}.block_offsets")
-            graph.initializer.append(codes_from_8)
-            shifted = f"{out}.gguf_offsets"
-            new_nodes.append(helper.make_node("MatMul", [blocksum(x, k), codes_from_8.name], [shifted], name=f"{node.name}.offsets"))
-            new_nodes.append(helper.make_node("Add", [product, shifted], [out], name=f"{node.name}.add_offsets"))
-        counts[blocks.kind] += 1
-    if not any(counts[k] for k in ("Q4_0", "Q4_1")):
-        raise ConversionError(f"no MatMul weight of the graph matches a Q4_0/Q4_1 tensor of {gguf_path.name}")
-    del graph.node[:]
-    graph.node.extend(_topological(new_nodes, graph))
-    used = {i for nd in graph.node for i in nd.input}
-    keep = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
-    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=dst.name + ".data", size_threshold=1024)
-    log.info("packed GGUF blocks into MatMulNBits: %s", dict(counts))
-    return dict(counts)
-
-
-def _topological(nodes: list[Any], graph: Any) -> list[Any]:
-    """The block sums are appended where first needed, after their input's producer and before
-    their readers, so the list is already in order; checked here rather than assumed."""
-    known = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
-    for node in nodes:
-        missing = [i for i in node.input if i not in known]
-        if missing:
-            raise ConversionError(f"packing GGUF blocks broke the graph's order at {node.name} ({missing})")
-        known.update(node.output)
-    return nodes
+    def full(self) -> np.ndarray:
+        """The whole matrix in float32 (the fp32 graph, a type without an exact MatMulNBits form)."""
+        out = np.empty(self.shape, np.float32)
+        for a, b in self.row_ranges():
+            out[a:b] = self.dequantized(a, b)
+        return out

@@ -1,65 +1,72 @@
-"""How the serving graph's projections are stored, and the small node-writing helper it is built with.
+"""How the serving graph's weights are stored, and the small node-writing helper it is built with.
 
-A projection (``GraphBuilder.linear``) is one fp32 ``MatMul``, or one ``MatMulNBits`` over a
-GGUF file's own quantized blocks (``gguf_blocks.py``): Q4_0 and Q8_0 as they are, Q4_1 with its
-per-block minimum added back by a block-sum correction (``x·W = MatMulNBits(x) + blocksum(x)·C``,
-explained in ``gguf_blocks.py``). Several projections that read the same input (q/k/v, gate/up) are
-one node over their weights stacked along the output axis, when their blocks have one type."""
+A projection (``GraphBuilder.linear``) is an fp32 ``MatMul``, or, in the packed variant of a GGUF
+source, ``MatMulNBits`` over the file's own blocks (``gguf_blocks.py``), plus, where the type has a
+per-block minimum, the block-sum correction
+
+    x·W = MatMulNBits(x; codes, scales) + blocksum(x) · C
+
+with ``blocksum(x)`` the sums of ``x`` over each block of inputs (a Reshape and a ReduceSum: a
+MatMul with a 0/1 matrix did the same in 63 µs against 4 µs for K = 4864, more than the projection
+itself) and ``C`` [blocks, N]. Projections that read the same input (q/k/v, gate/up) are one node
+when they are stored alike (bits, block, correction), else one node per storage: a Q4_K_M file
+holds q and k as Q4_K and v as Q6_K.
+
+The token embedding of the packed variant stays quantized too: a token's row of codes and scales
+is gathered and dequantized in the graph with gguf-py's own operations (exactly its values), and a
+tied ``lm_head`` reads the same codes and scales.
+
+Every initializer is written to the external-data file as it is made (``external_data.py``), a
+matrix a range of rows at a time."""
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Union
 
 import numpy as np
 
-from .gguf_blocks import BLOCK, Blocks, GgufRowIndex, packed_codes, read_gguf
+from .external_data import TensorFile
+from .gguf_blocks import GgufMatrix, Storage
 
 MS_DOMAIN = "com.microsoft"
+Matrix = Union[np.ndarray, GgufMatrix]  # [N, K]: fp32 values, or a GGUF tensor read on demand
 
 
-class WeightStore(Protocol):
-    accuracy_level: int
+@dataclass(frozen=True)
+class QuantizedWeights:
+    """The initializers of one MatMulNBits weight (several projections stacked along N)."""
 
-    def blocks_for(self, weight: np.ndarray) -> Blocks | None:
-        """The quantized blocks to use for a [K, N] MatMul weight, or None to keep it fp32."""
-
-
-class Fp32Weights:
-    """Every projection as an fp32 MatMul (the fp32 variant; int8/int4 are quantized from it)."""
-
-    accuracy_level = 0
-
-    def blocks_for(self, weight: np.ndarray) -> Blocks | None:
-        return None
-
-
-class GgufWeights:
-    """Every projection whose weight is a Q4_0/Q4_1/Q8_0 tensor of the GGUF file, found by value
-    (``GgufRowIndex``), as MatMulNBits over those blocks; the others fp32."""
-
-    def __init__(self, gguf_path: Any, accuracy_level: int):
-        self.index = GgufRowIndex(read_gguf(gguf_path))
-        self.accuracy_level = accuracy_level
-
-    def blocks_for(self, weight: np.ndarray) -> Blocks | None:
-        return self.index.blocks_for(weight)
+    codes: str
+    scales: str  # [N, blocks]
+    correction: str | None  # [blocks, N]: what MatMulNBits leaves out (Blocks.correction)
+    offsets: str | None  # [N, blocks]: the exact per-block offsets (the embedding's gather)
+    zero: int  # the code of 0 (the embedding's gather; a single matrix's)
+    storage: Storage
+    k: int
+    n: int
 
 
 class GraphBuilder:
-    """Collects nodes and initializers; names every tensor after the node that makes it."""
+    """Collects nodes and initializers; names every tensor after the node that makes it. ``pack``:
+    GGUF matrices of a type with an exact MatMulNBits form stay in their blocks, the rest are fp32."""
 
-    def __init__(self, weights: WeightStore):
-        self.weights = weights
+    def __init__(self, tensors: TensorFile, pack: bool = False, accuracy_level: int = 0):
+        self.tensors = tensors
+        self.pack = pack
+        self.accuracy_level = accuracy_level
         self.nodes: list[Any] = []
         self.initializers: list[Any] = []
-        self.formats: Counter[str] = Counter()  # projections by storage (fp32, Q4_1, Q8_0, ...)
-        self._blocksums: dict[str, str] = {}
+        self.formats: Counter[str] = Counter()  # projection nodes by storage
+        self.gguf_types: dict[str, dict[str, Any]] = {}  # GGUF type → tensors of that type and how they are stored
+        self._blocksums: dict[tuple[str, int], str] = {}
+        self._counted: set[str] = set()
+        self._embedding: tuple[GgufMatrix, QuantizedWeights] | None = None
 
+    # -- plain nodes ------------------------------------------------------------------------------
     def constant(self, name: str, value: np.ndarray) -> str:
-        from onnx import numpy_helper
-
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        self.initializers.append(self.tensors.tensor(name, value))
         return name
 
     def node(self, op: str, inputs: list[str], name: str, outputs: list[str] | None = None, domain: str = "",
@@ -84,44 +91,156 @@ class GraphBuilder:
                            name, outputs=[name, "", "", total], domain=MS_DOMAIN, epsilon=eps)
         return normed, total
 
-    def linear(self, x: str, name: str, weights: list[np.ndarray], biases: list[np.ndarray] | None = None,
-               output: str | None = None) -> str:
-        """``x`` times the projections ``weights`` (each [N_i, K], torch's layout), stacked into one node."""
-        out = output or name
-        stacked = np.concatenate(weights).T  # [K, ΣN]
-        parts = [self.weights.blocks_for(np.ascontiguousarray(w.T)) for w in weights]
-        blocks = Blocks.concat(parts) if all(p is not None for p in parts) else None  # type: ignore[arg-type]
+    # -- projections ------------------------------------------------------------------------------
+    def storage(self, matrix: Matrix) -> Storage | None:
+        """How ``matrix`` is stored in this graph: its blocks' MatMulNBits form, or None for fp32."""
+        if self.pack and isinstance(matrix, GgufMatrix) and matrix.packable:
+            from .gguf_blocks import STORAGE
+
+            return STORAGE[matrix.kind]
+        return None
+
+    def linear(self, x: str, name: str, weights: list[Matrix], biases: list[np.ndarray] | None = None,
+               output: str | None = None, parts: list[str] | None = None, rank: int = 3) -> list[str]:
+        """``x`` times the projections ``weights`` (each [N_i, K]). Returns one output when they share
+        one node (stacked along N, in order), else one output per projection. ``rank``: of ``x``."""
+        groups: dict[Storage | None, list[int]] = {}
+        for i, w in enumerate(weights):
+            groups.setdefault(self.storage(w), []).append(i)
+        parts = parts or [str(i) for i in range(len(weights))]
+        if len(groups) == 1:
+            return [self._projection(x, name, weights, biases, output or name, next(iter(groups)), rank)]
+        outputs: list[str] = [""] * len(weights)
+        for storage, members in groups.items():
+            group_name = f"{name}.{'_'.join(parts[m] for m in members)}"
+            out = self._projection(x, group_name, [weights[m] for m in members],
+                                   None if biases is None else [biases[m] for m in members], group_name, storage, rank)
+            if len(members) == 1:
+                outputs[members[0]] = out
+            else:
+                for m, part in zip(members, self.split(out, [weights[m].shape[0] for m in members], group_name)):
+                    outputs[m] = part
+        return outputs
+
+    def _projection(self, x: str, name: str, weights: list[Matrix], biases: list[np.ndarray] | None, out: str,
+                    storage: Storage | None, rank: int) -> str:
         product = out if biases is None else f"{name}.product"
-        if blocks is None:
-            if any(p is not None for p in parts):  # mixed storage cannot share a node: keep fp32 (rare, logged)
-                self.formats["fp32 (mixed block types)"] += 1
+        for w in weights:
+            self._count(w, storage)
+        if storage is None:
             self.formats["fp32"] += 1
+            stacked = np.concatenate([_fp32(w) for w in weights]).T  # [K, ΣN]
             self.node("MatMul", [x, self.constant(f"{name}.weight", stacked)], f"{name}.matmul", outputs=[product])
         else:
-            self.formats[blocks.kind] += 1
-            self._matmul_nbits(x, name, blocks, stacked.shape, product)
+            self.formats[str(storage)] += 1
+            quantized = self._write_blocks(name, weights, storage)  # type: ignore[arg-type]
+            self._matmul_nbits(x, name, quantized, product, rank)
         if biases is not None:
             self.node("Add", [product, self.constant(f"{name}.bias", np.concatenate(biases))], f"{name}.bias_add",
                       outputs=[out])
         return out
 
-    def _matmul_nbits(self, x: str, name: str, blocks: Blocks, shape: tuple[int, int], out: str) -> None:
-        k, n = shape
-        codes = self.constant(f"{name}.codes", packed_codes(blocks))
-        scales = self.constant(f"{name}.scales", blocks.scale.reshape(-1).astype(np.float32))
-        product = out if blocks.offset is None else f"{name}.from_codes"
-        self.node("MatMulNBits", [x, codes, scales], f"{name}.matmul_nbits", outputs=[product], domain=MS_DOMAIN,
-                  K=k, N=n, bits=blocks.bits, block_size=BLOCK, accuracy_level=self.weights.accuracy_level)
-        if blocks.offset is not None:  # Q4_1: MatMulNBits took the codes from its default zero point 8
-            correction = self.constant(f"{name}.block_offsets", (blocks.offset + 8.0 * blocks.scale).T.astype(np.float32))
-            shifted = self.node("MatMul", [self._blocksum(x, k), correction], f"{name}.offsets")
+    def _count(self, matrix: Matrix, storage: Storage | None) -> None:
+        if isinstance(matrix, GgufMatrix) and matrix.name not in self._counted:  # a tied head is the embedding
+            self._counted.add(matrix.name)
+            entry = self.gguf_types.setdefault(matrix.kind, {"count": 0, "stored": str(storage) if storage else "fp32"})
+            entry["count"] += 1
+
+    def _write_blocks(self, stem: str, matrices: list[GgufMatrix], storage: Storage, offsets: bool = False,
+                      correction: bool = True) -> QuantizedWeights:
+        """Codes (streamed, a range of rows at a time), scales and (for MatMulNBits) the correction
+        of ``matrices`` stacked along N; with ``offsets``, the exact per-block offsets (the gather)."""
+        scales: list[np.ndarray] = []
+        corrections: list[np.ndarray] = []
+        exact: list[np.ndarray] = []
+        zero: list[int] = []
+        k = matrices[0].shape[1]
+        n = sum(m.shape[0] for m in matrices)
+        blocks_per_row = k // storage.block
+
+        def codes():  # decodes each range of rows once; keeps its (small) scales for after the codes
+            for m in matrices:
+                for a, b in m.row_ranges():
+                    blocks = m.blocks(a, b)
+                    scales.append(blocks.scale)
+                    correction = blocks.correction()
+                    corrections.append(np.zeros_like(blocks.scale) if correction is None else correction)
+                    if offsets and blocks.offset is not None:
+                        exact.append(blocks.offset)
+                    zero.append(blocks.zero)
+                    yield blocks.packed_codes()
+
+        codes_proto = self.tensors.chunked(f"{stem}.codes", (n, blocks_per_row, storage.block * storage.bits // 8),
+                                           np.uint8, codes())
+        self.initializers.append(codes_proto)
+        return QuantizedWeights(
+            codes=codes_proto.name,
+            scales=self.constant(f"{stem}.scales", np.concatenate(scales)),
+            correction=self.constant(f"{stem}.block_offsets", np.ascontiguousarray(np.concatenate(corrections).T))
+            if storage.correction and correction else None,
+            offsets=self.constant(f"{stem}.offsets", np.concatenate(exact)) if exact else None,
+            zero=zero[0], storage=storage, k=k, n=n)
+
+    def _matmul_nbits(self, x: str, name: str, q: QuantizedWeights, out: str, rank: int) -> None:
+        product = out if q.correction is None else f"{name}.from_codes"
+        self.node("MatMulNBits", [x, q.codes, q.scales], f"{name}.matmul_nbits", outputs=[product], domain=MS_DOMAIN,
+                  K=q.k, N=q.n, bits=q.storage.bits, block_size=q.storage.block, accuracy_level=self.accuracy_level)
+        if q.correction is not None:
+            shifted = self.node("MatMul", [self._blocksum(x, q.k, q.storage.block, rank), q.correction], f"{name}.offsets")
             self.node("Add", [product, shifted], f"{name}.add_offsets", outputs=[out])
 
-    def _blocksum(self, x: str, k: int) -> str:
-        """Sums of ``x`` over each block of 32 inputs, once per input tensor."""
-        if x not in self._blocksums:
-            ones = f"blocksum_indicator_{k}"
-            if not any(i.name == ones for i in self.initializers):
-                self.constant(ones, np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), np.float32)))
-            self._blocksums[x] = self.node("MatMul", [x, ones], f"{x}.blocksum")
-        return self._blocksums[x]
+    def _blocksum(self, x: str, k: int, block: int, rank: int) -> str:
+        """Sums of ``x`` over each block of inputs, once per input tensor and block size."""
+        if (x, block) not in self._blocksums:
+            shape = [0] * (rank - 1) + [k // block, block]
+            grouped = self.node("Reshape", [x, self.constant(f"{x}.blocks{block}.shape", np.asarray(shape, np.int64))],
+                                f"{x}.blocks{block}")
+            self._blocksums[x, block] = self.node(
+                "ReduceSum", [grouped, self.constant(f"{x}.blocks{block}.axes", np.asarray([-1], np.int64))],
+                f"{x}.blocksum{block}", keepdims=0)
+        return self._blocksums[x, block]
+
+    # -- the token embedding and the head ---------------------------------------------------------
+    def embedding(self, ids: str, matrix: Matrix, tied: bool, name: str = "embed") -> str:
+        """The rows of ``matrix`` [vocab, hidden] for token ids [batch, sequence]; ``tied``: the
+        head multiplies by the same matrix (``lm_head``)."""
+        storage = self.storage(matrix)
+        self._count(matrix, storage)
+        if storage is None:
+            return self.node("Gather", [self.constant(f"{name}.weight", _fp32(matrix)), ids], name)
+        assert isinstance(matrix, GgufMatrix)
+        q = self._write_blocks(name, [matrix], storage, offsets=True, correction=tied)
+        self._embedding = (matrix, q)
+        codes = self.node("Gather", [q.codes, ids], f"{name}.row_codes")  # [batch, sequence, blocks, bytes]
+        if storage.bits == 4:  # two codes a byte, the first in the low nibble
+            low = self.node("BitwiseAnd", [codes, self.constant(f"{name}.low_mask", np.asarray(15, np.uint8))], f"{name}.low")
+            high = self.node("BitShift", [codes, self.constant(f"{name}.shift", np.asarray(4, np.uint8))], f"{name}.high",
+                             direction="RIGHT")
+            last = self.constant(f"{name}.last_axis", np.asarray([-1], np.int64))
+            pairs = self.node("Concat", [self.node("Unsqueeze", [low, last], f"{name}.low_pairs"),
+                                         self.node("Unsqueeze", [high, last], f"{name}.high_pairs")], f"{name}.pairs", axis=-1)
+            codes = self.node("Reshape", [pairs, self.constant(f"{name}.code_shape", np.asarray([0, 0, q.k // storage.block, storage.block], np.int64))],
+                              f"{name}.unpacked")
+        centered = self.node("Sub", [self.node("Cast", [codes], f"{name}.codes_float", to=1),
+                                     self.constant(f"{name}.zero", np.asarray(q.zero, np.float32))], f"{name}.centered")
+        last = self.constant(f"{name}.block_axis", np.asarray([-1], np.int64))
+        scale = self.node("Unsqueeze", [self.node("Gather", [q.scales, ids], f"{name}.row_scales"), last], f"{name}.scale")
+        values = self.node("Mul", [centered, scale], f"{name}.scaled")  # gguf-py: scale · code, then + offset
+        if q.offsets is not None:
+            offset = self.node("Unsqueeze", [self.node("Gather", [q.offsets, ids], f"{name}.row_offsets"), last], f"{name}.offset")
+            values = self.node("Add", [values, offset], f"{name}.shifted")
+        return self.node("Reshape", [values, self.constant(f"{name}.hidden_shape", np.asarray([0, 0, q.k], np.int64))], name)
+
+    def lm_head(self, x: str, matrix: Matrix, output: str) -> str:
+        """``x`` [positions, hidden] times ``matrix`` [vocab, hidden]; a tied head (the embedding's
+        own GgufMatrix) reads the embedding's codes and scales."""
+        if self._embedding is not None and matrix is self._embedding[0]:
+            q = self._embedding[1]
+            self.formats[str(q.storage)] += 1
+            self._matmul_nbits(x, "lm_head", q, output, rank=2)
+            return output
+        return self.linear(x, "lm_head", [matrix], output=output, rank=2)[0]
+
+
+def _fp32(matrix: Matrix) -> np.ndarray:
+    return matrix.full() if isinstance(matrix, GgufMatrix) else np.asarray(matrix, np.float32)

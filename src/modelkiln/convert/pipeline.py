@@ -18,14 +18,17 @@ from ..timing import measure_interleaved
 from ..errors import ConversionError, ValidationFailedError
 from ..machine import cpu_description
 from ..manifest import Manifest, TokenizerSpec, Variant
-from ..runtime.onnx import OnnxEngine, cuda_available
+from ..runtime.onnx import cuda_available
+from ..runtime.registry import ONNX, TORCH, open_encoder
 from ..runtime.tokenizer import TextEncoder
 from ..samples import SAMPLE_TEXTS
 from ..tasks import Task, TextInput, make_task, task_class
 from . import generation
 from . import source as src
 from . import variants as build
-from .artifact import default_precisions, remove_onnx, versions
+from .artifact import ONNX_ENGINE, TORCH_ENGINE, default_precisions, remove_variant_file, versions
+from .torch_weights import TORCH_PRECISIONS, save_weights, weights_file
+from .torch_weights import variant_name as torch_variant_name
 from .export import EXTERNAL_DATA_THRESHOLD, OPSET, TaskModule, export_onnx
 from .validate import (DEFAULT_TOLERANCES, Reference, Tolerance, batch_invariance, failure_reason, run_reference,
                        validate)
@@ -51,6 +54,7 @@ class ConvertConfig:
     task: str = "auto"
     precisions: Sequence[str] | None = None  # None: every variant that fits the device
     device: str = "cpu"
+    engine: str = ONNX_ENGINE  # "onnx": ONNX Runtime graphs; "torch": weights for the torch engines
     calibration_texts: Sequence[TextInput] | None = None
     tolerances: dict[str, Tolerance] = field(default_factory=lambda: dict(DEFAULT_TOLERANCES))
     threads: int | None = None
@@ -65,6 +69,12 @@ class ConvertConfig:
     gate_squad: int = 4  # SQuAD question + context chat prompts (and as many perplexity paragraphs)
     generation_gate: dict | None = None  # precision → generation_gate.GateTolerance overrides
     max_model_gb: float | None = None  # fp32 weight size limit; default: a third of the machine's memory
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def default_texts(task: str) -> list[TextInput]:
@@ -103,9 +113,9 @@ def timing_feeds(encoder: TextEncoder, task: str, seq: int) -> dict[str, np.ndar
 class _Builder:
     """The state of one conversion: where files go and what has been learned so far."""
 
-    def __init__(self, cfg: ConvertConfig, folder: Path, task: Task, encoder: TextEncoder, reference: Reference,
-                 config: object, steps: Steps):
-        self.cfg, self.folder, self.task, self.encoder = cfg, folder, task, encoder
+    def __init__(self, cfg: ConvertConfig, folder: Path, manifest: Manifest, task: Task, encoder: TextEncoder,
+                 reference: Reference, config: object, steps: Steps):
+        self.cfg, self.folder, self.manifest, self.task, self.encoder = cfg, folder, manifest, task, encoder
         self.reference, self.config, self.steps = reference, config, steps
         self.feeds = timing_feeds(encoder, task.name, min(LATENCY_SEQ, encoder.max_length))
         self.variants: list[Variant] = []
@@ -114,22 +124,23 @@ class _Builder:
     def tolerance(self, precision: str) -> Tolerance:
         return self.cfg.tolerances[precision]
 
-    def check(self, name: str, precision: str, device: str, path: Path, **details: object) -> Variant:
+    def check(self, name: str, precision: str, device: str, path: Path, engine: str = ONNX, **details: object) -> Variant:
         """Validate one built file: close to PyTorch, and each text's answer the same alone as inside
         a padded batch of mixed lengths. Returns a Variant record, kept if it passed (timing comes later)."""
-        engine = OnnxEngine(path, device=device, threads=self.cfg.threads, label=name)
-        validation = validate(self.task, self.reference, engine, self.tolerance(precision))
+        variant = Variant(name=name, precision=precision, device=device, file=path.name, kept=False, engine=engine)
+        runner = open_encoder(self.folder, self.manifest, variant, self.cfg.threads, keep_hidden=True)
+        validation = validate(self.task, self.reference, runner, self.tolerance(precision))
         texts = [text for _, _, chunk in self.reference.batches for text in chunk]
-        invariance = batch_invariance(self.task, self.encoder, engine, texts)
+        invariance = batch_invariance(self.task, self.encoder, runner, texts)
         validation.batch_min_cosine, validation.batch_agreement = invariance.min_cosine, invariance.agreement
         validation.passed = validation.passed and invariance.passed
-        return Variant(name=name, precision=precision, device=device, file=path.name, kept=validation.passed,
-                       reason=failure_reason(validation), validation=validation, details=dict(details))
+        variant.kept, variant.reason, variant.validation = validation.passed, failure_reason(validation), validation
+        variant.details = dict(details)
+        return variant
 
     def time_all(self, variants: list[Variant]) -> None:
         """Latency of every validated variant at batch 1, measured interleaved (see measure_interleaved)."""
-        engines = {id(v): OnnxEngine(self.folder / v.file, device=v.device, threads=self.cfg.threads)  # type: ignore[operator]
-                   for v in variants}
+        engines = {id(v): open_encoder(self.folder, self.manifest, v, self.cfg.threads) for v in variants}
         stats = measure_interleaved({k: (lambda e=e: e.run(self.feeds)) for k, e in engines.items()},
                                     rounds=5, seconds_per_round=self.cfg.timing_seconds / 5)
         for v in variants:
@@ -143,12 +154,19 @@ class _Builder:
 def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
     """Run a whole conversion. Raises a KilnError subclass with a one-line message on failure."""
     device = cfg.device
-    if device == "cuda" and not cuda_available():
+    if cfg.engine not in (ONNX_ENGINE, TORCH_ENGINE):
+        raise ConversionError(f"unknown engine {cfg.engine!r} (choose from {ONNX_ENGINE}, {TORCH_ENGINE})")
+    if device not in ("cpu", "cuda"):
+        raise ConversionError(f"unknown device {device!r} (choose from cpu, cuda)")
+    if device == "cuda" and cfg.engine == TORCH_ENGINE and not torch_cuda_available():
+        raise ConversionError("--device cuda: torch sees no CUDA device here")
+    if device == "cuda" and cfg.engine == ONNX_ENGINE and not cuda_available():
         raise ConversionError("--device cuda: onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu)")
-    wanted = list(cfg.precisions or default_precisions(cfg.task, device))
-    unknown = [p for p in wanted if p not in PRECISIONS + generation.PRECISIONS]
+    wanted = list(cfg.precisions or default_precisions(cfg.task, device, cfg.engine))
+    known = TORCH_PRECISIONS if cfg.engine == TORCH_ENGINE else PRECISIONS + generation.PRECISIONS
+    unknown = [p for p in wanted if p not in known]
     if unknown:
-        raise ConversionError(f"unknown precision {unknown} (choose from {', '.join(PRECISIONS)}, or all)")
+        raise ConversionError(f"unknown precision {unknown} for --engine {cfg.engine} (choose from {', '.join(known)})")
     if cfg.task not in ("auto", generation.TASK):
         task_class(cfg.task)  # fail fast on a typo, before loading anything
     check_output(Path(cfg.out), cfg.force)
@@ -158,9 +176,10 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
         task_name = src.detect_task(source) if cfg.task == "auto" else cfg.task
     if task_name == generation.TASK:  # a causal LM: a decoder with a KV cache, not a tasks/ Task
         return generation.convert_generation(cfg, source, steps)
-    unknown = [p for p in wanted if p not in PRECISIONS]
+    encoder_precisions = TORCH_PRECISIONS if cfg.engine == TORCH_ENGINE else PRECISIONS
+    unknown = [p for p in wanted if p not in encoder_precisions]
     if unknown:
-        raise ConversionError(f"unknown precision {unknown} (choose from {', '.join(PRECISIONS)}, or all)")
+        raise ConversionError(f"unknown precision {unknown} (choose from {', '.join(encoder_precisions)}, or all)")
     with steps("Loading the PyTorch model"):
         src.check_task_fits(source, task_name)
         model = src.load_torch_model(source, task_name)
@@ -183,7 +202,7 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
                 "max_positions": src.max_positions(source)},
         versions=versions(),
         machine=cpu_description(),
-        opset=OPSET,
+        opset=OPSET if cfg.engine == ONNX_ENGINE else None,
     )
     task = make_task(manifest)
     texts = list(cfg.calibration_texts) if cfg.calibration_texts else default_texts(task_name)
@@ -198,21 +217,25 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
 
         module = TaskModule(model, names, info.output_names)
         fp32_path = folder / "model.onnx"
-        with steps("Exporting to ONNX (fp32)"):
-            sample_feeds, _ = encoder.encode(prepared[:2])
-            export_onnx(module, sample_feeds, names, info.output_names, info.per_token, fp32_path,
-                        cfg.external_data_threshold)
+        if cfg.engine == ONNX_ENGINE:
+            with steps("Exporting to ONNX (fp32)"):
+                sample_feeds, _ = encoder.encode(prepared[:2])
+                export_onnx(module, sample_feeds, names, info.output_names, info.per_token, fp32_path,
+                            cfg.external_data_threshold)
         with steps(f"Running the PyTorch reference on {len(prepared)} texts"):
             from ..runtime.torch_engine import TorchEngine
 
             reference = run_reference(TorchEngine(module, names, info.output_names, cfg.threads), encoder, task, prepared)
 
-        b = _Builder(cfg, folder, task, encoder, reference, source.config, steps)
-        _build_variants(b, wanted, fp32_path, device)
+        b = _Builder(cfg, folder, manifest, task, encoder, reference, source.config, steps)
+        if cfg.engine == TORCH_ENGINE:
+            _build_torch_variants(b, wanted, model, device)
+        else:
+            _build_variants(b, wanted, fp32_path, device)
 
         for v in b.variants:
             if v.file and not v.kept:
-                remove_onnx(folder / v.file)
+                remove_variant_file(folder / v.file)
         if not any(v.kept for v in b.variants):
             summary = "; ".join(f"{v.name}: {v.reason}" for v in b.variants)
             raise ValidationFailedError(f"no variant passed validation ({summary})")
@@ -275,6 +298,25 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
     if opt and fp32.latency_ms is not None and opt.latency_ms is not None and opt.latency_ms >= fp32.latency_ms:
         opt.kept = False
         opt.reason = f"not faster than fp32 on {device} ({opt.latency_ms:.3f} ms vs {fp32.latency_ms:.3f} ms)"
+
+
+def _build_torch_variants(b: _Builder, wanted: list[str], model: object, device: str) -> None:
+    """The weights for the torch engine in each wanted precision, validated and timed on ``device``
+    like any variant; a half-precision one is kept only where it is faster than torch-fp32."""
+    for precision in wanted:
+        name, path = torch_variant_name(precision), b.folder / weights_file(precision)
+        with b.steps(f"Writing and validating {name} (the torch engine, {device})"):
+            save_weights(model, path, precision)
+            b.variants.append(b.check(name, precision, device, path, engine=TORCH))
+    validated = [v for v in b.variants if v.file and v.validation and v.validation.passed]
+    with b.steps(f"Timing {len(validated)} variants at batch 1 (interleaved)"):
+        b.time_all(validated)
+    base = next((v for v in validated if v.precision == "fp32"), None)
+    for v in validated:
+        if base is not None and v is not base and v.latency_ms is not None and base.latency_ms is not None \
+                and v.latency_ms >= base.latency_ms:
+            v.kept = False
+            v.reason = f"not faster than {base.name} on {device} ({v.latency_ms:.3f} ms vs {base.latency_ms:.3f} ms)"
 
 
 def _build_int8(b: _Builder, fp32_path: Path, fused_path: Path) -> None:

@@ -21,21 +21,24 @@ logits do not depend on its batch; and its KV cache is one preallocated buffer p
 past and present (``past_present_share_buffer``): no copy of the cache per step, joining a
 sequence is writing its rows, leaving is forgetting them (``generation/kv_cache.py``).
 
-The graph's inputs and outputs are named in ``generation/graph_io.py``. Weights come in through a
-``WeightStore`` (``linear_weights.py``): fp32 MatMuls, or the GGUF file's own quantized blocks."""
+The graph's inputs and outputs are named in ``generation/graph_io.py``. Weights come from a
+``DecoderWeights``: a transformers model's (``TorchDecoderWeights``, fp32) or a GGUF file's, read
+by name (``gguf_decoder.py``); how each is stored (fp32, or the file's own blocks) is
+``linear_weights.py``'s job."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import UnsupportedArchitectureError
 from ..generation import graph_io as io
-from .linear_weights import MS_DOMAIN, GraphBuilder, WeightStore
+from .external_data import TensorFile
+from .linear_weights import MS_DOMAIN, GraphBuilder, Matrix
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +64,17 @@ class DecoderSpec:
 
     @classmethod
     def of(cls, model: Any) -> DecoderSpec:
-        """Raises UnsupportedArchitectureError, naming what is not covered (the caller falls back
-        to the torch export)."""
-        cfg = model.config
+        """A transformers model's; raises UnsupportedArchitectureError, naming what is not covered
+        (the caller falls back to the torch export)."""
+        kind = getattr(model.config, "model_type", "?")
+        if kind not in SUPPORTED_MODEL_TYPES:  # before looking inside: other families name their modules otherwise
+            raise UnsupportedArchitectureError(f"the serving graph covers {', '.join(SUPPORTED_MODEL_TYPES)}, not {kind}")
+        attention = model.model.layers[0].self_attn
+        return cls.from_config(model.config, qkv_bias=getattr(attention.q_proj, "bias", None) is not None,
+                               qk_norm=getattr(attention, "q_norm", None) is not None)
+
+    @classmethod
+    def from_config(cls, cfg: Any, qkv_bias: bool, qk_norm: bool) -> DecoderSpec:
         kind = getattr(cfg, "model_type", "?")
         if kind not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(f"the serving graph covers {', '.join(SUPPORTED_MODEL_TYPES)}, not {kind}")
@@ -84,77 +95,93 @@ class DecoderSpec:
         if head_dim % 16:
             raise UnsupportedArchitectureError(f"{kind}: head size {head_dim} (GroupQueryAttention on CPU needs a "
                                                "multiple of 16)")
-        attention = model.model.layers[0].self_attn
-        qkv_bias = getattr(attention.q_proj, "bias", None) is not None
-        if getattr(attention, "q_norm", None) is not None:
+        if qk_norm:
             raise UnsupportedArchitectureError(f"{kind}: per-head q/k norms")
         return cls(kind, int(cfg.num_hidden_layers), heads, kv_heads, head_dim, int(cfg.hidden_size),
                    int(cfg.intermediate_size), int(cfg.vocab_size), float(cfg.rms_norm_eps), qkv_bias,
                    int(cfg.max_position_embeddings))
 
 
-def rotary_caches(model: Any, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [positions, head_dim / 2] as transformers computes them (its own inv_freq and
-    attention scaling, so rope variants such as llama3's come for free), in float32."""
+class DecoderWeights(Protocol):
+    """A decoder's weights by role. ``tensor`` keys: ``embed``, ``lm_head`` [vocab, hidden],
+    ``final_norm``, and per layer ``layers.{i}.`` + ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``,
+    ``down`` ([out, in]), ``q_bias``, ``k_bias``, ``v_bias``, ``input_norm``, ``post_attention_norm``."""
+
+    spec: DecoderSpec
+
+    def tensor(self, key: str) -> Matrix:
+        """A matrix (fp32 values or a GGUF tensor read on demand) or, for norms and biases, fp32 values."""
+
+    def rotary(self, positions: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin [positions, head_dim / 2] in float32."""
+
+
+def rotary_caches(rotary: Any, positions: int, freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [positions, head_dim / 2] from a transformers rotary embedding module (its own
+    inv_freq and attention scaling, so rope variants such as llama3's come for free; a GGUF's
+    ``rope_freqs`` divide inv_freq, as llama.cpp does), in float32."""
     import torch
 
-    rotary = model.model.rotary_emb
     inv_freq = rotary.inv_freq.detach().float()
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.from_numpy(np.asarray(freq_factors, np.float32))
     scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
     angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return (angles.cos() * scaling).numpy(), (angles.sin() * scaling).numpy()
 
 
-def _param(tensor: Any) -> np.ndarray:
-    return tensor.detach().float().numpy()
+class TorchDecoderWeights:
+    """A transformers causal LM's weights, in fp32."""
+
+    _LAYER = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+              "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+              "v_bias": "self_attn.v_proj.bias", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+              "down": "mlp.down_proj.weight", "input_norm": "input_layernorm.weight",
+              "post_attention_norm": "post_attention_layernorm.weight"}
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.spec = DecoderSpec.of(model)
+
+    def tensor(self, key: str) -> np.ndarray:
+        inner = self.model.model
+        if key == "embed":
+            param = inner.embed_tokens.weight
+        elif key == "lm_head":
+            param = self.model.lm_head.weight
+        elif key == "final_norm":
+            param = inner.norm.weight
+        else:
+            _, layer, role = key.split(".")
+            param = inner.layers[int(layer)].get_parameter(self._LAYER[role])
+        return param.detach().float().numpy()
+
+    def rotary(self, positions: int) -> tuple[np.ndarray, np.ndarray]:
+        return rotary_caches(self.model.model.rotary_emb, positions)
 
 
-def build_serving_graph(model: Any, weights: WeightStore, path: Path) -> dict[str, int]:
-    """Write the serving graph of ``model`` (a transformers causal LM in fp32) to ``path``, its
-    weights in ``path.data`` beside it; returns how many projections each storage holds (fp32,
-    Q4_1, Q8_0, ...). Raises UnsupportedArchitectureError before writing anything when the model
-    is not covered."""
+@dataclass(frozen=True)
+class GraphSummary:
+    """What a written graph holds: projection nodes by storage, and per GGUF type how many
+    tensors went in and how they are stored (empty for a transformers model)."""
+
+    formats: dict[str, int]
+    gguf_types: dict[str, dict[str, Any]]
+
+
+def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False, accuracy_level: int = 0) -> GraphSummary:
+    """Write the serving graph to ``path``, its weights to ``path.data`` as each is made. ``pack``:
+    GGUF tensors stay in their own blocks where they have an exact MatMulNBits form."""
     import onnx
     from onnx import TensorProto, helper
 
-    spec = DecoderSpec.of(model)
-    g = GraphBuilder(weights)
-    layers = model.model.layers
-    cos, sin = rotary_caches(model, spec.max_positions)
-    g.constant("rotary.cos", cos)
-    g.constant("rotary.sin", sin)
-    g.constant("embed.weight", _param(model.model.embed_tokens.weight))
-
-    x = g.node("Gather", ["embed.weight", io.INPUT_IDS], "embed")
-    residual = x
-    h = g.node("SimplifiedLayerNormalization", [x, g.constant("layers.0.input_norm.weight", _param(layers[0].input_layernorm.weight))],
-               "layers.0.input_norm", axis=-1, epsilon=spec.rms_eps, stash_type=1)
-    for i, layer in enumerate(layers):
-        attention, mlp = layer.self_attn, layer.mlp
-        qkv_parts = [attention.q_proj, attention.k_proj, attention.v_proj]
-        qkv = g.linear(h, f"layers.{i}.qkv", [_param(p.weight) for p in qkv_parts],
-                       [_param(p.bias) for p in qkv_parts] if spec.qkv_bias else None)
-        attended = g.node("GroupQueryAttention",
-                          [qkv, "", "", io.past_key_name(i), io.past_value_name(i), io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH,
-                           "rotary.cos", "rotary.sin"],
-                          f"layers.{i}.attention", outputs=[f"layers.{i}.attention", io.present_key_name(i), io.present_value_name(i)],
-                          domain=MS_DOMAIN, num_heads=spec.heads, kv_num_heads=spec.kv_heads, do_rotary=1,
-                          rotary_interleaved=0, scale=float(getattr(attention, "scaling", spec.head_dim ** -0.5)))
-        out = g.linear(attended, f"layers.{i}.o_proj", [_param(attention.o_proj.weight)])
-        h, residual = g.skip_norm(out, residual, _param(layer.post_attention_layernorm.weight), spec.rms_eps,
-                                  f"layers.{i}.post_attention_norm")
-        gate_up = g.linear(h, f"layers.{i}.gate_up", [_param(mlp.gate_proj.weight), _param(mlp.up_proj.weight)])
-        gate, up = g.split(gate_up, [spec.intermediate, spec.intermediate], f"layers.{i}.gate_up")
-        silu = g.node("Mul", [gate, g.node("Sigmoid", [gate], f"layers.{i}.sigmoid")], f"layers.{i}.silu")
-        act = g.node("Mul", [silu, up], f"layers.{i}.act")
-        out = g.linear(act, f"layers.{i}.down_proj", [_param(mlp.down_proj.weight)])
-        norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-        name = f"layers.{i + 1}.input_norm" if i + 1 < len(layers) else "final_norm"
-        h, residual = g.skip_norm(out, residual, _param(norm.weight), spec.rms_eps, name)
-    tokens = g.node("Reshape", [h, g.constant("hidden_rows", np.asarray([-1, spec.hidden], np.int64))], "hidden_by_token")
-    last = g.node("Gather", [tokens, io.LOGIT_POSITIONS], "hidden_at_logit_positions", axis=0)
-    g.linear(last, "lm_head", [_param(model.lm_head.weight)], output=io.LOGITS)
-
+    spec = weights.spec
+    tensors = TensorFile(path)
+    try:
+        g = GraphBuilder(tensors, pack=pack, accuracy_level=accuracy_level)
+        _write_nodes(g, weights, spec)
+    finally:
+        tensors.close()
     past_shape = ["batch", spec.kv_heads, "capacity", spec.head_dim]
     inputs = [helper.make_tensor_value_info(io.INPUT_IDS, TensorProto.INT64, ["batch", "sequence"]),
               helper.make_tensor_value_info(io.SEQLENS_K, TensorProto.INT32, ["batch"]),
@@ -171,7 +198,41 @@ def build_serving_graph(model: Any, weights: WeightStore, path: Path) -> dict[st
                                                          helper.make_opsetid(MS_DOMAIN, 1)])
     onnx_model.ir_version = 10
     onnx_model.metadata_props.add(key=io.GRAPH_KIND_KEY, value=io.SERVING_GRAPH)
-    onnx.save_model(onnx_model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=path.name + ".data", size_threshold=1024)
+    onnx.save_model(onnx_model, str(path))
     log.info("serving graph: %d nodes, weights %s", len(g.nodes), dict(g.formats))
-    return dict(g.formats)
+    return GraphSummary(dict(g.formats), g.gguf_types)
+
+
+def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec) -> None:
+    cos, sin = weights.rotary(spec.max_positions)
+    g.constant("rotary.cos", cos)
+    g.constant("rotary.sin", sin)
+    embed, head = weights.tensor("embed"), weights.tensor("lm_head")
+    x = g.embedding(io.INPUT_IDS, embed, tied=head is embed)
+    residual = x
+    h = g.node("SimplifiedLayerNormalization", [x, g.constant("layers.0.input_norm.weight", weights.tensor("layers.0.input_norm"))],
+               "layers.0.input_norm", axis=-1, epsilon=spec.rms_eps, stash_type=1)
+    for i in range(spec.layers):
+        w = lambda role: weights.tensor(f"layers.{i}.{role}")  # noqa: E731
+        qkv = g.linear(h, f"layers.{i}.qkv", [w("q"), w("k"), w("v")],
+                       [w("q_bias"), w("k_bias"), w("v_bias")] if spec.qkv_bias else None, parts=["q", "k", "v"])
+        q, k, v = qkv if len(qkv) == 3 else (qkv[0], "", "")  # one packed input, or three
+        attended = g.node("GroupQueryAttention",
+                          [q, k, v, io.past_key_name(i), io.past_value_name(i), io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH,
+                           "rotary.cos", "rotary.sin"],
+                          f"layers.{i}.attention", outputs=[f"layers.{i}.attention", io.present_key_name(i), io.present_value_name(i)],
+                          domain=MS_DOMAIN, num_heads=spec.heads, kv_num_heads=spec.kv_heads, do_rotary=1,
+                          rotary_interleaved=0, scale=float(spec.head_dim ** -0.5))
+        out = g.linear(attended, f"layers.{i}.o_proj", [w("o")])[0]
+        h, residual = g.skip_norm(out, residual, w("post_attention_norm"), spec.rms_eps, f"layers.{i}.post_attention_norm")
+        gate_up = g.linear(h, f"layers.{i}.gate_up", [w("gate"), w("up")], parts=["gate", "up"])
+        gate, up = gate_up if len(gate_up) == 2 else g.split(gate_up[0], [spec.intermediate, spec.intermediate], f"layers.{i}.gate_up")
+        silu = g.node("Mul", [gate, g.node("Sigmoid", [gate], f"layers.{i}.sigmoid")], f"layers.{i}.silu")
+        act = g.node("Mul", [silu, up], f"layers.{i}.act")
+        out = g.linear(act, f"layers.{i}.down_proj", [w("down")])[0]
+        last = i + 1 == spec.layers
+        norm = weights.tensor("final_norm" if last else f"layers.{i + 1}.input_norm")
+        h, residual = g.skip_norm(out, residual, norm, spec.rms_eps, "final_norm" if last else f"layers.{i + 1}.input_norm")
+    tokens = g.node("Reshape", [h, g.constant("hidden_rows", np.asarray([-1, spec.hidden], np.int64))], "hidden_by_token")
+    last_rows = g.node("Gather", [tokens, io.LOGIT_POSITIONS], "hidden_at_logit_positions", axis=0)
+    g.lm_head(last_rows, head, io.LOGITS)

@@ -47,6 +47,10 @@ class SourceModel:
         return str(self.folder) if self.gguf_file else self.ref
 
     @property
+    def gguf_path(self) -> Path | None:
+        return self.folder / self.gguf_file if self.folder is not None and self.gguf_file else None
+
+    @property
     def load_kwargs(self) -> dict[str, str]:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
@@ -138,6 +142,11 @@ def one_gguf_parse() -> Iterator[None]:
         gguf.GGUFReader = parse
 
 
+def forget_gguf_parse() -> None:
+    """Drop the kept parse (``one_gguf_parse``): for a reader of the tensors alone, its metadata is dead weight."""
+    _parsed_gguf.clear()
+
+
 def load_gguf_source(ref: str, path: Path, with_tokenizer: bool = True) -> SourceModel:
     """Config and tokenizer from a GGUF file's metadata (transformers needs the gguf package)."""
     with one_gguf_parse():
@@ -148,6 +157,15 @@ def _load_gguf_source(ref: str, path: Path, with_tokenizer: bool) -> SourceModel
     from transformers import AutoConfig, AutoTokenizer
 
     folder, name = path.resolve().parent, path.name
+    try:  # parsed here first (and kept: one_gguf_parse), so that a bad file is named as such
+        import gguf
+
+        gguf.GGUFReader(str(path))
+    except ImportError:
+        pass  # transformers names the missing package below
+    except Exception as exc:  # gguf-py raises ValueError, IndexError, struct errors... on a truncated or corrupt file
+        raise ModelLoadError(f"{ref} is not a readable GGUF file (truncated or corrupt?): "
+                             f"{str(exc).splitlines()[0] or type(exc).__name__}") from exc
     try:
         config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
     except ValueError as exc:  # "GGUF model with architecture X is not supported yet"

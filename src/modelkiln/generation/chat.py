@@ -70,9 +70,10 @@ def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, str]
 
 
 def render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                **special_tokens: str) -> str:
-    """The prompt text for ``messages`` (``special_tokens``: bos_token, eos_token... as the template expects)."""
+                tools: list[dict[str, Any]] | None = None, **special_tokens: str) -> str:
+    """The prompt text for ``messages`` (``special_tokens``: bos_token, eos_token... as the template
+    expects; ``tools``: OpenAI's tool list, for templates that show the model its tools)."""
     if not template:
         raise InvalidInputError("this model has no chat template (generate without --chat)")
-    return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+    return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      **special_tokens)

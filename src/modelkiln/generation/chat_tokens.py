@@ -58,19 +58,24 @@ class ChatTokens:
         self._as_text = Tokenizer.from_str(tokenizer.to_str())  # a copy: encode_special_tokens is the tokenizer's state
         self._as_text.encode_special_tokens = True
 
-    def ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+            add_generation_prompt: bool = True) -> list[int]:
+        """The prompt's ids; ``tools``: OpenAI's tool list, rendered by the template (tool_calls.py)."""
         messages = template_messages(messages, self.roles)
-        text = render_chat(self.template, messages, **self.template_tokens)
+        text = render_chat(self.template, messages, add_generation_prompt, tools=tools, **self.template_tokens)
         if self.special_tokens_in_text or not any(self.holds_special(m.get("content")) for m in messages):
             return encode(self.tokenizer, text)
-        return self._ids_with_text_as_text(messages, text)
+        return self._ids_with_text_as_text(messages, text, tools, add_generation_prompt)
 
     def holds_special(self, content: Any) -> bool:
         return self._specials is not None and isinstance(content, str) and self._specials.search(content) is not None
 
-    def _ids_with_text_as_text(self, messages: list[dict[str, Any]], text: str) -> list[int]:
+    def _ids_with_text_as_text(self, messages: list[dict[str, Any]], text: str,
+                               tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+                               ) -> list[int]:
         marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
-        parts = _SENTINELS.split(render_chat(self.template, marked, **self.template_tokens))
+        parts = _SENTINELS.split(render_chat(self.template, marked, add_generation_prompt, tools=tools,
+                                             **self.template_tokens))
         # parts: template text, a message's index, template text, ...
         contents = [str(m.get("content") or "") for m in messages]
         if "".join(contents[int(p)] if k % 2 else p for k, p in enumerate(parts)) != text:

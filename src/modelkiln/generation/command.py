@@ -26,6 +26,7 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Keep generating after an end-of-sequence token."),
     variant: Optional[str] = typer.Option(None, help="Variant to run (default: the fastest kept one)."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads (default: all cores)."),
+    device: str = typer.Option("cpu", help="cpu or cuda: where the engine runs (a torch variant converted for cuda needs cuda)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, timings) instead of streaming."),
 ) -> None:
     """Generate text from PROMPT with a text-generation artifact, streaming tokens as they come."""
@@ -39,8 +40,8 @@ def generate(
               "repetition_penalty": repetition_penalty, "seed": seed, "stop": list(stop) if stop else None,
               "ignore_eos": ignore_eos or None}
     params = sampling_params(fields, model.default_params(), len(ids), model.max_context or model.manifest.max_length)
-    variant_name, _ = model.variant_path(variant)
-    core = model.core(variant_name, CoreOptions(threads=threads, max_running=1))
+    variant_name, _ = model.variant_path(variant, device)
+    core = model.core(variant_name, CoreOptions(threads=threads, device=device, max_running=1))
     started = time.perf_counter()
     first_token_at = None
     pieces: list[str] = []

@@ -39,12 +39,11 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..errors import InvalidInputError, KilnError, OverloadedError, RequestTimeoutError
-from .plan import Chunk, Engine, SeqStart, StepPlan, StepResult
+from .plan import DEFAULT_MAX_RUNNING, Chunk, Engine, SeqStart, StepPlan, StepResult
 from .sampling import SamplingParams
 from .sequence import Delta, SequenceState
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step: a running stream's gap grows by one chunk's time
-DEFAULT_MAX_RUNNING = 32
 DEFAULT_MAX_WAITING = 1024  # requests waiting for a row before new ones are refused at once
 DEFAULT_TIMEOUT_S = 600.0  # a request's time, waiting and generating
 
@@ -251,8 +250,15 @@ class EngineCore:
     def _admit(self, outputs: list[Output]) -> list[Request]:
         active = [r.reserve for r in [*self._prefilling, *self._running.values()]]
         admitted: list[Request] = []
+        # A prompt another request is still computing waits for it to be in the prefix cache: the answers
+        # to one prompt (OpenAI's n) then compute it once, and the others take their first token from it.
+        computing = {tuple(r.prompt_ids) for r in self._prefilling} if self.engine.capabilities.prefix_cache else None
+        deferred: list[Request] = []
         while self._waiting and len(active) < self.max_running:
             request = self._waiting[0]
+            if computing is not None and tuple(request.prompt_ids) in computing and not _scored(request):
+                deferred.append(self._waiting.popleft())
+                continue
             if self.kv_budget is not None:
                 needed = self.engine.kv_tokens_needed([*active, request.reserve])
                 if needed > self.kv_budget:
@@ -269,6 +275,9 @@ class EngineCore:
                 continue
             active.append(request.reserve)
             admitted.append(request)
+            if computing is not None:
+                computing.add(tuple(request.prompt_ids))
+        self._waiting.extendleft(reversed(deferred))  # still the oldest
         return admitted
 
     def _plan_prompts(self, outputs: list[Output]) -> StepPlan:
@@ -276,9 +285,8 @@ class EngineCore:
         plan = StepPlan()
         for request in self._admit(outputs):
             prompt = request.prompt_ids
-            # a prompt whose positions are wanted (log-probabilities, scores) is computed in full
-            wanted = request.params.prompt_logprobs is not None or request.score
-            restore = 0 if wanted or not self.engine.capabilities.prefix_cache else self.engine.cached_prefix(prompt)
+            cached = self.engine.capabilities.prefix_cache and not _scored(request)
+            restore = self.engine.cached_prefix(prompt) if cached else 0
             self.hooks.prefix(request, restore)
             request.prefilled = restore
             plan.starts.append(SeqStart(request.request_id, prompt, request.params, request.seed,  # type: ignore[arg-type]
@@ -349,7 +357,12 @@ class EngineCore:
         for sampled in result.sampled:
             request = by_id[sampled.seq]
             assert request.state is not None
-            delta = request.state.accept(sampled.token)
+            try:
+                delta = request.state.accept(sampled.token)
+            except Exception as exc:  # noqa: BLE001 - its grammar refused the token: it alone ends
+                self._leave(request)
+                outputs.append(Output(request, error=_kiln_error(exc)))
+                continue
             delta.logprob, delta.top_logprobs = sampled.logprob, sampled.top_logprobs
             if request.params.prompt_logprobs is not None and request.first_token_at == 0.0:
                 delta.prompt_logprobs = [None, *request.prompt_logprobs]
@@ -385,6 +398,12 @@ class EngineCore:
         self._leaving += [r.request_id for r in failed]
         outputs += [Output(request, error=error) for request in failed]
         self._free_leaving()
+
+
+def _scored(request: Request) -> bool:
+    """Whether its prompt's positions are wanted (log-probabilities, scores): computed in full, never
+    restored from the prefix cache."""
+    return request.params.prompt_logprobs is not None or request.score
 
 
 def _chunked(plan: StepPlan) -> set[Hashable]:

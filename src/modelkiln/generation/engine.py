@@ -7,39 +7,16 @@ Artifacts written before the field existed name their graph's kind in its metada
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from ..cpus import available_cpus
 from ..errors import ArtifactError
 from . import graph_io as io
-from .core import DEFAULT_MAX_RUNNING
 from .decoder import DecoderSession, open_session
-from .plan import Engine
+from .plan import Engine, EngineOptions, ModelShape
 
 ONNX_SERVING, ONNX_EXPORT, TORCH = "onnx-serving", "onnx-export", "torch"
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """How to run an engine. ``prefix_cache_tokens``: the most prompt-prefix KV kept for the prompts
-    that follow (0: none); ``keep_logits``: every chosen token comes with its row of logits."""
-
-    threads: int | None = None
-    device: str = "cpu"
-    max_rows: int = DEFAULT_MAX_RUNNING
-    prefix_cache_tokens: int = 0
-    keep_logits: bool = False
-    memory_arena: bool = True
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What an engine needs of the model beyond its files (kiln.json's generation section)."""
-
-    heads: int
-    max_context: int | None
 
 
 def graph_kind(session) -> str:  # type: ignore[no-untyped-def]
@@ -55,7 +32,7 @@ def _open_onnx(path: Path, shape: ModelShape, options: EngineOptions, kind: str 
     session = open_session(path, options.device, options.threads, options.memory_arena)
     kind = kind or graph_kind(session)
     if kind == ONNX_SERVING:
-        return ServingEngine(session, heads=shape.heads, threads=options.threads or os.cpu_count() or 1,
+        return ServingEngine(session, heads=shape.heads, threads=options.threads or available_cpus().count,
                              max_context=shape.max_context, max_rows=options.max_rows,
                              prefix_cache_tokens=options.prefix_cache_tokens, keep_logits=options.keep_logits)
     return PaddedEngine(DecoderSession(path, device=options.device, session=session), shape.max_context,

@@ -96,7 +96,7 @@ class HostEngine:
             self._chunk_done(chunk, logits, to_choose)
         if plan.decode:
             rows = list(self.rows)
-            if sorted(map(repr, rows)) != sorted(map(repr, plan.decode)):
+            if len(rows) != len(plan.decode) or set(rows) != set(plan.decode):
                 raise KilnError(f"the plan decodes {list(plan.decode)}, the engine runs {rows}")
             logits = self.step({seq: self._next[seq] for seq in rows})
             to_choose += list(zip(rows, logits))

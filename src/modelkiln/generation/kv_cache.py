@@ -22,11 +22,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_PAGE = mmap.PAGESIZE
+PAGE = mmap.PAGESIZE
 # Reserve address space without committing memory for it, so the kernel's overcommit check does not
 # refuse a reservation larger than RAM: what is used is bounded by the engine core's KV budget, not by
 # the reservation. (Linux's MAP_NORESERVE; Python's mmap module names it from 3.13 only.)
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+def reserve(size: int) -> mmap.mmap:
+    """``size`` bytes of zeroed anonymous memory, committed by the OS page by page as written."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | _NORESERVE
+    return mmap.mmap(-1, max(1, size), flags=flags) if flags else mmap.mmap(-1, max(1, size))
+
+
+def give_back(memory: mmap.mmap, start: int, size: int) -> None:
+    """Return the pages of [start, start + size) to the OS (they read as zeros afterwards); a range
+    that is not whole pages is kept (it shares pages with its neighbours)."""
+    if start % PAGE or size % PAGE:
+        return
+    memory.madvise(mmap.MADV_DONTNEED, start, size)
 
 
 KV_MEMORY_SHARE = 4  # the default KV budget: a quarter of the memory this process may use
@@ -78,9 +92,7 @@ class RowRegion:
         self.shape = shape
         self.rows = rows
         buffer_floats = rows * shape.row_floats
-        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | _NORESERVE
-        size = max(1, 2 * shape.layers * buffer_floats * 4)
-        self._map = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
+        self._map = reserve(2 * shape.layers * buffer_floats * 4)
         # [layer key/value, row, kv_heads, position, head_dim]: index 2 * layer is the key, 2 * layer + 1 the value
         self.all = np.frombuffer(self._map, dtype=np.float32).reshape(
             2 * shape.layers, rows, shape.kv_heads, shape.max_length, shape.head_dim)
@@ -100,11 +112,9 @@ class RowRegion:
 
     def release(self, row: int) -> None:
         """Give the row's pages back to the operating system; it reads as zeros afterwards."""
-        if self._row_bytes % _PAGE:  # a row smaller than a page shares pages with its neighbours
-            return
         size = self.rows * self._row_bytes
         for b in range(len(self.buffers)):
-            self._map.madvise(mmap.MADV_DONTNEED, b * size + row * self._row_bytes, self._row_bytes)
+            give_back(self._map, b * size + row * self._row_bytes, self._row_bytes)
 
     def views(self, start: int, stop: int) -> list[np.ndarray]:
         return [buf[start:stop] for buf in self.buffers]

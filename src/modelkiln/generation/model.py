@@ -82,7 +82,7 @@ class TextGenerationModel:
         """The variant run when none is named: the one the converter chose (the fastest within its
         accuracy budget), else the fastest kept one (artifacts converted before it chose)."""
         name = self.settings.get("default_variant")
-        if name and device == "cpu" and any(v.name == name for v in self.manifest.kept_variants()):
+        if name and any(v.name == name and v.device == device for v in self.manifest.kept_variants()):
             return self.manifest.variant(name)
         return self.manifest.fastest_variant(device)
 
@@ -116,8 +116,9 @@ class TextGenerationModel:
                       kind: str | None = None) -> EngineCore:
         o = options or CoreOptions()
         engine = self.engine_for_file(path, EngineOptions(o.threads, o.device, o.max_running, 0, o.keep_logits,
-                                                          o.memory_arena), kind)
-        budget = o.kv_budget or engine.kv_capacity()
+                                                          o.memory_arena, o.batch_invariant,
+                                                          o.kv_budget // o.kv_share if o.kv_budget else None), kind)
+        budget = (o.kv_budget or engine.kv_capacity()) // o.kv_share
         prefix = o.prefix_cache_tokens if o.prefix_cache_tokens is not None else default_prefix_cache(budget)
         engine.use_prefix_cache(prefix)
         if o.warm_up:
@@ -131,7 +132,9 @@ class CoreOptions:
     """How a core and its engine run. ``kv_budget``: tokens of KV at most (None: what the engine
     says its device holds); ``prefix_cache_tokens``: None is ``default_prefix_cache`` of that
     budget, 0 none; ``keep_logits``: outputs carry their logits (the gate); ``warm_up``: run the
-    engine once before the first request."""
+    engine once before the first request; ``batch_invariant``: the torch engine's invariant kernels
+    (EngineOptions); ``kv_share``: cores sharing that budget (a server's engine replicas), each
+    getting its fraction."""
 
     threads: int | None = None
     device: str = "cpu"
@@ -143,6 +146,8 @@ class CoreOptions:
     keep_logits: bool = False
     warm_up: bool = False
     memory_arena: bool = True
+    batch_invariant: bool = True
+    kv_share: int = 1
 
 
 # The default prefix cache: 1/8 of the KV budget, at most 2048 tokens. A bound that a busy server reaches

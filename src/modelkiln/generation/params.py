@@ -1,12 +1,14 @@
 """Request fields → ``SamplingParams``, checked once for every protocol (OpenAI bodies, Triton's
 generate parameters, OIP request parameters), so that each bad value gets the same clear 400.
 
-Names are OpenAI's (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``), plus vLLM's
-extensions ``top_k``, ``repetition_penalty`` (> 1 discourages tokens already in the prompt or the
-answer, Hugging Face's rule), ``ignore_eos`` and ``stop_token_ids``; ``max_new_tokens`` (Hugging
-Face's name) and ``max_completion_tokens`` (OpenAI's newer one) are accepted for ``max_tokens``.
-OpenAI's ``frequency_penalty`` / ``presence_penalty`` are not implemented: a non-zero value is
-refused rather than ignored.
+Names are OpenAI's (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+``frequency_penalty``, ``presence_penalty``, ``logit_bias``, ``logprobs``, ``top_logprobs``,
+``echo``, ``response_format``), plus vLLM's extensions ``top_k``, ``repetition_penalty`` (> 1
+discourages tokens already in the prompt or the answer, Hugging Face's rule), ``ignore_eos``,
+``stop_token_ids``, ``prompt_logprobs`` and ``structured_outputs`` (with its older ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``), and llama-server's ``grammar`` (GBNF)
+and ``json_schema``; ``max_new_tokens`` (Hugging Face's name) and ``max_completion_tokens``
+(OpenAI's newer one) are accepted for ``max_tokens``. A request asks for one constraint at most.
 
 Nothing the client asks for is cut silently: ``max_tokens`` larger than what the context leaves
 after the prompt is a 400 with the numbers (OpenAI's and vLLM's answer). Only the artifact's
@@ -15,14 +17,18 @@ default, which the client did not ask for, is cut to the room left; the answer t
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidInputError
+from .constraints import Grammars, compile_constraint
 from .sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # OpenAI's n; the server also refuses more than its running rows
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_TOKENS_NAMES = ("max_tokens", "max_new_tokens", "max_completion_tokens")  # OpenAI's, Hugging Face's, OpenAI's newer
 
 
@@ -70,13 +76,133 @@ def _max_tokens(fields: Mapping[str, Any], prompt_tokens: int, max_context: int)
     return value
 
 
+def _logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's ``{"token id": bias}`` as sorted (id, bias) pairs; a key that is no token id is a 400."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidInputError("'logit_bias' must be an object of token ids (as strings) to numbers in [-100, 100]")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InvalidInputError(f"'logit_bias' has {len(value)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+    pairs = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None or (vocab_size is not None and token >= vocab_size):
+            where = f" [0, {vocab_size})" if vocab_size is not None else ""
+            raise InvalidInputError(f"'logit_bias' key {key!r} is not a token id of this model's vocabulary{where}")
+        pairs[token] = _number({"logit_bias": bias}, "logit_bias")
+    return tuple(sorted(pairs.items()))
+
+
+def _logprobs(fields: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(logprobs, prompt_logprobs): alternatives per answer token and per prompt token, or None.
+    Chat's ``logprobs`` is true/false with ``top_logprobs`` 0-20; completions' is the number itself;
+    completions' ``echo`` with logprobs reports the prompt's too (vLLM's ``prompt_logprobs`` alone)."""
+    logprobs, top = fields.get("logprobs"), _number(fields, "top_logprobs", int)
+    if logprobs is None or isinstance(logprobs, bool):
+        if top is not None and not logprobs:
+            raise InvalidInputError("'top_logprobs' needs 'logprobs': true")
+        answer = (top or 0) if logprobs else None
+    else:
+        answer = _number(fields, "logprobs", int)
+        if top is not None:
+            raise InvalidInputError("give 'logprobs' as true with 'top_logprobs', or as a number alone, not both")
+    echo = fields.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise InvalidInputError(f"'echo' must be true or false, got {echo!r}")
+    prompt = _number(fields, "prompt_logprobs", int)
+    if prompt is None and echo and answer is not None:
+        prompt = answer
+    return answer, prompt
+
+
+# The names a request may ask for a constraint by: (field, kind of constraints.py); a field holding
+# an object (OpenAI's response_format, vLLM's structured_outputs) is read in _constraint.
+_CONSTRAINT_FIELDS = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "lark"), ("grammar", "gbnf"), ("json_schema", "json_schema"))
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+
+
+def _json_text(name: str, spec: Any) -> Any:
+    """A schema may come as JSON text (vLLM's guided_json takes either)."""
+    if not isinstance(spec, str):
+        return spec
+    try:
+        return json.loads(spec)
+    except ValueError:
+        raise InvalidInputError(f"'{name}' is a string that is not JSON") from None
+
+
+def requested_constraint(fields: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """The constraint a request asks for, as (kind, spec) for ``compile_constraint``, or None."""
+    asked: list[tuple[str, str, Any]] = []
+    response_format = fields.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", "json_object", None))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                raise InvalidInputError("'response_format' json_schema needs 'json_schema': {\"name\": ..., "
+                                        "\"schema\": {...}, \"strict\": true|false}")
+            asked.append(("response_format", "json_schema", {"schema": spec.get("schema", {}),
+                                                             "strict": spec.get("strict")}))
+        elif kind != "text":
+            raise InvalidInputError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                    "{\"type\": \"json_schema\", \"json_schema\": {...}}")
+    structured = fields.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise InvalidInputError(f"'structured_outputs' must be an object with one of {', '.join(_STRUCTURED_OUTPUTS)}")
+        for key, value in structured.items():
+            if key not in _STRUCTURED_OUTPUTS and value not in (None, False):
+                raise InvalidInputError(f"'structured_outputs' has no {key!r} (this server takes "
+                                        f"{', '.join(_STRUCTURED_OUTPUTS)})")
+            if key in _STRUCTURED_OUTPUTS and value is not None:
+                asked.append((f"structured_outputs.{key}", _STRUCTURED_OUTPUTS[key], value))
+    asked += [(name, kind, fields[name]) for name, kind in _CONSTRAINT_FIELDS if fields.get(name) is not None]
+    asked = [(name, kind, _json_text(name, spec) if kind == "json_schema" else spec) for name, kind, spec in asked]
+    if len(asked) > 1:
+        raise InvalidInputError(f"ask for one constraint at most, got {', '.join(repr(a[0]) for a in asked)}")
+    return (asked[0][1], asked[0][2]) if asked else None
+
+
+def choices(fields: Mapping[str, Any], max_rows: int | None = None) -> int:
+    """OpenAI's ``n``: how many answers to one prompt (``best_of``, when given, must equal it)."""
+    n = _number(fields, "n", int)
+    n = 1 if n is None else n
+    limit = min(MAX_CHOICES, max_rows) if max_rows else MAX_CHOICES
+    if not 1 <= n <= limit:
+        why = " (this server runs at most that many answers at once)" if max_rows and max_rows < MAX_CHOICES else ""
+        raise InvalidInputError(f"'n' must be in [1, {limit}]{why}, got {n}")
+    best_of = _number(fields, "best_of", int)
+    if best_of is not None and best_of != n:
+        raise InvalidInputError(f"'best_of' is not supported (other than equal to 'n'), got {best_of}")
+    return n
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of the ``index``-th answer to a request with ``seed`` (vLLM's rule: seed + index), so
+    that n answers are reproducible and the first equals the answer to the same request with n = 1."""
+    return None if seed is None else (seed + index) % 2**64
+
+
 def sampling_params(fields: Mapping[str, Any], defaults: SamplingParams, prompt_tokens: int,
-                    max_context: int) -> SamplingParams:
+                    max_context: int, grammars: Grammars | None = None,
+                    constraint: tuple[str, Any] | None = None) -> SamplingParams:
     """The request's settings over the artifact's ``defaults``. ``max_tokens`` is cut to what the
-    context leaves after the prompt (the answer then ends with finish_reason ``length``)."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _number(fields, name):
-            raise InvalidInputError(f"'{name}' is not supported; use 'repetition_penalty' (> 1 discourages repeats)")
+    context leaves after the prompt (the answer then ends with finish_reason ``length``).
+    ``grammars``: the model's grammar compiler (constraints and logit_bias's vocabulary; None:
+    constraints are refused). ``constraint``: one the caller derived (a tool call's syntax), besides
+    the request's own."""
+    asked_constraint = requested_constraint(fields)
+    if asked_constraint is not None and constraint is not None:
+        raise InvalidInputError("a structured output cannot be asked for together with 'tool_choice' "
+                                "\"required\" or a named function (the answer is the tool call)")
+    constraint = constraint or asked_constraint
+    if constraint is not None and grammars is None:
+        raise InvalidInputError("structured outputs are not available here")
     room = max_context - prompt_tokens
     if room < 1:
         raise InvalidInputError(f"the prompt has {prompt_tokens} tokens; this model's context is {max_context} "
@@ -92,6 +218,9 @@ def sampling_params(fields: Mapping[str, Any], defaults: SamplingParams, prompt_
     if stop_token_ids is not None and (not isinstance(stop_token_ids, list) or
                                        not all(isinstance(i, int) and not isinstance(i, bool) for i in stop_token_ids)):
         raise InvalidInputError("'stop_token_ids' must be a list of integers")
+    if constraint is not None and ignore_eos:
+        raise InvalidInputError("'ignore_eos' cannot be used with a structured output (the answer ends with the grammar)")
+    logprobs, prompt_logprobs = _logprobs(fields)
     asked = {
         "max_new_tokens": max_tokens if max_tokens is not None else min(defaults.max_new_tokens, room),
         "temperature": _number(fields, "temperature"),
@@ -102,6 +231,12 @@ def sampling_params(fields: Mapping[str, Any], defaults: SamplingParams, prompt_
         "stop": _stop(fields.get("stop")) or None,
         "stop_token_ids": tuple(stop_token_ids) if stop_token_ids else None,
         "ignore_eos": ignore_eos,
+        "frequency_penalty": _number(fields, "frequency_penalty"),
+        "presence_penalty": _number(fields, "presence_penalty"),
+        "logit_bias": _logit_bias(fields.get("logit_bias"), grammars.vocab_size if grammars else None),
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "constraint": compile_constraint(*constraint, grammars) if constraint and grammars else None,
     }
     values = {name: getattr(defaults, name) for name in SamplingParams.__dataclass_fields__ if name != "extra"}
     values.update({k: v for k, v in asked.items() if v is not None})

@@ -18,6 +18,7 @@ import numpy as np
 from .sampling import SamplingParams
 
 SeqId = Hashable
+DEFAULT_MAX_RUNNING = 32  # sequences an engine runs together, unless told otherwise
 
 
 @dataclass
@@ -103,9 +104,36 @@ class EngineCapabilities:
     together at most; ``device``: where it computes ("cpu", "cuda")."""
 
     device: str = "cpu"
-    max_rows: int = 32
+    max_rows: int = DEFAULT_MAX_RUNNING
     mixed_steps: bool = False
     prefix_cache: bool = False
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to run an engine. ``prefix_cache_tokens``: the most prompt-prefix KV kept for the prompts
+    that follow (0: none); ``keep_logits``: every chosen token comes with its row of logits;
+    ``batch_invariant``: the torch engine's kernels give a row the same bits whatever else runs
+    (torch_ops.py; the ONNX engines are batch-invariant by construction); ``kv_tokens``: the KV
+    budget the core will keep to (an engine that allocates its cache up front allocates no more;
+    None: what the device holds)."""
+
+    threads: int | None = None
+    device: str = "cpu"
+    max_rows: int = DEFAULT_MAX_RUNNING
+    prefix_cache_tokens: int = 0
+    keep_logits: bool = False
+    memory_arena: bool = True
+    batch_invariant: bool = True
+    kv_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What an engine needs of the model beyond its files (kiln.json's generation section)."""
+
+    heads: int
+    max_context: int | None
 
 
 class Engine(Protocol):

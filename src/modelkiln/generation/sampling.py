@@ -154,7 +154,7 @@ class TokenChooser:
                    probs.shape[-1] - 1)
 
     def _uniform(self) -> float:
-        return float(np.random.Generator(np.random.Philox(counter=self.position, key=self.seed)).random())
+        return uniform(self.seed, self.position)
 
     def _record(self, token: int) -> None:
         self.position += 1
@@ -162,6 +162,12 @@ class TokenChooser:
             self._seen.add(token)
         if self.params.frequency_penalty or self.params.presence_penalty:
             self._counts[token] = self._counts.get(token, 0) + 1
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that token ``position`` of an answer with ``seed`` draws with: Philox
+    keyed by the seed, started at the position (every engine draws with it, on the host)."""
+    return float(np.random.Generator(np.random.Philox(counter=position, key=seed)).random())
 
 
 def bitmask_to_bool(bitmask: np.ndarray, vocab: int) -> np.ndarray:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from ..errors import KilnError
 from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams
 from .stopping import StopStringMatcher
@@ -72,8 +73,8 @@ class SequenceState:
         if self.finished:
             raise RuntimeError(f"request {self.request_id!r} has already finished")
         self.generated_ids.append(token_id)
-        if self.matcher is not None:
-            self.matcher.accept(token_id)
+        if self.matcher is not None and not self.matcher.accept(token_id):  # the engine did not apply its mask
+            raise KilnError(f"the grammar refused token {token_id}: {getattr(self.matcher, 'error', None) or 'no reason'}")
         if token_id in self._stop_ids:
             return self._finish(token_id, STOP, self._stops.feed(self._detok.flush()))
         text = self._stops.feed(self._detok.push(token_id))

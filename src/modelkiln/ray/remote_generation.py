@@ -23,6 +23,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..errors import KilnError
@@ -103,7 +104,10 @@ class RemoteStream:
         """The request (prompt + the tokens passed on so far) on a replica Serve chooses."""
         self._accepted = False
         timeout_s = max(0.001, self.deadline - time.monotonic())
-        return self.model.handle.generate.remote(self.prompt_ids, self.params, self.seed, list(self.sent), timeout_s)
+        params = self.params
+        if params.constraint is not None:  # the replica compiles it (cached there by its spec)
+            params = replace(params, constraint=params.constraint.spec)
+        return self.model.handle.generate.remote(self.prompt_ids, params, self.seed, list(self.sent), timeout_s)
 
     async def started(self) -> None:
         """Returns once a replica accepted the request (``replica`` names it); its refusal (a full
@@ -193,6 +197,8 @@ async def replica_deltas(plane: DataPlane, replica: str, prompt_ids: list[int], 
     model accepted the request (a refusal, a full queue or a model stopping, is raised before), then
     the deltas. Closing it early (the router cancels the call: its client left) cancels the sequence."""
     model = plane.generation_model(None)
+    if isinstance(params.constraint, tuple):  # (kind, spec): RemoteStream sends a grammar so
+        params = replace(params, constraint=await asyncio.to_thread(model.grammars.compile, *params.constraint))
     stream = model.generate(prompt_ids, params, timeout_s, resume_ids, seed)
     async with stream:
         yield replica

@@ -13,5 +13,6 @@ class Engine(Protocol):
     name: str  # e.g. "onnxruntime-cpu int8", "pytorch fp32"
     input_names: list[str]
     output_names: list[str]
+    output_shapes: dict[str, tuple[int, ...]]  # the model's outputs, -1 where dynamic
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...

@@ -59,6 +59,9 @@ class OnnxEngine:
         self.device = device
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        # each output's shape, -1 where dynamic (serve's model metadata sizes its answers by them)
+        self.output_shapes = {o.name: tuple(d if isinstance(d, int) else -1 for d in o.shape)
+                              for o in self.session.get_outputs()}
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names})

@@ -10,7 +10,7 @@ from typing import Any
 from ..manifest import Manifest, Variant
 from ..tasks import Task, make_task
 from .engine import Engine
-from .onnx import OnnxEngine
+from .registry import open_encoder
 from .tokenizer import TextEncoder
 
 
@@ -32,16 +32,16 @@ def load_encoder(folder: Path | str, manifest: Manifest) -> TextEncoder:
 
 
 def load_variant(folder: Path | str, manifest: Manifest, variant: Variant, threads: int | None = None,
-                 memory_arena: bool = True) -> OnnxEngine:
-    assert variant.file is not None
-    return OnnxEngine(Path(folder) / variant.file, device=variant.device, threads=threads, label=variant.name,
-                      memory_arena=memory_arena)
+                 memory_arena: bool = True) -> Engine:
+    """The engine the variant names (runtime/registry.py): an ONNX Runtime session, or the torch engine."""
+    return open_encoder(folder, manifest, variant, threads, memory_arena)
 
 
 def load_pipeline(
     folder: Path | str, variant: str | None = None, device: str = "cpu", threads: int | None = None
 ) -> Pipeline:
-    """Load an artifact: no torch, no transformers. ``variant`` None → fastest kept on ``device``."""
+    """Load an artifact (no torch, no transformers for an ONNX variant). ``variant`` None → fastest
+    kept on ``device``."""
     manifest = Manifest.load(folder)
     chosen = manifest.variant(variant) if variant else manifest.fastest_variant(device)
     return Pipeline(make_task(manifest), load_encoder(folder, manifest), load_variant(folder, manifest, chosen, threads))

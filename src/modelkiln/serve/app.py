@@ -8,6 +8,7 @@ become responses in one place (``errors.error_response``)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -30,7 +31,7 @@ from . import inference_routes
 from .auth import bearer_matches
 from .dataplane import DataPlane, build_dataplane
 from .errors import error_response
-from .generation import generate_routes, openai_routes
+from .generation import generate_routes, openai_routes, tokenize_routes
 from .generation.http import CLIENT_CLOSED
 from .metrics import Metrics
 from .request_watch import RequestWatch
@@ -42,6 +43,8 @@ access = logging.getLogger("modelkiln.serve.access")
 
 JSON = "application/json"
 PUBLIC_PREFIX = "/v2/health/"  # the only routes that need no API key (probes)
+TIMED_ROUTES = frozenset(("infer", "predict", "embeddings", "completions", "chat_completions", "generate",
+                          "generate_stream"))  # in kiln_request_duration_seconds
 OPENAI_PREFIX = "/v1/"  # errors in OpenAI's shape
 
 
@@ -104,6 +107,12 @@ class Gate:
         self.access_log = access_log
         self.ids = RequestIds()
         self.watch = watch
+        # prometheus_client's ``labels(...)`` validates and hashes its arguments on every call: keep
+        # the labelled children (bounded: model names come from request paths)
+        self._requests_child = functools.lru_cache(maxsize=1024)(
+            lambda model, route, status: metrics.requests.labels(model, route, str(status), "http"))
+        self._seconds_child = functools.lru_cache(maxsize=256)(
+            lambda model, route: metrics.request_seconds.labels(model, route, "http"))
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -153,10 +162,9 @@ class Gate:
         seconds = time.perf_counter() - started
         model, route = route_of(path)
         model = answered_by or model
-        self.metrics.requests.labels(model, route, str(status), "http").inc()
-        if route in ("infer", "predict", "embeddings", "completions", "chat_completions", "generate",
-                     "generate_stream"):
-            self.metrics.request_seconds.labels(model, route, "http").observe(seconds)
+        self._requests_child(model, route, status).inc()
+        if route in TIMED_ROUTES:
+            self._seconds_child(model, route).observe(seconds)
         if self.access_log:
             access.info("%s %s %s %d %.1fms", request_id, scope["method"], path, status, seconds * 1000)
 
@@ -239,7 +247,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
     @app.get("/v2/models/{name}/stats")
     @app.get("/v2/models/{name}/versions/{version}/stats")
     async def model_stats(name: str | None = None, version: str | None = None) -> Response:
-        return json_response({"model_stats": [stats_json(s) for s in plane.model_statistics(name, version)]})
+        return json_response({"model_stats": [stats_json(s) for s in await plane.model_statistics(name, version)]})
 
     @app.get("/v2/models/{name}")
     @app.get("/v2/models/{name}/versions/{version}")
@@ -262,7 +270,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
         ready = options.get("ready", False) if isinstance(options, dict) else None
         if not isinstance(ready, bool):
             raise InvalidInputError('the index request body must be {} or {"ready": true|false}')
-        return json_response([asdict(e) for e in plane.repository_index(ready_only=ready)])
+        return json_response([asdict(e) for e in await plane.repository_index(ready_only=ready)])
 
     @app.post("/v2/repository/models/{name}/load")
     async def repository_load(name: str) -> Response:
@@ -276,14 +284,14 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        for model in plane.models.values():
-            metrics.queued.labels(model.name).set(model.queued)
+        plane.publish_queue_gauges()
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
     # -- text generation: OpenAI completions and Triton's generate extension (serve/generation/) -----
     generate_routes.register(app, plane)
     openai_routes.register(app, plane)
+    tokenize_routes.register(app, plane)
 
     @app.get("/v1/models")
     async def openai_models() -> Response:

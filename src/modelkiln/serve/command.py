@@ -73,7 +73,18 @@ def serve(
     settings = settings.with_models(specs)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_server(settings)
+    run_server(with_cpu_budget(settings))
+
+
+def with_cpu_budget(settings: Any) -> Any:
+    """The settings with ``cpus`` set to the CPUs this server sizes its threads from (its affinity
+    mask, its cgroup quota, or less when ``--cpus`` says so; more is refused), said on stderr."""
+    from ..cpus import cpu_budget
+    from .settings import cli_flag
+
+    budget = cpu_budget(settings.cpus, cli_flag("cpus"))
+    print(f"CPU budget: {budget}", file=sys.stderr, flush=True)
+    return settings.replace(cpus=budget.count)
 
 
 class ServeCommand(DerivedOptionsCommand):
@@ -102,29 +113,17 @@ def _setting_option(name: str) -> tuple[Any, Any]:
 
 
 def run_server(settings: object) -> None:
-    import signal
-
-    import uvicorn
-
+    """Serve ``settings``' models: in this process, or in ``--workers`` processes."""
     from .app import build_app
-    from .http_protocol import bounded_head_protocol
+    from .http_server import serve_http
     from .settings import ServeSettings
+    from .workers import generates_text, run_workers, startup_specs
 
     assert isinstance(settings, ServeSettings)
-    app = build_app(settings)  # every model checked and loaded before binding: a bad one fails fast
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: object) -> None:
-            super().handle_exit(sig, frame)  # type: ignore[arg-type]
-            # uvicorn re-raises the signal after a graceful shutdown, which would make the
-            # process die of SIGTERM; a drained shutdown is a success, so exit 0 instead.
-            if sig == signal.SIGTERM and sig in self._captured_signals:
-                self._captured_signals.remove(sig)
-
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-        access_log=False,  # ours (Gate) carries request ids; uvicorn's costs ~10% throughput
-        loop="auto", lifespan="on", timeout_keep_alive=30, backlog=2048,
-        http=bounded_head_protocol(settings.body_read_timeout_s),  # uvicorn's, with a deadline for request heads
-    )
-    Server(config).run()
+    startup = startup_specs(settings)
+    workers = settings.worker_count(generation=generates_text(startup.specs))
+    if workers > 1:
+        share = max(1, (settings.cpus or 1) // workers)
+        print(f"{workers} workers, {share} CPU{'s' if share > 1 else ''} each", file=sys.stderr, flush=True)
+        sys.exit(run_workers(settings, workers, startup))
+    serve_http(build_app(settings), settings)  # every model checked and loaded before binding: a bad one fails fast

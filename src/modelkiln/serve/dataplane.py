@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -23,9 +23,10 @@ from ..errors import (InvalidInputError, KilnError, ModelControlError, ModelNotF
                       OverloadedError)
 from .generation.model import GenerationModel
 from .json_api import EmbeddingsRequest, EmbeddingsResponse, PredictRequest, PredictResponse
+from .local_models import LocalModels
 from .metrics import Metrics
 from .model import EncoderModel
-from .repository import ModelRepository
+from .repository import Folder, ModelRepository
 from .served import ServedModel, served_model
 from .settings import ServeSettings
 from .types import (Duration, InferRequest, InferResponse, ModelMetadata, ModelStatistics, RepositoryModel,
@@ -34,14 +35,42 @@ from .types import (Duration, InferRequest, InferResponse, ModelMetadata, ModelS
 EXTENSIONS = ("binary_tensor_data", "statistics", "model_repository")
 
 
-def build_dataplane(settings: ServeSettings, metrics: Metrics | None = None) -> DataPlane:
+class Repository(Protocol):
+    """The model repository a data plane answers with: ``repository.ModelRepository`` over this
+    process's models, or, in a worker of ``kiln serve --workers N``, the supervisor's
+    (``workers.SupervisorLink``), which changes every worker's models at once."""
+
+    mode: str
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def index(self, ready_only: bool = False) -> list[RepositoryModel]: ...
+    async def load(self, name: str) -> None: ...
+    async def unload(self, name: str) -> None: ...
+
+
+class Peers(Protocol):
+    """The worker processes of ``kiln serve --workers N`` (this one included), through their
+    supervisor (``workers.SupervisorLink``)."""
+
+    async def statistics(self, name: str | None, version: str | None) -> list[ModelStatistics]: ...
+
+
+def build_dataplane(settings: ServeSettings, metrics: Metrics | None = None,
+                    repository: Repository | None = None) -> DataPlane:
     """Load every model of ``settings`` (checked before any is loaded: a bad artifact fails fast)
-    and return the data plane over them. Blocking; any front-end (uvicorn, gRPC, Ray) calls it."""
+    and return the data plane over them. Blocking; any front-end (uvicorn, gRPC, Ray) calls it.
+    Without ``repository``, the plane keeps its own (``--model-repository``'s folders are loaded
+    here too); with one, ``settings.models`` are all it loads (a worker process: the supervisor
+    decides what every worker serves)."""
     metrics = metrics or Metrics()
-    repository = ModelRepository(settings, Path(settings.model_repository) if settings.model_repository else None)
-    folders = repository.startup_folders()
+    own = None
+    folders: list[Folder] = []
+    if repository is None:
+        own = ModelRepository(settings, Path(settings.model_repository) if settings.model_repository else None)
+        folders = own.startup_folders()
     models: dict[str, ServedModel] = {}
-    for spec in (*settings.models, *(repository.spec(f) for f in folders)):
+    for spec in (*settings.models, *(own.spec(f) for f in folders if own is not None)):
         model = served_model(spec, settings, metrics)
         if model.name in models:
             raise KilnError(f"two models are named '{model.name}': use NAME=PATH")
@@ -49,8 +78,9 @@ def build_dataplane(settings: ServeSettings, metrics: Metrics | None = None) -> 
     for model in models.values():
         model.load()
     plane = DataPlane(models, settings, metrics)
-    repository.attach(plane, folders)
-    plane.repository = repository
+    if own is not None:
+        own.attach(LocalModels(plane), folders)
+    plane.repository = own or repository
     return plane
 
 
@@ -63,7 +93,8 @@ class DataPlane:
         self.models = dict(models)
         self.settings = settings
         self.metrics = metrics or Metrics()
-        self.repository: ModelRepository | None = None  # build_dataplane sets it (load/unload/poll)
+        self.repository: Repository | None = None  # build_dataplane sets it (load/unload/poll)
+        self.peers: Peers | None = None  # the other workers of ``kiln serve --workers N`` (workers.py)
 
     async def start(self) -> None:
         """Background work that needs the event loop (poll mode's repository scans)."""
@@ -73,6 +104,12 @@ class DataPlane:
     async def close(self) -> None:
         if self.repository is not None:
             await self.repository.close()
+
+    def publish_queue_gauges(self) -> None:
+        """Set each model's ``kiln_queue_inputs`` to its queue now (before /metrics is rendered;
+        a worker of ``--workers N`` also every ``workers.GAUGE_REFRESH_S``, for the others' renders)."""
+        for model in self.models.values():
+            self.metrics.queued.labels(model.name).set(model.queued)
 
     def stop(self) -> None:
         """Drain every model's queue, then end its engine threads (at shutdown)."""
@@ -131,7 +168,13 @@ class DataPlane:
     def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
         return self.model(name, version, need_ready=False).metadata()
 
-    def model_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
+    async def model_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
+        """This process's statistics, or, in a worker of ``--workers N``, every worker's added up."""
+        if self.peers is not None:
+            return await self.peers.statistics(name, version)
+        return self.local_statistics(name, version)
+
+    def local_statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
         models = [self.model(name, version, need_ready=False)] if name else list(self.models.values())
         out = []
         for m in models:
@@ -145,9 +188,9 @@ class DataPlane:
 
     # -- Triton's model repository extension --------------------------------------------------------
     # (serve/repository.py: modes, and how a load or unload leaves other requests alone)
-    def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
-        if self.repository is not None and self.repository.plane is self:
-            return self.repository.index(ready_only)
+    async def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
+        if self.repository is not None:
+            return await self.repository.index(ready_only)
         index = [RepositoryModel(m.name, m.version, "READY" if m.ready else "UNAVAILABLE",
                                  "" if m.ready else "not loaded yet") for m in self.models.values()]
         return [e for e in index if e.state == "READY"] if ready_only else index

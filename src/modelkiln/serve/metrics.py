@@ -1,9 +1,20 @@
-"""Prometheus metrics, in a registry of their own (so tests and embedding apps don't collide)."""
+"""Prometheus metrics, in a registry of their own (so tests and embedding apps don't collide).
+
+With ``kiln serve --workers N`` every worker process writes its values to files in one folder
+(prometheus_client's multiprocess mode, switched on by ``MULTIPROCESS_DIR`` in the environment
+before prometheus_client is first imported: ``serve/workers.py`` sets it for the workers it
+starts), and ``/metrics``, whichever worker answers it, reads them all: counters and histograms
+add up over every worker that ever ran (a replaced worker's requests still count), gauges add up
+over the live ones."""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -27,8 +38,11 @@ class Metrics:
                                     buckets=_SIZE_BUCKETS, registry=r)
         self.batch_tokens = Histogram("kiln_batch_tokens", "Padded tokens per model batch.", ["model"],
                                       buckets=_TOKEN_BUCKETS, registry=r)
-        self.in_flight = Gauge("kiln_requests_in_flight", "Requests being handled now.", registry=r)
-        self.queued = Gauge("kiln_queue_inputs", "Inputs waiting for a batch.", ["model"], registry=r)
+        live = "livesum"  # several workers: the sum over the live ones
+        self.in_flight = Gauge("kiln_requests_in_flight", "Requests being handled now.", registry=r,
+                               multiprocess_mode=live)
+        self.queued = Gauge("kiln_queue_inputs", "Inputs waiting for a batch.", ["model"], registry=r,
+                            multiprocess_mode=live)
         # kiln ray's router, when a replica is lost under a request (ray/failover.py)
         self.retries = Counter("kiln_retries_total", "Requests sent again to another replica after theirs was "
                                "lost before answering (encoder requests; generation before its first token).",
@@ -54,10 +68,18 @@ class Metrics:
                                          g, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", g, registry=r)
         self.requests_running = Gauge("vllm:num_requests_running", "Sequences being prefilled or generating.", g,
-                                      registry=r)
-        self.requests_waiting = Gauge("vllm:num_requests_waiting", "Generation requests waiting.", g, registry=r)
+                                      registry=r, multiprocess_mode=live)
+        self.requests_waiting = Gauge("vllm:num_requests_waiting", "Generation requests waiting.", g, registry=r,
+                                      multiprocess_mode=live)
         self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache in use, as a fraction of --max-kv-tokens "
-                                    "(1 = full).", g, registry=r)
+                                    "(1 = full).", g, registry=r, multiprocess_mode=live)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        folder = os.environ.get(MULTIPROCESS_DIR)
+        if not folder:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        every_worker = CollectorRegistry()
+        MultiProcessCollector(every_worker, folder)
+        return generate_latest(every_worker), CONTENT_TYPE_LATEST

@@ -1,4 +1,5 @@
-"""A served encoder model: manifest + task + tokenizer + ONNX engine + its own batcher.
+"""A served encoder model: manifest + task + tokenizer + engine (the variant's: runtime/registry.py)
++ its own batcher.
 
 The stages are the runtime's and the task's (``task.prepare`` / ``TextEncoder`` /
 ``task.postprocess``); this module runs them on the batcher's engine threads, and shapes an OIP
@@ -20,6 +21,7 @@ import numpy as np
 from ..errors import InvalidInputError, KilnError, RequestTimeoutError
 from ..manifest import Manifest
 from ..runtime.pipeline import load_encoder, load_variant
+from ..runtime.registry import capabilities
 from ..tasks import make_task
 from ..tasks import tensors as tensors_protocol
 from .batcher import Batcher, BatchHooks, Item, Job, wait_for
@@ -70,10 +72,15 @@ class EncoderModel(BatchHooks):
         # stopping the batcher (the data plane's admit → run has no await in between, so a request
         # admitted before the model left the map is counted before the unload looks)
         self.in_flight = 0
+        self.capabilities = capabilities(self.variant)
         self.instances, self.threads, self.alone_threads = settings.engine_layout()
-        self.batcher = Batcher(self, settings.max_batch_size, settings.token_budget(), settings.max_queue_size,
+        if not self.capabilities.own_threads:  # one thread pool per process (torch): one instance uses it all
+            self.instances, self.threads, self.alone_threads = 1, max(self.instances * self.threads, self.alone_threads), 0
+        max_batch = min(settings.max_batch_size, self.capabilities.max_batch or settings.max_batch_size)
+        max_padding = settings.max_padding if settings.max_padding is not None else self.capabilities.max_padding
+        self.batcher = Batcher(self, max_batch, settings.token_budget(), settings.max_queue_size,
                                settings.max_queue_delay_ms / 1000.0, name=self.name, instances=self.instances,
-                               max_padding=settings.padding_limit())
+                               max_padding=max_padding)
         self._observe_lock = threading.Lock()
         self._queue_hist = metrics.queue_seconds.labels(self.name)
         self._compute_hist = metrics.compute_seconds.labels(self.name)
@@ -83,7 +90,8 @@ class EncoderModel(BatchHooks):
 
     # -- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
-        """Tokenizer + ONNX session, a warm-up, then start the batcher. Blocking."""
+        """Tokenizer + engine (ONNX Runtime sessions or the torch engine), a warm-up, then start the
+        batcher. Blocking."""
         started = time.perf_counter()
         self.encoder = load_encoder(self.folder, self.manifest)
         self.token_limits = TokenLimits(self.manifest.input_names, self.encoder.vocab_size,
@@ -199,7 +207,7 @@ class EncoderModel(BatchHooks):
 
     def metadata(self) -> ModelMetadata:
         return ModelMetadata(
-            name=self.name, versions=(self.version,), platform="onnxruntime_onnx",
+            name=self.name, versions=(self.version,), platform=platform_of(self.variant.engine),
             inputs=self.input_specs(), outputs=self.output_specs(),
             parameters={"task": self.task.name, "variant": self.variant.name, "max_length": self.manifest.max_length,
                         "tokenized_inputs": list(self.manifest.input_names)})
@@ -310,13 +318,14 @@ class EncoderModel(BatchHooks):
 
     def output_specs(self) -> tuple[TensorSpec, ...]:
         """The answer tensors of a text request (the task's, sized by the model's outputs)."""
-        shapes = {}
-        if hasattr(self, "engine"):
-            shapes = {o.name: tuple(d if isinstance(d, int) else -1 for d in o.shape)
-                      for o in self.engine.session.get_outputs()}
-        return self.task.output_specs(shapes)
+        return self.task.output_specs(self.engine.output_shapes if hasattr(self, "engine") else {})
 
     def raw_output_names(self) -> list[str]:
         """The model's own outputs: a pre-tokenized request to a task whose answers need the text
         gets these (its rows have no characters to point into)."""
         return list(self.engine.output_names)
+
+
+def platform_of(engine: str | None) -> str:
+    """Triton's platform name for the variant's engine (model metadata)."""
+    return "pytorch" if engine == "torch" else "onnxruntime_onnx"

@@ -10,12 +10,14 @@ Control modes (``--model-control-mode``, as Triton's):
   are loaded, changed ones (a different ``kiln.json`` or model file) reloaded and removed ones
   unloaded; the API refuses load/unload then, as Triton does ("not allowed if polling is enabled").
 
-How a change happens without hurting other requests: the new model is built and warmed up on a
-worker thread (the event loop keeps serving), then the data plane's model map is replaced by a
-new dict in one assignment. An unload takes the model out of the map first (new requests get 404),
-waits for the requests it already accepted (``ServedModel.in_flight``), then stops its batcher and
-drops its sessions on a worker thread. A reload installs the new model before the old one leaves,
-so there is no gap. A load that fails raises ArtifactError (400) and changes nothing."""
+This module decides what is served (modes, checks, poll's comparisons, why a folder is not
+loaded); a ``ModelSet`` carries each decision out: ``local_models.LocalModels`` in this process's
+data plane, or, with ``--workers N``, ``workers.WorkerModels`` in every worker process at once (so
+a load answered 200 is served by all of them). How a change happens without hurting other
+requests is ``LocalModels``': the new model is built and warmed up on a worker thread, then swapped
+in; an unload takes the model out first (new requests get 404) and waits for the requests it
+already accepted. A reload installs the new model before the old one leaves, so there is no gap.
+A load that fails raises ArtifactError (400) and changes nothing."""
 
 from __future__ import annotations
 
@@ -23,31 +25,21 @@ import asyncio
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from ..errors import ArtifactError, KilnError, ModelControlError, ModelNotFoundError
 from ..manifest import MANIFEST_NAME
-from .metrics import Metrics
-from .served import ServedModel, served_model
 from .settings import ModelSpec, ServeSettings
 from .types import MODEL_VERSION, RepositoryModel
 
 log = logging.getLogger("modelkiln.serve")
 
 CONTROL_MODES = ("none", "explicit", "poll")
-
-
-class ModelMap(Protocol):
-    """What the repository changes in the data plane (``DataPlane``): its model map, replaced by a
-    new dict in one assignment, never mutated; and the metrics a new model reports to."""
-
-    models: dict[str, ServedModel]
-    metrics: Metrics
 
 
 @dataclass(frozen=True)
@@ -88,14 +80,19 @@ def scan(root: Path) -> dict[str, Folder]:
     return {name: Folder(name, root / name, fingerprint(root / name)) for name in artifact_names(root)}
 
 
-def _release_when_built(built: asyncio.Future) -> None:
-    """(Event loop, when a build nobody awaits any more ends.) Release its model off the loop."""
-    if not built.cancelled() and built.exception() is None:
-        threading.Thread(target=built.result().release, name="release-unwanted-model", daemon=True).start()
+class ModelSet(Protocol):
+    """Where the repository's decisions take effect: the models being served, by name (True when
+    ready), a folder installed (built, then swapped in for any model of its name; ArtifactError
+    when it cannot be loaded, and then nothing changed), a model removed (after the requests it
+    accepted). ``loading`` names a build that goes on after its caller left (see ``LocalModels``)."""
+
+    def served(self) -> Mapping[str, bool]: ...
+    async def install(self, spec: ModelSpec, loading: set[str]) -> None: ...
+    async def remove(self, name: str) -> None: ...
 
 
 class ModelRepository:
-    """The load/unload/poll logic over a ``DataPlane``'s model map (``attach`` it first)."""
+    """The load/unload/poll decisions over a ``ModelSet`` (``attach`` it first)."""
 
     def __init__(self, settings: ServeSettings, root: Path | None):
         mode = settings.model_control_mode
@@ -110,7 +107,7 @@ class ModelRepository:
         self.settings = settings
         self.root = root
         self.mode = mode
-        self.plane: ModelMap | None = None
+        self.models: ModelSet | None = None
         self.loaded: dict[str, str] = {}  # repository models being served → the fingerprint loaded
         self.reasons: dict[str, str] = {}  # why a repository model is not (or not newly) loaded
         self.failed: dict[str, str] = {}  # poll: fingerprint of a folder whose load failed (not retried)
@@ -128,8 +125,8 @@ class ModelRepository:
     def spec(self, folder: Folder) -> ModelSpec:
         return ModelSpec(name=folder.name, path=str(folder.path), variant=self.settings.variant)
 
-    def attach(self, plane: ModelMap, loaded: list[Folder]) -> None:
-        self.plane = plane
+    def attach(self, models: ModelSet, loaded: list[Folder]) -> None:
+        self.models = models
         self.loaded = {f.name: f.fingerprint for f in loaded}
 
     async def start(self) -> None:
@@ -146,13 +143,16 @@ class ModelRepository:
             self._poller = None
 
     # -- the repository extension -----------------------------------------------------------------
-    def index(self, ready_only: bool = False) -> list[RepositoryModel]:
+    async def index(self, ready_only: bool = False) -> list[RepositoryModel]:
         """Every served model, and every repository folder not loaded (UNAVAILABLE, with why)."""
-        assert self.plane is not None
-        served = self.plane.models
-        entries = {name: RepositoryModel(name, m.version, "READY" if m.ready else "UNAVAILABLE",
-                                         "" if m.ready else "not ready")
-                   for name, m in served.items()}
+        return await asyncio.to_thread(self._index, ready_only)  # reads the folder: off the event loop
+
+    def _index(self, ready_only: bool) -> list[RepositoryModel]:
+        assert self.models is not None
+        served = self.models.served()
+        entries = {name: RepositoryModel(name, MODEL_VERSION, "READY" if ready else "UNAVAILABLE",
+                                         "" if ready else "not ready")
+                   for name, ready in served.items()}
         for name in artifact_names(self.root) if self.root is not None else []:
             if name in self.loading and name not in served:
                 entries[name] = RepositoryModel(name, MODEL_VERSION, "LOADING", "")
@@ -172,11 +172,12 @@ class ModelRepository:
 
     async def unload(self, name: str) -> None:
         self._check_api("unload", name)
-        assert self.plane is not None
-        if name not in self.plane.models:
+        assert self.models is not None
+        served = self.models.served()
+        if name not in served:
             if self.root is not None and name in artifact_names(self.root):
                 return  # in the repository, not loaded: nothing to do (Triton answers success too)
-            raise ModelNotFoundError(f"unknown model '{name}' (serving: {', '.join(self.plane.models) or 'none'})")
+            raise ModelNotFoundError(f"unknown model '{name}' (serving: {', '.join(served) or 'none'})")
         await self._unload(name, "unloaded")
 
     def _check_api(self, action: str, name: str) -> None:
@@ -187,88 +188,34 @@ class ModelRepository:
 
     # -- load and unload ------------------------------------------------------------------------
     async def _load(self, folder: Folder) -> None:
-        """Build and warm up the model on a worker thread, then install it (replacing and then
-        unloading a previous one of the same name). Raises ArtifactError, leaving the served set
-        as it was, when the folder cannot be loaded."""
-        assert self.plane is not None
-        plane = self.plane
+        """Install the folder's model (replacing one of the same name). Raises ArtifactError, leaving
+        the served set as it was, when the folder cannot be loaded."""
+        assert self.models is not None
         async with self._locks[folder.name]:
-            if self.loaded.get(folder.name) == folder.fingerprint and folder.name in plane.models:
+            if self.loaded.get(folder.name) == folder.fingerprint and folder.name in self.models.served():
                 return  # already serving exactly this folder
-            self.loading.add(folder.name)
+            replacing = folder.name in self.models.served()
             started = time.perf_counter()
-            built = asyncio.get_running_loop().run_in_executor(None, self._build, folder)
-            abandoned = False
             try:
-                # shielded: if the caller goes away (a client hanging up, shutdown) the build still
-                # ends, and the model it made is released instead of leaking its batcher threads;
-                # the folder shows as loading until then
-                model = await asyncio.shield(built)
-            except asyncio.CancelledError:
-                abandoned = True
-
-                def release(done: asyncio.Future) -> None:
-                    self.loading.discard(folder.name)
-                    _release_when_built(done)
-
-                built.add_done_callback(release)
-                raise
+                await self.models.install(self.spec(folder), self.loading)
             except KilnError as exc:
                 self.reasons[folder.name] = f"load failed: {exc}"
                 raise ArtifactError(f"failed to load '{folder.name}': {exc}") from exc
-            finally:
-                if not abandoned:
-                    self.loading.discard(folder.name)
-            old = plane.models.get(folder.name)
-            plane.models = {**plane.models, folder.name: model}  # one assignment: readers see old or new
             self.loaded[folder.name] = folder.fingerprint
             self.reasons.pop(folder.name, None)
             self.failed.pop(folder.name, None)
-            log.info("%s model %s from %s in %.1fs", "reloaded" if old else "loaded", folder.name, folder.path,
+            log.info("%s model %s from %s in %.1fs", "reloaded" if replacing else "loaded", folder.name, folder.path,
                      time.perf_counter() - started)
-            if old is not None:
-                await self._retire(old)
-
-    def _build(self, folder: Folder) -> ServedModel:
-        """(Worker thread.) A loaded, warmed-up model, or ArtifactError saying why not."""
-        assert self.plane is not None
-        try:
-            model = served_model(self.spec(folder), self.settings, self.plane.metrics)
-        except KilnError:
-            raise
-        except Exception as exc:
-            raise ArtifactError(f"{type(exc).__name__}: {exc}") from exc
-        try:
-            model.load()
-        except BaseException as exc:
-            model.release()
-            if isinstance(exc, KilnError):
-                raise
-            if isinstance(exc, Exception):  # onnxruntime / tokenizers on a corrupt or missing file
-                raise ArtifactError(f"{type(exc).__name__}: {str(exc)[:500]}") from exc
-            raise
-        return model
 
     async def _unload(self, name: str, reason: str) -> None:
-        assert self.plane is not None
-        plane = self.plane
+        assert self.models is not None
         async with self._locks[name]:
-            model = plane.models.get(name)
-            if model is None:
+            if name not in self.models.served():
                 return
-            plane.models = {k: v for k, v in plane.models.items() if k != name}  # new requests: 404 now
             self.loaded.pop(name, None)
             self.reasons[name] = reason
-            await self._retire(model)
+            await self.models.remove(name)
             log.info("unloaded model %s", name)
-
-    async def _retire(self, model: ServedModel) -> None:
-        """Let the requests it accepted finish (they time out after request_timeout_s at worst),
-        then stop its batcher and drop its sessions off the event loop."""
-        deadline = time.monotonic() + self.settings.request_timeout_s + 5.0
-        while model.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        await asyncio.to_thread(model.release)
 
     # -- poll mode ------------------------------------------------------------------------------
     async def _poll_forever(self) -> None:

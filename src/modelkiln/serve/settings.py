@@ -25,6 +25,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
+from ..cpus import available_cpus
 from ..errors import KilnError
 
 ENV_PREFIX = "KILN_"
@@ -67,14 +68,23 @@ class ServeSettings(BaseModel):
     device: Literal["cpu", "cuda"] = setting("cpu", "cpu or cuda.")
     variant: Optional[str] = setting(None, "Variant for every model given without one: int8, fp32, ...",
                                      sweep="kept", shown_default="fastest kept for the device")
-    # A server sharing its host (a Ray replica given N CPUs, a container with a CPU quota) sizes
-    # its engine threads from its share, not from the host's core count.
-    cpus: Optional[int] = setting(None, "CPU cores this server may use; engine threads are sized from it.", ge=1,
-                                  shown_default="the host's cores")
-    threads: Optional[int] = setting(None, "onnxruntime intra-op threads per instance.", sweep="auto", ge=1,
-                                     shown_default="cpus / instances")
+    # A server sharing its host (a Ray replica given N CPUs, a process pinned with taskset, a
+    # container with a CPU quota) sizes its engine threads from its share (``modelkiln.cpus``).
+    cpus: Optional[int] = setting(None, "CPUs this server may use (at most what it may run on); engine threads are "
+                                        "sized from it.", ge=1, shown_default="its affinity mask or cgroup quota")
+    # kiln tune tries 1- and 2-thread sessions, each with as many instances as the CPUs allow
+    # (engine_layout): the default and its neighbour, on 2 cores as on 16.
+    threads: Optional[int] = setting(None, "onnxruntime intra-op threads per instance.",
+                                     sweep={"encoder": "1,2", "generation": "auto"}, ge=1,
+                                     shown_default="2, 1 under 4 cpus; cpus / instances when instances are given")
     instances: Optional[int] = setting(None, "Engine sessions per model running batches in parallel.",
-                                       sweep={"encoder": "1,2"}, ge=1, shown_default="2 on CPU, 1 on GPU")
+                                       sweep={"encoder": "auto"}, ge=1,
+                                       shown_default="cpus / threads on CPU, 1 on GPU")
+    # The event loop and the engine threads' Python work share one interpreter lock per process;
+    # worker processes each have their own (docs/serve.md: "Worker processes").
+    workers: Optional[int] = setting(None, "Server processes sharing the ports, each with its own event loop, models "
+                                           "and share of the cpus.", sweep={"encoder": "auto"}, ge=1,
+                                     shown_default="1 per 4 cpus; 1 for text-generation models")
     # The session that runs a lone request on an idle server (see Batcher: ``alone``).
     alone_threads: Optional[int] = setting(
         None, "Threads for a lone request on an idle server, in a session of its own (0 = off).",
@@ -112,6 +122,9 @@ class ServeSettings(BaseModel):
         None, "Generation: tokens of prompt-prefix KV kept for the prompts that follow (chat templates, system "
               "prompts; answers are the same with or without); 0: off.", ge=0,
         shown_default="1/8 of max-kv-tokens, at most 2048")
+    generation_replicas: Optional[int] = setting(
+        None, "Generation: engine replicas, each batching its own streams on its share of the CPUs (each loads the "
+              "weights once more).", sweep={"generation": "1,2"}, gt=0, shown_default="1")
     prefill_chunk: int = setting(128, "Generation: prompt tokens prefilled per scheduler step (running streams "
                                       "get a token between chunks).", sweep={"generation": "128"}, gt=0)
     generation_timeout_s: float = setting(600.0, "Generation: seconds per request, waiting and generating.",
@@ -145,19 +158,43 @@ class ServeSettings(BaseModel):
         return 0.15 if self.device == "cpu" else 1.0
 
     def engine_layout(self) -> tuple[int, int, int]:
-        """(instances, threads each, threads for a batch run alone; 0 = none).
+        """(instances, threads each, threads for a batch run alone; 0 = none), for this process's
+        ``cpus`` (a worker's share with ``--workers``).
 
-        Under load, two single-threaded sessions beat one two-threaded session on a 2-core box
-        (measured: 541 vs 430 sentences/s at batch 8; onnxruntime's pool threads also spin between
-        ops and starve the event loop). A lone request on an idle server, though, leaves a core
-        unused that way; a third session using every core runs it (3.1 → 2.2 ms at batch 1)."""
-        cpus = self.cpus or os.cpu_count() or 1
-        instances = self.instances or (1 if self.device != "cpu" else min(2, cpus))
-        threads = self.threads or max(1, cpus // instances)
+        Sessions of two threads, as many as the cpus allow; of one thread under 4 cpus. One
+        onnxruntime session barely speeds up past 2 threads: on a 16-core Intel Xeon
+        (all-MiniLM-L6-v2 int8, hey at 256 connections) 8 sessions x 2 threads served 1,884-2,116
+        req/s, 16 x 1 1,547 and 2 x 8 1,000. On 2 cores two single-threaded sessions beat one
+        two-threaded session (541 vs 430 sentences/s at batch 8; onnxruntime's pool threads also
+        spin between ops and starve the event loop). A lone request on an idle server, though,
+        leaves cores unused that way; a session using every cpu runs it (3.1 → 2.2 ms at batch 1
+        on 2 cores)."""
+        cpus = self.cpus or available_cpus().count
+        if self.device != "cpu":
+            instances, threads = self.instances or 1, self.threads or max(1, cpus)
+        elif self.instances and not self.threads:
+            instances, threads = self.instances, max(1, cpus // self.instances)
+        else:
+            threads = self.threads or (1 if cpus < 4 else 2)
+            instances = self.instances or max(1, cpus // threads)
         alone = cpus if self.alone_threads is None else self.alone_threads
         if self.device != "cpu" or instances < 2 or alone <= threads:
             alone = 0  # nothing to gain: the instances already use the cores a lone batch could
         return instances, threads, alone
+
+    def worker_count(self, generation: bool) -> int:
+        """How many server processes (``--workers``, else one per 4 of ``cpus``; one when a model
+        generates text). One process's event loop and engine threads share an interpreter lock:
+        on a 16-core Intel Xeon one process served at most ~2,000 req/s (8 x 2 sessions, the
+        event loop at 300-335 µs of CPU per request and answers waiting 38-69 ms for it), where
+        its sessions alone ran 4,384 sentences/s. A 2-core server does ~610 req/s, ~300 per
+        core, so a process of 4 cpus needs ~1,200 req/s, within what one process reaches; 8 would
+        need ~2,400. Text generation runs one engine over every cpu (its continuous batching is
+        one scheduler), so it stays in one process (``--workers`` above 1 is refused for it)."""
+        if self.workers is not None:
+            return self.workers
+        cpus = self.cpus or available_cpus().count
+        return 1 if generation or self.device != "cpu" else max(1, cpus // 4)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, config: Mapping[str, Any] | None = None,

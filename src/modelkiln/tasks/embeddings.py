@@ -15,6 +15,11 @@ from . import tensors as t
 from .base import Task, TaskInfo, TextInput
 
 
+# An engine that pools on its device (runtime/torch_encoder.py) returns the pooled, normalised
+# vectors under this name (sentence-transformers' own), so the hidden states need not leave it.
+POOLED = "sentence_embedding"
+
+
 def attention_mask(encodings: Sequence[Encoding], width: int) -> np.ndarray:
     mask = np.zeros((len(encodings), width), dtype=np.float32)
     for row, enc in enumerate(encodings):
@@ -63,6 +68,8 @@ class SentenceEmbeddings(Task):
         return self.manifest.pooling or Pooling()
 
     def embed(self, outputs: dict[str, np.ndarray], encodings: Sequence[Encoding]) -> np.ndarray:
+        if POOLED in outputs:  # pooled by the engine already, with this artifact's pooling
+            return outputs[POOLED]
         hidden = outputs["last_hidden_state"]
         return pool(hidden, attention_mask(encodings, hidden.shape[1]), self.pooling)
 

@@ -27,9 +27,10 @@ ENCODER_FILES = (
 )
 
 # The generation model: the generation package but its command line (the engines, the engine core,
-# sampling, text), and tasks/text_generation.py (which tells a generation artifact).
+# sampling, text), tasks/text_generation.py (which tells a generation artifact) and cpus.py (the
+# engine's threads when none are given).
 GENERATION_FILES = (
-    *_TASKS, "tasks/text_generation.py", "runtime/__init__.py", "runtime/onnx.py",
+    *_TASKS, "tasks/text_generation.py", "runtime/__init__.py", "runtime/onnx.py", "cpus.py",
     *sorted(f"generation/{p.name}" for p in (Path(__file__).parent.parent / "generation").glob("*.py")
             if p.name != "command.py"),
 )

@@ -101,11 +101,34 @@ def process_memory_mb(pid: int, field: str) -> float | None:
     return None
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux: /proc/PID/task/*/children); [pid] elsewhere."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return found
+
+
+def server_memory_mb(pid: int, field: str) -> float | None:
+    """``process_memory_mb`` added up over a server and its child processes (``kiln serve
+    --workers N``: the workers hold the models). Of VmHWM, the sum of each process's peak."""
+    values = [process_memory_mb(p, field) for p in process_tree(pid)]
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
 class ServeProcess:
     """``python -m modelkiln serve NAME=ARTIFACT`` with the given settings on a free loopback port."""
 
     def __init__(self, artifact: Path, name: str, settings: dict[str, Any], timeout: float = 120.0,
-                 extra_args: Sequence[str] = (), grpc: bool = False):
+                 extra_args: Sequence[str] = (), grpc: bool = False, prefix: Sequence[str] = ()):
+        """``prefix``: a command the server runs under (``taskset -c 0``: a pinned server)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # gRPC only when asked: its default port (8001) would collide between servers
@@ -118,7 +141,7 @@ class ServeProcess:
             if value is not None:
                 args += [flags[key], str(value)]
         self.log = tempfile.NamedTemporaryFile(prefix="kiln-tune-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "modelkiln", "serve", *args, *extra_args],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "modelkiln", "serve", *args, *extra_args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=child_environment())
         wait_until_ready(self.proc, self.url, timeout, "kiln serve", self.log_tail, self.stop)
 
@@ -129,11 +152,11 @@ class ServeProcess:
             return ""
 
     def peak_rss_mb(self) -> float | None:
-        """Peak resident memory of the server process (Linux), in MiB."""
+        """Peak resident memory of the server's processes (Linux), in MiB."""
         return self.memory_mb("VmHWM")
 
     def memory_mb(self, field: str) -> float | None:
-        return process_memory_mb(self.proc.pid, field)
+        return server_memory_mb(self.proc.pid, field)
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:

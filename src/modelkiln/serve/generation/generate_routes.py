@@ -7,7 +7,9 @@ request, answered as server-sent events, one ``data: {"model_name", "model_versi
 "text_output": "<new text>"}`` per token that adds text, the last with ``"finish_reason"``.
 Triton maps top-level JSON keys to inputs and parameters alike, so sampling settings are taken
 from ``parameters`` or from the top level (``params.py`` names); ``stream`` is ignored (the route
-decides). An error before the first token is an HTTP status; after it, a ``data: {"error": ...}``
+decides). Triton's parameters are scalars, so the object-valued ones (``response_format``,
+``structured_outputs``, ``guided_json``, ``guided_choice``, ``json_schema``, ``logit_bias``) may
+also come as JSON text. An error before the first token is an HTTP status; after it, a ``data: {"error": ...}``
 event, as Triton sends."""
 
 from __future__ import annotations
@@ -38,7 +40,18 @@ def _fields(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if not isinstance(parameters, dict):
         raise InvalidInputError("'parameters' must be an object")
     fields = {k: v for k, v in body.items() if k not in (contract.TEXT_INPUT, "parameters", "id")}
-    return text, {**fields, **parameters}
+    fields = {**fields, **parameters}
+    for name in _JSON_TEXT_FIELDS:
+        if isinstance(fields.get(name), str):
+            try:
+                fields[name] = orjson.loads(fields[name])
+            except orjson.JSONDecodeError:
+                raise InvalidInputError(f"'{name}' as text must be JSON") from None
+    return text, fields
+
+
+_JSON_TEXT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_choice", "json_schema",
+                     "logit_bias")
 
 
 def register(app: FastAPI, plane: DataPlane) -> None:
@@ -50,7 +63,7 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         model = plane.generation_model(name, version)
         text, fields = _fields(body)
         ids = await model.prompt_ids(text)
-        params = model.params(fields, len(ids))
+        params = await model.params(fields, len(ids))
         token_ids = wants_token_ids(fields)
         resume_ids = model.resume_ids(fields, ids, params)
         return model, model.generate(ids, params, model.timeout(fields), resume_ids), token_ids

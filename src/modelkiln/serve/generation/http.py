@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from fastapi import Request
@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 from ...errors import InvalidInputError, KilnError, PayloadTooLargeError
 from ..codec import decompress
 from ..errors import error_response
-from .model import GenerationModel, Stream
+from .model import GenerationModel
 
 T = TypeVar("T")
 GONE: Any = object()  # what ``unless_gone`` returns when the client left first
@@ -58,7 +58,15 @@ def sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-def sse_response(stream: Stream, events: AsyncIterator[bytes], openai: bool) -> StreamingResponse:
+class Answering(Protocol):
+    """A stream, or a request's several (``answers.Answers``)."""
+
+    async def started(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def sse_response(stream: Answering, events: AsyncIterator[bytes], openai: bool) -> StreamingResponse:
     """Send ``events`` once the stream is accepted (a refusal is an HTTP status); an error after
     the first byte becomes an ``error`` event (the status is sent)."""
 
@@ -81,7 +89,7 @@ class _AcceptedStreamResponse(StreamingResponse):
     which may still refuse it (a full queue: 503). A stream that names the replica it runs on
     (``replica``: kiln ray) says so in ``x-kiln-replica``, as kiln ray's other answers do."""
 
-    def __init__(self, stream: Stream, openai: bool, *args: Any, **kwargs: Any):
+    def __init__(self, stream: Answering, openai: bool, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.stream, self.openai = stream, openai
 

@@ -1,5 +1,5 @@
 """A served text-generation model: the artifact (tokenizer, chat template, end-of-sequence ids),
-one engine, the engine core that schedules it and the ``Scheduler`` thread that steps the core.
+its engine replicas (usually one), each an engine core with the ``Scheduler`` thread that steps it.
 
 It is a ``served.ServedModel``, as the encoder's ``EncoderModel`` is (load, stop, release, ready,
 in_flight, stats, metadata, OIP infer), so the data plane and the model repository handle both
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
-import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from ...cpus import available_cpus
 from ...errors import InvalidInputError
 from ...generation.chat_tokens import encode
 from ...generation.model import CoreOptions, TextGenerationModel
@@ -27,11 +29,13 @@ from ...generation.sequence import Delta
 from ...tasks import text_generation as contract
 from ..json_api import PredictRequest, PredictResponse
 from ..metrics import Metrics
-from ..model import Stats
+from ..model import Stats, platform_of
 from ..settings import ModelSpec, ServeSettings
 from ..types import MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, TensorSpec, request_timeout
 from . import oip, resume
-from ...generation.params import sampling_params
+from ...generation.constraints import Grammars
+from ...generation.params import requested_constraint, sampling_params
+from ...generation.vocabulary import Vocabulary
 from .scheduler import CoreHooks, Job, Scheduler
 
 log = logging.getLogger("modelkiln.serve")
@@ -71,46 +75,54 @@ class GenerationModel:
         self.max_context = self.artifact.max_context or self.manifest.max_length
         self.tokenizer = self.artifact.tokenizer
         self.defaults = self.artifact.default_params()
-        # One engine (one scheduler batches every stream) using every CPU this server may use: `--cpus`
-        # under Ray sizes it from the replica's reservation, not from the host's cores.
-        self.instances = 1
-        self.threads = settings.threads or settings.cpus or os.cpu_count() or 1
+        # Engine replicas, each its own core batching its own streams, splitting the CPUs this server may
+        # use (`--cpus` under Ray sizes them from the replica's reservation, not from the host's cores).
+        cpus = settings.cpus or available_cpus().count
+        self.instances = settings.generation_replicas or 1
+        self.threads = settings.threads or max(1, cpus // self.instances)
         self.chat = self.artifact.chat_tokens(settings.special_tokens_in_messages)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_context)
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         started = time.perf_counter()
         s = self.settings
-        hooks = _MetricHooks(self.metrics, self.name)
+        totals = _Totals(self.metrics, self.name, self.instances)
         options = CoreOptions(threads=self.threads, device=s.device, max_running=s.max_batch_size,
                               max_waiting=s.max_queue_size, kv_budget=s.max_kv_tokens, prefill_chunk=s.prefill_chunk,
-                              prefix_cache_tokens=s.prefix_cache_tokens, warm_up=s.warmup)
-        core = self.artifact.core(self.variant.name, options, hooks)
-        self.kv_budget = hooks.kv_budget = core.kv_budget
-        self.scheduler = Scheduler(core, name=self.name)
-        self.scheduler.start()
+                              prefix_cache_tokens=s.prefix_cache_tokens, warm_up=s.warmup, kv_share=self.instances)
+        self.schedulers = []
+        for replica in range(self.instances):
+            core = self.artifact.core(self.variant.name, options, _MetricHooks(self.metrics, self.name, totals, replica))
+            totals.budgets[replica] = core.kv_budget
+            self.schedulers.append(Scheduler(core, name=f"{self.name}-{replica}" if self.instances > 1 else self.name))
+        for scheduler in self.schedulers:
+            scheduler.start()
+        self.kv_budget = sum(totals.budgets)
         self.ready = True
-        log.info("loaded text-generation model %s (variant %s, %d thread(s), KV budget %d tokens, context %d) in %.1fs",
-                 self.name, self.variant.name, self.threads, self.kv_budget, self.max_context, time.perf_counter() - started)
+        log.info("loaded text-generation model %s (variant %s, %d engine replica(s) x %d thread(s), KV budget %d tokens, "
+                 "context %d) in %.1fs", self.name, self.variant.name, self.instances, self.threads, self.kv_budget,
+                 self.max_context, time.perf_counter() - started)
 
     def stop(self) -> None:
         """Refuse new requests; finish the accepted ones; end the scheduler thread."""
         self.ready = False
-        if hasattr(self, "scheduler"):
-            self.scheduler.stop()
+        for scheduler in getattr(self, "schedulers", ()):
+            scheduler.stop()
 
     def release(self) -> None:
         self.stop()
-        self.__dict__.pop("scheduler", None)
+        self.__dict__.pop("schedulers", None)
 
     @property
     def full(self) -> bool:
-        return self.scheduler.waiting >= self.settings.max_queue_size
+        return self.queued >= self.settings.max_queue_size
 
     @property
     def queued(self) -> int:
-        return self.scheduler.waiting
+        return sum(s.waiting for s in self.schedulers)
 
     def record(self, ok: bool, seconds: float) -> None:
         s = self.stats
@@ -133,12 +145,14 @@ class GenerationModel:
             raise InvalidInputError(f"a token-id prompt must hold integers in [0, {vocab})")
         return self._fit(ids)
 
-    async def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Messages rendered with the artifact's chat template, their text kept as text
-        (``generation/chat_tokens.py``)."""
-        chars = sum(len(m.get("content") or "") for m in messages)
+    async def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Messages (and OpenAI's ``tools``) rendered with the artifact's chat template, their text kept
+        as text (``generation/chat_tokens.py``)."""
+        chars = sum(len(m.get("content") or "") for m in messages) + (len(json.dumps(tools)) if tools else 0)
         self._check_chars(chars)
-        return self._fit(await _off_loop(chars, self.chat.ids, messages))
+        if tools is None:
+            return self._fit(await _off_loop(chars, self.chat.ids, messages))
+        return self._fit(await _off_loop(chars, self.chat.ids, messages, tools))
 
     def _check_chars(self, chars: int) -> None:
         """A prompt too long for the context by its length alone is refused before it is tokenized."""
@@ -157,8 +171,28 @@ class GenerationModel:
             ids = ids[len(ids) - self.max_context + 1:]
         return ids
 
-    def params(self, fields: Mapping[str, Any], prompt_tokens: int) -> SamplingParams:
-        return sampling_params(fields, self.defaults, prompt_tokens, self.max_context)
+    @property
+    def grammars(self) -> Grammars:
+        """The model's grammar compiler and vocabulary, built on first use (llguidance reads
+        tokenizer.json in about 0.2 s), from any thread."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(Vocabulary(self.tokenizer, self.artifact.eos_ids))
+            return self._grammars
+
+    async def vocabulary(self) -> Vocabulary:
+        return self._grammars.vocabulary if self._grammars is not None else (await asyncio.to_thread(
+            lambda: self.grammars)).vocabulary
+
+    async def params(self, fields: Mapping[str, Any], prompt_tokens: int,
+                     constraint: tuple[str, Any] | None = None) -> SamplingParams:
+        """The request's fields → SamplingParams; a grammar (or logit_bias's vocabulary check) is
+        prepared in a thread: a large schema takes tens of milliseconds the other streams should not
+        wait for. ``constraint``: one the caller derived (a tool call's syntax)."""
+        if constraint is None and requested_constraint(fields) is None and fields.get("logit_bias") is None:
+            return sampling_params(fields, self.defaults, prompt_tokens, self.max_context)
+        return await asyncio.to_thread(lambda: sampling_params(fields, self.defaults, prompt_tokens, self.max_context,
+                                                               self.grammars, constraint))
 
     def timeout(self, parameters: Mapping[str, Any] | None = None) -> float:
         """The server's generation timeout, or less when the request asks."""
@@ -177,10 +211,12 @@ class GenerationModel:
         ``resume_ids``: the answer's first tokens, already sent (the stream goes on after them);
         ``seed``: the draws' seed when ``params`` has none (else the core picks one: ``Stream.seed``)."""
         timeout_s = timeout_s or self.settings.generation_timeout_s
+        # the replica with the fewest requests admitted or waiting: rows free soonest there
+        scheduler = min(self.schedulers, key=lambda s: s.running + s.waiting)
         job = Job(next(_job_ids), prompt_ids, params, deadline=time.monotonic() + timeout_s,
                   resume_ids=list(resume_ids), seed=params.seed if params.seed is not None else seed,
-                  loop=asyncio.get_running_loop(), queue=asyncio.Queue())
-        self.scheduler.submit(job)
+                  loop=asyncio.get_running_loop(), queue=asyncio.Queue(), scheduler=scheduler)
+        scheduler.submit(job)
         return Stream(self, job)
 
     # -- protocol description ----------------------------------------------------------------------
@@ -193,7 +229,8 @@ class GenerationModel:
     # -- what the data plane calls (served.ServedModel) ---------------------------------------------
     def metadata(self) -> ModelMetadata:
         return ModelMetadata(
-            name=self.name, versions=(self.version,), platform="onnxruntime_onnx", inputs=self.input_specs(),
+            name=self.name, versions=(self.version,), platform=platform_of(self.variant.engine),
+            inputs=self.input_specs(),
             outputs=self.output_specs(), parameters={"task": self.task.name, "variant": self.variant.name,
                                                      "max_context": self.max_context,
                                                      "kv_tokens": self.kv_budget if self.ready else None,
@@ -202,7 +239,7 @@ class GenerationModel:
     async def _start_oip(self, request: InferRequest) -> Stream:
         """An OIP request checked and submitted: its deltas (a 4xx or 503 error before any)."""
         ids = await self.prompt_ids(oip.prompt(request))
-        params = self.params(oip.sampling_fields(request.parameters), len(ids))
+        params = await self.params(oip.sampling_fields(request.parameters), len(ids))
         return self.generate(ids, params, self.timeout(request.parameters))
 
     async def infer(self, request: InferRequest) -> InferResponse:
@@ -296,8 +333,8 @@ class Stream:
         if self._open:
             self._open = False
             self.model.in_flight -= 1
-            if cancel:
-                self.model.scheduler.cancel(self.job)
+            if cancel and self.job.scheduler is not None:
+                self.job.scheduler.cancel(self.job)
 
 
 async def _off_loop(chars: int, work: Callable[..., list[int]], *args: Any) -> list[int]:
@@ -315,10 +352,29 @@ def max_prompt_chars(tokenizer: Tokenizer, max_context: int) -> int:
     return max_context * longest * (1 if tokenizer.normalizer is None else 4)
 
 
-class _MetricHooks(CoreHooks):
-    """Scheduler events → vLLM-named Prometheus metrics (called on the scheduler thread)."""
+class _Totals:
+    """The gauges a model reports once for all its engine replicas: each replica's last iteration, summed."""
 
-    def __init__(self, metrics: Metrics, name: str):
+    def __init__(self, metrics: Metrics, name: str, replicas: int):
+        self.running = metrics.requests_running.labels(name)
+        self.waiting = metrics.requests_waiting.labels(name)
+        self.kv_usage = metrics.kv_cache_usage.labels(name)
+        self.budgets = [1] * replicas
+        self._last = [(0, 0, 0)] * replicas
+
+    def iteration(self, replica: int, running: int, waiting: int, cache_tokens: int) -> None:
+        self._last[replica] = (running, waiting, cache_tokens)  # one list item: safe across replica threads
+        last = list(self._last)
+        self.running.set(sum(r for r, _, _ in last))
+        self.waiting.set(sum(w for _, w, _ in last))
+        self.kv_usage.set(min(1.0, sum(c for _, _, c in last) / sum(self.budgets)))
+
+
+class _MetricHooks(CoreHooks):
+    """An engine replica's events → vLLM-named Prometheus metrics (called on its scheduler thread)."""
+
+    def __init__(self, metrics: Metrics, name: str, totals: _Totals, replica: int):
+        self.totals, self.replica = totals, replica
         self.ttft = metrics.time_to_first_token.labels(name)
         self.itl = metrics.inter_token_latency.labels(name)
         self.e2e = metrics.e2e_latency.labels(name)
@@ -326,10 +382,6 @@ class _MetricHooks(CoreHooks):
         self.prefix_queries = metrics.prefix_cache_queries.labels(name)
         self.prefix_hits = metrics.prefix_cache_hits.labels(name)
         self.generation_tokens = metrics.generation_tokens.labels(name)
-        self.running = metrics.requests_running.labels(name)
-        self.waiting = metrics.requests_waiting.labels(name)
-        self.kv_usage = metrics.kv_cache_usage.labels(name)
-        self.kv_budget = 1  # the core's, once it is built
 
     def token(self, job, now: float) -> None:  # type: ignore[no-untyped-def]
         if job.first_token_at == 0.0:
@@ -347,6 +399,4 @@ class _MetricHooks(CoreHooks):
         self.e2e.observe(now - job.arrived)
 
     def iteration(self, running: int, waiting: int, cache_tokens: int) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(min(1.0, cache_tokens / self.kv_budget))
+        self.totals.iteration(self.replica, running, waiting, cache_tokens)

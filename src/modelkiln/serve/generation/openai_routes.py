@@ -1,32 +1,46 @@
 """OpenAI's ``POST /v1/completions`` and ``/v1/chat/completions`` on a text-generation model, so
-that the unmodified ``openai`` client works (sync, async, ``stream=True``).
+that the unmodified ``openai`` client works (sync, async, ``stream=True``, ``beta...parse``).
 
 Streams are server-sent events: one ``data: {chunk}`` per token that adds text (a token held back
 as a possible stop string or half a character adds none and sends nothing), the finish reason
-on the last chunk, with ``stream_options: {"include_usage": true}`` a final chunk with ``usage``
-and no choices, then ``data: [DONE]``. Parameters: ``params.py``. ``n`` > 1, ``best_of``,
-``echo``, ``logprobs``, ``suffix``, tools and response formats are refused with a 400 saying so
-(not silently ignored). Errors have OpenAI's shape (``serve/errors.py``)."""
+on the last chunk of each choice, with ``stream_options: {"include_usage": true}`` a final chunk
+with ``usage`` and no choices, then ``data: [DONE]``. Parameters: ``generation/params.py``; the
+table of every parameter and what this server does with it is in docs/generation.md.
+
+``n`` answers per prompt and a list of prompts on completions are each their own engine request
+(answers.py); choice ``index`` is prompt × n + answer, as OpenAI numbers them. Tools are shown to
+the model by its own chat template and its calls parsed back (generation/tool_calls.py,
+openai_choices.py). ``best_of`` other than ``n``, ``suffix`` and the legacy ``functions`` are
+refused with a 400 saying so (not silently ignored). Errors have OpenAI's shape
+(``serve/errors.py``)."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from ...errors import InvalidInputError
+from ...generation.params import choices
+from ...generation.tool_calls import ToolFormat, parse_tools, template_messages_with_tools, tool_format
 from ..dataplane import DataPlane
+from .answers import Answers, submit, with_seed
 from .http import json_body, sse, sse_response, whole_answer
-from .model import GenerationModel, Stream
-from .resume import wants_token_ids
+from .model import GenerationModel
+from .openai_choices import ChatChoice, CompletionChoice
+from .resume import RESUME_FIELD, wants_token_ids
 
 DONE = b"data: [DONE]\n\n"
-_UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "tool_choice", "response_format", "logit_bias")
+_UNSUPPORTED = {"suffix": "'suffix' (insertion) is not supported by this server",
+                "functions": "'functions' is OpenAI's deprecated form of 'tools': send 'tools'",
+                "function_call": "'function_call' is OpenAI's deprecated form of 'tool_choice': send 'tool_choice'"}
 
 
 class _Ids:
@@ -43,18 +57,12 @@ class _Ids:
 _ids = _Ids()
 
 
-def _check(body: dict[str, Any]) -> None:
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise InvalidInputError(f"'n' must be 1 (this server returns one choice per request), got {n!r}")
-    for name in _UNSUPPORTED:
-        value = body.get(name)
-        if value not in (None, [], {}) and not (name == "best_of" and value == 1):
-            raise InvalidInputError(f"'{name}' is not supported by this server")
-    if body.get("echo"):
-        raise InvalidInputError("'echo' is not supported by this server")
-    if body.get("logprobs") not in (None, False):
-        raise InvalidInputError("'logprobs' is not supported by this server")
+def _check(body: dict[str, Any], chat: bool) -> None:
+    for name, why in _UNSUPPORTED.items():
+        if body.get(name) not in (None, [], {}, ""):
+            raise InvalidInputError(why)
+    if chat and body.get("echo"):
+        raise InvalidInputError("'echo' is for /v1/completions")
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise InvalidInputError("'stream' must be true or false")
     options = body.get("stream_options")
@@ -62,17 +70,22 @@ def _check(body: dict[str, Any]) -> None:
         raise InvalidInputError("'stream_options' is an object, allowed only with 'stream': true")
 
 
-async def _completion_prompt(model: GenerationModel, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt)):
-        return await model.prompt_ids(prompt)
-    if isinstance(prompt, list):
-        raise InvalidInputError("'prompt' must be one string or one list of token ids (n = 1 prompt per request)")
-    raise InvalidInputError("'prompt' must be a string or a list of token ids")
+def _completion_prompts_given(prompt: Any) -> list[str | list[int]]:
+    """One prompt (a string, a list of token ids) or a list of them."""
+    def one(p: Any) -> bool:
+        return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(isinstance(i, int) for i in p))
+
+    if one(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(one(p) for p in prompt):
+        return list(prompt)
+    raise InvalidInputError("'prompt' must be a string, a list of token ids, or a non-empty list of either")
 
 
-def _chat_messages(messages: Any) -> list[dict[str, Any]]:
+_MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id")
+
+
+def openai_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("'messages' must be a non-empty list")
     out = []
@@ -87,13 +100,51 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
             content = "".join(p["text"] for p in content)
         if content is not None and not isinstance(content, str):
             raise InvalidInputError(f"message {i}: 'content' must be a string or a list of text parts")
-        out.append({"role": m["role"], "content": content or ""})
-    return out
+        if m.get("tool_calls") is not None and (m["role"] != "assistant" or not isinstance(m["tool_calls"], list)):
+            raise InvalidInputError(f"message {i}: 'tool_calls' is a list, on an assistant message")
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise InvalidInputError(f"message {i}: a tool message needs the 'tool_call_id' it answers")
+        extra = {k: m[k] for k in _MESSAGE_FIELDS if m.get(k) is not None}
+        out.append({"role": m["role"], "content": content or "", **extra})
+    return template_messages_with_tools(out)
 
 
-def _usage(stream: Stream) -> dict[str, int]:
-    return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
-            "total_tokens": stream.prompt_tokens + stream.completion_tokens}
+def _special_id(model: GenerationModel, text: str) -> int | None:
+    """The id of ``text`` when the tokenizer has it as one special token."""
+    token = model.tokenizer.token_to_id(text)
+    added = model.tokenizer.get_added_tokens_decoder().get(token) if token is not None else None
+    return token if added is not None and added.special else None
+
+
+@dataclass
+class _Prompts:
+    """What a request asks the model to continue: each prompt as given (None for a chat), its ids,
+    and for a chat with tools the template's call syntax and the constraint tool_choice asks for."""
+
+    given: list[Any]
+    ids: list[list[int]]
+    syntax: ToolFormat | None = None
+    constraint: tuple[str, Any] | None = None
+
+
+async def _chat_prompt(model: GenerationModel, body: dict[str, Any]) -> _Prompts:
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    syntax, constraint = None, None
+    if tools is not None and tools.choice != "none":
+        syntax = tool_format(model.artifact.chat_template)
+        if tools.constrained:
+            constraint = ("lark", syntax.grammar(tools, lambda text: _special_id(model, text)))
+    ids = await model.chat_ids(openai_messages(body.get("messages")), tools.tools if syntax else None)
+    return _Prompts([None], [ids], syntax, constraint)
+
+
+async def _completion_prompts(model: GenerationModel, body: dict[str, Any], n: int) -> _Prompts:
+    given = _completion_prompts_given(body.get("prompt"))
+    rows = model.settings.max_batch_size
+    if len(given) * n > rows:
+        raise InvalidInputError(f"{len(given)} prompts x n = {n} make {len(given) * n} answers; this "
+                                f"server runs at most {rows} at once (--max-batch-size)")
+    return _Prompts(given, [await model.prompt_ids(p) for p in given])
 
 
 def register(app: FastAPI, plane: DataPlane) -> None:
@@ -101,35 +152,52 @@ def register(app: FastAPI, plane: DataPlane) -> None:
 
     async def run(request: Request, chat: bool) -> Response:
         body = await json_body(request, limit, timeout)
-        _check(body)
+        _check(body, chat)
         name = body.get("model")
         if name is not None and not isinstance(name, str):
             raise InvalidInputError(f"'model' must be a string, got {name!r}")
         model = plane.generation_model(name)
-        if chat:
-            ids = await model.chat_ids(_chat_messages(body.get("messages")))
-        else:
-            ids = await _completion_prompt(model, body.get("prompt"))
-        params = model.params(body, len(ids))
+        n = choices(body, model.settings.max_batch_size)
+        prompts = await (_chat_prompt(model, body) if chat else _completion_prompts(model, body, n))
+        params = [await model.params(body, len(ids), prompts.constraint) for ids in prompts.ids]
+        if n * len(params) > 1 and params[0].seed is None:  # answer i draws with seed + i: one seed for all
+            params = [replace(p, seed=secrets.randbits(63)) for p in params]
+        streaming = bool(body.get("stream"))
         token_ids = wants_token_ids(body)
-        stream = model.generate(ids, params, resume_ids=model.resume_ids(body, ids, params))
+        vocab = await model.vocabulary() if params[0].logprobs is not None else None
+        echo = bool(body.get("echo"))
+        writers: dict[int, ChatChoice | CompletionChoice] = {}
+        requests = []
+        for p, (given, ids, settings) in enumerate(zip(prompts.given, prompts.ids, params)):
+            for i in range(n):
+                index = p * n + i  # OpenAI's numbering of n answers to each of several prompts
+                if chat:
+                    writers[index] = ChatChoice(index, vocab, vocab is not None, prompts.syntax, streaming, token_ids)
+                else:
+                    text = (given if isinstance(given, str) else model.tokenizer.decode(ids)) if echo else None
+                    writers[index] = CompletionChoice(index, vocab, vocab is not None, text, ids, streaming, token_ids)
+                requests.append((index, ids, with_seed(settings, i)))
+        resume_ids = None
+        if body.get(RESUME_FIELD):
+            if len(requests) > 1:
+                raise InvalidInputError(f"'{RESUME_FIELD}' resumes one answer: not with n > 1 or several prompts")
+            resume_ids = model.resume_ids(body, requests[0][1], requests[0][2])
+        answers = await submit(model, requests, resume_ids=resume_ids)
         kind = "chatcmpl" if chat else "cmpl"
         head = {"id": _ids.next(kind), "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": model.name}
+        prompt_tokens = sum(len(ids) for ids in prompts.ids)
         started = time.perf_counter()
-        if body.get("stream"):
+        if streaming:
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return sse_response(stream, _chunks(stream, head, chat, usage, token_ids), openai=True)
+            return sse_response(answers, _chunks(answers, writers, head, chat, usage, prompt_tokens), openai=True)
 
         async def whole() -> dict[str, Any]:
-            async with stream:
-                deltas = [delta async for delta in stream]
-            text = "".join(delta.text for delta in deltas)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": stream.finish_reason, "logprobs": None}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            if token_ids:
-                choice["token_ids"] = [delta.token_id for delta in deltas]
-            return {**head, "seed": stream.seed, "choices": [choice], "usage": _usage(stream)}
+            async with answers:
+                async for index, delta in answers.deltas():
+                    writers[index].feed(delta)
+            return {**head, "seed": answers.seed, "choices": [writers[i].whole() for i in sorted(writers)],
+                    "usage": _usage(prompt_tokens, answers.completion_tokens)}
 
         return await whole_answer(request, model, whole(), started, _json)
 
@@ -142,37 +210,31 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         return await run(request, chat=True)
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def _json(data: Any) -> bytes:
     import orjson
 
     return orjson.dumps(data)
 
 
-async def _chunks(stream: Stream, head: dict[str, Any], chat: bool, usage: bool,
-                  token_ids: bool) -> AsyncIterator[bytes]:
-    """The answer's chunks; the first one carries the answer's ``seed`` (kiln's extension: with it and
-    ``return_token_ids``, a client can resume a cut stream: ``resume.py``)."""
+async def _chunks(answers: Answers, writers: dict[int, ChatChoice | CompletionChoice], head: dict[str, Any],
+                  chat: bool, usage: bool, prompt_tokens: int) -> AsyncIterator[bytes]:
+    """The answers' chunks; the first one carries the first answer's ``seed`` (kiln's extension:
+    with it and ``return_token_ids``, a client can resume a cut stream: ``resume.py``)."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-    first = {**head, "seed": stream.seed}
-    piece: Callable[[str, str | None], dict[str, Any]]
+    first = {**head, "seed": answers.seed}
     if chat:
-        yield sse({**first, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})
-        first = head
-        piece = lambda text, reason: {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,  # noqa: E731
-                                      "finish_reason": reason}
-    else:
-        piece = lambda text, reason: {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}  # noqa: E731
-    unsent: list[int] = []  # tokens whose text is held back go out with the next chunk
-    async for delta in stream:
-        if token_ids:
-            unsent.append(delta.token_id)
-        if delta.text or delta.finish_reason:
-            choice = piece(delta.text, delta.finish_reason)
-            if token_ids:
-                choice["token_ids"], unsent = unsent, []
-            yield sse({**first, "choices": [choice]})
+        for index in sorted(writers):
+            yield sse({**first, "choices": [writers[index].first()]})  # type: ignore[union-attr]
+            first = head
+    async for index, delta in answers.deltas():
+        for piece in writers[index].feed(delta):
+            yield sse({**first, "choices": [piece]})
             first = head
     if usage:
-        yield sse({**head, "choices": [], "usage": _usage(stream)})
+        yield sse({**head, "choices": [], "usage": _usage(prompt_tokens, answers.completion_tokens)})
     yield DONE

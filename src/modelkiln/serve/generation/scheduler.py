@@ -20,6 +20,7 @@ class Job(Request):
 
     loop: asyncio.AbstractEventLoop | None = field(default=None, kw_only=True)
     queue: asyncio.Queue | None = field(default=None, kw_only=True)
+    scheduler: Scheduler | None = field(default=None, kw_only=True)  # the engine replica it runs on
 
 
 class Scheduler(CoreDriver):

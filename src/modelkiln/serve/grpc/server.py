@@ -185,17 +185,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
-        return await self._call("ModelStatistics", context, request.name, _now(lambda: codec.statistics_to_proto(
-            self.plane.model_statistics(request.name or None, request.version or None))))
+        async def answer() -> pb.ModelStatisticsResponse:
+            return codec.statistics_to_proto(
+                await self.plane.model_statistics(request.name or None, request.version or None))
+
+        return await self._call("ModelStatistics", context, request.name, answer)
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
-        def answer() -> pb.RepositoryIndexResponse:
-            entries = self.plane.repository_index(ready_only=request.ready)
+        async def answer() -> pb.RepositoryIndexResponse:
+            entries = await self.plane.repository_index(ready_only=request.ready)
             return pb.RepositoryIndexResponse(models=[
                 pb.RepositoryIndexResponse.ModelIndex(name=e.name, version=e.version, state=e.state, reason=e.reason)
                 for e in entries])
 
-        return await self._call("RepositoryIndex", context, "", _now(answer))
+        return await self._call("RepositoryIndex", context, "", answer)
 
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context: Any
                                   ) -> pb.RepositoryModelLoadResponse:
@@ -245,9 +248,12 @@ def _message(exc: BaseException) -> str:
 async def start_grpc_server(plane: InferenceService, settings: ServeSettings, metrics: Metrics) -> grpc.aio.Server:
     """Bind ``settings.host:settings.grpc_port`` and start serving (on the running event loop)."""
     limit = settings.max_body_bytes
+    # One process: no port sharing, so that a port in use is an error. A worker of --workers N
+    # shares the port with the others (serve/workers.py: its supervisor has checked it is free).
+    shared = (settings.workers or 1) > 1
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", max(limit, 64 * 1024 * 1024)),
-                                      ("grpc.so_reuseport", 0)])
+                                      ("grpc.so_reuseport", 1 if shared else 0)])
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, settings.api_key, metrics), server)
     address = f"{settings.host}:{settings.grpc_port}"
     try:

@@ -1,0 +1,205 @@
+"""Structured outputs' grammars (generation/constraints.py) on a tiny byte-level BPE tokenizer:
+matchers driven by random choices among the allowed tokens can only write what the constraint
+allows, whatever they pick; bad specs are refused with a clear error before any compute."""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import threading
+from typing import Literal
+
+import numpy as np
+import pydantic
+import pytest
+
+from generation_helpers import tiny_tokenizer
+from modelkiln.errors import InvalidInputError
+from modelkiln.generation.constraints import MAX_DEPTH, Grammars, compile_constraint
+from modelkiln.generation.vocabulary import Vocabulary
+
+PADDED_WORDS = 16  # 512 bits: the model's vocabulary padded past the tokenizer's 400
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def eos(tokenizer):
+    return tokenizer.token_to_id("<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer, eos):
+    return Grammars(Vocabulary(tokenizer, [eos]))
+
+
+def allowed(words: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+
+
+def random_walk(grammar, tokenizer, eos: int, rng: np.random.Generator, max_steps: int = 600) -> str:
+    """Pick uniformly among the allowed tokens until end-of-sequence; the text written."""
+    matcher, words, ids = grammar.matcher(), np.zeros(PADDED_WORDS, dtype=np.int32), []
+    for _ in range(max_steps):
+        matcher.fill_bitmask(words)
+        tokens = allowed(words)
+        assert tokens.size and tokens.max() < tokenizer.get_vocab_size(), "padded rows must never be allowed"
+        token = int(rng.choice(tokens))
+        if token == eos:
+            return tokenizer.decode(ids, skip_special_tokens=False)
+        assert token not in (0, 1), "special tokens other than end-of-sequence are never allowed"
+        assert matcher.accept(token), matcher.error
+        ids.append(token)
+        if matcher.is_terminated():
+            matcher.fill_bitmask(words)
+            assert list(allowed(words)) == [eos]
+    raise AssertionError(f"no end within {max_steps} steps: {tokenizer.decode(ids)!r}")
+
+
+class Colour(str, enum.Enum):
+    red = "red"
+    green = "green"
+
+
+class Point(pydantic.BaseModel):
+    x: int = pydantic.Field(ge=-3, le=40)
+    y: float = pydantic.Field(ge=0, le=1)
+
+
+class Shape(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=6)
+    colour: Colour
+    kind: Literal["line", "polygon"]
+    points: list[Point] = pydantic.Field(min_length=1, max_length=3)
+    label: str | None = pydantic.Field(default=None, max_length=4)
+    closed: bool = False
+
+
+class Tree(pydantic.BaseModel):
+    value: int = pydantic.Field(ge=0, le=9)
+    children: list[Tree] = pydantic.Field(max_length=2)
+
+
+@pytest.mark.parametrize("model", [Shape, Tree])
+def test_every_walk_through_a_schema_is_valid_json_of_it(model, grammars, tokenizer, eos):
+    """Nested objects, arrays with bounds, enums, literals, numeric bounds, optional fields and a
+    recursive $ref (pydantic's own schemas): whatever tokens are picked, the text validates."""
+    grammar = compile_constraint("json_schema", {"name": model.__name__, "schema": model.model_json_schema(),
+                                                 "strict": True}, grammars)
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        text = random_walk(grammar, tokenizer, eos, rng, max_steps=3000)
+        model.model_validate_json(text)  # raises if the text breaks the schema
+        assert ": " in text and "\n" not in text  # one space after ':' and ',' and no other whitespace
+
+
+def test_json_object_is_any_object(grammars, tokenizer, eos):
+    grammar = compile_constraint("json_object", None, grammars)
+    rng = np.random.default_rng(1)
+    for _ in range(8):
+        assert isinstance(json.loads(random_walk(grammar, tokenizer, eos, rng, max_steps=3000)), dict)
+
+
+def test_strict_forbids_keys_the_schema_does_not_list(grammars, tokenizer, eos):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    loose = compile_constraint("json_schema", {"schema": schema}, grammars).matcher()
+    strict = compile_constraint("json_schema", {"schema": schema, "strict": True}, grammars).matcher()
+    ids = tokenizer.encode('{"a": 1, "b": 2}').ids
+    assert all(loose.accept(t) for t in ids)
+    assert not all(strict.accept(t) for t in ids) and strict.error
+
+
+def test_regex_choice_and_grammars(grammars, tokenizer, eos):
+    rng = np.random.default_rng(2)
+    regex = compile_constraint("regex", r"[0-9]{3}-[a-c]{2}", grammars)
+    choice = compile_constraint("choice", ["yes", "no", "a.b (c)"], grammars)
+    lark = compile_constraint("lark", 'start: "(" NUMBER ("," NUMBER)* ")"\nNUMBER: /[0-9]{1,2}/', grammars)
+    gbnf = compile_constraint("gbnf", 'root ::= "up" | "down"', grammars)
+    for _ in range(6):
+        assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", random_walk(regex, tokenizer, eos, rng))
+        assert random_walk(choice, tokenizer, eos, rng) in ("yes", "no", "a.b (c)")
+        assert re.fullmatch(r"\((\d{1,2})(,\d{1,2})*\)", random_walk(lark, tokenizer, eos, rng))
+        assert random_walk(gbnf, tokenizer, eos, rng) in ("up", "down")
+
+
+def test_a_token_outside_the_grammar_is_refused(grammars, tokenizer):
+    matcher = compile_constraint("regex", "abc", grammars).matcher()
+    assert not matcher.accept(tokenizer.encode("z").ids[0]) and matcher.error
+
+
+@pytest.mark.parametrize(("kind", "spec", "message"), [
+    ("json_schema", {"schema": {"type": "foo"}}, "the JSON schema cannot be used: .*foo"),
+    ("json_schema", {"schema": {"$ref": "#/$defs/missing"}}, "missing"),
+    ("json_schema", {"schema": [1, 2]}, "must be an object"),
+    ("json_schema", {"schema": {}, "strict": "yes"}, "'strict' must be true or false"),
+    ("json_schema", {"schema": {"type": "string", "pattern": "(unclosed"}}, "cannot be used"),
+    ("regex", "(unclosed", "the regex cannot be used"),
+    ("regex", "", "non-empty string"),
+    ("choice", [], "non-empty list"),
+    ("lark", "start: undefined_rule", "the Lark grammar cannot be used"),
+    ("xml", "<a/>", "unknown constraint kind"),
+])
+def test_bad_specs_are_invalid_input(kind, spec, message, grammars):
+    with pytest.raises(InvalidInputError, match=message):
+        compile_constraint(kind, spec, grammars)
+
+
+def test_depth_and_size_limits(grammars):
+    deep: dict = {"type": "integer"}
+    for _ in range(MAX_DEPTH):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(InvalidInputError, match="nested more than"):
+        compile_constraint("json_schema", {"schema": deep}, grammars)
+    huge = {"enum": ["x" * 1000] * 300}
+    with pytest.raises(InvalidInputError, match="bytes; at most"):
+        compile_constraint("json_schema", {"schema": huge}, grammars)
+
+
+def test_cache_is_keyed_by_the_canonical_spec_and_bounded(tokenizer, eos):
+    grammars = Grammars(Vocabulary(tokenizer, [eos]), max_entries=3)
+    a = compile_constraint("json_schema", {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+                           grammars)
+    same = compile_constraint("json_schema", {"schema": {"properties": {"a": {"type": "integer"}}, "type": "object"}},
+                              grammars)
+    assert same is a
+    for pattern in ("a", "b", "c", "d"):
+        compile_constraint("regex", pattern, grammars)
+    assert grammars.cached == 3
+    assert compile_constraint("regex", "d", grammars) is compile_constraint("regex", "d", grammars)
+
+
+def test_compiling_from_threads_at_once(grammars, tokenizer, eos):
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            grammar = compile_constraint("regex", f"[a-z]{{{i % 3 + 1}}}", grammars)
+            matcher, words = grammar.matcher(), np.zeros(PADDED_WORDS, dtype=np.int32)
+            matcher.fill_bitmask(words)
+            assert allowed(words).size
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_a_bitmask_smaller_than_the_vocabulary_is_refused(grammars):
+    matcher = compile_constraint("regex", "a", grammars).matcher()
+    with pytest.raises(ValueError, match="at least 13 words"):
+        matcher.fill_bitmask(np.zeros(4, dtype=np.int32))
+
+
+def test_vocabulary_spells_each_token_in_bytes(tokenizer, eos):
+    vocabulary = Vocabulary(tokenizer, [eos])
+    ids = tokenizer.encode("héllo wörld").ids
+    assert b"".join(vocabulary.token_bytes(i) for i in ids) == "héllo wörld".encode()
+    assert vocabulary.token_text(eos) == "<|im_end|>" and vocabulary.token_bytes(10_000) == b""
