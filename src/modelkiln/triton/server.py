@@ -140,7 +140,11 @@ def start(repository: Path | str | Sequence[Path | str], timeout: float = 120.0,
         # Triton waits up to exit-timeout for clients to close keep-alive connections on SIGTERM;
         # a local test/bench server should go down promptly.
         f"--allow-metrics={str(metrics).lower()}", "--allow-cpu-metrics=false",
-        "--exit-on-error=true", "--exit-timeout-secs=3", *extra_args,
+        "--exit-on-error=true", "--exit-timeout-secs=3",
+        # the python backend names its shared-memory regions triton_python_backend_shm_region_<n>, <n>
+        # counted per server: a second server on the machine took the first's names and its stubs
+        # crashed at start ("Unable to initialize shared memory key", then a double free)
+        f"--backend-config=python,shm-region-prefix-name=kiln_{workdir.name}_", *extra_args,
     ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(dist),
