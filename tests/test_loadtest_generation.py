@@ -20,11 +20,12 @@ from helpers import kiln
 from test_serve import Server, free_port
 
 from modelkiln.loadtest import check
-from modelkiln.loadtest.api import LoadtestOptions, prepare, run_loadtest
+from modelkiln.loadtest.api import LoadtestOptions, parse_extra_input, prepare, run_loadtest
 from modelkiln.loadtest.client import render_request, run_async
 from modelkiln.loadtest.report import SUMMARY_KEYS, read_json
 from modelkiln.loadtest.runner import Load
 from modelkiln.loadtest.records import StreamRecord
+from modelkiln.loadtest.streaming import build_requests
 
 SHORT = dict(warmup_s=0.2, window_s=0.5, stable_windows=2, max_windows=2)
 GENERATION = ("openai-chat", "openai-completions", "generate")
@@ -65,6 +66,21 @@ def test_open_loop_checked_and_natural_lengths(server):
     assert result.max_tokens is None and result.ignore_eos is False
     assert step.errors == {} and step.mismatches == 0 and step.checked > 0 and step.late_fraction is not None
     assert step.generation.output_tokens_per_request > 0  # natural lengths, up to the artifact's default
+
+
+def test_constrained_requests_checked_under_load(server):
+    """--extra-inputs puts a constraint in every request; --check compares each constrained answer
+    under load with the same request alone."""
+    choice = ("structured_outputs", {"choice": ["alpha", "beta gamma"]})
+    result = run_loadtest(options(server.url, "tiny", "openai-chat", Load("concurrency", 4), ignore_eos=False,
+                                  max_tokens=16, extra_inputs=(choice,)))
+    step = result.steps[0]
+    assert step.errors == {} and step.stream_errors == 0 and step.checked > 0 and step.mismatches == 0
+    assert step.generation.output_tokens_per_request < 16  # the choice ends the answer, not max_tokens
+    body = build_requests("openai-chat", "tiny", ["hi"], 16, False, (choice,))[0].body
+    assert json.loads(body)["structured_outputs"] == {"choice": ["alpha", "beta gamma"]}
+    assert parse_extra_input('response_format:{"type": "json_object"}') == ("response_format", {"type": "json_object"})
+    assert parse_extra_input("user:someone") == ("user", "someone")
 
 
 def test_reference_equals_the_openai_client(server):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from datetime import datetime, timezone
 
 from ..errors import KilnError
@@ -35,11 +37,23 @@ class LoadtestOptions(Measurement):
     stop_p99_ms: float | None = None  # stop the sweep after the first step above this p99
     max_tokens: int | None = None  # generation: tokens per answer (None: the server's default)
     ignore_eos: bool = False  # generation: fixed lengths (max_tokens each) rather than natural ones
+    extra_inputs: tuple[tuple[str, Any], ...] = ()  # generation: more fields in every request body
     check: bool = False  # compare every answer with its request's reference taken alone (check.py)
 
     @property
     def generation(self) -> bool:
         return is_generation(self.protocol)
+
+
+def parse_extra_input(value: str) -> tuple[str, Any]:
+    """genai-perf's ``--extra-inputs NAME:VALUE``: VALUE as JSON when it is JSON, else as text."""
+    name, sep, text = value.partition(":")
+    if not sep or not name.strip():
+        raise KilnError(f"--extra-inputs takes 'name:value', got '{value}'")
+    try:
+        return name.strip(), json.loads(text)
+    except ValueError:
+        return name.strip(), text
 
 
 def parse_header(value: str) -> tuple[str, str]:
@@ -63,7 +77,8 @@ async def prepare(opts: LoadtestOptions) -> tuple[list[PreparedRequest], int]:
         await fetch(base + "/", headers=opts.headers)  # any answer will do: nothing listening is one line, not a table
         items = text_inputs.select(text_inputs.load_items(opts.inputs, question_answering=True), opts.length,
                                    opts.max_inputs if opts.max_inputs is not None else GENERATION_PROMPTS, opts.seed)
-        return build_requests(opts.protocol, opts.model, items, opts.max_tokens, opts.ignore_eos), len(items)
+        return build_requests(opts.protocol, opts.model, items, opts.max_tokens, opts.ignore_eos,
+                              opts.extra_inputs), len(items)
     metadata = await model_metadata(base, opts.model, opts.headers)
     if metadata is None:
         print(f"warning: no metadata for model '{opts.model}' at {base}; sending TEXT with shape [n]",

@@ -51,6 +51,7 @@ class GenerationRequest:
     model: str
     max_tokens: int | None = None  # None: the server's default (natural lengths up to it)
     ignore_eos: bool = False
+    extra: tuple[tuple[str, Any], ...] = ()  # more request fields (genai-perf's --extra-inputs): a response_format...
 
     def build(self, prompt: str) -> PreparedRequest:
         sampling: dict[str, Any] = {"temperature": 0}
@@ -58,6 +59,7 @@ class GenerationRequest:
             sampling["max_tokens"] = self.max_tokens
         if self.ignore_eos:  # a vLLM extension that kiln serve and llama.cpp accept; not sent unless asked
             sampling["ignore_eos"] = True
+        sampling.update(self.extra)
         if self.protocol == "generate":
             path = f"/v2/models/{self.model}/generate_stream"
             # "stream": Triton's decoupled models (its vLLM backend, `kiln triton`'s) send one response per
@@ -288,6 +290,6 @@ async def reference(host: str, port: int, raw: bytes, protocol: str, timeout: fl
 
 
 def build_requests(protocol: str, model: str, items: Sequence[Item], max_tokens: int | None,
-                   ignore_eos: bool) -> list[PreparedRequest]:
-    builder = GenerationRequest(protocol, model, max_tokens, ignore_eos)
+                   ignore_eos: bool, extra: Sequence[tuple[str, Any]] = ()) -> list[PreparedRequest]:
+    builder = GenerationRequest(protocol, model, max_tokens, ignore_eos, tuple(extra))
     return [builder.build(prompt_text(i)) for i in items]
