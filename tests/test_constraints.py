@@ -203,3 +203,27 @@ def test_vocabulary_spells_each_token_in_bytes(tokenizer, eos):
     ids = tokenizer.encode("héllo wörld").ids
     assert b"".join(vocabulary.token_bytes(i) for i in ids) == "héllo wörld".encode()
     assert vocabulary.token_text(eos) == "<|im_end|>" and vocabulary.token_bytes(10_000) == b""
+
+
+def test_gguf_vocabulary_placeholders_are_never_allowed(tmp_path, eos):
+    """llama.cpp pads a GGUF's vocabulary with "[PAD<id>]" tokens up to the embedding's rows: they
+    spell ordinary text, but a grammar must never allow them (an untrained row's logit can win)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = tiny_tokenizer(tmp_path)
+    first = tokenizer.get_vocab_size()
+    data = json.loads(tokenizer.to_str())
+    for i in range(first, first + 3):  # as convert_hf_to_gguf writes them: in the model's vocabulary
+        data["model"]["vocab"][f"[PAD{i}]"] = i
+    padded = Tokenizer.from_str(json.dumps(data))
+    assert padded.token_to_id(f"[PAD{first}]") == first
+    grammar = Grammars(Vocabulary(padded, [eos])).compile("regex", r"[A-Z\[\]a-z0-9]{1,20}")
+    words = np.zeros(PADDED_WORDS, dtype=np.int32)
+    grammar.matcher().fill_bitmask(words)
+    ids = set(allowed(words).tolist())
+    assert not ids & {first, first + 1, first + 2} and len(ids) > 50
+    from modelkiln.generation.constraints import Matcher
+
+    unfiltered = np.zeros(PADDED_WORDS, dtype=np.int32)  # the grammar engine alone would allow them
+    Matcher(grammar._prototype.deep_copy(), grammar._words).fill_bitmask(unfiltered)
+    assert {first, first + 1, first + 2} <= set(allowed(unfiltered).tolist())

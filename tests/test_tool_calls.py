@@ -146,3 +146,14 @@ def test_tools_render_when_a_message_holds_a_special_token(tiny):
     ids = chat.ids(messages, [WEATHER])
     assert tokenizer.decode(ids, skip_special_tokens=False) == render(QWEN, messages, [WEATHER])
     assert ids.count(eos) == render(QWEN, messages, [WEATHER]).count("<|im_end|>") - 1  # the user's is text
+
+
+def test_a_strict_function_takes_no_keys_but_its_own():
+    """OpenAI's function.strict: additionalProperties false wherever the schema does not say."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "where": {"type": "object", "properties": {"lat": {"type": "number"}}}}}
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}},
+                         {"type": "function", "function": {"name": "g", "parameters": schema}}], "required")
+    strict, loose = tools.parameters("f"), tools.parameters("g")
+    assert strict["additionalProperties"] is False and strict["properties"]["where"]["additionalProperties"] is False
+    assert "additionalProperties" not in loose

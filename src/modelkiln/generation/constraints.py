@@ -53,9 +53,10 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 class Matcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher: Any, words: int):
+    def __init__(self, matcher: Any, words: int, usable: np.ndarray | None = None):
         self._m = matcher
         self._words = words  # the tokenizer's vocabulary in int32 words; the rest of a mask is padding
+        self._usable = usable  # tokens a grammar may allow at all (Vocabulary.usable_words)
 
     def fill_bitmask(self, out: np.ndarray) -> None:
         """Write the allowed next tokens into ``out`` (int32, contiguous, at least the tokenizer's
@@ -64,6 +65,8 @@ class Matcher:
             raise ValueError(f"the bitmask must be a contiguous int32 vector of at least {self._words} words")
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, self._words * 4)
         out[self._words:] = 0
+        if self._usable is not None:
+            np.bitwise_and(out[:self._words], self._usable, out=out[:self._words])
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False when the grammar did not allow it (the matcher then
@@ -88,9 +91,10 @@ class Grammar:
     key: str  # the canonical spec (kind and spec as sorted compact JSON): the cache key
     _prototype: Any
     _words: int
+    _usable: np.ndarray | None = None
 
     def matcher(self) -> Matcher:
-        return Matcher(self._prototype.deep_copy(), self._words)
+        return Matcher(self._prototype.deep_copy(), self._words, self._usable)
 
     @property
     def spec(self) -> tuple[str, Any]:
@@ -143,7 +147,7 @@ class Grammars:
             text = llg.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         elif kind == "json_schema":
             schema, strict = _schema_and_strict(spec)
-            text = llg.grammar_from_json_schema(_strict(schema) if strict else schema, defaults=JSON_OPTIONS)
+            text = llg.grammar_from_json_schema(strict_schema(schema) if strict else schema, defaults=JSON_OPTIONS)
         elif kind == "regex":
             text = llg.grammar_from_regex(_string(kind, spec))
         elif kind == "choice":
@@ -168,7 +172,7 @@ class Grammars:
         prototype.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
         if prototype.is_error():
             raise InvalidInputError(f"{_NAMES[kind]} cannot be used: {_first_line(prototype.get_error())}")
-        return Grammar(kind, key, prototype, words)
+        return Grammar(kind, key, prototype, words, self.vocabulary.usable_words)
 
 
 def compile_constraint(kind: str, spec: Any, grammars: Grammars) -> Grammar:
@@ -257,7 +261,7 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 _VALUES = ("enum", "const", "default", "examples", "required")  # JSON values, not schemas
 
 
-def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's strict mode: an object has only the properties its schema lists
     (``additionalProperties`` is false where the schema does not say). Applied to every subschema."""
     def walk(node: Any) -> Any:

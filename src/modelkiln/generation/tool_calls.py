@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError
-from .constraints import JSON_OPTIONS
+from .constraints import JSON_OPTIONS, strict_schema
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
 
@@ -56,8 +56,11 @@ class Tools:
         return self.choice not in ("none", "auto")
 
     def parameters(self, name: str) -> dict[str, Any]:
+        """The function's parameters schema; under OpenAI's ``strict: true``, with no keys but the
+        listed ones (``constraints.strict_schema``)."""
         function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
-        return function.get("parameters") or {"type": "object", "properties": {}}
+        schema = function.get("parameters") or {"type": "object", "properties": {}}
+        return strict_schema(schema) if function.get("strict") is True else schema
 
 
 def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None) -> Tools | None:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer
 
 
@@ -23,6 +24,7 @@ class Vocabulary:
         # llguidance's tokenizer: each token's bytes, and what its grammars are matched against
         self.llg: Any = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=self.size, eos_token=list(eos_ids) or None)
         self.token_bytes = lru_cache(maxsize=1 << 16)(self._token_bytes)
+        self.usable_words = _usable_words(tokenizer, self.size)
 
     def _token_bytes(self, token_id: int) -> bytes:
         """The bytes ``token_id`` spells (a special token: its text); b'' outside the vocabulary."""
@@ -34,3 +36,19 @@ class Vocabulary:
         """The token as text: bytes that are not whole UTF-8 characters become U+FFFD (OpenAI's
         ``token`` field; its ``bytes`` field has the exact bytes)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def _usable_words(tokenizer: Tokenizer, size: int) -> np.ndarray | None:
+    """The tokens a grammar may allow, as int32 words of bits, or None for all. Not allowed: the
+    placeholders llama.cpp's convert_hf_to_gguf pads a vocabulary with up to the embedding's rows
+    (token i spelled "[PAD<i>]", typed UNUSED in the GGUF; 102,784 of a Qwen2.5-shape file's
+    151,936 with a smaller tokenizer). They spell ordinary text, so a JSON string could take them,
+    and an untrained row's logit can win: a random-weight 0.5B wrote "[PAD147819]" 250 times."""
+    placeholders = [i for text, i in tokenizer.get_vocab(with_added_tokens=True).items()
+                    if text.startswith("[PAD") and text == f"[PAD{i}]"]
+    if not placeholders:
+        return None
+    words = (size + 31) // 32
+    allowed = np.ones(words * 32, dtype=bool)
+    allowed[placeholders] = False
+    return np.packbits(allowed, bitorder="little").view(np.int32)
