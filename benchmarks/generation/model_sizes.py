@@ -17,7 +17,8 @@ kiln serve runs the artifact's default variant with --cpus 2 --max-batch-size 16
 
     python benchmarks/generation/model_sizes.py --llama-bin /work/models/bin --rounds 2 \\
         --shape qwen2.5-0.5b=/work/models/Qwen2.5-0.5B-Instruct-random/Qwen2.5-0.5B-Instruct-random.Q4_K_M.gguf \\
-        --out benchmarks/results/model-sizes"""
+        --out benchmarks/results/model-sizes
+    python benchmarks/generation/model_sizes.py --report benchmarks/results/model-sizes/rows.jsonl   # the table"""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import math
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -201,7 +203,48 @@ def run_shape(name: str, gguf: Path, args: argparse.Namespace) -> None:
          "ppl": llama_perplexity(perplexity_bin, gguf, text, len(chunks), args.threads)}, args.out)
 
 
+def report(rows_file: Path) -> str:
+    """A Markdown table of the recorded rows: per shape, medians over rounds, kiln/llama.cpp ratios."""
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()]
+
+    def values(shape: str, server: str | None, step: str, key: str) -> list[float]:
+        return [r[key] for r in rows if r.get("shape") == shape and r.get("step") == step
+                and (server is None or r.get("server") == server) and r.get(key) is not None]
+
+    def median(xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+    def pair(shape: str, step: str, key: str, fmt: str, lower_is_better: bool = False) -> str:
+        k, ll = median(values(shape, "kiln", step, key)), median(values(shape, "llama.cpp", step, key))
+        if k is None or ll is None:
+            return "-"
+        return f"{k:{fmt}} / {ll:{fmt}} ({k / ll:.2f}x)"
+
+    lines = ["| shape | convert: s, peak RSS | perplexity kiln / llama.cpp | 1 stream tok/s | 16 streams tok/s "
+             "| TTFT 512 p50 ms | answers changed at 16 streams | server peak RSS MB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for shape in dict.fromkeys(r["shape"] for r in rows if "shape" in r):
+        conv = [r for r in rows if r.get("shape") == shape and r.get("step") == "convert"]
+        convert = f"{conv[-1]['convert_s']} s, {conv[-1]['convert_peak_rss_mb'] / 1024:.2f} GB (file {conv[-1]['gguf_mb'] / 1000:.2f} GB)" \
+            if conv else "-"
+        ppl_k, ppl_l = values(shape, "kiln", "perplexity", "ppl"), values(shape, "llama.cpp", "perplexity", "ppl")
+        ppl = f"{ppl_k[-1]:.6g} / {ppl_l[-1]:.6g} ({100 * (ppl_k[-1] / ppl_l[-1] - 1):+.2f}%)" if ppl_k and ppl_l else "-"
+        changed = []
+        for server in ("kiln", "llama.cpp"):
+            checked = values(shape, server, "16 streams", "checked")
+            if checked:
+                changed.append(f"{server} {int(sum(values(shape, server, '16 streams', 'mismatches')))} of {int(sum(checked))}")
+        lines.append(f"| {shape} | {convert} | {ppl} | {pair(shape, '1 stream', 'output_tokens_per_s', '.1f')} "
+                     f"| {pair(shape, '16 streams', 'output_tokens_per_s', '.1f')} "
+                     f"| {pair(shape, 'ttft 512', 'ttft_512_p50_ms', '.0f')} | {'; '.join(changed) or '-'} "
+                     f"| {pair(shape, 'memory', 'peak_rss_mb', '.0f')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--report"]:  # python model_sizes.py --report OUT/rows.jsonl
+        print(report(Path(sys.argv[2])))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", action="append", required=True, help="NAME=GGUF (repeatable)")
     parser.add_argument("--llama-bin", type=Path, required=True, help="folder with llama-server and llama-perplexity")
