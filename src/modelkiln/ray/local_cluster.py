@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import KilnError
 from ..net import child_environment, free_port
+from .process import session_pids
 
 HOST = "127.0.0.1"
 
@@ -44,7 +45,7 @@ class Node:
 
     def pids(self) -> list[int]:
         """Every live process of the node's session: raylet, agents, workers (replicas)."""
-        return _session_pids(self.proc.pid)
+        return session_pids(self.proc.pid)
 
     def raylet_fatal(self) -> str:
         """The raylet's fatal log lines, if it died."""
@@ -234,21 +235,6 @@ class LocalCluster:
 
 def _ray() -> str:
     return str(Path(sys.executable).parent / "ray")
-
-
-def _session_pids(session: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[3]) == session and fields[0] != "Z":  # field 6 of stat: the session id
-            pids.append(int(entry.name))
-    return pids
 
 
 __all__ = ["LocalCluster", "Node", "Replica"]

@@ -34,18 +34,7 @@ class RayProcess:
     def session_pids(self, title: str = "") -> list[int]:
         """Processes of this kiln ray's session (its cluster) whose command line contains ``title``
         (Ray titles a replica's process ``ray::ServeReplica:APP:DEPLOYMENT``)."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[3]) == self.proc.pid and title in cmdline:
-                pids.append(int(entry.name))
-        return pids
+        return session_pids(self.proc.pid, title)
 
     def replica_pids(self, app: str) -> list[int]:
         return self.session_pids(f"ServeReplica:{app}:")
@@ -67,3 +56,20 @@ class RayProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def session_pids(session: int, title: str = "") -> list[int]:
+    """Live processes (not zombies) of the session ``session`` whose command line contains ``title``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") if title else ""
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after the command's name: state, ppid, pgrp, session...
+        if int(fields[3]) == session and fields[0] != "Z" and title in cmdline:
+            pids.append(int(entry.name))
+    return pids

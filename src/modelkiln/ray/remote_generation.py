@@ -30,7 +30,7 @@ from ..errors import KilnError
 from ..generation.sampling import SamplingParams
 from ..generation.sequence import Delta
 from ..serve.dataplane import DataPlane
-from ..serve.generation.model import GenerationModel
+from ..serve.generation.model import GenerationModel, OpenStream
 from ..serve.metrics import Metrics
 from ..serve.settings import ModelSpec, ServeSettings
 from .failover import Retry, replica_lost, unwrap
@@ -74,7 +74,7 @@ class RemoteGenerationModel(GenerationModel):
         return RemoteStream(self, prompt_ids, params, seed, list(resume_ids), deadline)
 
 
-class RemoteStream:
+class RemoteStream(OpenStream):
     """One request's deltas from the replicas (the interface of ``serve.generation.model.Stream``).
     ``aclose`` before the end cancels the replica's request (the client left)."""
 
@@ -174,21 +174,8 @@ class RemoteStream:
                 self.attempts += 1
                 self._call = self._submit()
 
-    async def aclose(self) -> None:
-        self._close(cancel=self.finish_reason is None)
-
-    async def __aenter__(self) -> RemoteStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def _close(self, cancel: bool) -> None:
-        if self._open:
-            self._open = False
-            self.model.in_flight -= 1
-            if cancel:
-                self._call.cancel()
+    def _cancel(self) -> None:
+        self._call.cancel()
 
 
 async def replica_deltas(plane: DataPlane, replica: str, prompt_ids: list[int], params: SamplingParams, seed: int,

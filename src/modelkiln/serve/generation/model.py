@@ -278,7 +278,35 @@ class GenerationModel:
                                 "/v1/completions or /v1/chat/completions")
 
 
-class Stream:
+class OpenStream:
+    """What every stream of deltas shares: it counts in its model's ``in_flight`` until closed, and
+    closing it (``aclose``, leaving ``async with``) before its end cancels it (``_cancel``)."""
+
+    model: Any
+    finish_reason: str | None
+    _open: bool
+
+    async def aclose(self) -> None:
+        self._close(cancel=self.finish_reason is None)
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _close(self, cancel: bool) -> None:
+        if self._open:
+            self._open = False
+            self.model.in_flight -= 1
+            if cancel:
+                self._cancel()
+
+    def _cancel(self) -> None:
+        raise NotImplementedError
+
+
+class Stream(OpenStream):
     """One request's deltas. ``aclose`` (or leaving ``async with``) before the end cancels it: the
     scheduler frees its sequence before its next step. The protocol edges always close it."""
 
@@ -320,21 +348,9 @@ class Stream:
             self._close(cancel=False)
         return event
 
-    async def aclose(self) -> None:
-        self._close(cancel=self.finish_reason is None)
-
-    async def __aenter__(self) -> Stream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def _close(self, cancel: bool) -> None:
-        if self._open:
-            self._open = False
-            self.model.in_flight -= 1
-            if cancel and self.job.scheduler is not None:
-                self.job.scheduler.cancel(self.job)
+    def _cancel(self) -> None:
+        if self.job.scheduler is not None:
+            self.job.scheduler.cancel(self.job)
 
 
 async def _off_loop(chars: int, work: Callable[..., list[int]], *args: Any) -> list[int]:
