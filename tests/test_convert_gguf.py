@@ -118,6 +118,41 @@ def test_k_quants_mixed_in_projections_and_a_type_kept_fp32(tmp_path):
     assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max()
 
 
+@pytest.mark.skipif(__import__("modelkiln.native", fromlist=["library_path"]).library_path() is None,
+                    reason="the native library is not built on this machine")
+def test_k_quants_as_stored_for_the_native_operators(tmp_path):
+    """With --native-gguf, Q4_K and Q6_K stay the file's own rows (q and k one node, v another), the
+    embedding is gathered from its blocks and the tied head reads the same rows; other types keep
+    their MatMulNBits form. The logits are PyTorch's to int8-activation rounding, and the gate
+    (alone = batched) passes."""
+    import onnx
+    import torch
+
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_K", embedding="Q6_K", hidden=256, ff=256,
+                                types={"attn_v": "Q6_K", "ffn_up": "Q5_K"})
+    out = tmp_path / "art"
+    manifest = _convert(gguf_path, out, native_gguf=True)
+    [packed] = manifest.variants
+    assert packed.kept, packed.reason
+    assert packed.details["native_ops"] is True
+    assert packed.details["from_gguf"]["Q4_K"]["stored"] == "Q4_K blocks as in the file (GgufMatMul)"
+    assert packed.details["from_gguf"]["Q6_K"]["stored"] == "Q6_K blocks as in the file (GgufMatMul)"
+    assert packed.details["from_gguf"]["Q5_K"]["stored"] == "8-bit, block 32, min correction"
+    graph = onnx.load(str(out / "model.gguf.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("GgufGather") == 1
+    assert ops.count("GgufMatMul") == 2 * 5 + 1  # qk, v, o, gate, down per layer; the tied head
+    assert ops.count("MatMulNBits") == 2  # up (Q5_K) per layer
+    artifact = TextGenerationModel(out)
+    ids = artifact.prompt_ids(PROMPT)
+    with torch.no_grad():
+        expected = _torch_model(gguf_path)(torch.tensor([ids])).logits[0].numpy()
+    got = artifact.engine(None, EngineOptions(threads=1)).prefill("p", ids, all_logits=True)
+    # activations are quantized to int8 per 256 inputs (as llama.cpp does), layer after layer
+    assert np.sqrt(np.mean((got - expected) ** 2)) < 0.03 * np.sqrt(np.mean(expected ** 2))
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.8
+
+
 def test_another_architecture_is_exported_and_packed_by_value(tmp_path):
     """A head size GroupQueryAttention cannot take (24): transformers loads the file, torch
     exports it, and the packed variant finds each MatMul's GGUF tensor by value."""

@@ -1,7 +1,7 @@
 """kiln against llama.cpp at the model sizes users deploy, on the same GGUF file, 2 threads each.
 
 For each shape (a GGUF file; benchmarks/generation/model_shapes.py makes them with random weights):
-- convert: `kiln convert FILE --task text-generation` once, its wall time and peak RSS (`/usr/bin/time -v`'s
+- convert: `kiln convert FILE --task text-generation [--convert-args]` once, its wall time and peak RSS (`/usr/bin/time -v`'s
   maximum resident set size);
 - perplexity on the same tokens: llama-perplexity on SQuAD paragraphs with -c 512 (its chunks: the
   first token of each replaced by BOS where the vocabulary adds one; the second half of each scored),
@@ -146,10 +146,10 @@ def llama_perplexity(binary: Path, gguf: Path, text: Path, chunks: int, threads:
     return float(re.search(r"Final estimate: PPL = ([\d.]+)", r.stdout + r.stderr).group(1))  # type: ignore[union-attr]
 
 
-def convert(gguf: Path, artifact: Path) -> dict:
+def convert(gguf: Path, artifact: Path, extra: list[str]) -> dict:
     started = time.perf_counter()
     r = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "modelkiln", "convert", str(gguf), "--task",
-                        "text-generation", "--out", str(artifact), "--force"], capture_output=True, text=True)
+                        "text-generation", "--out", str(artifact), "--force", *extra], capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if r.returncode:
         raise RuntimeError(f"kiln convert failed: {r.stderr[-3000:]}")
@@ -166,7 +166,8 @@ def run_shape(name: str, gguf: Path, args: argparse.Namespace) -> None:
     artifact = args.artifacts / name
     if args.convert or not artifact.is_dir():
         log({"shape": name, "step": "convert", "gguf_mb": round(gguf.stat().st_size / 1e6, 1),
-             "load_before": load_average(), **convert(gguf, artifact)}, args.out)
+             "load_before": load_average(), "convert_args": args.convert_args,
+             **convert(gguf, artifact, args.convert_args.split())}, args.out)
     llama_server_bin, perplexity_bin = args.llama_bin / "llama-server", args.llama_bin / "llama-perplexity"
     text = out / "squad.txt"
     text.write_text("\n\n".join(read_squad()[0]))
@@ -251,6 +252,7 @@ def main() -> None:
     parser.add_argument("--artifacts", type=Path, default=Path("artifacts"))
     parser.add_argument("--convert", action="store_true", help="convert even when the artifact exists")
     parser.add_argument("--variant")
+    parser.add_argument("--convert-args", default="", help="more options for kiln convert, e.g. --native-gguf")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)

@@ -205,6 +205,15 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
     return manifest
 
 
+def _native_ops_built() -> bool:
+    from ..native import library_path
+
+    if library_path() is None:
+        log.warning("kiln's native GGUF operators are not built on this machine: MatMulNBits is used")
+        return False
+    return True
+
+
 def _build_onnx(cfg: Any, origin: Any, folder: Path, wanted: list[str], steps: Any) -> list[Built]:
     """Every ONNX variant's graph file: fp32 first where the others are made from it."""
     built: list[Built] = []
@@ -224,11 +233,14 @@ def _build_onnx(cfg: Any, origin: Any, folder: Path, wanted: list[str], steps: A
     if "gguf" in wanted:
         path = folder / "model.gguf.onnx"
         notes = origin.unpackable_notes()
-        with steps(f"Packing the GGUF's own blocks into MatMulNBits (accuracy level {level})"
+        native = cfg.native_gguf and _native_ops_built()
+        into = "MatMulNBits and kiln's native operators (Q4_K, Q6_K as stored)" if native else "MatMulNBits"
+        with steps(f"Packing the GGUF's own blocks into {into} (accuracy level {level})"
                    + "".join(f"; {n}" for n in notes)):
-            types = origin.write_packed(path, fp32_path if needs_fp32 else None, level)
+            types = origin.write_packed(path, fp32_path if needs_fp32 else None, level, native=native)
         built.append(Built("gguf", path, "gguf", engine,
-                           {"from_gguf": types, "accuracy_level": level, **({"notes": notes} if notes else {})}))
+                           {"from_gguf": types, "accuracy_level": level, **({"native_ops": True} if native else {}),
+                            **({"notes": notes} if notes else {})}))
     if "int8" in wanted:
         path = folder / "model.int8.onnx"
         # Weight-only MatMulNBits: dynamic int8's per-tensor activation scale is broken by Llama-family

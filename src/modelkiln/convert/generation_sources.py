@@ -95,9 +95,9 @@ class GgufSource:
         finally:
             self.decoder.release_pages()
 
-    def write_packed(self, path: Path, fp32_path: Path | None, accuracy_level: int) -> dict[str, Any]:
+    def write_packed(self, path: Path, fp32_path: Path | None, accuracy_level: int, native: bool = False) -> dict[str, Any]:
         try:
-            return build_serving_graph(self.decoder, path, pack=True, accuracy_level=accuracy_level).gguf_types
+            return build_serving_graph(self.decoder, path, pack=True, accuracy_level=accuracy_level, native=native).gguf_types
         finally:
             self.decoder.release_pages()
 
@@ -141,7 +141,8 @@ class TransformersSource:
         export_decoder(self.model, path)
         return None
 
-    def write_packed(self, path: Path, fp32_path: Path | None, accuracy_level: int) -> dict[str, Any]:
+    def write_packed(self, path: Path, fp32_path: Path | None, accuracy_level: int, native: bool = False) -> dict[str, Any]:
+        """``native`` is for the serving graph only: an exported graph's weights go into MatMulNBits."""
         from .gguf_export_packing import pack_gguf_blocks
 
         if self.source.gguf_path is None:

@@ -12,6 +12,11 @@ itself) and ``C`` [blocks, N]. Projections that read the same input (q/k/v, gate
 when they are stored alike (bits, block, correction), else one node per storage: a Q4_K_M file
 holds q and k as Q4_K and v as Q6_K.
 
+Q4_K and Q6_K blocks, where kiln's native operators are built (``native/``), are not repacked at
+all: the file's rows are the initializer of a ``GgufMatMul`` node (4.5 and 6.56 bits a weight,
+against MatMulNBits' 6 and 10 for the same values), and a ``GgufGather`` dequantizes the
+embedding's rows exactly. ``GraphBuilder(native=False)`` writes MatMulNBits for them as before.
+
 The token embedding of the packed variant stays quantized too: a token's row of codes and scales
 is gathered and dequantized in the graph with gguf-py's own operations (exactly its values), and a
 tied ``lm_head`` reads the same codes and scales.
@@ -35,6 +40,16 @@ Matrix = Union[np.ndarray, GgufMatrix]  # [N, K]: fp32 values, or a GGUF tensor 
 
 
 @dataclass(frozen=True)
+class AsStored:
+    """A GGUF type kept in the file's own blocks, for kiln's native operators."""
+
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} blocks as in the file (GgufMatMul)"
+
+
+@dataclass(frozen=True)
 class QuantizedWeights:
     """The initializers of one MatMulNBits weight (several projections stacked along N)."""
 
@@ -52,9 +67,10 @@ class GraphBuilder:
     """Collects nodes and initializers; names every tensor after the node that makes it. ``pack``:
     GGUF matrices of a type with an exact MatMulNBits form stay in their blocks, the rest are fp32."""
 
-    def __init__(self, tensors: TensorFile, pack: bool = False, accuracy_level: int = 0):
+    def __init__(self, tensors: TensorFile, pack: bool = False, accuracy_level: int = 0, native: bool = False):
         self.tensors = tensors
         self.pack = pack
+        self.native = native  # Q4_K/Q6_K as stored, for the native operators
         self.accuracy_level = accuracy_level
         self.nodes: list[Any] = []
         self.initializers: list[Any] = []
@@ -62,7 +78,7 @@ class GraphBuilder:
         self.gguf_types: dict[str, dict[str, Any]] = {}  # GGUF type → tensors of that type and how they are stored
         self._blocksums: dict[tuple[str, int], str] = {}
         self._counted: set[str] = set()
-        self._embedding: tuple[GgufMatrix, QuantizedWeights] | None = None
+        self._embedding: tuple[GgufMatrix, QuantizedWeights | str] | None = None  # a tied head's weights
 
     # -- plain nodes ------------------------------------------------------------------------------
     def constant(self, name: str, value: np.ndarray) -> str:
@@ -92,11 +108,15 @@ class GraphBuilder:
         return normed, total
 
     # -- projections ------------------------------------------------------------------------------
-    def storage(self, matrix: Matrix) -> Storage | None:
-        """How ``matrix`` is stored in this graph: its blocks' MatMulNBits form, or None for fp32."""
+    def storage(self, matrix: Matrix) -> Storage | AsStored | None:
+        """How ``matrix`` is stored in this graph: the file's blocks (native operators), their
+        MatMulNBits form, or None for fp32."""
         if self.pack and isinstance(matrix, GgufMatrix) and matrix.packable:
+            from ..native import GGML_TYPES
             from .gguf_blocks import STORAGE
 
+            if self.native and matrix.kind in GGML_TYPES:
+                return AsStored(matrix.kind)
             return STORAGE[matrix.kind]
         return None
 
@@ -104,7 +124,7 @@ class GraphBuilder:
                output: str | None = None, parts: list[str] | None = None, rank: int = 3) -> list[str]:
         """``x`` times the projections ``weights`` (each [N_i, K]). Returns one output when they share
         one node (stacked along N, in order), else one output per projection. ``rank``: of ``x``."""
-        groups: dict[Storage | None, list[int]] = {}
+        groups: dict[Storage | AsStored | None, list[int]] = {}
         for i, w in enumerate(weights):
             groups.setdefault(self.storage(w), []).append(i)
         parts = parts or [str(i) for i in range(len(weights))]
@@ -123,11 +143,15 @@ class GraphBuilder:
         return outputs
 
     def _projection(self, x: str, name: str, weights: list[Matrix], biases: list[np.ndarray] | None, out: str,
-                    storage: Storage | None, rank: int) -> str:
+                    storage: Storage | AsStored | None, rank: int) -> str:
         product = out if biases is None else f"{name}.product"
         for w in weights:
             self._count(w, storage)
-        if storage is None:
+        if isinstance(storage, AsStored):
+            self.formats[str(storage)] += 1
+            self._gguf_matmul(x, name, self._write_rows(name, weights), storage.kind, weights[0].shape[1],  # type: ignore[arg-type]
+                              sum(w.shape[0] for w in weights), product)
+        elif storage is None:
             self.formats["fp32"] += 1
             stacked = np.concatenate([_fp32(w) for w in weights]).T  # [K, ΣN]
             self.node("MatMul", [x, self.constant(f"{name}.weight", stacked)], f"{name}.matmul", outputs=[product])
@@ -140,7 +164,23 @@ class GraphBuilder:
                       outputs=[out])
         return out
 
-    def _count(self, matrix: Matrix, storage: Storage | None) -> None:
+    def _write_rows(self, stem: str, matrices: list[GgufMatrix]) -> str:
+        """The file's own rows of ``matrices``, stacked along N (streamed, a range of rows at a time)."""
+        from ..native import BLOCK_BYTES
+
+        row_bytes = matrices[0].shape[1] // 256 * BLOCK_BYTES[matrices[0].kind]
+        rows = (m._raw(a, b) for m in matrices for a, b in m.row_ranges())
+        proto = self.tensors.chunked(f"{stem}.blocks", (sum(m.shape[0] for m in matrices), row_bytes), np.uint8, rows)
+        self.initializers.append(proto)
+        return proto.name
+
+    def _gguf_matmul(self, x: str, name: str, blocks: str, kind: str, k: int, n: int, out: str) -> None:
+        from ..native import DOMAIN, GGML_TYPES
+
+        self.node("GgufMatMul", [x, blocks], f"{name}.gguf_matmul", outputs=[out], domain=DOMAIN,
+                  ggml_type=GGML_TYPES[kind], K=k, N=n)
+
+    def _count(self, matrix: Matrix, storage: Storage | AsStored | None) -> None:
         if isinstance(matrix, GgufMatrix) and matrix.name not in self._counted:  # a tied head is the embedding
             self._counted.add(matrix.name)
             entry = self.gguf_types.setdefault(matrix.kind, {"count": 0, "stored": str(storage) if storage else "fp32"})
@@ -209,6 +249,13 @@ class GraphBuilder:
         if storage is None:
             return self.node("Gather", [self.constant(f"{name}.weight", _fp32(matrix)), ids], name)
         assert isinstance(matrix, GgufMatrix)
+        if isinstance(storage, AsStored):
+            from ..native import DOMAIN, GGML_TYPES
+
+            blocks = self._write_rows(name, [matrix])
+            self._embedding = (matrix, blocks)
+            return self.node("GgufGather", [blocks, ids], name, domain=DOMAIN, ggml_type=GGML_TYPES[matrix.kind],
+                             K=matrix.shape[1])
         q = self._write_blocks(name, [matrix], storage, offsets=True, correction=tied)
         self._embedding = (matrix, q)
         codes = self.node("Gather", [q.codes, ids], f"{name}.row_codes")  # [batch, sequence, blocks, bytes]
@@ -234,8 +281,13 @@ class GraphBuilder:
     def lm_head(self, x: str, matrix: Matrix, output: str) -> str:
         """``x`` [positions, hidden] times ``matrix`` [vocab, hidden]; a tied head (the embedding's
         own GgufMatrix) reads the embedding's codes and scales."""
+        if self._embedding is not None and matrix is self._embedding[0] and isinstance(self._embedding[1], str):
+            self.formats[str(AsStored(matrix.kind))] += 1  # type: ignore[union-attr]
+            self._gguf_matmul(x, "lm_head", self._embedding[1], matrix.kind, matrix.shape[1], matrix.shape[0], output)  # type: ignore[union-attr]
+            return output
         if self._embedding is not None and matrix is self._embedding[0]:
             q = self._embedding[1]
+            assert isinstance(q, QuantizedWeights)
             self.formats[str(q.storage)] += 1
             self._matmul_nbits(x, "lm_head", q, output, rank=2)
             return output

@@ -169,16 +169,18 @@ class GraphSummary:
     gguf_types: dict[str, dict[str, Any]]
 
 
-def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False, accuracy_level: int = 0) -> GraphSummary:
+def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False, accuracy_level: int = 0,
+                        native: bool = False) -> GraphSummary:
     """Write the serving graph to ``path``, its weights to ``path.data`` as each is made. ``pack``:
-    GGUF tensors stay in their own blocks where they have an exact MatMulNBits form."""
+    GGUF tensors stay in their own blocks where they have an exact MatMulNBits form; ``native``:
+    Q4_K and Q6_K stay exactly as the file stores them, for kiln's native operators."""
     import onnx
     from onnx import TensorProto, helper
 
     spec = weights.spec
     tensors = TensorFile(path)
     try:
-        g = GraphBuilder(tensors, pack=pack, accuracy_level=accuracy_level)
+        g = GraphBuilder(tensors, pack=pack, accuracy_level=accuracy_level, native=native)
         _write_nodes(g, weights, spec)
     finally:
         tensors.close()
@@ -194,8 +196,11 @@ def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False,
         for name in (io.present_key_name(i), io.present_value_name(i)):
             outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, past_shape))
     graph = helper.make_graph(g.nodes, "kiln_serving_decoder", inputs, outputs, g.initializers)
-    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", SERVING_GRAPH_OPSET),
-                                                         helper.make_opsetid(MS_DOMAIN, 1)])
+    from ..native import DOMAIN as NATIVE_DOMAIN
+
+    domains = [MS_DOMAIN] + ([NATIVE_DOMAIN] if any(n.domain == NATIVE_DOMAIN for n in g.nodes) else [])
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", SERVING_GRAPH_OPSET)]
+                                   + [helper.make_opsetid(d, 1) for d in domains])
     onnx_model.ir_version = 10
     onnx_model.metadata_props.add(key=io.GRAPH_KIND_KEY, value=io.SERVING_GRAPH)
     onnx.save_model(onnx_model, str(path))

@@ -33,7 +33,18 @@ def session_options(threads: int | None, memory_arena: bool = True) -> ort.Sessi
     # The CPU arena keeps its high-water mark for the life of the session. A long-running server
     # turns it off (see serve/model.py); short-lived processes (bench, convert) keep the default.
     options.enable_cpu_mem_arena = memory_arena
+    register_native_ops(options)
     return options
+
+
+def register_native_ops(options: ort.SessionOptions) -> None:
+    """kiln's own operators (native/: GGUF K-quant blocks), where the library was built: a graph
+    converted with them needs them, any other graph ignores them."""
+    from ..native import library_path
+
+    path = library_path()
+    if path:
+        options.register_custom_ops_library(path)
 
 
 class OnnxEngine:

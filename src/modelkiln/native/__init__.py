@@ -1,0 +1,38 @@
+"""Native onnxruntime operators over a GGUF file's K-quant blocks (``gguf_ops.c``).
+
+``GgufMatMul`` multiplies by Q4_K and Q6_K weights stored as the file stores them (4.5 and 6.56
+bits a weight, where MatMulNBits needs 6 and 10 for the same values exactly); ``GgufGather``
+dequantizes embedding rows bit for bit as gguf-py does. The library is built at install time
+(setup.py) and registered with every onnxruntime session (``runtime/onnx.session_options``); a
+graph holds these operators only when the library was there when it was converted."""
+
+from __future__ import annotations
+
+import importlib.machinery
+from functools import lru_cache
+from pathlib import Path
+
+DOMAIN = "kiln.gguf"
+GGML_TYPES = {"Q4_K": 12, "Q6_K": 14}  # the GGUF types these operators read (ggml's type numbers)
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes per 256 weights
+_CPU_FLAGS = ("avx2", "fma", "f16c")  # what the library is compiled for
+
+
+@lru_cache(maxsize=1)
+def library_path() -> str | None:
+    """The built library, or None where it was not built or this CPU cannot run it."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_gguf_ops{suffix}"
+        if path.exists() and _cpu_supported():
+            return str(path)
+    return None
+
+
+def _cpu_supported() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return all(flag in flags for flag in _CPU_FLAGS)
