@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 from ..errors import InvalidInputError
+from .closing import ClosingTokens, closing_path
 from .vocabulary import Vocabulary
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "lark", "gbnf")
@@ -44,6 +45,7 @@ MAX_DEPTH = 32  # nesting of a schema's objects and arrays (a schema's own $ref 
 MAX_SPEC_BYTES = 256 * 1024  # a schema, regex or grammar, as compact JSON
 CACHE_ENTRIES = 256
 CACHE_BYTES = 64 << 20  # grammar texts; the compiled lexers they build are counted by entries alone
+SHORTEST_ANSWER_LIMIT = 256  # tokens: a grammar whose shortest answer is longer is not measured
 
 # One space after ',' and ':' and nowhere else: the output reads as json.dumps writes it, and a
 # small model cannot spend its tokens on whitespace (free whitespace lets it loop on newlines).
@@ -53,10 +55,12 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 class Matcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher: Any, words: int, usable: np.ndarray | None = None):
+    def __init__(self, matcher: Any, words: int, usable: np.ndarray | None = None,
+                 closing: ClosingTokens | None = None):
         self._m = matcher
         self._words = words  # the tokenizer's vocabulary in int32 words; the rest of a mask is padding
         self._usable = usable  # tokens a grammar may allow at all (Vocabulary.usable_words)
+        self._closing = closing  # the vocabulary's closing tokens (None: no closing path)
 
     def fill_bitmask(self, out: np.ndarray) -> None:
         """Write the allowed next tokens into ``out`` (int32, contiguous, at least the tokenizer's
@@ -82,6 +86,35 @@ class Matcher:
         """Why the matcher failed ('' when it did not)."""
         return self._m.get_error() if self._m.is_error() else ""
 
+    # -- what closing.py reads: the grammar's shortest way to its end ------------------------------
+    def closing_path(self, limit: int) -> list[int] | None:
+        """The tokens that complete the grammar from here (closing.py), at most ``limit``; None
+        when it takes more. This matcher does not move."""
+        if self._closing is None:
+            return None
+        return closing_path(self.copy(), self._closing, limit)
+
+    def copy(self) -> Matcher:
+        return Matcher(self._m.deep_copy(), self._words, self._usable, self._closing)
+
+    def is_accepting(self) -> bool:
+        """The answer may end here (end-of-sequence is allowed), or must."""
+        return bool(self._m.is_accepting())
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens of the text the grammar forces next (empty when it forces none)."""
+        forced = self._m.compute_ff_tokens()
+        if self._usable is not None:  # never one the mask would refuse
+            unusable = [i for i, t in enumerate(forced) if not (int(self._usable[t // 32]) >> (t % 32)) & 1]
+            forced = forced[:unusable[0]] if unusable else forced
+        return forced
+
+    def mask(self) -> np.ndarray:
+        """The allowed next tokens as a new bitmask of the tokenizer's vocabulary."""
+        words = np.zeros(self._words, dtype=np.int32)
+        self.fill_bitmask(words)
+        return words
+
 
 @dataclass(frozen=True, eq=False)
 class Grammar:
@@ -92,9 +125,13 @@ class Grammar:
     _prototype: Any
     _words: int
     _usable: np.ndarray | None = None
+    _closing: ClosingTokens | None = None
+    # tokens in the grammar's shortest answer as closing.py finds it (0: none within
+    # SHORTEST_ANSWER_LIMIT): how early a sequence looks at closing its answer (sequence.py)
+    shortest_answer: int = 0
 
     def matcher(self) -> Matcher:
-        return Matcher(self._prototype.deep_copy(), self._words, self._usable)
+        return Matcher(self._prototype.deep_copy(), self._words, self._usable, self._closing)
 
     @property
     def spec(self) -> tuple[str, Any]:
@@ -116,6 +153,7 @@ class Grammars:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._bytes = 0
+        self.closing = ClosingTokens(vocabulary)
         self._lock = threading.Lock()
 
     @property
@@ -172,7 +210,9 @@ class Grammars:
         prototype.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
         if prototype.is_error():
             raise InvalidInputError(f"{_NAMES[kind]} cannot be used: {_first_line(prototype.get_error())}")
-        return Grammar(kind, key, prototype, words, self.vocabulary.usable_words)
+        shortest = Matcher(prototype.deep_copy(), words, self.vocabulary.usable_words, self.closing).closing_path(
+            SHORTEST_ANSWER_LIMIT)
+        return Grammar(kind, key, prototype, words, self.vocabulary.usable_words, self.closing, len(shortest or ()))
 
 
 def compile_constraint(kind: str, spec: Any, grammars: Grammars) -> Grammar:
