@@ -227,3 +227,109 @@ def test_gguf_vocabulary_placeholders_are_never_allowed(tmp_path, eos):
     unfiltered = np.zeros(PADDED_WORDS, dtype=np.int32)  # the grammar engine alone would allow them
     Matcher(grammar._prototype.deep_copy(), grammar._words).fill_bitmask(unfiltered)
     assert {first, first + 1, first + 2} <= set(allowed(unfiltered).tolist())
+
+
+# --- closing an answer within its budget (closing.py, sequence.py) ---------------------------------
+
+
+class Owner(pydantic.BaseModel):
+    name: str
+
+
+class Answer(pydantic.BaseModel):
+    owner: Owner
+    tags: list[str] = pydantic.Field(min_length=2)
+    colour: Colour
+    score: float
+
+
+ANSWER_SCHEMA = {"name": "answer", "schema": Answer.model_json_schema(), "strict": True}
+
+
+def rambling_state(grammar, tokenizer, eos, max_new_tokens, *, max_context=None, resumed=()):
+    from modelkiln.generation.sampling import SamplingParams
+    from modelkiln.generation.sequence import SequenceState
+
+    return SequenceState("r", [1, 2, 3], SamplingParams(max_new_tokens=max_new_tokens, constraint=grammar), tokenizer,
+                         frozenset([eos]), max_context, resumed=resumed)
+
+
+def ramble(state, tokenizer, eos, seed: int = 0) -> list[int]:
+    """A model that never wants to stop: mostly a letter where the mask allows one (a string kept
+    open), else any allowed token but end-of-sequence (more items, escapes, nested values), chosen
+    by (seed, position) alone."""
+    letters = [tokenizer.token_to_id(c) for c in "abcdefghijklmnop"]
+    while not state.finished:
+        tokens = allowed(state.bitmask())
+        rng = np.random.default_rng([seed, len(state.generated_ids)])
+        choices = [t for t in letters if t in tokens] if rng.random() < 0.8 else []
+        choices = choices or [t for t in tokens if t != eos] or list(tokens)
+        state.accept(int(rng.choice(choices)))
+    return state.generated_ids
+
+
+@pytest.mark.parametrize("max_new_tokens", [70, 90, 120, 200])
+def test_a_rambling_answer_is_closed_within_its_budget(max_new_tokens, grammars, tokenizer, eos):
+    """Whatever the model writes inside strings and arrays, the answer ends valid: the required keys,
+    the array's two items and the enum are all there, and it ends with "stop", within max_tokens."""
+    grammar = compile_constraint("json_schema", ANSWER_SCHEMA, grammars)
+    assert grammar.shortest_answer == 65  # '{"owner": {"name": ""}, "tags": ["", ""], ...': short tokens
+    for seed in range(6):
+        state = rambling_state(grammar, tokenizer, eos, max_new_tokens)
+        ramble(state, tokenizer, eos, seed)
+        assert state.finish_reason == "stop", state.text
+        assert len(state.generated_ids) <= max_new_tokens
+        answer = Answer.model_validate_json(state.text)
+        assert len(answer.tags) >= 2 and json.loads(state.text)["colour"] in ("red", "green")
+
+
+def test_an_answer_too_long_for_its_budget_still_ends_with_length(grammars, tokenizer, eos):
+    grammar = compile_constraint("json_schema", ANSWER_SCHEMA, grammars)
+    state = rambling_state(grammar, tokenizer, eos, 3)
+    ramble(state, tokenizer, eos)
+    assert state.finish_reason == "length" and len(state.generated_ids) == 3
+
+
+def test_the_models_context_is_a_budget_too(grammars, tokenizer, eos):
+    grammar = compile_constraint("json_schema", ANSWER_SCHEMA, grammars)
+    state = rambling_state(grammar, tokenizer, eos, 1000, max_context=3 + 90)
+    ramble(state, tokenizer, eos)
+    assert state.finish_reason == "stop" and len(state.generated_ids) <= 90
+    Answer.model_validate_json(state.text)
+
+
+def test_far_from_the_end_the_mask_is_the_grammars(grammars, tokenizer, eos):
+    """Closing costs nothing until the budget's end is near: the mask is the grammar's own."""
+    grammar = compile_constraint("json_object", None, grammars)
+    state = rambling_state(grammar, tokenizer, eos, 1000)
+    words = np.zeros(PADDED_WORDS, dtype=np.int32)
+    grammar.matcher().fill_bitmask(words)
+    assert np.array_equal(state.bitmask(), words[:state.bitmask().size]) and state._closing is None
+
+
+def test_closing_paths_close_before_they_open(grammars, tokenizer, eos):
+    """The shortest completions, from the middle of a string, an array, a value and an accepting
+    regex (the quote that closes, not a bracket inside the string; the bracket that closes, not a
+    quote that opens one more item; an empty string, not an opening quote; end-of-sequence)."""
+    def path(kind, spec, prefix, limit=40):
+        matcher = compile_constraint(kind, spec, grammars).matcher()
+        assert all(matcher.accept(t) for t in tokenizer.encode(prefix).ids), matcher.error
+        return tokenizer.decode(matcher.closing_path(limit) or [], skip_special_tokens=False)
+
+    strings = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}}}, "required": ["a"]}
+    assert path("json_schema", {"schema": strings, "strict": True}, '{"a": ["x] y') == '"]}'
+    assert path("json_schema", {"schema": strings, "strict": True}, '{"a": [') == ']}'
+    assert path("json_schema", {"schema": strings, "strict": True}, '{"a": ["b", ') == '""]}'
+    assert path("json_object", None, '{"k": [1, {"j": "v') == '"}]}'
+    assert path("regex", "[0-9]{1,3}", "4") == "<|im_end|>"
+    assert compile_constraint("json_schema", ANSWER_SCHEMA, grammars).matcher().closing_path(3) is None
+
+
+def test_a_resumed_answer_closes_as_the_uninterrupted_one(grammars, tokenizer, eos):
+    """The closing depends only on the sequence's own tokens and budget: replaying any prefix of an
+    answer (a resumed request) and going on gives the same tokens."""
+    grammar = compile_constraint("json_schema", ANSWER_SCHEMA, grammars)
+    whole = ramble(rambling_state(grammar, tokenizer, eos, 100), tokenizer, eos, seed=3)
+    for cut in (1, 20, 35, 50, 70, len(whole) - 2, len(whole) - 1):
+        state = rambling_state(grammar, tokenizer, eos, 100, resumed=whole[:cut])
+        assert ramble(state, tokenizer, eos, seed=3) == whole, cut

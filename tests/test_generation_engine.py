@@ -584,6 +584,8 @@ def test_penalties_and_logit_bias_steer_the_choice(tiny):
 class _OnlyTokens:
     """A stand-in grammar: every token must be one of ``allowed``, and the answer ends after ``length``."""
 
+    shortest_answer = 0
+
     def __init__(self, allowed, length):
         self.allowed, self.length = allowed, length
 
@@ -592,6 +594,9 @@ class _OnlyTokens:
 
         class Matcher:
             taken = 0
+
+            def closing_path(self, limit):
+                return None  # never closed early: it ends after ``length`` tokens anyway
 
             def fill_bitmask(self, words):
                 for token in grammar.allowed:
@@ -639,3 +644,32 @@ def test_answers_to_one_prompt_compute_it_once(tiny):
     together = complete(core, [Request(i, ids, p) for i, p in enumerate(params)])
     assert computed == [len(ids)]
     assert [c.token_ids for c in together] == alone
+
+
+def test_constrained_answers_close_within_max_tokens(tiny):
+    """A random model writes long strings: near max_tokens its constrained answer is closed by the
+    grammar's shortest completion, so every answer parses and ends with "stop", greedy or sampled,
+    and is the same among unconstrained streams; a budget too small to close ends with "length"."""
+    import json
+
+    from modelkiln.generation.constraints import Grammars, compile_constraint
+    from modelkiln.generation.vocabulary import Vocabulary
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "kind": {"enum": ["cat", "dog"]}}, "required": ["name", "tags", "kind"]}
+    grammar = compile_constraint("json_schema", {"schema": schema, "strict": True},
+                                 Grammars(Vocabulary(tiny.tokenizer, tiny.eos_ids)))
+    core = EngineCore(tiny.engine("fp32", EngineOptions(threads=1)), tiny.tokenizer, tiny.eos_ids, max_running=4)
+    ids = prompt_ids(core, "The quick brown fox")
+    for extra in ({}, dict(temperature=1.0, seed=1), dict(temperature=1.0, seed=2)):
+        params = SamplingParams(max_new_tokens=grammar.shortest_answer + 20, constraint=grammar, **extra)
+        alone = complete(core, [Request("g", ids, params)])[0]
+        crowd = complete(core, [Request("x", ids, SamplingParams(max_new_tokens=60, ignore_eos=True)),
+                                Request("g", ids, params)])[1]
+        answer = json.loads(alone.text)
+        assert set(answer) == {"name", "tags", "kind"} and answer["kind"] in ("cat", "dog") and answer["tags"]
+        assert alone.finish_reason == "stop" and len(alone.token_ids) <= params.max_new_tokens
+        assert crowd.token_ids == alone.token_ids
+    short = complete(core, [Request("s", ids, SamplingParams(max_new_tokens=5, constraint=grammar))])[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 5
