@@ -1,7 +1,8 @@
 """Structured outputs: a grammar every generated token must keep the answer inside, with
 llguidance (docs/structured-outputs.md says why this engine and what it was measured against).
 
-The interface the engine core uses is three calls per sequence and step::
+The interface the engine core uses is three calls per sequence and step (a fourth near the end of
+the answer's budget, from sequence.py)::
 
     grammars = Grammars(Vocabulary(tokenizer, eos_ids))  # once per model
     grammar = compile_constraint("json_schema", {"schema": {...}, "strict": True}, grammars)  # at request parsing
@@ -10,6 +11,7 @@ The interface the engine core uses is three calls per sequence and step::
     ... sample from the logits with the disallowed tokens at -inf ...
     matcher.accept(token)                              # False: the token was not allowed (a bug upstream)
     matcher.is_terminated()                            # the answer is complete: only end-of-sequence may follow
+    matcher.closing_path(limit)                        # the shortest way to complete it (closing.py), or None
 
 ``words`` may be wider than the tokenizer's vocabulary (a model's embedding is often padded to a
 multiple of 64): the padded rows are never allowed. The end-of-sequence ids are the artifact's
