@@ -267,6 +267,32 @@ def test_a_grammars_mask_is_applied_on_the_device(torch_core):
         assert alone.finish_reason == "stop" and crowd.token_ids == alone.token_ids
 
 
+def test_a_constrained_answer_is_closed_on_the_device_too(torch_core, tiny_torch_artifact):
+    """The closing path's single-token masks go through the device sampler as any mask: an answer
+    biased to write "a" forever is closed near max_tokens, parses and ends with "stop", alone or
+    among other rows."""
+    import json
+
+    from modelkiln.generation.constraints import Grammars, compile_constraint
+    from modelkiln.generation.vocabulary import Vocabulary
+
+    model = TextGenerationModel(tiny_torch_artifact)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
+        "type": "string"}, "minItems": 1}}, "required": ["name", "tags"]}
+    grammar = compile_constraint("json_schema", {"schema": schema, "strict": True},
+                                 Grammars(Vocabulary(model.tokenizer, model.eos_ids)))
+    ids = ids_of(torch_core, "The quick brown fox")
+    rambling = ((model.tokenizer.token_to_id("a"), 100.0),)  # a string that never ends by itself
+    for extra in ({}, dict(temperature=1.0, seed=3)):
+        params = SamplingParams(max_new_tokens=grammar.shortest_answer + 20, constraint=grammar, logit_bias=rambling,
+                                **extra)
+        alone = complete(torch_core, [Request("g", ids, params)])[0]
+        crowd = complete(torch_core, [Request("x", ids, SamplingParams(max_new_tokens=30, ignore_eos=True)),
+                                      Request("g", ids, params)])[1]
+        assert alone.finish_reason == "stop" and set(json.loads(alone.text)) == {"name", "tags"}
+        assert crowd.token_ids == alone.token_ids
+
+
 def test_a_prompt_too_long_for_the_rows_fails_alone(tiny_torch_artifact):
     model = TextGenerationModel(tiny_torch_artifact)
     core = model.core(None, CoreOptions(threads=1, max_running=4))
