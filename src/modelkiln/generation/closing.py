@@ -62,9 +62,9 @@ class ClosingTokens:
 
 
 def closing_path(matcher: Any, tokens: ClosingTokens, limit: int) -> list[int] | None:
-    """The tokens that finish ``matcher``'s grammar (the last one end-of-sequence when the grammar
-    only may end there), at most ``limit`` of them; None when it takes more. ``matcher`` is a
-    ``constraints.Matcher`` the path consumes: pass a copy."""
+    """The tokens that finish ``matcher``'s grammar, at most ``limit`` of them (the last one is
+    end-of-sequence where the grammar may end but need not); None when it takes more. ``matcher``
+    is a ``constraints.Matcher`` the path consumes: pass a copy."""
     path: list[int] = []
     while True:
         if matcher.error:
