@@ -290,6 +290,46 @@ def test_an_answer_too_long_for_its_budget_still_ends_with_length(grammars, toke
     assert state.finish_reason == "length" and len(state.generated_ids) == 3
 
 
+class Tree(pydantic.BaseModel):
+    value: int = pydantic.Field(ge=0, le=100)
+    children: list[Tree] = pydantic.Field(max_length=2)
+
+
+def nest(state, tokenizer, eos, seed: int = 0) -> list[int]:
+    """A model that nests forever (as SmolLM2 does in a recursive schema): an opening bracket
+    wherever the mask allows one, else any allowed token but a closing one or end-of-sequence."""
+    opening = {t for t in range(tokenizer.get_vocab_size()) if (tokenizer.id_to_token(t) or "").startswith(("[", "{"))}
+    closing = {t for t in range(tokenizer.get_vocab_size()) if any(c in (tokenizer.id_to_token(t) or "") for c in "]}")}
+    while not state.finished:
+        tokens = [int(t) for t in allowed(state.bitmask())]
+        rng = np.random.default_rng([seed, len(state.generated_ids)])
+        choices = ([t for t in tokens if t in opening] or [t for t in tokens if t not in closing and t != eos]
+                   or tokens)
+        state.accept(int(rng.choice(choices)))
+    return state.generated_ids
+
+
+@pytest.mark.parametrize("max_new_tokens", [100, 400, 1000])
+def test_a_deeply_nested_answer_is_closed_in_time(max_new_tokens, grammars, tokenizer, eos):
+    """The path that closes a recursive answer grows with its depth, past any fixed distance from
+    the end: the closing is looked at early enough for the path it finds, so a tree nested as deep
+    as the budget allows still ends valid, with "stop"."""
+    schema = {"name": "tree", "schema": Tree.model_json_schema(), "strict": True}
+    grammar = compile_constraint("json_schema", schema, grammars)
+    state = rambling_state(grammar, tokenizer, eos, max_new_tokens)
+    nest(state, tokenizer, eos)
+    assert state.finish_reason == "stop", state.text[-200:]
+    assert len(state.generated_ids) <= max_new_tokens
+    depth, tree = 0, Tree.model_validate_json(state.text)
+    while tree.children:
+        depth, tree = depth + 1, tree.children[0]
+    assert depth >= max_new_tokens // 40, state.text  # it did nest: most of the budget went to depth
+    whole = state.generated_ids
+    for cut in (len(whole) // 2, len(whole) - 30, len(whole) - 1):  # resumed: the same looks, the same margin
+        state = rambling_state(grammar, tokenizer, eos, max_new_tokens, resumed=whole[:cut])
+        assert nest(state, tokenizer, eos) == whole, cut
+
+
 def test_the_models_context_is_a_budget_too(grammars, tokenizer, eos):
     grammar = compile_constraint("json_schema", ANSWER_SCHEMA, grammars)
     state = rambling_state(grammar, tokenizer, eos, 1000, max_context=3 + 90)

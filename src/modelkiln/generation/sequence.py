@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-
+import sys
 from typing import Any
 
 import numpy as np
@@ -21,14 +21,18 @@ STOP = "stop"  # an end-of-sequence token or a stop string (OpenAI's finish_reas
 LENGTH = "length"  # max_new_tokens or the model's context
 
 # Closing a constrained answer within its budget (closing.py finds the tokens that complete it).
-# The closing path is looked at once the tokens left are at most the grammar's shortest answer
-# plus CLOSING_HORIZON (a path from mid-answer is rarely more than a few dozen tokens longer than
-# the shortest answer: the brackets and required keys left open), and followed, one allowed token
-# a step, once it takes all but CLOSING_MARGIN of them. The margin is what one freely chosen token
-# may add to the path before the next look (a key's opening quote, an object that brings required
-# keys); a token that adds more leaves the answer to end with "length".
-CLOSING_HORIZON = 64
+# The closing path is followed, one allowed token a step, once it takes all but a margin of the
+# tokens left. The margin is what one freely chosen token may add to the path (a key's opening
+# quote, an object that brings its required keys): CLOSING_MARGIN at first, then the most that one
+# token was seen to add. The path is looked at every step once the tokens left exceed it by at
+# most CLOSING_HORIZON (where that growth is seen), and further away as rarely as the margin
+# allows: after a look that finds the tokens left exceed the path by g, the next look comes
+# (g - CLOSING_HORIZON) // (margin + 1) tokens later, at least 1. The path may be any length (a
+# recursive answer's grows with its depth); a look costs as much as the path is long (0.13 ms a
+# token with SmolLM2). A token that adds more than the margin may leave the answer to end with
+# "length".
 CLOSING_MARGIN = 8
+CLOSING_HORIZON = 64
 
 
 @dataclass
@@ -65,13 +69,19 @@ class SequenceState:
         self.matcher: Any = self.params.constraint.matcher() if self.params.constraint is not None else None
         # The closing path from the current state, once computed (None: not computed or none found).
         # It only saves work: the path is a function of the matcher's state, so its rest is the path
-        # from the state after its first token (a resumed request, which replays its tokens without
-        # it, computes the same one).
+        # from the state after its first token.
         self._closing: list[int] | None = None
-        self._closing_from = 0  # tokens left to generate when the closing path is first looked at
+        self._margin = CLOSING_MARGIN
+        self._last_look: tuple[int, int] | None = None  # (tokens left, the path's length) at the last look
+        # Tokens left at the next look: the first follows from the grammar's shortest answer (the
+        # path at the start), or comes at once when it was not measured.
+        self._look_at = 0
         if self.matcher is not None:
-            self._closing_from = CLOSING_HORIZON + self.params.constraint.shortest_answer
+            shortest = self.params.constraint.shortest_answer
+            self._look_at = self._next_look(self.tokens_left, shortest) if shortest else sys.maxsize
         for token in self.resumed:  # the state the first run had after sending them (held-back text included)
+            if self.matcher is not None:  # and its looks at closing, which set the margin
+                self.closing_token()
             self.accept(token)
 
     @property
@@ -103,13 +113,24 @@ class SequenceState:
         """The token the answer must take now to end within its budget, or None (far from the end,
         or no way to end in time: then it ends with "length", as anywhere else)."""
         left = self.tokens_left
-        if self.matcher is None or left > self._closing_from:
+        if self.matcher is None or left > self._look_at:
             return None
         if self._closing is None:
             self._closing = self.matcher.closing_path(limit=left)
-        if not self._closing or len(self._closing) + CLOSING_MARGIN < left:
+        if self._closing is None:  # longer than the tokens left: look again once the answer may have closed some
+            self._last_look, self._look_at = None, left - self._margin - 1
             return None
-        return self._closing[0]
+        if self._last_look is not None and self._last_look[0] == left + 1:  # the last token's growth
+            self._margin = max(self._margin, len(self._closing) - self._last_look[1])
+        self._last_look = (left, len(self._closing))
+        if len(self._closing) + self._margin < left:
+            self._look_at = self._next_look(left, len(self._closing))
+            return None
+        return self._closing[0] if self._closing else None
+
+    def _next_look(self, left: int, path: int) -> int:
+        """Tokens left at the next look, after one that found a path of ``path`` tokens with ``left`` left."""
+        return left - max(1, (left - path - CLOSING_HORIZON) // (self._margin + 1))
 
     def accept(self, token_id: int) -> Delta:
         """Record a chosen token; returns the text to emit and, when it ends the answer, why."""
