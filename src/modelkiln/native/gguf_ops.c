@@ -30,11 +30,11 @@ enum { GGML_Q4_K = 12, GGML_Q6_K = 14 };
 static const size_t BLOCK_BYTES[15] = {[GGML_Q4_K] = 144, [GGML_Q6_K] = 210};
 
 /* ---- activations: int8 codes per 256 inputs ---------------------------------------------------- */
-typedef struct {
-    float d;
+typedef struct {  /* 64-byte aligned: the dot products' 32- and 64-byte loads never split a cache line */
     int8_t qs[QK_K];
     int16_t bsums[QK_K / 16];
-} q8_block;
+    float d;
+} __attribute__((aligned(64))) q8_block;
 
 static void quantize_row(const float *x, int64_t k, q8_block *out) {
     for (int64_t b = 0; b < k / QK_K; b++, x += QK_K) {
@@ -65,7 +65,9 @@ typedef struct {
     int16_t scales[8][16];
     int16_t mins[16];
     float d, dmin;
-} unpacked;
+} __attribute__((aligned(64))) unpacked;
+
+static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 static inline float half(const uint8_t *p) {
     uint16_t h;
@@ -135,8 +137,15 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* One super-block's share of a dot product, the same float operations on every path (so a row's
+ * result does not depend on which path computed it): acc += dx · (d·Σcodes·x − dmin·Σmins). */
+static inline __m256 add_block(__m256 acc, __m256i sums, __m256i mins, float dx, float d, float dmin) {
+    __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dmin), _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d)));
+    return _mm256_fmadd_ps(_mm256_set1_ps(dx), t, acc);
+}
+
 static float dot_avx2(const unpacked *w, const q8_block *x, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w++, x++) {
         __m256i sumi = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {
@@ -146,15 +155,14 @@ static float dot_avx2(const unpacked *w, const q8_block *x, int64_t nb) {
         }
         __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)w->mins),
                                       _mm256_loadu_si256((const __m256i *)x->bsums));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x->d * w->d), _mm256_cvtepi32_ps(sumi), acc);
-        accm = _mm256_fmadd_ps(_mm256_set1_ps(x->d * w->dmin), _mm256_cvtepi32_ps(m), accm);
+        acc = add_block(acc, sumi, m, x->d, w->d, w->dmin);
     }
-    return hsum8(_mm256_sub_ps(acc, accm));
+    return hsum8(acc);
 }
 
 __attribute__((target("avx512f,avx512bw")))
 static float dot_avx512(const unpacked *w, const q8_block *x, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w++, x++) {
         __m512i sumi = _mm512_setzero_si512();
         for (int s = 0; s < 8; s += 2) {
@@ -164,17 +172,16 @@ static float dot_avx512(const unpacked *w, const q8_block *x, int64_t nb) {
         __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
         __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)w->mins),
                                       _mm256_loadu_si256((const __m256i *)x->bsums));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x->d * w->d), _mm256_cvtepi32_ps(s8), acc);
-        accm = _mm256_fmadd_ps(_mm256_set1_ps(x->d * w->dmin), _mm256_cvtepi32_ps(m), accm);
+        acc = add_block(acc, s8, m, x->d, w->d, w->dmin);
     }
-    return hsum8(_mm256_sub_ps(acc, accm));
+    return hsum8(acc);
 }
 
 /* Four rows of X against one unpacked weight row: each weight vector is loaded once for the four.
  * Per row, the very operations of dot_avx2 / dot_avx512 (the same bits). */
 static void dot4_avx2(const unpacked *w, const q8_block *x, int64_t nb, float out[4]) {
-    __m256 acc[4], accm[4];
-    for (int r = 0; r < 4; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w++) {
         __m256i sumi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int s = 0; s < 8; s++) {
@@ -189,17 +196,16 @@ static void dot4_avx2(const unpacked *w, const q8_block *x, int64_t nb, float ou
         for (int r = 0; r < 4; r++) {
             const q8_block *xb = x + r * nb + b;
             __m256i m = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsums));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * w->d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * w->dmin), _mm256_cvtepi32_ps(m), accm[r]);
+            acc[r] = add_block(acc[r], sumi[r], m, xb->d, w->d, w->dmin);
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = hsum8(_mm256_sub_ps(acc[r], accm[r]));
+    for (int r = 0; r < 4; r++) out[r] = hsum8(acc[r]);
 }
 
 __attribute__((target("avx512f,avx512bw")))
 static void dot4_avx512(const unpacked *w, const q8_block *x, int64_t nb, float out[4]) {
-    __m256 acc[4], accm[4];
-    for (int r = 0; r < 4; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w++) {
         __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
         for (int s = 0; s < 8; s += 2) {
@@ -214,19 +220,18 @@ static void dot4_avx512(const unpacked *w, const q8_block *x, int64_t nb, float 
             const q8_block *xb = x + r * nb + b;
             __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]), _mm512_extracti64x4_epi64(sumi[r], 1));
             __m256i m = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsums));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * w->d), _mm256_cvtepi32_ps(s8), acc[r]);
-            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * w->dmin), _mm256_cvtepi32_ps(m), accm[r]);
+            acc[r] = add_block(acc[r], s8, m, xb->d, w->d, w->dmin);
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = hsum8(_mm256_sub_ps(acc[r], accm[r]));
+    for (int r = 0; r < 4; r++) out[r] = hsum8(acc[r]);
 }
 
 /* With AVX-512 VNNI, vpdpwssd does the scales' multiply-add and the sum in one instruction:
  * the same integers as madd then add (neither saturates here). */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void dot4_avx512_vnni(const unpacked *w, const q8_block *x, int64_t nb, float out[4]) {
-    __m256 acc[4], accm[4];
-    for (int r = 0; r < 4; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w++) {
         __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
         for (int s = 0; s < 8; s += 2) {
@@ -241,11 +246,10 @@ static void dot4_avx512_vnni(const unpacked *w, const q8_block *x, int64_t nb, f
             const q8_block *xb = x + r * nb + b;
             __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]), _mm512_extracti64x4_epi64(sumi[r], 1));
             __m256i m = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsums));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * w->d), _mm256_cvtepi32_ps(s8), acc[r]);
-            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * w->dmin), _mm256_cvtepi32_ps(m), accm[r]);
+            acc[r] = add_block(acc[r], s8, m, xb->d, w->d, w->dmin);
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = hsum8(_mm256_sub_ps(acc[r], accm[r]));
+    for (int r = 0; r < 4; r++) out[r] = hsum8(acc[r]);
 }
 
 static float (*dot)(const unpacked *, const q8_block *, int64_t) = dot_avx2;
@@ -255,31 +259,38 @@ static void (*dot4)(const unpacked *, const q8_block *, int64_t, float[4]) = dot
  * and the same float operations as dot_avx2, so a row's result is the same bits either way. */
 static float dot_q4_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144, x++) {
-        uint8_t sc[8], mn[8];
-        k4_scales_mins(w + 4, sc, mn);
+        /* the eight 6-bit scales and mins, a byte each, four at a time (k4_scales_mins' bytes) */
+        uint32_t u[3];
+        memcpy(u, w + 4, 12);
+        const uint32_t sc_lo = u[0] & 0x3f3f3f3f, mn_lo = u[1] & 0x3f3f3f3f;
+        const uint32_t sc_hi = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+        const uint32_t mn_hi = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+        /* each scale as int16 in both 128-bit halves; SCALE_OF(s) broadcasts scale s to all 16 lanes */
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo)));
+#define SCALE_OF(s) _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (s))))
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
             __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(q, low), _mm256_loadu_si256((const __m256i *)(x->qs + 64 * j)));
             __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), low),
                                               _mm256_loadu_si256((const __m256i *)(x->qs + 64 * j + 32)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(lo, _mm256_set1_epi16(sc[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(hi, _mm256_set1_epi16(sc[2 * j + 1])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(lo, SCALE_OF(2 * j)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(hi, SCALE_OF(2 * j + 1)));
         }
-        __m128i m8 = _mm_loadl_epi64((const __m128i *)mn);
+#undef SCALE_OF
+        __m128i m8 = _mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo);
         __m256i m = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)),
                                       _mm256_loadu_si256((const __m256i *)x->bsums));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x->d * half(w)), _mm256_cvtepi32_ps(sumi), acc);
-        accm = _mm256_fmadd_ps(_mm256_set1_ps(x->d * half(w + 2)), _mm256_cvtepi32_ps(m), accm);
+        acc = add_block(acc, sumi, m, x->d, half(w), half(w + 2));
     }
-    return hsum8(_mm256_sub_ps(acc, accm));
+    return hsum8(acc);
 }
 
 static float dot_q6_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210, x++) {
         const uint8_t *ql = w, *qh = w + 128;
         const int8_t *sc = (const int8_t *)(w + 192);
@@ -303,10 +314,9 @@ static float dot_q6_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
         __m256i mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)), 5);
         __m256i m = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)x->bsums));
         const float d = half(w + 208);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x->d * d), _mm256_cvtepi32_ps(sumi), acc);
-        accm = _mm256_fmadd_ps(_mm256_set1_ps(x->d * d), _mm256_cvtepi32_ps(m), accm);
+        acc = add_block(acc, sumi, m, x->d, d, d);
     }
-    return hsum8(_mm256_sub_ps(acc, accm));
+    return hsum8(acc);
 }
 
 /* ---- the matmul, split by column ranges over onnxruntime's threads ----------------------------- */
@@ -333,7 +343,7 @@ static void matmul_task(void *data, size_t task) {
         }
         return;
     }
-    unpacked *u = malloc(sizeof(unpacked) * job->nb);
+    unpacked *u = aligned(sizeof(unpacked) * job->nb);
     if (!u) return;
     int64_t tile = X_TILE_BYTES / (int64_t)(sizeof(q8_block) * job->nb);
     if (tile < 1) tile = 1;
@@ -458,7 +468,7 @@ static void compute(void *state, OrtKernelContext *context) {
     CHECK(((KernelContextGetOutputFn)kiln_ort_fn(api, SLOT_KernelContext_GetOutput))(context, 0, dims, rank, &output));
     CHECK(((GetTensorMutableDataFn)kiln_ort_fn(api, SLOT_GetTensorMutableData))(output, (void **)&y));
     if (rows == 0) return;
-    q8_block *qx = malloc(sizeof(q8_block) * (size_t)(rows * nb));
+    q8_block *qx = aligned(sizeof(q8_block) * (size_t)(rows * nb));
     if (!qx) return;
     KernelContextParallelForFn parallel = (KernelContextParallelForFn)kiln_ort_fn(api, SLOT_KernelContext_ParallelFor);
     quantize_job qjob = {x, kn->k, nb, qx};
@@ -539,7 +549,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
 __attribute__((visibility("default")))
 void kiln_gguf_matmul(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, float *y) {
     const int64_t nb = k / QK_K;
-    q8_block *qx = malloc(sizeof(q8_block) * (size_t)(rows * nb));
+    q8_block *qx = aligned(sizeof(q8_block) * (size_t)(rows * nb));
     quantize_job qjob = {x, k, nb, qx};
     for (int64_t r = 0; r < rows; r++) quantize_task(&qjob, (size_t)r);
     matmul_job job = {type, w, (size_t)nb * BLOCK_BYTES[type], qx, rows, n, nb, y};
