@@ -9,15 +9,18 @@
  * token reads every weight once, so those bytes set its speed.
  *
  * How (llama.cpp's arithmetic): X is quantized to int8 per 256 inputs (one fp32 scale, and the
- * sums of each 16 codes); a weight row's super-blocks are unpacked once into byte codes and 16-bit
- * sub-block scales (`unpacked`), then dotted with every row of X by integer multiply-adds, the
- * minimums (Q4_K) or the code offset (Q6_K) taken out with the 16-sums. Each output is one row
- * of X against one weight row, always in the same order, whatever the number of rows or threads:
- * an answer does not depend on its batch.
+ * sums of each 16 codes). One row of X is dotted with the blocks directly; several rows with each
+ * weight row unpacked once (byte codes interleaved so that every 32-bit lane holds one scale's
+ * codes, 32-bit lane scales) and reused for four rows at a time. For every row, column and
+ * super-block both paths form the same two exact integers (the scaled code products, and the
+ * minimums or the Q6_K code offset against the 16-sums) and then the same float operations, so a
+ * row's result is the same bits alone or in any batch, on AVX2 or AVX-512: an answer does not
+ * depend on its batch.
  *
- * Built with AVX2 (every machine this package targets has it); the dot product has an AVX-512
- * form chosen at load time where the CPU has AVX-512 BW. Compiled with -ffp-contract=off so the
- * gather's float operations round as gguf-py's numpy ones do. */
+ * Built with AVX2 (every machine this package targets has it); AVX-512 forms (VNNI's vpdpbusd
+ * for the products, two-source permutes for the interleave) are chosen at load time where the CPU
+ * has them. Compiled with -ffp-contract=off so the gather's float operations round as gguf-py's
+ * numpy ones do. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -56,18 +59,41 @@ static void quantize_row(const float *x, int64_t k, q8_block *out) {
     }
 }
 
-/* ---- a weight super-block unpacked for the dot product ----------------------------------------- */
-/* codes: 256 unsigned bytes in weight order; scales: per 32 codes, 16 int16 (the scale of codes
- * 0-15 eight times... as maddubs pairs them: 16 int16 lanes = 32 codes); mins: 16 int16 that, madd'ed
- * with the activations' 16-sums, give what to take out; result = dx·(d·Σscale·code·x − dmin·Σmins). */
-typedef struct {
-    uint8_t codes[QK_K];
-    int16_t scales[8][16];
-    int16_t mins[16];
-    float d, dmin;
-} __attribute__((aligned(64))) unpacked;
+/* ---- exact integer sums, one float step per super-block ---------------------------------------- */
+/* Every path computes, per row of X, column and super-block, the same two exact integers
+ *     sums = Σ_sub-blocks scale · Σ code · x     and     mins = Σ min · (16-sums of x)
+ * (Q4_K: 6-bit scales and minimums; Q6_K: signed 8-bit scales and the code offset 32 · scale), and
+ * then the same float operations: acc += dx · (d · sums − dmin · mins) (add_block_lanes, add_block4). How the integers are
+ * formed (lanes, instruction set, one row or four) cannot change them, so a row's result is the
+ * same bits alone, in any batch, on AVX2 or AVX-512. */
 
-static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* One row's super-block: Σ of the eight int32 of sums and of mins (lanes 0 and 1, exact), then
+ * add_block's float operations on lane 0 of acc, without leaving the vector registers. */
+static inline __m128 add_block_lanes(__m128 acc, __m256i sums, __m256i mins, float dx, float d, float dmin) {
+    __m256i h = _mm256_hadd_epi32(sums, mins);  /* [s01 s23 m01 m23 | s45 s67 m45 m67] */
+    h = _mm256_hadd_epi32(h, h);                /* [s0-3 m0-3 . . | s4-7 m4-7 . .] */
+    __m128 f = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    __m128 t = _mm_fnmadd_ss(_mm_movehdup_ps(f), _mm_set_ss(dmin), _mm_mul_ss(f, _mm_set_ss(d)));
+    return _mm_fmadd_ss(_mm_set_ss(dx), t, acc);
+}
+
+/* [Σa, Σb, Σc, Σd] of four vectors of eight int32 */
+static inline __m128i hsum4_i32(__m256i a, __m256i b, __m256i c, __m256i d) {
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+static inline __m128 add_block4(__m128 acc, __m128i sums, __m128i mins, __m128 dx, float d, float dmin) {
+    __m128 t = _mm_fnmadd_ps(_mm_cvtepi32_ps(mins), _mm_set1_ps(dmin), _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(d)));
+    return _mm_fmadd_ps(dx, t, acc);
+}
 
 static inline float half(const uint8_t *p) {
     uint16_t h;
@@ -84,30 +110,13 @@ static void k4_scales_mins(const uint8_t *p, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
-static void unpack_q4_k(const uint8_t *b, unpacked *u) {
-    uint8_t sc[8], mn[8];
-    k4_scales_mins(b + 4, sc, mn);
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int j = 0; j < 4; j++) {  /* 32 bytes: the low nibbles are weights 64j.., the high 64j+32.. */
-        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
-        _mm256_storeu_si256((__m256i *)(u->codes + 64 * j), _mm256_and_si256(q, low));
-        _mm256_storeu_si256((__m256i *)(u->codes + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), low));
-    }
-    for (int s = 0; s < 8; s++) _mm256_storeu_si256((__m256i *)u->scales[s], _mm256_set1_epi16(sc[s]));
-    __m128i m8 = _mm_loadl_epi64((const __m128i *)mn);
-    _mm256_storeu_si256((__m256i *)u->mins, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)));  /* each min twice */
-    u->d = half(b);
-    u->dmin = half(b + 2);
-}
-
-static void unpack_q6_k(const uint8_t *b, unpacked *u) {
+/* Q6_K's codes, q + 32 (0..63), in weight order */
+static void q6_k_codes(const uint8_t *b, uint8_t c[QK_K]) {
     const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-    for (int n = 0; n < 2; n++, ql += 64, qh += 32) {  /* two halves of 128: codes q + 32, 0..63 */
+    for (int n = 0; n < 2; n++, ql += 64, qh += 32, c += 128) {
         __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
         __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-        uint8_t *c = u->codes + 128 * n;
         _mm256_storeu_si256((__m256i *)c, _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, two), 4)));
         _mm256_storeu_si256((__m256i *)(c + 32), _mm256_or_si256(_mm256_and_si256(l1, low),
                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4)));
@@ -116,150 +125,12 @@ static void unpack_q6_k(const uint8_t *b, unpacked *u) {
         _mm256_storeu_si256((__m256i *)(c + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)));
     }
-    for (int s = 0; s < 8; s++)  /* 16 weights a scale: a 32-code vector holds two */
-        _mm256_storeu_si256((__m256i *)u->scales[s], _mm256_setr_m128i(_mm_set1_epi16(sc[2 * s]), _mm_set1_epi16(sc[2 * s + 1])));
-    __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-    _mm256_storeu_si256((__m256i *)u->mins, _mm256_slli_epi16(sc16, 5));  /* 32 · scale: the codes are q + 32 */
-    u->d = u->dmin = half(b + 208);
 }
 
-static void unpack_row(int type, const uint8_t *row, int64_t nb, unpacked *out) {
-    for (int64_t b = 0; b < nb; b++)
-        if (type == GGML_Q4_K) unpack_q4_k(row + b * 144, out + b);
-        else unpack_q6_k(row + b * 210, out + b);
-}
-
-/* ---- the dot product of one unpacked weight row with one quantized row of X -------------------- */
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* One super-block's share of a dot product, the same float operations on every path (so a row's
- * result does not depend on which path computed it): acc += dx · (d·Σcodes·x − dmin·Σmins). */
-static inline __m256 add_block(__m256 acc, __m256i sums, __m256i mins, float dx, float d, float dmin) {
-    __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dmin), _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d)));
-    return _mm256_fmadd_ps(_mm256_set1_ps(dx), t, acc);
-}
-
-static float dot_avx2(const unpacked *w, const q8_block *x, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w++, x++) {
-        __m256i sumi = _mm256_setzero_si256();
-        for (int s = 0; s < 8; s++) {
-            __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(w->codes + 32 * s)),
-                                             _mm256_loadu_si256((const __m256i *)(x->qs + 32 * s)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_loadu_si256((const __m256i *)w->scales[s])));
-        }
-        __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)w->mins),
-                                      _mm256_loadu_si256((const __m256i *)x->bsums));
-        acc = add_block(acc, sumi, m, x->d, w->d, w->dmin);
-    }
-    return hsum8(acc);
-}
-
-__attribute__((target("avx512f,avx512bw")))
-static float dot_avx512(const unpacked *w, const q8_block *x, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w++, x++) {
-        __m512i sumi = _mm512_setzero_si512();
-        for (int s = 0; s < 8; s += 2) {
-            __m512i p = _mm512_maddubs_epi16(_mm512_loadu_si512(w->codes + 32 * s), _mm512_loadu_si512(x->qs + 32 * s));
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, _mm512_loadu_si512(w->scales[s])));
-        }
-        __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-        __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)w->mins),
-                                      _mm256_loadu_si256((const __m256i *)x->bsums));
-        acc = add_block(acc, s8, m, x->d, w->d, w->dmin);
-    }
-    return hsum8(acc);
-}
-
-/* Four rows of X against one unpacked weight row: each weight vector is loaded once for the four.
- * Per row, the very operations of dot_avx2 / dot_avx512 (the same bits). */
-static void dot4_avx2(const unpacked *w, const q8_block *x, int64_t nb, float out[4]) {
-    __m256 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w++) {
-        __m256i sumi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int s = 0; s < 8; s++) {
-            __m256i codes = _mm256_loadu_si256((const __m256i *)(w->codes + 32 * s));
-            __m256i scales = _mm256_loadu_si256((const __m256i *)w->scales[s]);
-            for (int r = 0; r < 4; r++) {
-                __m256i p = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)(x[r * nb + b].qs + 32 * s)));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, scales));
-            }
-        }
-        __m256i mins = _mm256_loadu_si256((const __m256i *)w->mins);
-        for (int r = 0; r < 4; r++) {
-            const q8_block *xb = x + r * nb + b;
-            __m256i m = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsums));
-            acc[r] = add_block(acc[r], sumi[r], m, xb->d, w->d, w->dmin);
-        }
-    }
-    for (int r = 0; r < 4; r++) out[r] = hsum8(acc[r]);
-}
-
-__attribute__((target("avx512f,avx512bw")))
-static void dot4_avx512(const unpacked *w, const q8_block *x, int64_t nb, float out[4]) {
-    __m256 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w++) {
-        __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int s = 0; s < 8; s += 2) {
-            __m512i codes = _mm512_loadu_si512(w->codes + 32 * s), scales = _mm512_loadu_si512(w->scales[s]);
-            for (int r = 0; r < 4; r++) {
-                __m512i p = _mm512_maddubs_epi16(codes, _mm512_loadu_si512(x[r * nb + b].qs + 32 * s));
-                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_madd_epi16(p, scales));
-            }
-        }
-        __m256i mins = _mm256_loadu_si256((const __m256i *)w->mins);
-        for (int r = 0; r < 4; r++) {
-            const q8_block *xb = x + r * nb + b;
-            __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]), _mm512_extracti64x4_epi64(sumi[r], 1));
-            __m256i m = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsums));
-            acc[r] = add_block(acc[r], s8, m, xb->d, w->d, w->dmin);
-        }
-    }
-    for (int r = 0; r < 4; r++) out[r] = hsum8(acc[r]);
-}
-
-/* With AVX-512 VNNI, vpdpwssd does the scales' multiply-add and the sum in one instruction:
- * the same integers as madd then add (neither saturates here). */
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void dot4_avx512_vnni(const unpacked *w, const q8_block *x, int64_t nb, float out[4]) {
-    __m256 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w++) {
-        __m512i sumi[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int s = 0; s < 8; s += 2) {
-            __m512i codes = _mm512_loadu_si512(w->codes + 32 * s), scales = _mm512_loadu_si512(w->scales[s]);
-            for (int r = 0; r < 4; r++) {
-                __m512i p = _mm512_maddubs_epi16(codes, _mm512_loadu_si512(x[r * nb + b].qs + 32 * s));
-                sumi[r] = _mm512_dpwssd_epi32(sumi[r], p, scales);
-            }
-        }
-        __m256i mins = _mm256_loadu_si256((const __m256i *)w->mins);
-        for (int r = 0; r < 4; r++) {
-            const q8_block *xb = x + r * nb + b;
-            __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]), _mm512_extracti64x4_epi64(sumi[r], 1));
-            __m256i m = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)xb->bsums));
-            acc[r] = add_block(acc[r], s8, m, xb->d, w->d, w->dmin);
-        }
-    }
-    for (int r = 0; r < 4; r++) out[r] = hsum8(acc[r]);
-}
-
-static float (*dot)(const unpacked *, const q8_block *, int64_t) = dot_avx2;
-static void (*dot4)(const unpacked *, const q8_block *, int64_t, float[4]) = dot4_avx2;
-
-/* One row of X needs no unpacked copy: these read the blocks directly, with the same integer lanes
- * and the same float operations as dot_avx2, so a row's result is the same bits either way. */
+/* ---- one row of X: the blocks read directly, in weight order ----------------------------------- */
 static float dot_q4_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps();
+    __m128 acc = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144, x++) {
         /* the eight 6-bit scales and mins, a byte each, four at a time (k4_scales_mins' bytes) */
         uint32_t u[3];
@@ -273,30 +144,28 @@ static float dot_q4_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-            __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(q, low), _mm256_loadu_si256((const __m256i *)(x->qs + 64 * j)));
+            __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(q, low), _mm256_load_si256((const __m256i *)(x->qs + 64 * j)));
             __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), low),
-                                              _mm256_loadu_si256((const __m256i *)(x->qs + 64 * j + 32)));
+                                              _mm256_load_si256((const __m256i *)(x->qs + 64 * j + 32)));
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(lo, SCALE_OF(2 * j)));
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(hi, SCALE_OF(2 * j + 1)));
         }
 #undef SCALE_OF
         __m128i m8 = _mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo);
-        __m256i m = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)),
-                                      _mm256_loadu_si256((const __m256i *)x->bsums));
-        acc = add_block(acc, sumi, m, x->d, half(w), half(w + 2));
+        __m256i m = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)), _mm256_load_si256((const __m256i *)x->bsums));
+        acc = add_block_lanes(acc, sumi, m, x->d, half(w), half(w + 2));
     }
-    return hsum8(acc);
+    return _mm_cvtss_f32(acc);
 }
 
 static float dot_q6_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-    __m256 acc = _mm256_setzero_ps();
+    __m128 acc = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210, x++) {
         const uint8_t *ql = w, *qh = w + 128;
         const int8_t *sc = (const int8_t *)(w + 192);
-        const int8_t *qx = x->qs;
         __m256i sumi = _mm256_setzero_si256();
-        for (int n = 0; n < 2; n++, ql += 64, qh += 32, qx += 128) {
+        for (int n = 0; n < 2; n++, ql += 64, qh += 32) {  /* q6_k_codes, kept in registers */
             __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
             __m256i h = _mm256_loadu_si256((const __m256i *)qh);
             __m256i c[4] = {
@@ -305,23 +174,195 @@ static float dot_q6_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)),
             };
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < 4; i++) {  /* 32 codes, two scales of 16 */
                 const int s = 4 * n + i;
-                __m256i p = _mm256_maddubs_epi16(c[i], _mm256_loadu_si256((const __m256i *)(qx + 32 * i)));
+                __m256i p = _mm256_maddubs_epi16(c[i], _mm256_load_si256((const __m256i *)(x->qs + 32 * s)));
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_setr_m128i(_mm_set1_epi16(sc[2 * s]), _mm_set1_epi16(sc[2 * s + 1]))));
             }
         }
-        __m256i mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)), 5);
-        __m256i m = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)x->bsums));
+        __m256i mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)), 5);  /* 32 · scale */
+        __m256i m = _mm256_madd_epi16(mins, _mm256_load_si256((const __m256i *)x->bsums));
         const float d = half(w + 208);
-        acc = add_block(acc, sumi, m, x->d, d, d);
+        acc = add_block_lanes(acc, sumi, m, x->d, d, d);
     }
-    return hsum8(acc);
+    return _mm_cvtss_f32(acc);
 }
+
+/* ---- several rows: a weight row unpacked once, then four rows of X at a time ------------------- */
+/* The codes are interleaved so that each 32-bit lane of a 64-byte vector belongs to one scale:
+ * Q4_K (eight sub-blocks of 32): vector v holds codes 8v..8v+7 of each sub-block j at bytes
+ * 8j..8j+7 (lanes 2j, 2j+1); Q6_K (sixteen groups of 16): codes 4v..4v+3 of group g at bytes
+ * 4g..4g+3 (lane g). Four code · x products summed per lane (vpdpbusd, or maddubs then madd with
+ * ones on AVX2), then one multiply by the lanes' scales per super-block. X's rows are laid out the
+ * same way when they are quantized for this path. */
+typedef struct {
+    uint8_t codes[QK_K];
+    int32_t scales[16];  /* per lane */
+    int16_t mins[16];    /* against X's 16-sums */
+    float d, dmin;
+} __attribute__((aligned(64))) unpacked;
+
+static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+static void interleave(int type, const uint8_t natural[QK_K], uint8_t out[QK_K]) {
+    if (type == GGML_Q4_K)
+        for (int v = 0; v < 4; v++)
+            for (int j = 0; j < 8; j++) memcpy(out + 64 * v + 8 * j, natural + 32 * j + 8 * v, 8);
+    else
+        for (int v = 0; v < 4; v++)
+            for (int g = 0; g < 16; g++) memcpy(out + 64 * v + 4 * g, natural + 16 * g + 4 * v, 4);
+}
+
+static void unpack_q4_k(const uint8_t *b, unpacked *u) {
+    uint8_t sc[8], mn[8], natural[QK_K] __attribute__((aligned(32)));
+    k4_scales_mins(b + 4, sc, mn);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {  /* 32 bytes: the low nibbles are weights 64j.., the high 64j+32.. */
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
+        _mm256_store_si256((__m256i *)(natural + 64 * j), _mm256_and_si256(q, low));
+        _mm256_store_si256((__m256i *)(natural + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), low));
+    }
+    interleave(GGML_Q4_K, natural, u->codes);
+    for (int j = 0; j < 8; j++) {
+        u->scales[2 * j] = u->scales[2 * j + 1] = sc[j];
+        u->mins[2 * j] = u->mins[2 * j + 1] = mn[j];
+    }
+    u->d = half(b);
+    u->dmin = half(b + 2);
+}
+
+static void unpack_q6_k(const uint8_t *b, unpacked *u) {
+    uint8_t natural[QK_K] __attribute__((aligned(32)));
+    q6_k_codes(b, natural);
+    interleave(GGML_Q6_K, natural, u->codes);
+    const int8_t *sc = (const int8_t *)(b + 192);
+    for (int g = 0; g < 16; g++) {
+        u->scales[g] = sc[g];
+        u->mins[g] = (int16_t)(32 * sc[g]);  /* the codes are q + 32 */
+    }
+    u->d = u->dmin = half(b + 208);
+}
+
+/* The same unpacked blocks with AVX-512: the interleave is a transpose of 8-byte (Q4_K) or 4-byte
+ * (Q6_K) pieces, done with two-source permutes instead of copies. */
+__attribute__((target("avx512f,avx512bw")))
+static void unpack_q4_k_avx512(const uint8_t *b, unpacked *u) {
+    uint32_t p[3];
+    memcpy(p, b + 4, 12);
+    const uint32_t sc_lo = p[0] & 0x3f3f3f3f, mn_lo = p[1] & 0x3f3f3f3f;  /* k4_scales_mins, four at a time */
+    const uint32_t sc_hi = (p[2] & 0x0f0f0f0f) | (((p[0] >> 6) & 0x03030303) << 4);
+    const uint32_t mn_hi = ((p[2] >> 4) & 0x0f0f0f0f) | (((p[1] >> 6) & 0x03030303) << 4);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i q0 = _mm512_loadu_si512(b + 16), q1 = _mm512_loadu_si512(b + 80);
+    /* as 8-byte pieces T[j][v] (codes 8v..8v+7 of sub-block j): a = [T0 | T2], b = [T1 | T3], c = [T4 | T6], d = [T5 | T7] */
+    __m512i a = _mm512_and_si512(q0, low), bb = _mm512_and_si512(_mm512_srli_epi16(q0, 4), low);
+    __m512i c = _mm512_and_si512(q1, low), d = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
+    for (int v = 0; v < 4; v++) {  /* vector v: T0[v] T1[v] ... T7[v] */
+        __m512i idx = _mm512_set_epi64(12 + v, 4 + v, 8 + v, v, 12 + v, 4 + v, 8 + v, v);
+        __m512i first = _mm512_permutex2var_epi64(a, idx, bb), second = _mm512_permutex2var_epi64(c, idx, d);
+        _mm512_store_si512(u->codes + 64 * v, _mm512_mask_blend_epi64(0xF0, first, second));
+    }
+    __m128i sc8 = _mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo), mn8 = _mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo);
+    _mm512_store_si512(u->scales, _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc8, sc8)));  /* each scale for two lanes */
+    _mm256_store_si256((__m256i *)u->mins, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8)));
+    u->d = half(b);
+    u->dmin = half(b + 2);
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void unpack_q6_k_avx512(const uint8_t *b, unpacked *u) {
+    /* q6_k_codes in registers: z0..z3 hold codes 0-63, 64-127, 128-191, 192-255 */
+    const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
+    const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  /* 0 | 2 */
+    const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);   /* 4 | 6 */
+    __m512i z[4];
+    for (int n = 0; n < 2; n++) {
+        __m512i l = _mm512_loadu_si512(b + 64 * n);
+        __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)));
+        z[2 * n] = _mm512_or_si512(_mm512_and_si512(l, low),
+                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_lo), two), 4));
+        z[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_hi), two), 4));
+    }
+    /* 4-byte pieces G[g][v] (codes 4v..4v+3 of group g), g-major in z */
+    const __m512i z0 = z[0], z1 = z[1], z2 = z[2], z3 = z[3];
+    for (int v = 0; v < 4; v++) {  /* vector v: G0[v] ... G15[v] */
+        __m512i idx = _mm512_set_epi32(28 + v, 24 + v, 20 + v, 16 + v, 12 + v, 8 + v, 4 + v, v,
+                                       28 + v, 24 + v, 20 + v, 16 + v, 12 + v, 8 + v, 4 + v, v);
+        __m512i first = _mm512_permutex2var_epi32(z0, idx, z1), second = _mm512_permutex2var_epi32(z2, idx, z3);
+        _mm512_store_si512(u->codes + 64 * v, _mm512_mask_blend_epi32(0xFF00, first, second));
+    }
+    __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+    _mm512_store_si512(u->scales, _mm512_cvtepi8_epi32(sc));
+    _mm256_store_si256((__m256i *)u->mins, _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5));  /* 32 · scale */
+    u->d = u->dmin = half(b + 208);
+}
+
+static void (*unpack_q4_k_fast)(const uint8_t *, unpacked *) = unpack_q4_k;
+static void (*unpack_q6_k_fast)(const uint8_t *, unpacked *) = unpack_q6_k;
+
+static void unpack_row(int type, const uint8_t *row, int64_t nb, unpacked *out) {
+    for (int64_t b = 0; b < nb; b++)
+        if (type == GGML_Q4_K) unpack_q4_k_fast(row + b * 144, out + b);
+        else unpack_q6_k_fast(row + b * 210, out + b);
+}
+
+static void dot4_avx2(const unpacked *w, const q8_block *const x[4], const float *dx4, int64_t nb, float out[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w++) {
+        __m256i lo[4], hi[4];
+        for (int r = 0; r < 4; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+        for (int v = 0; v < 4; v++) {
+            __m256i c0 = _mm256_load_si256((const __m256i *)(w->codes + 64 * v));
+            __m256i c1 = _mm256_load_si256((const __m256i *)(w->codes + 64 * v + 32));
+            for (int r = 0; r < 4; r++) {
+                const int8_t *q = x[r][b].qs + 64 * v;
+                lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c0, _mm256_load_si256((const __m256i *)q)), ones));
+                hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c1, _mm256_load_si256((const __m256i *)(q + 32))), ones));
+            }
+        }
+        const __m256i s0 = _mm256_load_si256((const __m256i *)w->scales), s1 = _mm256_load_si256((const __m256i *)(w->scales + 8));
+        const __m256i mins = _mm256_load_si256((const __m256i *)w->mins);
+        __m256i sums[4], m[4];
+        for (int r = 0; r < 4; r++) {
+            sums[r] = _mm256_add_epi32(_mm256_mullo_epi32(lo[r], s0), _mm256_mullo_epi32(hi[r], s1));
+            m[r] = _mm256_madd_epi16(mins, _mm256_load_si256((const __m256i *)x[r][b].bsums));
+        }
+        __m128 dx = _mm_loadu_ps(dx4 + 4 * b);  /* the four rows' scales of block b */
+        acc = add_block4(acc, hsum4_i32(sums[0], sums[1], sums[2], sums[3]), hsum4_i32(m[0], m[1], m[2], m[3]), dx, w->d, w->dmin);
+    }
+    _mm_storeu_ps(out, acc);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void dot4_vnni(const unpacked *w, const q8_block *const x[4], const float *dx4, int64_t nb, float out[4]) {
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w++) {
+        __m512i lanes[4];
+        for (int r = 0; r < 4; r++) lanes[r] = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++) {
+            __m512i c = _mm512_load_si512(w->codes + 64 * v);
+            for (int r = 0; r < 4; r++) lanes[r] = _mm512_dpbusd_epi32(lanes[r], c, _mm512_load_si512(x[r][b].qs + 64 * v));
+        }
+        const __m512i scales = _mm512_load_si512(w->scales);
+        const __m256i mins = _mm256_load_si256((const __m256i *)w->mins);
+        __m256i sums[4], m[4];
+        for (int r = 0; r < 4; r++) {
+            __m512i p = _mm512_mullo_epi32(lanes[r], scales);
+            sums[r] = _mm256_add_epi32(_mm512_castsi512_si256(p), _mm512_extracti64x4_epi64(p, 1));
+            m[r] = _mm256_madd_epi16(mins, _mm256_load_si256((const __m256i *)x[r][b].bsums));
+        }
+        __m128 dx = _mm_loadu_ps(dx4 + 4 * b);  /* the four rows' scales of block b */
+        acc = add_block4(acc, hsum4_i32(sums[0], sums[1], sums[2], sums[3]), hsum4_i32(m[0], m[1], m[2], m[3]), dx, w->d, w->dmin);
+    }
+    _mm_storeu_ps(out, acc);
+}
+
+static void (*dot4)(const unpacked *, const q8_block *const[4], const float *, int64_t, float[4]) = dot4_avx2;
 
 /* ---- the matmul, split by column ranges over onnxruntime's threads ----------------------------- */
 #define COLUMNS_PER_TASK 16
-#define X_TILE_BYTES (192 * 1024)  /* rows of quantized X dotted per unpacked weight row: kept in L2 */
 
 typedef struct {
     int type;
@@ -343,22 +384,25 @@ static void matmul_task(void *data, size_t task) {
         }
         return;
     }
-    unpacked *u = aligned(sizeof(unpacked) * job->nb);
+    /* the task's weight rows unpacked once (at most COLUMNS_PER_TASK · K/256 blocks: L2), then each
+     * four rows of X (L1) against every one of them */
+    const int64_t nb = job->nb;
+    unpacked *u = aligned(sizeof(unpacked) * (size_t)(nb * (n1 - n0)));
     if (!u) return;
-    int64_t tile = X_TILE_BYTES / (int64_t)(sizeof(q8_block) * job->nb);
-    if (tile < 1) tile = 1;
-    for (int64_t r0 = 0; r0 < job->rows; r0 += tile) {
-        const int64_t r1 = r0 + tile < job->rows ? r0 + tile : job->rows;
+    for (int64_t c = n0; c < n1; c++) unpack_row(job->type, job->w + c * job->row_bytes, nb, u + (c - n0) * nb);
+    float *dx4 = aligned(sizeof(float) * 4 * (size_t)nb);
+    for (int64_t r = 0; r < job->rows && dx4; r += 4) {
+        const q8_block *x[4];
+        for (int i = 0; i < 4; i++) x[i] = job->x + (r + i < job->rows ? r + i : r) * nb;  /* past the end: row r again */
+        for (int64_t b = 0; b < nb; b++)
+            for (int i = 0; i < 4; i++) dx4[4 * b + i] = x[i][b].d;
         for (int64_t c = n0; c < n1; c++) {
-            unpack_row(job->type, job->w + c * job->row_bytes, job->nb, u);
-            int64_t r = r0;
-            for (float out[4]; r + 4 <= r1; r += 4) {
-                dot4(u, job->x + r * job->nb, job->nb, out);
-                for (int i = 0; i < 4; i++) job->y[(r + i) * job->n + c] = out[i];
-            }
-            for (; r < r1; r++) job->y[r * job->n + c] = dot(u, job->x + r * job->nb, job->nb);
+            float out[4];
+            dot4(u + (c - n0) * nb, x, dx4, nb, out);
+            for (int i = 0; i < 4 && r + i < job->rows; i++) job->y[(r + i) * job->n + c] = out[i];
         }
     }
+    free(dx4);
     free(u);
 }
 
@@ -366,11 +410,19 @@ typedef struct {
     const float *x;
     int64_t k, nb;
     q8_block *out;
+    int type;  /* 0: weight order (one row); else the codes interleaved as that type's unpacked rows */
 } quantize_job;
 
 static void quantize_task(void *data, size_t row) {
     const quantize_job *job = data;
-    quantize_row(job->x + row * job->k, job->k, job->out + row * job->nb);
+    q8_block *out = job->out + row * job->nb;
+    quantize_row(job->x + row * job->k, job->k, out);
+    if (job->type)
+        for (int64_t b = 0; b < job->nb; b++) {
+            int8_t natural[QK_K];
+            memcpy(natural, out[b].qs, QK_K);
+            interleave(job->type, (const uint8_t *)natural, (uint8_t *)out[b].qs);
+        }
 }
 
 /* ---- exact dequantization (the gather): gguf-py's float32 operations, in its order -------------- */
@@ -387,11 +439,12 @@ static void dequantize_row(int type, const uint8_t *row, int64_t nb, float *y) {
                 for (int l = 0; l < 32; l++) y[32 * s + l] = scale * (float)((p[16 + 32 * j + l] >> shift) & 0x0F) + offset;
             }
         } else {
-            unpacked u;
+            uint8_t codes[QK_K] __attribute__((aligned(32)));
             const uint8_t *p = row + b * 210;
-            unpack_q6_k(p, &u);
+            q6_k_codes(p, codes);
             const int8_t *sc = (const int8_t *)(p + 192);
-            for (int i = 0; i < QK_K; i++) y[i] = (u.d * (float)sc[i / 16]) * (float)((int)u.codes[i] - 32);
+            const float d = half(p + 208);
+            for (int i = 0; i < QK_K; i++) y[i] = (d * (float)sc[i / 16]) * (float)((int)codes[i] - 32);
         }
     }
 }
@@ -471,7 +524,7 @@ static void compute(void *state, OrtKernelContext *context) {
     q8_block *qx = aligned(sizeof(q8_block) * (size_t)(rows * nb));
     if (!qx) return;
     KernelContextParallelForFn parallel = (KernelContextParallelForFn)kiln_ort_fn(api, SLOT_KernelContext_ParallelFor);
-    quantize_job qjob = {x, kn->k, nb, qx};
+    quantize_job qjob = {x, kn->k, nb, qx, rows > 1 ? (int)kn->type : 0};
     if (rows > 1) {
         OrtStatus *status = parallel(context, quantize_task, (size_t)rows, 0, &qjob);
         if (status) ((ReleaseStatusFn)kiln_ort_fn(api, SLOT_ReleaseStatus))(status);
@@ -527,9 +580,10 @@ static const OrtCustomOp GATHER = {13, create_gather, gather_name, cpu, gather_i
 /* The dot products' AVX-512 forms where the CPU has them (the same results as the AVX2 forms). */
 __attribute__((visibility("default")))
 void kiln_gguf_use_avx512(int on) {
-    const int ok = on && __builtin_cpu_supports("avx512bw");
-    dot = ok ? dot_avx512 : dot_avx2;
-    dot4 = ok ? (__builtin_cpu_supports("avx512vnni") ? dot4_avx512_vnni : dot4_avx512) : dot4_avx2;
+    const int avx512 = on && __builtin_cpu_supports("avx512bw");
+    dot4 = avx512 && __builtin_cpu_supports("avx512vnni") ? dot4_vnni : dot4_avx2;
+    unpack_q4_k_fast = avx512 ? unpack_q4_k_avx512 : unpack_q4_k;
+    unpack_q6_k_fast = avx512 ? unpack_q6_k_avx512 : unpack_q6_k;
 }
 
 __attribute__((visibility("default")))
@@ -550,7 +604,7 @@ __attribute__((visibility("default")))
 void kiln_gguf_matmul(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, float *y) {
     const int64_t nb = k / QK_K;
     q8_block *qx = aligned(sizeof(q8_block) * (size_t)(rows * nb));
-    quantize_job qjob = {x, k, nb, qx};
+    quantize_job qjob = {x, k, nb, qx, rows > 1 ? type : 0};
     for (int64_t r = 0; r < rows; r++) quantize_task(&qjob, (size_t)r);
     matmul_job job = {type, w, (size_t)nb * BLOCK_BYTES[type], qx, rows, n, nb, y};
     for (int64_t t = 0; t < (n + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK; t++) matmul_task(&job, (size_t)t);
