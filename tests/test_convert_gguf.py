@@ -95,7 +95,7 @@ def test_k_quants_mixed_in_projections_and_a_type_kept_fp32(tmp_path):
                                 types={"attn_v": "Q6_K", "ffn_down": "Q6_K", "ffn_up": "Q5_K", "ffn_gate": "IQ4_NL",
                                        "output": "Q6_K"}, tied=False)
     out = tmp_path / "art"
-    manifest = _convert(gguf_path, out, int4_accuracy_level=0)
+    manifest = _convert(gguf_path, out, int4_accuracy_level=0, native_gguf=False)
     [packed] = manifest.variants
     assert packed.name == "gguf" and packed.kept, packed.reason
     assert packed.details["from_gguf"] == {
@@ -121,7 +121,7 @@ def test_k_quants_mixed_in_projections_and_a_type_kept_fp32(tmp_path):
 @pytest.mark.skipif(__import__("modelkiln.native", fromlist=["library_path"]).library_path() is None,
                     reason="the native library is not built on this machine")
 def test_k_quants_as_stored_for_the_native_operators(tmp_path):
-    """With --native-gguf, Q4_K and Q6_K stay the file's own rows (q and k one node, v another), the
+    """By default (--native-gguf), Q4_K and Q6_K stay the file's own rows (q and k one node, v another), the
     embedding is gathered from its blocks and the tied head reads the same rows; other types keep
     their MatMulNBits form. The logits are PyTorch's to int8-activation rounding, and the gate
     (alone = batched) passes."""
@@ -131,7 +131,7 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_K", embedding="Q6_K", hidden=256, ff=256,
                                 types={"attn_v": "Q6_K", "ffn_up": "Q5_K"})
     out = tmp_path / "art"
-    manifest = _convert(gguf_path, out, native_gguf=True)
+    manifest = _convert(gguf_path, out)
     [packed] = manifest.variants
     assert packed.kept, packed.reason
     assert packed.details["native_ops"] is True

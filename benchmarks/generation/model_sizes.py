@@ -169,6 +169,7 @@ def run_shape(name: str, gguf: Path, args: argparse.Namespace) -> None:
              "load_before": load_average(), "convert_args": args.convert_args,
              **convert(gguf, artifact, args.convert_args.split())}, args.out)
     llama_server_bin, perplexity_bin = args.llama_bin / "llama-server", args.llama_bin / "llama-perplexity"
+    steps = set(args.steps.split(","))
     text = out / "squad.txt"
     text.write_text("\n\n".join(read_squad()[0]))
     with llama_server(llama_server_bin, gguf, args.threads, 1, 4096) as (url, _):
@@ -186,22 +187,28 @@ def run_shape(name: str, gguf: Path, args: argparse.Namespace) -> None:
     for round_ in range(1, args.rounds + 1):
         order = list(servers) if round_ % 2 else list(reversed(servers))
         for server in order:
+            started = time.perf_counter()
             with servers[server]() as (url, pid):
                 base = {"shape": name, "server": server, "round": round_}
+                log({**base, "step": "start", "ready_s": round(time.perf_counter() - started, 1)}, args.out)
                 httpx.post(f"{url}/v1/chat/completions", timeout=1800, json={
                     "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]}).raise_for_status()
-                log({**base, "step": "1 stream", "load_before": load_average(),
-                     **loadtest(url, 1, False, out, f"{server}-r{round_}-c1", args)}, args.out)
-                log({**base, "step": "16 streams", "load_before": load_average(),
-                     **loadtest(url, 16, round_ == 1, out, f"{server}-r{round_}-c16", args)}, args.out)
+                if "1" in steps:
+                    log({**base, "step": "1 stream", "load_before": load_average(),
+                         **loadtest(url, 1, False, out, f"{server}-r{round_}-c1", args)}, args.out)
+                if "16" in steps:
+                    log({**base, "step": "16 streams", "load_before": load_average(),
+                         **loadtest(url, 16, round_ == 1, out, f"{server}-r{round_}-c16", args)}, args.out)
                 mine = windows[(round_ - 1) * 10 + (0 if server == "kiln" else 5):][:5]
-                log({**base, "step": "ttft 512", "load_before": load_average(),
-                     "ttft_512_p50_ms": round(1000 * ttft_512(url, mine), 1)}, args.out)
-                if round_ == 1 and server == "kiln":
+                if "ttft" in steps:
+                    log({**base, "step": "ttft 512", "load_before": load_average(),
+                         "ttft_512_p50_ms": round(1000 * ttft_512(url, mine), 1)}, args.out)
+                if round_ == 1 and server == "kiln" and "ppl" in steps:
                     log({**base, "step": "perplexity", "chunks": len(chunks), "ppl": kiln_perplexity(url, chunks)}, args.out)
                 log({**base, "step": "memory", "peak_rss_mb": round(peak_rss_mb(pid), 1)}, args.out)
-    log({"shape": name, "server": "llama.cpp", "step": "perplexity", "chunks": len(chunks),
-         "ppl": llama_perplexity(perplexity_bin, gguf, text, len(chunks), args.threads)}, args.out)
+    if "ppl" in steps:
+        log({"shape": name, "server": "llama.cpp", "step": "perplexity", "chunks": len(chunks),
+             "ppl": llama_perplexity(perplexity_bin, gguf, text, len(chunks), args.threads)}, args.out)
 
 
 def report(rows_file: Path) -> str:
@@ -222,8 +229,8 @@ def report(rows_file: Path) -> str:
         return f"{k:{fmt}} / {ll:{fmt}} ({k / ll:.2f}x)"
 
     lines = ["| shape | convert: s, peak RSS | perplexity kiln / llama.cpp | 1 stream tok/s | 16 streams tok/s "
-             "| TTFT 512 p50 ms | answers changed at 16 streams | server peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| TTFT 512 p50 ms | answers changed at 16 streams | server peak RSS MB | ready in s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for shape in dict.fromkeys(r["shape"] for r in rows if "shape" in r):
         conv = [r for r in rows if r.get("shape") == shape and r.get("step") == "convert"]
         convert = f"{conv[-1]['convert_s']} s, {conv[-1]['convert_peak_rss_mb'] / 1024:.2f} GB (file {conv[-1]['gguf_mb'] / 1000:.2f} GB)" \
@@ -238,7 +245,7 @@ def report(rows_file: Path) -> str:
         lines.append(f"| {shape} | {convert} | {ppl} | {pair(shape, '1 stream', 'output_tokens_per_s', '.1f')} "
                      f"| {pair(shape, '16 streams', 'output_tokens_per_s', '.1f')} "
                      f"| {pair(shape, 'ttft 512', 'ttft_512_p50_ms', '.0f')} | {'; '.join(changed) or '-'} "
-                     f"| {pair(shape, 'memory', 'peak_rss_mb', '.0f')} |")
+                     f"| {pair(shape, 'memory', 'peak_rss_mb', '.0f')} | {pair(shape, 'start', 'ready_s', '.1f')} |")
     return "\n".join(lines)
 
 
@@ -262,6 +269,8 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=20)
     parser.add_argument("--max-windows", type=int, default=3)
     parser.add_argument("--ppl-chunks", type=int, default=8)
+    parser.add_argument("--steps", default="1,16,ttft,ppl",
+                        help="what to measure besides convert, start and memory: 1 (one stream), 16 (16 streams), ttft, ppl")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cpu = cpu_description()
