@@ -19,10 +19,15 @@ _TASKS = (
     "tasks/question_answering.py", "tasks/token_classification.py", "tasks/tensors.py",
 )
 
+# kiln's native onnxruntime operators (GGUF K-quant blocks), which runtime/onnx.py registers with
+# every session: the finder and, where it was built, the library itself.
+_NATIVE = ("native/__init__.py", *sorted(f"native/{p.name}" for p in (Path(__file__).parent.parent / "native").glob("_gguf_ops*")
+                                         if p.suffix in (".so", ".pyd")))
+
 # The encoder models (tokenize, postprocess, the python-backend onnx model); runtime/onnx.py is
 # loaded by the python-backend model only.
 ENCODER_FILES = (
-    *_TASKS, "runtime/__init__.py", "runtime/engine.py", "runtime/onnx.py", "runtime/tokenizer.py",
+    *_TASKS, "runtime/__init__.py", "runtime/engine.py", "runtime/onnx.py", "runtime/tokenizer.py", *_NATIVE,
     "triton/__init__.py", "triton/batching.py",
 )
 
@@ -30,7 +35,7 @@ ENCODER_FILES = (
 # sampling, text), tasks/text_generation.py (which tells a generation artifact) and cpus.py (the
 # engine's threads when none are given).
 GENERATION_FILES = (
-    *_TASKS, "tasks/text_generation.py", "runtime/__init__.py", "runtime/onnx.py", "cpus.py",
+    *_TASKS, "tasks/text_generation.py", "runtime/__init__.py", "runtime/onnx.py", *_NATIVE, "cpus.py",
     *sorted(f"generation/{p.name}" for p in (Path(__file__).parent.parent / "generation").glob("*.py")
             if p.name != "command.py"),
 )
