@@ -63,19 +63,13 @@ static void quantize_row(const float *x, int64_t k, q8_block *out) {
 /* Every path computes, per row of X, column and super-block, the same two exact integers
  *     sums = Σ_sub-blocks scale · Σ code · x     and     mins = Σ min · (16-sums of x)
  * (Q4_K: 6-bit scales and minimums; Q6_K: signed 8-bit scales and the code offset 32 · scale), and
- * then the same float operations: acc += dx · (d · sums − dmin · mins) (add_block_lanes, add_block4). How the integers are
- * formed (lanes, instruction set, one row or four) cannot change them, so a row's result is the
- * same bits alone, in any batch, on AVX2 or AVX-512. */
+ * then the same float operations: acc += dx · (d · sums − dmin · mins) (add_block_lanes for one
+ * row, add_block4 for four, lane by lane). How the integers are formed (lanes, instruction set,
+ * one row or four) cannot change them, so a row's result is the same bits alone, in any batch, on
+ * AVX2 or AVX-512. */
 
-static inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
-/* One row's super-block: Σ of the eight int32 of sums and of mins (lanes 0 and 1, exact), then
- * add_block's float operations on lane 0 of acc, without leaving the vector registers. */
+/* One row's super-block: Σ of the eight int32 of sums and of mins (lanes 0 and 1, exact), then the
+ * float step on lane 0 of acc, without leaving the vector registers. */
 static inline __m128 add_block_lanes(__m128 acc, __m256i sums, __m256i mins, float dx, float d, float dmin) {
     __m256i h = _mm256_hadd_epi32(sums, mins);  /* [s01 s23 m01 m23 | s45 s67 m45 m67] */
     h = _mm256_hadd_epi32(h, h);                /* [s0-3 m0-3 . . | s4-7 m4-7 . .] */
