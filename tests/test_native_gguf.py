@@ -5,20 +5,19 @@ import ctypes
 import numpy as np
 import pytest
 
-from modelkiln.native import BLOCK_BYTES, DOMAIN, GGML_TYPES, library_path
+from generation_helpers import GGUF_FP16_FIELDS, random_gguf_blocks
+from modelkiln.native import DOMAIN, GGML_TYPES, library_path
 
 pytestmark = pytest.mark.skipif(library_path() is None, reason="the native library is not built on this machine")
 
 
 def random_blocks(kind: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random codes and scales in the type's layout, with finite fp16 super-block scales."""
+    """Valid random blocks (generation_helpers.random_gguf_blocks) whose fp16 super-block scales
+    differ from block to block, so that a kernel reading another block's scale shows."""
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, k // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
-    scales = (rng.random((rows, k // 256, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
-    if kind == "Q4_K":  # d and dmin first
-        raw[..., 0:4] = scales.reshape(rows, k // 256, 4)
-    else:  # d last
-        raw[..., 208:210] = scales[..., 0:2]
+    raw = random_gguf_blocks(kind, rows, k, rng).reshape(rows, k // 256, -1)
+    for at in GGUF_FP16_FIELDS[kind]:
+        raw[..., at:at + 2] = (rng.random((rows, k // 256, 1)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 

@@ -258,7 +258,13 @@ class GgufMatrix:
     def row_ranges(self) -> list[tuple[int, int]]:
         return [(a, min(a + self.chunk_rows, self.shape[0])) for a in range(0, self.shape[0], self.chunk_rows)]
 
-    def _raw(self, start: int, stop: int) -> np.ndarray:
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row as the file stores it."""
+        return int(self.data.shape[1])
+
+    def raw(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) as the file stores them (uint8 blocks), in the model's row order."""
         rows = slice(start, stop) if self.order is None else self.order[start:stop]
         return self._read(rows)
 
@@ -270,7 +276,7 @@ class GgufMatrix:
         return raw
 
     def blocks(self, start: int = 0, stop: int | None = None) -> Blocks:
-        blocks = decode_blocks(self.kind, self._raw(start, self.shape[0] if stop is None else stop))
+        blocks = decode_blocks(self.kind, self.raw(start, self.shape[0] if stop is None else stop))
         if not (np.isfinite(blocks.scale).all() and (blocks.offset is None or np.isfinite(blocks.offset).all())):
             raise self._corrupt()
         return blocks
@@ -282,7 +288,7 @@ class GgufMatrix:
 
     def dequantized(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows [start, stop) in float32, as gguf-py dequantizes them (what transformers loads)."""
-        return self._dequantize(self._raw(start, self.shape[0] if stop is None else stop))
+        return self._dequantize(self.raw(start, self.shape[0] if stop is None else stop))
 
     def rows(self, indices: list[int] | np.ndarray) -> np.ndarray:
         """The given rows in float32 (an embedding's rows for the tokens used)."""

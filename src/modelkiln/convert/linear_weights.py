@@ -166,11 +166,9 @@ class GraphBuilder:
 
     def _write_rows(self, stem: str, matrices: list[GgufMatrix]) -> str:
         """The file's own rows of ``matrices``, stacked along N (streamed, a range of rows at a time)."""
-        from ..native import BLOCK_BYTES
-
-        row_bytes = matrices[0].shape[1] // 256 * BLOCK_BYTES[matrices[0].kind]
-        rows = (m._raw(a, b) for m in matrices for a, b in m.row_ranges())
-        proto = self.tensors.chunked(f"{stem}.blocks", (sum(m.shape[0] for m in matrices), row_bytes), np.uint8, rows)
+        rows = (m.raw(a, b) for m in matrices for a, b in m.row_ranges())
+        proto = self.tensors.chunked(f"{stem}.blocks", (sum(m.shape[0] for m in matrices), matrices[0].row_bytes),
+                                     np.uint8, rows)
         self.initializers.append(proto)
         return proto.name
 
@@ -281,15 +279,14 @@ class GraphBuilder:
     def lm_head(self, x: str, matrix: Matrix, output: str) -> str:
         """``x`` [positions, hidden] times ``matrix`` [vocab, hidden]; a tied head (the embedding's
         own GgufMatrix) reads the embedding's codes and scales."""
-        if self._embedding is not None and matrix is self._embedding[0] and isinstance(self._embedding[1], str):
-            self.formats[str(AsStored(matrix.kind))] += 1  # type: ignore[union-attr]
-            self._gguf_matmul(x, "lm_head", self._embedding[1], matrix.kind, matrix.shape[1], matrix.shape[0], output)  # type: ignore[union-attr]
-            return output
         if self._embedding is not None and matrix is self._embedding[0]:
-            q = self._embedding[1]
-            assert isinstance(q, QuantizedWeights)
-            self.formats[str(q.storage)] += 1
-            self._matmul_nbits(x, "lm_head", q, output, rank=2)
+            embedding, weights = self._embedding
+            if isinstance(weights, str):  # the file's rows, for the native operators
+                self.formats[str(AsStored(embedding.kind))] += 1
+                self._gguf_matmul(x, "lm_head", weights, embedding.kind, embedding.shape[1], embedding.shape[0], output)
+            else:
+                self.formats[str(weights.storage)] += 1
+                self._matmul_nbits(x, "lm_head", weights, output, rank=2)
             return output
         return self.linear(x, "lm_head", [matrix], output=output, rank=2)[0]
 

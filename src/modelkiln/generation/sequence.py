@@ -4,9 +4,9 @@ turns them into text and decides when to stop. The engine core keeps one per adm
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-import sys
 from typing import Any
 
 import numpy as np
@@ -147,8 +147,7 @@ class SequenceState:
         if self._stops.stopped or (self.matcher is not None and self.matcher.is_terminated()):
             text += self._stops.feed(self._detok.flush())
             return self._finish(token_id, STOP, text)
-        total = len(self.prompt_ids) + len(self.generated_ids)
-        if len(self.generated_ids) >= self.params.max_new_tokens or (self.max_context and total >= self.max_context):
+        if self.tokens_left <= 0:
             text += self._stops.feed(self._detok.flush())
             return self._finish(token_id, STOP if self._stops.stopped else LENGTH, text)
         self.text += text

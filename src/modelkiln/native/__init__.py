@@ -14,7 +14,6 @@ from pathlib import Path
 
 DOMAIN = "kiln.gguf"
 GGML_TYPES = {"Q4_K": 12, "Q6_K": 14}  # the GGUF types these operators read (ggml's type numbers)
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes per 256 weights
 _CPU_FLAGS = ("avx2", "fma", "f16c")  # what the library is compiled for
 
 

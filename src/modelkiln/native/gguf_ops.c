@@ -95,29 +95,35 @@ static inline float half(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static void k4_scales_mins(const uint8_t *p, uint8_t sc[8], uint8_t mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = p[j] & 63;
-        mn[j] = p[j + 4] & 63;
-        sc[j + 4] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
-        mn[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
-    }
+/* Q4_K's eight 6-bit scales and eight 6-bit minimums (12 packed bytes), a byte each, four to a
+ * word: sc[0] holds scales 0-3, sc[1] scales 4-7, and mn the minimums likewise. */
+static inline void k4_scales_mins(const uint8_t *p, uint32_t sc[2], uint32_t mn[2]) {
+    uint32_t u[3];
+    memcpy(u, p, 12);
+    sc[0] = u[0] & 0x3f3f3f3f;
+    mn[0] = u[1] & 0x3f3f3f3f;
+    sc[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    mn[1] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+}
+
+/* Q6_K's codes q + 32 (0..63) of one half of a block (128 weights, from 64 low and 32 high bytes),
+ * as four vectors of 32 in weight order */
+static inline void q6_k_half(const uint8_t *ql, const uint8_t *qh, __m256i c[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    c[0] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, two), 4));
+    c[1] = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4));
+    c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4));
+    c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4));
 }
 
 /* Q6_K's codes, q + 32 (0..63), in weight order */
 static void q6_k_codes(const uint8_t *b, uint8_t c[QK_K]) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-    for (int n = 0; n < 2; n++, ql += 64, qh += 32, c += 128) {
-        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-        __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-        _mm256_storeu_si256((__m256i *)c, _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, two), 4)));
-        _mm256_storeu_si256((__m256i *)(c + 32), _mm256_or_si256(_mm256_and_si256(l1, low),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4)));
-        _mm256_storeu_si256((__m256i *)(c + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4)));
-        _mm256_storeu_si256((__m256i *)(c + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)));
+    for (int n = 0; n < 2; n++) {
+        __m256i half_codes[4];
+        q6_k_half(b + 64 * n, b + 128 + 32 * n, half_codes);
+        for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(c + 128 * n + 32 * i), half_codes[i]);
     }
 }
 
@@ -126,14 +132,10 @@ static float dot_q4_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m128 acc = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144, x++) {
-        /* the eight 6-bit scales and mins, a byte each, four at a time (k4_scales_mins' bytes) */
-        uint32_t u[3];
-        memcpy(u, w + 4, 12);
-        const uint32_t sc_lo = u[0] & 0x3f3f3f3f, mn_lo = u[1] & 0x3f3f3f3f;
-        const uint32_t sc_hi = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-        const uint32_t mn_hi = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+        uint32_t sc[2], mn[2];
+        k4_scales_mins(w + 4, sc, mn);
         /* each scale as int16 in both 128-bit halves; SCALE_OF(s) broadcasts scale s to all 16 lanes */
-        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo)));
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
 #define SCALE_OF(s) _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (s))))
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
@@ -145,7 +147,7 @@ static float dot_q4_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(hi, SCALE_OF(2 * j + 1)));
         }
 #undef SCALE_OF
-        __m128i m8 = _mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo);
+        __m128i m8 = _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]);
         __m256i m = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)), _mm256_load_si256((const __m256i *)x->bsums));
         acc = add_block_lanes(acc, sumi, m, x->d, half(w), half(w + 2));
     }
@@ -153,21 +155,13 @@ static float dot_q4_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
 }
 
 static float dot_q6_k_row(const uint8_t *w, const q8_block *x, int64_t nb) {
-    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
     __m128 acc = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210, x++) {
-        const uint8_t *ql = w, *qh = w + 128;
         const int8_t *sc = (const int8_t *)(w + 192);
         __m256i sumi = _mm256_setzero_si256();
-        for (int n = 0; n < 2; n++, ql += 64, qh += 32) {  /* q6_k_codes, kept in registers */
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i c[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, two), 4)),
-                _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)),
-            };
+        for (int n = 0; n < 2; n++) {  /* the codes kept in registers */
+            __m256i c[4];
+            q6_k_half(w + 64 * n, w + 128 + 32 * n, c);
             for (int i = 0; i < 4; i++) {  /* 32 codes, two scales of 16 */
                 const int s = 4 * n + i;
                 __m256i p = _mm256_maddubs_epi16(c[i], _mm256_load_si256((const __m256i *)(x->qs + 32 * s)));
@@ -208,8 +202,10 @@ static void interleave(int type, const uint8_t natural[QK_K], uint8_t out[QK_K])
 }
 
 static void unpack_q4_k(const uint8_t *b, unpacked *u) {
-    uint8_t sc[8], mn[8], natural[QK_K] __attribute__((aligned(32)));
-    k4_scales_mins(b + 4, sc, mn);
+    uint32_t sc_words[2], mn_words[2];
+    k4_scales_mins(b + 4, sc_words, mn_words);
+    const uint8_t *sc = (const uint8_t *)sc_words, *mn = (const uint8_t *)mn_words;  /* x86: byte j is number j */
+    uint8_t natural[QK_K] __attribute__((aligned(32)));
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int j = 0; j < 4; j++) {  /* 32 bytes: the low nibbles are weights 64j.., the high 64j+32.. */
         __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
@@ -241,11 +237,8 @@ static void unpack_q6_k(const uint8_t *b, unpacked *u) {
  * (Q6_K) pieces, done with two-source permutes instead of copies. */
 __attribute__((target("avx512f,avx512bw")))
 static void unpack_q4_k_avx512(const uint8_t *b, unpacked *u) {
-    uint32_t p[3];
-    memcpy(p, b + 4, 12);
-    const uint32_t sc_lo = p[0] & 0x3f3f3f3f, mn_lo = p[1] & 0x3f3f3f3f;  /* k4_scales_mins, four at a time */
-    const uint32_t sc_hi = (p[2] & 0x0f0f0f0f) | (((p[0] >> 6) & 0x03030303) << 4);
-    const uint32_t mn_hi = ((p[2] >> 4) & 0x0f0f0f0f) | (((p[1] >> 6) & 0x03030303) << 4);
+    uint32_t sc[2], mn[2];
+    k4_scales_mins(b + 4, sc, mn);
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512i q0 = _mm512_loadu_si512(b + 16), q1 = _mm512_loadu_si512(b + 80);
     /* as 8-byte pieces T[j][v] (codes 8v..8v+7 of sub-block j): a = [T0 | T2], b = [T1 | T3], c = [T4 | T6], d = [T5 | T7] */
@@ -256,7 +249,7 @@ static void unpack_q4_k_avx512(const uint8_t *b, unpacked *u) {
         __m512i first = _mm512_permutex2var_epi64(a, idx, bb), second = _mm512_permutex2var_epi64(c, idx, d);
         _mm512_store_si512(u->codes + 64 * v, _mm512_mask_blend_epi64(0xF0, first, second));
     }
-    __m128i sc8 = _mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo), mn8 = _mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo);
+    __m128i sc8 = _mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]), mn8 = _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]);
     _mm512_store_si512(u->scales, _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc8, sc8)));  /* each scale for two lanes */
     _mm256_store_si256((__m256i *)u->mins, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8)));
     u->d = half(b);
@@ -424,8 +417,9 @@ static void dequantize_row(int type, const uint8_t *row, int64_t nb, float *y) {
     for (int64_t b = 0; b < nb; b++, y += QK_K) {
         if (type == GGML_Q4_K) {
             const uint8_t *p = row + b * 144;
-            uint8_t sc[8], mn[8];
-            k4_scales_mins(p + 4, sc, mn);
+            uint32_t sc_words[2], mn_words[2];
+            k4_scales_mins(p + 4, sc_words, mn_words);
+            const uint8_t *sc = (const uint8_t *)sc_words, *mn = (const uint8_t *)mn_words;
             const float d = half(p), dmin = half(p + 2);
             for (int s = 0; s < 8; s++) {
                 const float scale = d * (float)sc[s], offset = -(dmin * (float)mn[s]);
