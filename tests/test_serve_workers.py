@@ -29,11 +29,22 @@ from test_serve import Server
 
 
 def worker_pids(pid: int) -> list[int]:
-    """The worker processes of a server."""
+    """The worker processes of a server.
+
+    Threads end and workers die while /proc is read (a test kills one): whatever vanished
+    between listing and reading is simply not there.
+    """
+
+    def read(path: Path) -> bytes:
+        try:
+            return path.read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            return b""
+
     children = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return sorted(c for c in children if "worker_main" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace"))
+        children += [int(c) for c in read(task / "children").split()]
+    return sorted(c for c in children if b"worker_main" in read(Path(f"/proc/{c}/cmdline")))
 
 
 def worker_of(response: httpx.Response) -> str:
