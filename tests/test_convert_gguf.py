@@ -135,8 +135,8 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
     [packed] = manifest.variants
     assert packed.kept, packed.reason
     assert packed.details["native_ops"] is True
-    assert packed.details["from_gguf"]["Q4_K"]["stored"] == "Q4_K blocks as in the file (GgufMatMul)"
-    assert packed.details["from_gguf"]["Q6_K"]["stored"] == "Q6_K blocks as in the file (GgufMatMul)"
+    assert packed.details["from_gguf"]["Q4_K"]["stored"] == "Q4_K blocks as in the file, in tiles of 16 rows (GgufMatMul)"
+    assert packed.details["from_gguf"]["Q6_K"]["stored"] == "Q6_K blocks as in the file, in tiles of 16 rows (GgufMatMul)"
     assert packed.details["from_gguf"]["Q5_K"]["stored"] == "8-bit, block 32, min correction"
     graph = onnx.load(str(out / "model.gguf.onnx"), load_external_data=False).graph
     ops = [n.op_type for n in graph.node]

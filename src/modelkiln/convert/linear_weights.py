@@ -12,10 +12,11 @@ itself) and ``C`` [blocks, N]. Projections that read the same input (q/k/v, gate
 when they are stored alike (bits, block, correction), else one node per storage: a Q4_K_M file
 holds q and k as Q4_K and v as Q6_K.
 
-Q4_K and Q6_K blocks, where kiln's native operators are built (``native/``), are not repacked at
-all: the file's rows are the initializer of a ``GgufMatMul`` node (4.5 and 6.56 bits a weight,
-against MatMulNBits' 6 and 10 for the same values), and a ``GgufGather`` dequantizes the
-embedding's rows exactly. ``GraphBuilder(native=False)`` writes MatMulNBits for them as before.
+Q4_K and Q6_K blocks, where kiln's native operators are built (``native/``), keep the file's
+values and size: its rows, regrouped sixteen at a time (``gguf_tiles.py``), are the initializer of a
+``GgufMatMul`` node (4.5 and 6.56 bits a weight, against MatMulNBits' 6 and 10 for the same
+values), and a ``GgufGather`` dequantizes the embedding's rows from the same tiles exactly.
+``GraphBuilder(native=False)`` writes MatMulNBits for them as before.
 
 The token embedding of the packed variant stays quantized too: a token's row of codes and scales
 is gathered and dequantized in the graph with gguf-py's own operations (exactly its values), and a
@@ -34,6 +35,7 @@ import numpy as np
 
 from .external_data import TensorFile
 from .gguf_blocks import GgufMatrix, Storage
+from .gguf_tiles import TILE, tile_count, tiled_rows
 
 MS_DOMAIN = "com.microsoft"
 Matrix = Union[np.ndarray, GgufMatrix]  # [N, K]: fp32 values, or a GGUF tensor read on demand
@@ -46,7 +48,7 @@ class AsStored:
     kind: str
 
     def __str__(self) -> str:
-        return f"{self.kind} blocks as in the file (GgufMatMul)"
+        return f"{self.kind} blocks as in the file, in tiles of 16 rows (GgufMatMul)"
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class GraphBuilder:
             self._count(w, storage)
         if isinstance(storage, AsStored):
             self.formats[str(storage)] += 1
-            self._gguf_matmul(x, name, self._write_rows(name, weights), storage.kind, weights[0].shape[1],  # type: ignore[arg-type]
+            self._gguf_matmul(x, name, self._write_tiles(name, weights), storage.kind, weights[0].shape[1],  # type: ignore[arg-type]
                               sum(w.shape[0] for w in weights), product)
         elif storage is None:
             self.formats["fp32"] += 1
@@ -164,11 +166,13 @@ class GraphBuilder:
                       outputs=[out])
         return out
 
-    def _write_rows(self, stem: str, matrices: list[GgufMatrix]) -> str:
-        """The file's own rows of ``matrices``, stacked along N (streamed, a range of rows at a time)."""
+    def _write_tiles(self, stem: str, matrices: list[GgufMatrix]) -> str:
+        """The file's own rows of ``matrices``, stacked along N, in the native operators' tiles of
+        16 rows (streamed, a range of rows at a time)."""
         rows = (m.raw(a, b) for m in matrices for a, b in m.row_ranges())
-        proto = self.tensors.chunked(f"{stem}.blocks", (sum(m.shape[0] for m in matrices), matrices[0].row_bytes),
-                                     np.uint8, rows)
+        n = sum(m.shape[0] for m in matrices)
+        proto = self.tensors.chunked(f"{stem}.tiles", (tile_count(n), matrices[0].row_bytes * TILE), np.uint8,
+                                     tiled_rows(matrices[0].kind, rows))
         self.initializers.append(proto)
         return proto.name
 
@@ -250,10 +254,10 @@ class GraphBuilder:
         if isinstance(storage, AsStored):
             from ..native import DOMAIN, GGML_TYPES
 
-            blocks = self._write_rows(name, [matrix])
+            blocks = self._write_tiles(name, [matrix])
             self._embedding = (matrix, blocks)
             return self.node("GgufGather", [blocks, ids], name, domain=DOMAIN, ggml_type=GGML_TYPES[matrix.kind],
-                             K=matrix.shape[1])
+                             K=matrix.shape[1], N=matrix.shape[0])
         q = self._write_blocks(name, [matrix], storage, offsets=True, correction=tied)
         self._embedding = (matrix, q)
         codes = self.node("Gather", [q.codes, ids], f"{name}.row_codes")  # [batch, sequence, blocks, bytes]
