@@ -18,9 +18,10 @@ import pytest
 from generation_helpers import write_tiny_gguf
 from helpers import SRC, assert_one_line_error, kiln
 from modelkiln.convert.pipeline import ConvertConfig, convert
-from modelkiln.errors import ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError
+from modelkiln.errors import ArtifactError, ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError
 from modelkiln.generation.engine import EngineOptions
 from modelkiln.generation.model import TextGenerationModel
+from modelkiln.native import LAYOUT
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -134,7 +135,7 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
     manifest = _convert(gguf_path, out)
     [packed] = manifest.variants
     assert packed.kept, packed.reason
-    assert packed.details["native_ops"] is True
+    assert packed.details["native_ops"] == LAYOUT
     assert packed.details["from_gguf"]["Q4_K"]["stored"] == "Q4_K blocks as in the file, in tiles of 16 rows (GgufMatMul)"
     assert packed.details["from_gguf"]["Q6_K"]["stored"] == "Q6_K blocks as in the file, in tiles of 16 rows (GgufMatMul)"
     assert packed.details["from_gguf"]["Q5_K"]["stored"] == "8-bit, block 32, min correction"
@@ -151,6 +152,15 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
     # activations are quantized to int8 per 256 inputs (as llama.cpp does), layer after layer
     assert np.sqrt(np.mean((got - expected) ** 2)) < 0.03 * np.sqrt(np.mean(expected ** 2))
     assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.8
+
+    # a graph of the operators' first layout (the file's rows, recorded as true) is refused, not run
+    manifest_file = out / "kiln.json"
+    recorded = json.loads(manifest_file.read_text())
+    [entry] = [v for v in recorded["variants"] if v["name"] == packed.name]
+    entry["details"]["native_ops"] = True
+    manifest_file.write_text(json.dumps(recorded))
+    with pytest.raises(ArtifactError, match="convert the model again"):
+        TextGenerationModel(out).core(packed.name)
 
 
 def test_another_architecture_is_exported_and_packed_by_value(tmp_path):

@@ -4,7 +4,8 @@ objects, arrays with bounds, enums and literals, numbers with bounds, optional f
 recursion), greedy, sampled and streamed; and what the grammar costs in throughput at 16 streams.
 
 The goal: every answer parses (a parsed object every time, in every mode), and constrained
-decoding at 16 streams within 10% of unconstrained throughput.
+decoding at 16 streams within 10% of unconstrained throughput (``throughput``: as answered, and
+with the plain answers made as long as the constrained ones).
 
     kiln serve artifacts/SmolLM2-135M-Instruct &
     python benchmarks/generation/structured_outputs.py --url http://127.0.0.1:8000 \\
@@ -260,36 +261,64 @@ def run_cases(client: Any, model: str, modes: list[str], seeds: int, max_tokens:
 def throughput(client: Any, model: str, streams: int, seconds: float, rounds: int,
                max_tokens: int) -> dict[str, Any]:
     """Tokens per second at ``streams`` concurrent sampled requests, with and without a schema,
-    interleaved by round so that load elsewhere hits both alike."""
+    interleaved by round so that load elsewhere hits both alike. Two comparisons:
+
+    - as answered: the same prompt and seeds, each answer as long as it comes (the constrained
+      ones end when their JSON closes, the plain ones at an end token or ``max_tokens``);
+    - matched: the plain round replays the constrained round's requests (prompt, seed), each
+      made exactly as long as its constrained answer (``ignore_eos``), so that both rounds
+      compute the same prefills and the same number of tokens and differ only by the grammar."""
     body = dict(model=model, messages=[{"role": "system", "content": SYSTEM},
                                        {"role": "user", "content": "Give settings for a backup job."}],
-                max_tokens=max_tokens, temperature=1.0)
+                temperature=1.0)
     constrained = {"type": "json_schema", "json_schema": {"name": "Flags", "schema": Flags.model_json_schema(),
                                                           "strict": True}}
 
-    def load(response_format: Any) -> float:
-        stop, tokens, lock = time.monotonic() + seconds, [0], threading.Lock()
+    def load(response_format: Any, replay: list[list[tuple[int, int]]] | None = None) -> tuple[float, list, float]:
+        """(tokens/s, each worker's (seed, tokens) answers, mean tokens an answer)"""
+        stop, lock = time.monotonic() + seconds, threading.Lock()
+        answered: list[list[tuple[int, int]]] = [[] for _ in range(streams)]
+
+        def ask(k: int, seed: int, length: int | None) -> None:
+            extra: dict[str, Any] = {"response_format": response_format} if response_format else {}
+            if length is None:
+                extra["max_tokens"] = max_tokens
+            else:
+                extra.update(max_tokens=length, extra_body={"ignore_eos": True})
+            answer = client.chat.completions.create(seed=seed, **body, **extra)
+            with lock:
+                answered[k].append((seed, answer.usage.completion_tokens))
 
         def worker(k: int) -> None:
+            if replay is not None:
+                for seed, length in replay[k]:
+                    ask(k, seed, length)
+                return
             seed = k * 1000
             while time.monotonic() < stop:
                 seed += 1
-                extra = {"response_format": response_format} if response_format else {}
-                answer = client.chat.completions.create(seed=seed, **body, **extra)
-                with lock:
-                    tokens[0] += answer.usage.completion_tokens
+                ask(k, seed, None)
 
         started = time.monotonic()
         with ThreadPoolExecutor(streams) as pool:
             list(pool.map(worker, range(streams)))
-        return tokens[0] / (time.monotonic() - started)
+        lengths = [n for answers in answered for _, n in answers]
+        return sum(lengths) / (time.monotonic() - started), answered, statistics.mean(lengths)
 
-    plain, grammar = [], []
+    plain, grammar, matched = [], [], []
+    plain_len, grammar_len = [], []
     for _ in range(rounds):
-        plain.append(load(None))
-        grammar.append(load(constrained))
-    ratio = statistics.median(grammar) / statistics.median(plain)
-    return {"streams": streams, "plain_tok_s": plain, "constrained_tok_s": grammar, "ratio": ratio}
+        rate, _, length = load(None)
+        plain.append(rate)
+        plain_len.append(length)
+        rate, answered, length = load(constrained)
+        grammar.append(rate)
+        grammar_len.append(length)
+        matched.append(load(None, replay=answered)[0])
+    return {"streams": streams, "plain_tok_s": plain, "constrained_tok_s": grammar,
+            "ratio": statistics.median(grammar) / statistics.median(plain),
+            "plain_mean_tokens": plain_len, "constrained_mean_tokens": grammar_len,
+            "matched_plain_tok_s": matched, "matched_ratio": statistics.median(grammar) / statistics.median(matched)}
 
 
 def main() -> None:
@@ -318,8 +347,12 @@ def main() -> None:
                               "total": len(rows)}
     if args.throughput:
         result["throughput"] = t = throughput(client, model, args.streams, args.seconds, args.rounds, 64)
-        print(f"{args.streams} streams: plain {statistics.median(t['plain_tok_s']):.1f} tok/s, constrained "
-              f"{statistics.median(t['constrained_tok_s']):.1f} tok/s ({100 * (1 - t['ratio']):.1f}% slower)")
+        print(f"{args.streams} streams, as answered: plain {statistics.median(t['plain_tok_s']):.1f} tok/s "
+              f"({statistics.median(t['plain_mean_tokens']):.1f} tokens an answer), constrained "
+              f"{statistics.median(t['constrained_tok_s']):.1f} tok/s ({statistics.median(t['constrained_mean_tokens']):.1f} "
+              f"tokens an answer): x{t['ratio']:.2f}")
+        print(f"{args.streams} streams, matched lengths: plain {statistics.median(t['matched_plain_tok_s']):.1f} tok/s, "
+              f"constrained x{t['matched_ratio']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

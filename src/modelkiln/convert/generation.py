@@ -33,6 +33,7 @@ from ..generation.engine import ONNX_EXPORT, ONNX_SERVING, TORCH
 from ..generation.model import CoreOptions, TextGenerationModel
 from ..machine import cpu_description
 from ..manifest import Manifest, TokenizerSpec, Variant
+from ..native import LAYOUT as NATIVE_LAYOUT
 from . import source as src
 from . import variants as build
 from .artifact import TORCH_ENGINE, default_precisions, remove_variant_file, versions
@@ -239,7 +240,7 @@ def _build_onnx(cfg: Any, origin: Any, folder: Path, wanted: list[str], steps: A
                    + "".join(f"; {n}" for n in notes)):
             types = origin.write_packed(path, fp32_path if needs_fp32 else None, level, native=native)
         built.append(Built("gguf", path, "gguf", engine,
-                           {"from_gguf": types, "accuracy_level": level, **({"native_ops": True} if native else {}),
+                           {"from_gguf": types, "accuracy_level": level, **({"native_ops": NATIVE_LAYOUT} if native else {}),
                             **({"notes": notes} if notes else {})}))
     if "int8" in wanted:
         path = folder / "model.int8.onnx"

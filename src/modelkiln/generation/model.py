@@ -87,16 +87,24 @@ class TextGenerationModel:
         return self.manifest.fastest_variant(device)
 
     def variant_path(self, variant: str | None = None, device: str = "cpu") -> tuple[str, Path]:
-        chosen = self.manifest.variant(variant) if variant else self.default_variant(device)
+        chosen = self._chosen(variant, device)
         assert chosen.file is not None
         return chosen.name, self.folder / chosen.file
+
+    def _chosen(self, variant: str | None, device: str) -> Variant:
+        """The variant asked for (else the default for ``device``), if this kiln can run its graph."""
+        from ..native import check_layout
+
+        chosen = self.manifest.variant(variant) if variant else self.default_variant(device)
+        check_layout(chosen.details, chosen.name)
+        return chosen
 
     @property
     def heads(self) -> int:
         return int(self.settings.get("heads") or 1)
 
     def engine(self, variant: str | None = None, options: EngineOptions = EngineOptions()) -> Engine:
-        chosen = self.manifest.variant(variant) if variant else self.default_variant(options.device)
+        chosen = self._chosen(variant, options.device)
         assert chosen.file is not None
         return self.engine_for_file(self.folder / chosen.file, options, chosen.engine)
 
@@ -108,7 +116,7 @@ class TextGenerationModel:
              hooks: CoreHooks | None = None) -> EngineCore:
         """The engine core on one variant: what ``kiln serve``, the Triton model, ``kiln generate``,
         the gate and the bench all run, built here alone so they schedule alike."""
-        chosen = self.manifest.variant(variant) if variant else self.default_variant((options or CoreOptions()).device)
+        chosen = self._chosen(variant, (options or CoreOptions()).device)
         assert chosen.file is not None
         return self.core_for_file(self.folder / chosen.file, options, hooks, chosen.engine)
 

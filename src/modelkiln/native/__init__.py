@@ -14,6 +14,10 @@ from pathlib import Path
 
 DOMAIN = "kiln.gguf"
 GGML_TYPES = {"Q4_K": 12, "Q6_K": 14}  # the GGUF types these operators read (ggml's type numbers)
+# How GgufMatMul's weights are laid out, recorded in a variant's details ("native_ops"): 2 is tiles
+# of 16 rows (convert/gguf_tiles.py); graphs of the first layout (the file's rows, recorded as
+# ``true``) cannot run on these kernels.
+LAYOUT = 2
 _CPU_FLAGS = ("avx2", "fma", "f16c")  # what the library is compiled for
 
 
@@ -35,3 +39,13 @@ def _cpu_supported() -> bool:
         return False
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     return all(flag in flags for flag in _CPU_FLAGS)
+
+
+def check_layout(details: dict, variant: str) -> None:
+    """Refuses a variant whose GGUF weights were written for another layout of these operators."""
+    stored = details.get("native_ops")
+    if stored is not None and (stored is True or stored != LAYOUT):
+        from ..errors import ArtifactError
+
+        raise ArtifactError(f"variant '{variant}' holds GGUF blocks in a layout this kiln's native operators no "
+                            f"longer read (written by an older kiln): convert the model again")

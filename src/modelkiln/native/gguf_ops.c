@@ -231,17 +231,18 @@ TILE_ROWS_512(2)
 TILE_ROWS_512(3)
 TILE_ROWS_512(4)
 
-/* -- AVX2: eight columns a vector, the tile in two halves; maddubs then madd with ones make the
- *    four-product sums that vpdpbusd makes in one instruction -- */
+/* -- AVX2: eight columns a vector, the tile in two halves; vpmaddubsw makes pair sums of the
+ *    products (at most 2 · 63 · 127: no saturation), and vpmaddwd multiplies them by the column's
+ *    sub-block scale (an int16 pair a lane) into the exact int32 sums -- */
 #define AVX2 __attribute__((always_inline)) static inline
-
-AVX2 __m256i dot4_256(__m256i acc, __m256i codes, const int8_t *x4) {
-    const __m256i p = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(load32(x4)));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
 
 AVX2 __m256i pairs16_256(__m256i first, __m256i second) {
     return _mm256_or_si256(_mm256_and_si256(first, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(second, 16));
+}
+
+AVX2 __m256i scaled_dot4_256(__m256i acc, __m256i codes, const int8_t *x4, __m256i scale_pairs) {
+    const __m256i p = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(load32(x4)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale_pairs));
 }
 
 AVX2 void float_step_256(__m256 *acc, __m256i sums, __m256i mins, float dx, __m256 d, __m256 dmin) {
@@ -274,15 +275,12 @@ AVX2 void q4_k_tile_256(const uint8_t *t, int64_t nb, const q8_block *const *x, 
         __m256i sums[MAX_ROWS], mins[MAX_ROWS];
         for (int r = 0; r < R; r++) sums[r] = mins[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {  /* sub-block j: vectors 8(j % 4).., low nibbles for j < 4 */
-            __m256i part[MAX_ROWS];
-            for (int r = 0; r < R; r++) part[r] = _mm256_setzero_si256();
+            const __m256i s = byte_256(sc[j / 4], j % 4), scale = pairs16_256(s, s);
             _Pragma("GCC unroll 8") for (int v = 8 * (j % 4); v < 8 * (j % 4) + 8; v++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(t + K4_QS + 64 * v + 32 * half));
                 const __m256i c = _mm256_and_si256(j < 4 ? q : _mm256_srli_epi16(q, 4), low);
-                for (int r = 0; r < R; r++) part[r] = dot4_256(part[r], c, x[r][b].qs + 128 * (j / 4) + 4 * v);
+                for (int r = 0; r < R; r++) sums[r] = scaled_dot4_256(sums[r], c, x[r][b].qs + 128 * (j / 4) + 4 * v, scale);
             }
-            const __m256i s = byte_256(sc[j / 4], j % 4);
-            for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_mullo_epi32(part[r], s));
         }
         for (int k = 0; k < 4; k++) {
             const __m256i m = pairs16_256(byte_256(mn[k / 2], 2 * (k % 2)), byte_256(mn[k / 2], 2 * (k % 2) + 1));
@@ -302,18 +300,15 @@ AVX2 void q6_k_tile_256(const uint8_t *t, int64_t nb, const q8_block *const *x, 
         __m256i sums[MAX_ROWS], mins[MAX_ROWS];
         for (int r = 0; r < R; r++) sums[r] = mins[r] = _mm256_setzero_si256();
         for (int g = 0; g < 16; g++) {  /* group g: vectors 4(g % 8).., low nibbles for g < 8 */
-            __m256i part[MAX_ROWS];
-            for (int r = 0; r < R; r++) part[r] = _mm256_setzero_si256();
+            const __m256i s = signed_bytes_to_i32(t + K6_SC + 16 * g + 8 * half), scale = pairs16_256(s, s);
             _Pragma("GCC unroll 8") for (int v = 4 * (g % 8); v < 4 * (g % 8) + 4; v++) {
                 const __m256i l = _mm256_loadu_si256((const __m256i *)(t + K6_QL + 64 * v + 32 * half));
                 const __m256i h = _mm256_loadu_si256((const __m256i *)(t + K6_QH + 64 * (v % 16) + 32 * half));
                 const int f = v / 16 + 2 * (g / 8);  /* which two bits of qh */
                 const __m256i hb = f == 0 ? _mm256_slli_epi16(h, 4) : f == 1 ? _mm256_slli_epi16(h, 2) : f == 2 ? h : _mm256_srli_epi16(h, 2);
                 const __m256i c = _mm256_or_si256(_mm256_and_si256(g < 8 ? l : _mm256_srli_epi16(l, 4), low), _mm256_and_si256(hb, top));
-                for (int r = 0; r < R; r++) part[r] = dot4_256(part[r], c, x[r][b].qs + 128 * (g / 8) + 4 * v);
+                for (int r = 0; r < R; r++) sums[r] = scaled_dot4_256(sums[r], c, x[r][b].qs + 128 * (g / 8) + 4 * v, scale);
             }
-            const __m256i s = signed_bytes_to_i32(t + K6_SC + 16 * g + 8 * half);
-            for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_mullo_epi32(part[r], s));
         }
         for (int k = 0; k < 8; k++) {
             const __m256i m = pairs16_256(_mm256_slli_epi32(signed_bytes_to_i32(t + K6_SC + 32 * k + 8 * half), 5),
