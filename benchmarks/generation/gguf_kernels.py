@@ -17,11 +17,9 @@ import time
 
 import numpy as np
 
-from modelkiln.convert.gguf_tiles import tiles
+from modelkiln.convert.gguf_tiles import BLOCK_BYTES, tiles
 from modelkiln.machine import cpu_description
 from modelkiln.native import GGML_TYPES, library_path
-
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
 
 
 def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:

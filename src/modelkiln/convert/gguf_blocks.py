@@ -183,12 +183,18 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.reshape(m, 8), mn.reshape(m, 8)
 
 
+def q4_k_codes(b: np.ndarray) -> np.ndarray:
+    """Q4_K blocks [M, 144] → their 4-bit codes [M, 256] in weight order."""
+    m = len(b)
+    q = (b[:, 16:].reshape(m, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+    return q.reshape(m, 256)
+
+
 def _q4_k(b: np.ndarray) -> tuple:
     m = len(b)
     d, dmin = _half(b, 0), _half(b, 2)
     sc, mn = _k_scale_min(b[:, 4:16])
-    q = (b[:, 16:].reshape(m, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
-    return q.reshape(m, 8, 32), d * sc.astype(np.float32), 0, -(dmin * mn.astype(np.float32))
+    return q4_k_codes(b).reshape(m, 8, 32), d * sc.astype(np.float32), 0, -(dmin * mn.astype(np.float32))
 
 
 def _q5_k(b: np.ndarray) -> tuple:
@@ -201,15 +207,20 @@ def _q5_k(b: np.ndarray) -> tuple:
     return q + np.uint8(128), d * sc.astype(np.float32), 128, -(dmin * mn.astype(np.float32))
 
 
-def _q6_k(b: np.ndarray) -> tuple:
+def q6_k_codes(b: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [M, 210] → their 6-bit codes q [M, 256] in weight order (the weight is q − 32)."""
     m = len(b)
     ql, qh = b[:, :128], b[:, 128:192]
-    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
-    d = _half(b, 208) * sc  # [M, 16]
     low = (ql.reshape(m, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
     high = (qh.reshape(m, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(0x03)
-    q = low.reshape(m, 8, 32) | (high.reshape(m, 8, 32) << np.uint8(4))  # 0..63, the weight is q − 32
-    return (q + np.uint8(96)).reshape(m, 16, 16), d, 128, None
+    return low.reshape(m, 256) | (high.reshape(m, 256) << np.uint8(4))
+
+
+def _q6_k(b: np.ndarray) -> tuple:
+    m = len(b)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _half(b, 208) * sc  # [M, 16]
+    return (q6_k_codes(b) + np.uint8(96)).reshape(m, 16, 16), d, 128, None
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from .gguf_blocks import q4_k_codes, q6_k_codes
+
 TILE = 16  # columns a tile
 BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # one super-block of one row, as the file stores it
 
@@ -53,18 +55,14 @@ def _lanes(codes: np.ndarray) -> np.ndarray:
 
 def _q4_k(b: np.ndarray) -> list[np.ndarray]:
     lead = b.shape[:-1]  # tile, block, col
-    # the file: byte l of 32-byte chunk j holds code 64j+l (low nibble) and 64j+32+l (high)
-    chunks = b[..., 16:].reshape(*lead, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
-    codes = (chunks & np.uint8(0x0F)).reshape(*lead, 2, 32, 4)  # [.., first or second 128, v, i]
+    codes = q4_k_codes(b.reshape(-1, b.shape[-1])).reshape(*lead, 2, 32, 4)  # [.., first or second 128, v, i]
     return [_lanes(codes[..., 0, :, :] | (codes[..., 1, :, :] << np.uint8(4))),
             _lanes(b[..., 4:16].reshape(*lead, 3, 4)), b[..., 0:2], b[..., 2:4]]
 
 
 def _q6_k(b: np.ndarray) -> list[np.ndarray]:
     lead = b.shape[:-1]
-    low = (b[..., :128].reshape(*lead, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & np.uint8(0x0F)
-    high = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & np.uint8(3)
-    q = low.reshape(*lead, 256) | (high.reshape(*lead, 256) << np.uint8(4))  # 0..63, in weight order
+    q = q6_k_codes(b.reshape(-1, b.shape[-1])).reshape(*lead, 256)  # 0..63, in weight order
     low = (q & np.uint8(0x0F)).reshape(*lead, 2, 32, 4)
     ql = low[..., 0, :, :] | (low[..., 1, :, :] << np.uint8(4))
     top = (q >> np.uint8(4)).reshape(*lead, 4, 16, 4)  # [.., f, h, i]: code 4(h + 16f) + i

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 
 from ..errors import ArtifactError
 from ..manifest import Manifest, Variant
+from ..native import check_layout
 from ..tasks.text_generation import is_generation
 from .chat import chat_messages, render_chat
 from .chat_tokens import ChatTokens
@@ -93,8 +94,6 @@ class TextGenerationModel:
 
     def _chosen(self, variant: str | None, device: str) -> Variant:
         """The variant asked for (else the default for ``device``), if this kiln can run its graph."""
-        from ..native import check_layout
-
         chosen = self.manifest.variant(variant) if variant else self.default_variant(device)
         check_layout(chosen.details, chosen.name)
         return chosen

@@ -12,6 +12,8 @@ import importlib.machinery
 from functools import lru_cache
 from pathlib import Path
 
+from ..errors import ArtifactError
+
 DOMAIN = "kiln.gguf"
 GGML_TYPES = {"Q4_K": 12, "Q6_K": 14}  # the GGUF types these operators read (ggml's type numbers)
 # How GgufMatMul's weights are laid out, recorded in a variant's details ("native_ops"): 2 is tiles
@@ -44,8 +46,6 @@ def _cpu_supported() -> bool:
 def check_layout(details: dict, variant: str) -> None:
     """Refuses a variant whose GGUF weights were written for another layout of these operators."""
     stored = details.get("native_ops")
-    if stored is not None and (stored is True or stored != LAYOUT):
-        from ..errors import ArtifactError
-
+    if stored is not None and stored != LAYOUT:  # true, the first layout, is not 2 either
         raise ArtifactError(f"variant '{variant}' holds GGUF blocks in a layout this kiln's native operators no "
                             f"longer read (written by an older kiln): convert the model again")

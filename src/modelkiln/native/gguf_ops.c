@@ -83,7 +83,8 @@ static const size_t TILE_BLOCK_BYTES[15] = {[GGML_Q4_K] = K4_BYTES, [GGML_Q6_K] 
  * rows, each row's sums are split over independent registers (exact integers: added back after). */
 #define CHAINS 4
 /* The weights stream from memory once per call: asking for the super-block four ahead keeps enough
- * reads in flight (a 38 MB matrix, one thread, one row: 1.6 ms without, 0.9 ms with). */
+ * reads in flight for one row of X to run at the memory's speed (without it, one row ran slower
+ * than the per-row kernel this replaced once a matrix left the caches). */
 #define PREFETCH_AHEAD 4
 static inline void prefetch_ahead(const uint8_t *t, int bytes) {
     for (int line = 0; line < bytes; line += 64) __builtin_prefetch(t + PREFETCH_AHEAD * bytes + line);
@@ -103,10 +104,6 @@ static inline int32_t load32(const void *p) {
     memcpy(&v, p, 4);
     return v;
 }
-
-/* Q4_K's six-bit minimums of sub-blocks 2k and 2k+1 of sixteen columns, as int16 pairs (one per
- * lane), against X's 32-sums of the same sub-blocks; Q6_K's 32 · scale of groups 2k, 2k+1 against
- * its 16-sums: one vpdpwssd each. */
 
 /* -- AVX-512 (VNNI): all sixteen columns in one vector -- */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline
@@ -131,7 +128,27 @@ AVX512 void k4_scales_mins_512(const uint8_t *t, __m512i sc[2], __m512i mn[2]) {
     mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), two), 4));
 }
 
-/* byte i of every lane, as int32; bytes i and i + 1 as an int16 pair */
+/* Four codes of sixteen columns at k4 groups v (first) and v + 32 (second) against each row's
+ * four codes there, into the row's sums of chain c */
+AVX512 void products_512(__m512i lo[][MAX_ROWS], __m512i hi[][MAX_ROWS], int c, __m512i first, __m512i second,
+                         const q8_block *const *x, int64_t b, int v, const int R) {
+    for (int r = 0; r < R; r++) {
+        lo[c][r] = _mm512_dpbusd_epi32(lo[c][r], first, _mm512_set1_epi32(load32(x[r][b].qs + 4 * v)));
+        hi[c][r] = _mm512_dpbusd_epi32(hi[c][r], second, _mm512_set1_epi32(load32(x[r][b].qs + 128 + 4 * v)));
+    }
+}
+
+/* Each row's chains added back, then times the sub-block scales of the two groups, into its sums */
+AVX512 void add_scaled_512(__m512i *sums, __m512i lo[][MAX_ROWS], __m512i hi[][MAX_ROWS], __m512i sl, __m512i sh, const int R) {
+    for (int c = 1; c < chains(R); c++)
+        for (int r = 0; r < R; r++) lo[0][r] = _mm512_add_epi32(lo[0][r], lo[c][r]), hi[0][r] = _mm512_add_epi32(hi[0][r], hi[c][r]);
+    for (int r = 0; r < R; r++)
+        sums[r] = _mm512_add_epi32(sums[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[0][r], sl), _mm512_mullo_epi32(hi[0][r], sh)));
+}
+
+/* byte i of every lane, as int32; bytes i and i + 1 as an int16 pair (the minimums: Q4_K's of
+ * sub-blocks 2k and 2k+1 against X's 32-sums of them, Q6_K's 32 · scale of groups 2k, 2k+1 against
+ * its 16-sums, one vpdpwssd each) */
 AVX512 __m512i byte_512(__m512i v, int i) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xFF)); }
 AVX512 __m512i byte_pair_512(__m512i v, int i) { return pairs16_512(byte_512(v, i), byte_512(v, i + 1)); }
 
@@ -149,18 +166,9 @@ AVX512 void q4_k_tile_512(const uint8_t *t, int64_t nb, const q8_block *const *x
                 for (int r = 0; r < R; r++) lo[c][r] = hi[c][r] = _mm512_setzero_si512();
             _Pragma("GCC unroll 8") for (int v = 8 * j; v < 8 * j + 8; v++) {
                 const __m512i q = _mm512_loadu_si512(t + K4_QS + 64 * v);
-                const __m512i ql = _mm512_and_si512(q, low), qh = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-                const int c = v % chains(R);
-                for (int r = 0; r < R; r++) {
-                    lo[c][r] = _mm512_dpbusd_epi32(lo[c][r], ql, _mm512_set1_epi32(load32(x[r][b].qs + 4 * v)));
-                    hi[c][r] = _mm512_dpbusd_epi32(hi[c][r], qh, _mm512_set1_epi32(load32(x[r][b].qs + 128 + 4 * v)));
-                }
+                products_512(lo, hi, v % chains(R), _mm512_and_si512(q, low), _mm512_and_si512(_mm512_srli_epi16(q, 4), low), x, b, v, R);
             }
-            for (int c = 1; c < chains(R); c++)
-                for (int r = 0; r < R; r++) lo[0][r] = _mm512_add_epi32(lo[0][r], lo[c][r]), hi[0][r] = _mm512_add_epi32(hi[0][r], hi[c][r]);
-            const __m512i sl = byte_512(sc[0], j), sh = byte_512(sc[1], j);
-            for (int r = 0; r < R; r++)
-                sums[r] = _mm512_add_epi32(sums[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[0][r], sl), _mm512_mullo_epi32(hi[0][r], sh)));
+            add_scaled_512(sums, lo, hi, byte_512(sc[0], j), byte_512(sc[1], j), R);
         }
         for (int k = 0; k < 4; k++) {
             const __m512i m = byte_pair_512(mn[k / 2], 2 * (k % 2));
@@ -194,18 +202,10 @@ AVX512 void q6_k_tile_512(const uint8_t *t, int64_t nb, const q8_block *const *x
             _Pragma("GCC unroll 8") for (int v = 4 * g; v < 4 * g + 4; v++) {
                 __m512i c0, c1;
                 q6_k_codes_512(t, v, &c0, &c1);
-                const int c = v % chains(R);
-                for (int r = 0; r < R; r++) {
-                    lo[c][r] = _mm512_dpbusd_epi32(lo[c][r], c0, _mm512_set1_epi32(load32(x[r][b].qs + 4 * v)));
-                    hi[c][r] = _mm512_dpbusd_epi32(hi[c][r], c1, _mm512_set1_epi32(load32(x[r][b].qs + 128 + 4 * v)));
-                }
+                products_512(lo, hi, v % chains(R), c0, c1, x, b, v, R);
             }
-            for (int c = 1; c < chains(R); c++)
-                for (int r = 0; r < R; r++) lo[0][r] = _mm512_add_epi32(lo[0][r], lo[c][r]), hi[0][r] = _mm512_add_epi32(hi[0][r], hi[c][r]);
-            const __m512i sl = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * g)));
-            const __m512i sh = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * (g + 8))));
-            for (int r = 0; r < R; r++)
-                sums[r] = _mm512_add_epi32(sums[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[0][r], sl), _mm512_mullo_epi32(hi[0][r], sh)));
+            add_scaled_512(sums, lo, hi, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * g))),
+                           _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * (g + 8)))), R);
         }
         for (int k = 0; k < 8; k++) {  /* the codes are q + 32: 32 · scale against the 16-sums */
             const __m512i m = pairs16_512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 32 * k))), 5),
