@@ -87,6 +87,27 @@ def test_prompt_logits_close_to_transformers(family):
     np.testing.assert_allclose(prompt_logits(core, prompt), expected, atol=2e-4)
 
 
+def test_the_core_takes_the_engines_prompt_chunk_unless_one_is_given(tiny_torch_artifact):
+    """An engine built for bigger prompt steps (the torch engine on CUDA: GPU_PREFILL_CHUNK) says so
+    in its capabilities; the core plans chunks of that size unless the server was told a size."""
+    import dataclasses
+
+    from modelkiln.generation.core import DEFAULT_PREFILL_CHUNK
+
+    model = TextGenerationModel(tiny_torch_artifact)
+    engine = model.core(None, CoreOptions(threads=1)).engine
+    assert engine.capabilities.prefill_chunk is None  # on the CPU: the core's default
+    assert EngineCore(engine, model.tokenizer).prefill_chunk == DEFAULT_PREFILL_CHUNK
+    engine.capabilities = dataclasses.replace(engine.capabilities, prefill_chunk=2048)
+    assert EngineCore(engine, model.tokenizer).prefill_chunk == 2048
+    assert EngineCore(engine, model.tokenizer, prefill_chunk=64).prefill_chunk == 64
+    prompt = list(range(5, 300))  # past the default chunk: one 2048-token budget takes it in one step
+    core = EngineCore(engine, model.tokenizer)
+    core.add_request(Request(0, prompt, greedy(2)))
+    core.step()
+    assert core.decoding == 1
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_answers_are_bit_identical_alone_and_among_others(tiny_torch_artifact, threads):
     """Every prompt alone, then all at once through 4 rows: prompts wait, join while others decode,

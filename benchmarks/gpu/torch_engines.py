@@ -52,12 +52,31 @@ LONG_TEXT = " ".join(SAMPLE_TEXTS * 8)
 # --- models: the real ones when installed, else random weights of their configurations -----------------------
 
 
-def encoder_folder(work: Path, tiny: bool) -> tuple[Path, str]:
+def given_folder(given: Path, work: Path, name: str, auto: Any) -> tuple[Path, str]:
+    """A model folder named on the command line: as it is when it holds weights, else its configuration
+    with random weights and its tokenizer files (a folder small enough to copy onto a GPU machine)."""
+    if any(given.glob("*.safetensors")) or any(given.glob("*.bin")):
+        return given, f"{given.name} (its weights)"
+    import transformers as tf
+
+    folder = work / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in given.iterdir():
+        if file.is_file():
+            (folder / file.name).write_bytes(file.read_bytes())
+    torch.manual_seed(0)
+    getattr(tf, auto).from_config(tf.AutoConfig.from_pretrained(given)).save_pretrained(folder)
+    return folder, f"{given.name}'s configuration and tokenizer (random weights)"
+
+
+def encoder_folder(work: Path, tiny: bool, given: Path | None = None) -> tuple[Path, str]:
     import transformers as tf
 
     from modelkiln.embedded import embedded_model_path
     from modelkiln.errors import KilnError
 
+    if given is not None:
+        return given_folder(given, work, "minilm", "AutoModel")
     if not tiny:
         try:
             return embedded_model_path("all-MiniLM-L6-v2"), "all-MiniLM-L6-v2 (real weights)"
@@ -74,12 +93,14 @@ def encoder_folder(work: Path, tiny: bool) -> tuple[Path, str]:
     return folder, "tiny BERT (random)" if tiny else "all-MiniLM-L6-v2's configuration (random weights)"
 
 
-def decoder_folder(work: Path, tiny: bool) -> tuple[Path, str]:
+def decoder_folder(work: Path, tiny: bool, given: Path | None = None) -> tuple[Path, str]:
     import transformers as tf
 
     from modelkiln.embedded import embedded_model_path
     from modelkiln.errors import KilnError
 
+    if given is not None:
+        return given_folder(given, work, "smollm2", "AutoModelForCausalLM")
     folder = work / "smollm2"
     if not tiny:
         try:
@@ -179,6 +200,7 @@ class Figures:
 
     def add(self, backend: str, figure: str, value: float) -> None:
         self.samples.setdefault((figure, backend), []).append(value)
+        print(f"  {figure} [{backend}]: {value:.2f}", flush=True)  # as it comes: a run cut short still says
 
     def medians(self) -> dict[str, dict[str, float]]:
         table: dict[str, dict[str, float]] = {}
@@ -410,8 +432,19 @@ def main() -> None:
     parser.add_argument("--ttft-prompt", type=int, default=512)
     parser.add_argument("--serve-requests", type=int, default=50)
     parser.add_argument("--no-compile", action="store_true", help="leave out PyTorch's compiled recipe")
+    parser.add_argument("--encoder", type=Path, default=None,
+                        help="an encoder's model folder (default: all-MiniLM-L6-v2); config and tokenizer alone: random weights")
+    parser.add_argument("--decoder", type=Path, default=None,
+                        help="a decoder's model folder (default: SmolLM2-135M-Instruct); config and tokenizer alone: random weights")
+    parser.add_argument("--models-only", type=Path, default=None, metavar="FOLDER",
+                        help="write the two model folders (random weights where none) into FOLDER and stop")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.models_only:
+        for folder, label in (encoder_folder(args.models_only, args.tiny, args.encoder),
+                              decoder_folder(args.models_only, args.tiny, args.decoder)):
+            print(f"{folder}: {label}")
+        return
     args.streams = [int(s) for s in args.streams.split(",")]
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
@@ -420,8 +453,8 @@ def main() -> None:
     print(f"device: {args.device} ({device_name(args.device)}); torch {torch.__version__}; precision {precision}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kiln-gpu-bench-") as scratch:
         work = Path(scratch)
-        enc_source, enc_label = encoder_folder(work, args.tiny)
-        dec_source, dec_label = decoder_folder(work, args.tiny)
+        enc_source, enc_label = encoder_folder(work, args.tiny, args.encoder)
+        dec_source, dec_label = decoder_folder(work, args.tiny, args.decoder)
         print(f"encoder: {enc_label}\ndecoder: {dec_label}", flush=True)
         enc_artifact = write_artifact(enc_source, work / "emb", "sentence-embeddings", precision, args.device)
         dec_artifact = write_artifact(dec_source, work / "gen", "text-generation", precision, args.device)
@@ -441,10 +474,12 @@ def main() -> None:
             measure_encoders(enc, figures, args.runs, compile_)
             measure_decoders(decoders, figures, args, vocab, round_)
             print(f"round {round_ + 1}/{args.rounds}: {time.perf_counter() - started:.0f}s", flush=True)
+            write(args, precision, enc_label, dec_label, figures, {})  # so far: a run cut short keeps its rounds
         del decoders, enc
         if args.device == "cuda":
             torch.cuda.empty_cache()
         serve = measure_serve(enc_artifact, dec_artifact, args.device, args.serve_requests)
+    write(args, precision, enc_label, dec_label, figures, serve)
     table = figures.medians()
     width = max(len(f) for f in table)
     backends = ["kiln torch", "pytorch eager", "pytorch compiled"]
@@ -454,11 +489,17 @@ def main() -> None:
     for figure, value in serve.items():
         print(f"{figure:<{width}}  {value:>16.2f}")
     if args.out:
+        print(f"wrote {args.out}")
+
+
+def write(args: argparse.Namespace, precision: str, enc_label: str, dec_label: str, figures: Figures,
+          serve: dict[str, float]) -> None:
+    if args.out:
+        rounds = min((len(v) for v in figures.samples.values()), default=0)
         args.out.write_text(json.dumps({"device": args.device, "device_name": device_name(args.device),
                                         "torch": torch.__version__, "precision": precision, "tiny": args.tiny,
-                                        "encoder": enc_label, "decoder": dec_label, "rounds": args.rounds,
-                                        "figures": table, "serve": serve}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+                                        "encoder": enc_label, "decoder": dec_label, "rounds": rounds,
+                                        "figures": figures.medians(), "serve": serve}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

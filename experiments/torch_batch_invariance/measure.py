@@ -62,19 +62,20 @@ def engine_runs(artifact: str, device: str, threads: int, rows: int, new_tokens:
     from modelkiln.data import sts_sentences
 
     model = TextGenerationModel(artifact)
-    variant = next(v.name for v in model.manifest.kept_variants() if v.engine == "torch")
     prompts = [model.prompt_ids(t) for t in sts_sentences()[:rows]]
-    found = {}
-    for invariant in (True, False):
-        core = model.core(variant, CoreOptions(threads=threads, device=device, max_running=rows, keep_logits=True,
-                                               batch_invariant=invariant))
-        alone = [complete(core, [Request(i, p, greedy(new_tokens))])[0] for i, p in enumerate(prompts)]
-        together = complete(core, [Request(i, p, greedy(new_tokens)) for i, p in enumerate(prompts)])
-        tokens = sum(a.token_ids != b.token_ids for a, b in zip(alone, together))
-        bits = sum(not all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits)) for a, b in zip(alone, together))
-        worst = max(float(np.abs(x - y).max()) for a, b in zip(alone, together) for x, y in zip(a.logits, b.logits))
-        found["invariant" if invariant else "pytorch kernels"] = {
-            "kernels": core.engine.decoder.kernels.describe(), "prompts": len(prompts), "greedy_tokens_differ": tokens, "logits_bits_differ": bits, "max_abs_diff": worst}
+    found: dict = {}
+    for variant in (v.name for v in model.manifest.kept_variants() if v.engine == "torch"):
+        for invariant in (True, False):
+            core = model.core(variant, CoreOptions(threads=threads, device=device, max_running=rows, keep_logits=True,
+                                                   batch_invariant=invariant))
+            alone = [complete(core, [Request(i, p, greedy(new_tokens))])[0] for i, p in enumerate(prompts)]
+            together = complete(core, [Request(i, p, greedy(new_tokens)) for i, p in enumerate(prompts)])
+            tokens = sum(a.token_ids != b.token_ids for a, b in zip(alone, together))
+            bits = sum(not all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits)) for a, b in zip(alone, together))
+            worst = max(float(np.abs(x - y).max()) for a, b in zip(alone, together) for x, y in zip(a.logits, b.logits))
+            found.setdefault(variant, {})["invariant" if invariant else "pytorch kernels"] = {
+                "kernels": core.engine.decoder.kernels.describe(), "prompts": len(prompts), "greedy_tokens_differ": tokens,
+                "logits_bits_differ": bits, "max_abs_diff": worst}
     return found
 
 
@@ -83,7 +84,7 @@ def costs(artifact: str, device: str, threads: int, batches: list[int], rounds: 
     from modelkiln.generation.model import CoreOptions, TextGenerationModel
 
     model = TextGenerationModel(artifact)
-    variant = next(v.name for v in model.manifest.kept_variants() if v.engine == "torch")
+    variant = model.default_variant(device).name  # the one served: bf16 where it was kept
     cores = {inv: model.core(variant, CoreOptions(threads=threads, device=device, max_running=max(batches),
                                                   batch_invariant=inv, warm_up=True)) for inv in (True, False)}
     samples: dict[str, list[float]] = {}
@@ -91,10 +92,13 @@ def costs(artifact: str, device: str, threads: int, batches: list[int], rounds: 
     for round_ in range(rounds):
         for batch in batches:
             for inv, core in cores.items():
-                for i in range(batch):
-                    core.add_request(Request((round_, batch, i), prompt, greedy(12)))
+                # answers long enough that the first ones still decode when the last prompt is in
+                # (admission prefills a few prompts a step); aborted once timed
+                ids = [(round_, batch, i) for i in range(batch)]
+                for request_id in ids:
+                    core.add_request(Request(request_id, prompt, greedy(512)))
                 started = time.perf_counter()
-                while core.running < batch or core._prefilling:
+                while core.decoding < batch:
                     core.step()
                 prefill = (time.perf_counter() - started) / batch
                 steps = []
@@ -102,12 +106,14 @@ def costs(artifact: str, device: str, threads: int, batches: list[int], rounds: 
                     started = time.perf_counter()
                     core.step()
                     steps.append(time.perf_counter() - started)
+                for request_id in ids:
+                    core.abort(request_id)
                 while core.has_work():
                     core.step()
                 key = "invariant" if inv else "pytorch kernels"
                 samples.setdefault(f"{key} decode b{batch}", []).append(statistics.median(steps) * 1000)
                 samples.setdefault(f"{key} prefill 128 (per prompt)", []).append(prefill * 1000)
-    return {k: round(statistics.median(v), 2) for k, v in samples.items()}
+    return {"variant": variant, **{k: round(statistics.median(v), 2) for k, v in samples.items()}}
 
 
 def main() -> None:
@@ -124,8 +130,11 @@ def main() -> None:
               "threads": args.threads}
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
+    # each part printed as it ends: a run cut short still reports the parts it finished
     result["kernels"] = {f"threads {t}": kernel_rows(args.device, t) for t in sorted({1, args.threads})}
+    print(json.dumps({"kernels": result["kernels"]}, indent=2), flush=True)
     result["engine"] = engine_runs(args.artifact, args.device, args.threads, args.rows, args.tokens)
+    print(json.dumps({"engine": result["engine"]}, indent=2), flush=True)
     result["cost_ms"] = costs(args.artifact, args.device, args.threads, [int(b) for b in args.batches.split(",")],
                               args.rounds)
     print(json.dumps(result, indent=2))

@@ -112,7 +112,7 @@ class CoreHooks:
 class EngineCore:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, eos_ids: Iterable[int] = (), *,
                  max_running: int = DEFAULT_MAX_RUNNING, max_waiting: int | None = None,
-                 kv_budget: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 kv_budget: int | None = None, prefill_chunk: int | None = None,
                  hooks: CoreHooks | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -120,7 +120,8 @@ class EngineCore:
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.kv_budget = kv_budget
-        self.prefill_chunk = prefill_chunk
+        # None: what the engine is built for, else the CPU's default
+        self.prefill_chunk = prefill_chunk or engine.capabilities.prefill_chunk or DEFAULT_PREFILL_CHUNK
         self.hooks = hooks or CoreHooks()
         self._lock = threading.Lock()  # guards the inbox: add_request and abort come from other threads
         self._arrived: deque[Request] = deque()

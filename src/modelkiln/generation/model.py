@@ -15,7 +15,7 @@ from ..native import check_layout
 from ..tasks.text_generation import is_generation
 from .chat import chat_messages, render_chat
 from .chat_tokens import ChatTokens
-from .core import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, CoreHooks, EngineCore
+from .core import DEFAULT_MAX_RUNNING, CoreHooks, EngineCore
 from .engine import EngineOptions, ModelShape, open_engine
 from .plan import Engine
 from .sampling import SamplingParams
@@ -148,7 +148,7 @@ class CoreOptions:
     max_running: int = DEFAULT_MAX_RUNNING
     max_waiting: int | None = None
     kv_budget: int | None = None
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefill_chunk: int | None = None  # None: the engine's (EngineCapabilities.prefill_chunk), else the core's default
     prefix_cache_tokens: int | None = None
     keep_logits: bool = False
     warm_up: bool = False

@@ -101,12 +101,15 @@ class EngineCapabilities:
     """What the core and the server may count on. ``mixed_steps``: prompt chunks and decode rows
     can share one call (else the core plans them as two calls, and hands out first tokens between);
     ``prefix_cache``: ``cached_prefix`` can answer more than 0; ``max_rows``: sequences decoding
-    together at most; ``device``: where it computes ("cpu", "cuda")."""
+    together at most; ``device``: where it computes ("cpu", "cuda"); ``prefill_chunk``: the prompt
+    tokens per step it is built for, when not the core's default (a GPU step costs about the same
+    for 128 tokens as for thousands)."""
 
     device: str = "cpu"
     max_rows: int = DEFAULT_MAX_RUNNING
     mixed_steps: bool = False
     prefix_cache: bool = False
+    prefill_chunk: int | None = None
 
 
 @dataclass(frozen=True)

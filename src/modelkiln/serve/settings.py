@@ -125,8 +125,9 @@ class ServeSettings(BaseModel):
     generation_replicas: Optional[int] = setting(
         None, "Generation: engine replicas, each batching its own streams on its share of the CPUs (each loads the "
               "weights once more).", sweep={"generation": "1,2"}, gt=0, shown_default="1")
-    prefill_chunk: int = setting(128, "Generation: prompt tokens prefilled per scheduler step (running streams "
-                                      "get a token between chunks).", sweep={"generation": "128"}, gt=0)
+    prefill_chunk: Optional[int] = setting(
+        None, "Generation: prompt tokens prefilled per scheduler step (running streams get a token between "
+              "chunks).", sweep={"generation": "128"}, gt=0, shown_default="128; 2048 for a torch variant on CUDA")
     generation_timeout_s: float = setting(600.0, "Generation: seconds per request, waiting and generating.",
                                           flag="--generation-timeout", gt=0)
     truncate_prompt: bool = setting(False, "Generation: cut prompts longer than the context from the left "

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU run that docs/gpu.md describes, as one command on a machine with a CUDA GPU:
+#
+#   bash benchmarks/gpu/run_all.sh OUT [ENCODER_FOLDER DECODER_FOLDER]
+#
+# OUT receives each step's output. The model folders default to all-MiniLM-L6-v2 and SmolLM2-135M-Instruct
+# when installed; a folder with a configuration and tokenizer but no weights is run with random weights
+# (speed and batch invariance do not depend on the weights' values). Each step has its own time limit
+# (seconds, from the environment) so that one slow step leaves the others their time; the most telling
+# come first. PYTHON picks the interpreter (default python3). DEVICE=cpu TINY=--tiny checks the script on a CPU
+# (its figures mean nothing).
+set -u
+out=${1:?usage: run_all.sh OUT [ENCODER_FOLDER DECODER_FOLDER]}
+py=${PYTHON:-python3}
+device=${DEVICE:-cuda}
+tiny=(${TINY:-})
+mkdir -p "$out"
+work=$(mktemp -d)
+models=()
+[ $# -ge 3 ] && models=(--encoder "$2" --decoder "$3")
+
+step() {  # step NAME LIMIT COMMAND...: run with a time limit, output to OUT/NAME.txt, say how it ended
+    local name=$1 limit=$2; shift 2
+    local started=$SECONDS
+    # SIGABRT at the limit: Python's fault handler then prints where each thread was
+    PYTHONFAULTHANDLER=1 timeout -s ABRT -k 5 "$limit" "$@" >"$out/$name.txt" 2>&1
+    echo "$name: exit $? after $((SECONDS - started)) s (limit $limit s)" | tee -a "$out/steps.txt"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/gpu.txt" 2>&1
+"$py" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)' >>"$out/gpu.txt" 2>&1
+cat "$out/gpu.txt"
+
+step models "${MODELS_S:-120}" "$py" benchmarks/gpu/torch_engines.py "${models[@]}" "${tiny[@]}" --models-only "$work"
+decoder=$(tail -n 1 "$out/models.txt" | cut -d: -f1)  # its last line: "FOLDER: what it holds"
+
+# 1. conversion on the GPU: the gate checks greedy tokens against PyTorch and alone = batched, per precision
+step convert "${CONVERT_S:-150}" "$py" -m modelkiln convert "$decoder" --task text-generation --engine torch \
+    --device "$device" --precision fp32,bf16 --out "$work/decoder-cuda"
+# 2. batch invariance bit for bit: cuBLAS and SDPA alone, then the engine with the invariant kernels on and off
+step batch-invariance "${INVARIANCE_S:-150}" "$py" experiments/torch_batch_invariance/measure.py \
+    --artifact "$work/decoder-cuda" --device "$device" ${INVARIANCE_ARGS:---rows 16 --batches 1,16,64}
+# 3. speed against eager and compiled PyTorch, and kiln serve over HTTP
+step engines "${ENGINES_S:-300}" "$py" benchmarks/gpu/torch_engines.py --device "$device" "${tiny[@]}" "${models[@]}" \
+    --rounds "${ROUNDS:-2}" ${ENGINES_ARGS:-} --out "$out/gpu-torch-engines.json"
+# 4. the CPU tests of the torch engines, under this machine's torch
+step tests "${TESTS_S:-120}" "$py" -m pytest -q -x -p no:cacheprovider tests/test_torch_engine.py tests/test_torch_serving.py
+rm -rf "$work"
