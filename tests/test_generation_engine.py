@@ -366,6 +366,30 @@ def test_top_k_samples_only_among_the_k_best():
     assert {chooser.choose(logits) for _ in range(200)} == set(np.argsort(-logits)[:3].tolist())
 
 
+def test_a_masked_choice_is_the_whole_rows_with_the_others_at_minus_infinity():
+    """With a grammar's mask the chooser works on the allowed tokens alone; the token is the one the
+    whole row gives with every other token at -inf, for greedy and sampled settings and masks from
+    one allowed token to nearly all."""
+    rng = np.random.default_rng(5)
+    vocab = 1000
+    settings = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.6, top_k=7),
+                dict(temperature=1.4, top_p=0.7), dict(temperature=1.0, repetition_penalty=1.3, logit_bias=((4, 3.0),))]
+    for case in range(300):
+        params = SamplingParams(seed=case, **settings[case % len(settings)])
+        logits = (rng.standard_normal(vocab) * 4).astype(np.float32)
+        allowed = rng.random(vocab) < [0.001, 0.02, 0.3, 0.97][case % 4]
+        allowed[rng.integers(vocab)] = True
+        words = np.packbits(np.concatenate([allowed, np.zeros(-vocab % 32, bool)]), bitorder="little").view(np.int32)
+        history = rng.integers(0, vocab, 5).tolist()
+        masked = TokenChooser(params, case, history).choose(logits, words)
+        whole = TokenChooser(params, case, history)
+        scores = whole._processed(logits).astype(np.float32, copy=True)
+        scores[~allowed] = -np.inf
+        expected = int(np.argmax(scores)) if params.greedy else whole._draw(scores)
+        assert masked == expected, f"case {case}"
+        assert allowed[masked]
+
+
 def test_repetition_penalty_lowers_seen_tokens():
     logits = np.array([2.0, -2.0, 1.9], dtype=np.float32)
     assert TokenChooser(SamplingParams(), seed=0, prompt_ids=[0, 1]).choose(logits) == 0

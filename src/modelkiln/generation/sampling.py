@@ -101,20 +101,26 @@ class TokenChooser:
         """The next token for this row of logits ([vocab], the model's own); ``allowed`` is a
         grammar's bitmask (int32 words, bit set = allowed). Records the token as chosen."""
         p = self.params
-        scores = self._processed(logits, allowed)
-        if p.greedy:
-            token = int(np.argmax(scores))
+        scores = self._processed(logits)
+        if allowed is None:
+            token = int(np.argmax(scores)) if p.greedy else self._draw(scores)
         else:
-            token = self._draw(scores)
-        if allowed is not None and not _allowed(allowed, token):
-            raise InvalidInputError("the grammar allows no token here")
+            # Among the grammar's tokens alone, in vocabulary order: the token the whole row gives
+            # with every other token at -inf (the first best one; the same inverse transform, where
+            # the others' probabilities are exact zeros and only the normalising sum may round
+            # differently), at the cost of their number rather than the vocabulary's.
+            ids = np.flatnonzero(bitmask_to_bool(allowed, scores.shape[-1]))
+            if ids.size == 0:
+                raise InvalidInputError("the grammar allows no token here")
+            kept = scores[ids]
+            token = int(ids[int(np.argmax(kept)) if p.greedy else self._draw(kept)])
         self._record(token)
         return token
 
-    def _processed(self, logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
-        """Logit bias, penalties and the grammar's mask, in that order (OpenAI's and vLLM's)."""
+    def _processed(self, logits: np.ndarray) -> np.ndarray:
+        """Logit bias and penalties, in that order (OpenAI's and vLLM's); the grammar's mask comes after."""
         p = self.params
-        if self._bias is None and not self._seen and not self._counts and allowed is None:
+        if self._bias is None and not self._seen and not self._counts:
             return logits
         scores = logits.astype(np.float32, copy=True)
         if self._bias is not None:
@@ -129,8 +135,6 @@ class TokenChooser:
             ids = np.fromiter(self._counts, dtype=np.int64)
             counts = np.fromiter(self._counts.values(), dtype=np.float32)
             scores[ids] -= counts * p.frequency_penalty + p.presence_penalty
-        if allowed is not None:
-            scores[~bitmask_to_bool(allowed, scores.shape[-1])] = -np.inf
         return scores
 
     def _draw(self, logits: np.ndarray) -> int:
@@ -177,11 +181,6 @@ def bitmask_to_bool(bitmask: np.ndarray, vocab: int) -> np.ndarray:
     n = min(vocab, bits.shape[0])
     allowed[:n] = bits[:n].astype(bool)
     return allowed
-
-
-def _allowed(bitmask: np.ndarray, token: int) -> bool:
-    word = token >> 5
-    return word < bitmask.shape[-1] and bool((int(bitmask[word]) >> (token & 31)) & 1)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
