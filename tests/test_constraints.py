@@ -365,6 +365,22 @@ def test_closing_paths_close_before_they_open(grammars, tokenizer, eos):
     assert compile_constraint("json_schema", ANSWER_SCHEMA, grammars).matcher().closing_path(3) is None
 
 
+def test_a_closing_path_never_repeats_itself(grammars, tokenizer, eos):
+    """A number that may be negative but is bounded: from '-0.' the grammar allows digits alone, and
+    a zero leaves the same choices (the number must still differ from zero), so a path that takes
+    the first longest token, a zero, would take zeros for ever; it takes a digit after which the
+    grammar allows other tokens, and the answer it closes is valid."""
+    schema = {"type": "object", "properties": {"t": {"type": "number", "minimum": -90, "maximum": 60},
+                                               "u": {"type": "integer", "minimum": 1}}, "required": ["t", "u"]}
+    for prefix in ('{"t": -0.', '{"t": -', '{"t": '):
+        matcher = compile_constraint("json_schema", {"schema": schema, "strict": True}, grammars).matcher()
+        assert all(matcher.accept(t) for t in tokenizer.encode(prefix).ids), matcher.error
+        path = matcher.closing_path(40)
+        assert path is not None, prefix
+        answer = json.loads(prefix + tokenizer.decode(path, skip_special_tokens=True))
+        assert -90 <= answer["t"] <= 60 and answer["u"] >= 1, answer
+
+
 def test_a_resumed_answer_closes_as_the_uninterrupted_one(grammars, tokenizer, eos):
     """The closing depends only on the sequence's own tokens and budget: replaying any prefix of an
     answer (a resumed request) and going on gives the same tokens."""

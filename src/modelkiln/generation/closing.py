@@ -6,15 +6,17 @@ The path is chosen greedily, one token at a time, on a copy of the sequence's ma
 
 1. the grammar is complete (stopped): the path ends there; it may end (accepting): end-of-sequence;
 2. the grammar forces text (a key of a schema, the rest of an enum value): its tokens;
-3. the first "closing" token (``CLOSING_TEXTS``: quotes and brackets that end what is open, then
-   small complete values, then a separator) the grammar allows that brings the end nearer: after
+3. the first "closing" token (``CLOSING_TEXTS``: quotes and brackets that end what is open, then a
+   separator, then small complete values) the grammar allows that brings the end nearer: after
    it the answer may end, or the grammar allows no more tokens than before and not the same ones.
    That look ahead is what tells a quote that closes a string (after it only a few tokens may
    follow) from one that opens a string (after it almost any token may), and a bracket that
    closes an array from the same character as text inside a string (the same tokens may follow);
 4. else the allowed token that spells the most bytes (fewest tokens through a pattern or a number's
    bounds), not blank unless only blanks are allowed (a grammar that ignores whitespace allows
-   blanks everywhere, and they never bring its end nearer).
+   blanks everywhere, and they never bring its end nearer), and not one after which the grammar
+   allows the very same tokens (that token would be taken for ever: zeros after "-0." in a number
+   that must not be zero) while another one changes them.
 
 It is not the shortest path in general (that is a search over the vocabulary at every step), but it
 is for the JSON that structured outputs write, and it uses nothing specific to JSON: any grammar
@@ -31,13 +33,19 @@ import numpy as np
 
 # Tried in this order, each by its exact text in the vocabulary (absent ones are skipped), the
 # first one that brings the end nearer (``_next_token``) taken. Closers first, those that close the
-# most first, a string's before a container's (inside a string a bracket is text); then the
-# shortest complete values, also as they follow ': ' (JSON_OPTIONS' separator); a separator last
-# (an array that still needs items).
+# most first, a string's before a container's (inside a string a bracket is text); then a
+# separator, where no closer may come yet (keys still required, an array short of items; after a
+# number it ends the number, where a digit would only lengthen it: "-0.1" in a number that may not
+# be 0 takes ',' rather than '0'); then the shortest complete values, also as they follow ': '
+# (JSON_OPTIONS' separator), where a value must begin.
 CLOSING_TEXTS = (
-    '"}]}', '"]}', '"}}', '"}]', '"]', '"}', '"', '}]}', '}]', ']}', '}}', ']]', '}', ']', ')',
-    '""', '[]', '{}', '0', 'null', 'false', 'true', ' ""', ' []', ' {}', ' 0', ' null', ' false', ' true', ',',
+    '"}]}', '"]}', '"}}', '"}]', '"]', '"}', '"', '}]}', '}]', ']}', '}}', ']]', '}', ']', ')', ',',
+    '""', '[]', '{}', '0', 'null', 'false', 'true', ' ""', ' []', ' {}', ' 0', ' null', ' false', ' true',
 )
+
+# Allowed tokens tried, longest first, when the longest one would leave the grammar's choices as
+# they are (each try: a copy of the matcher, a token and a mask, some 20 µs).
+FALLBACK_TRIES = 32
 
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int32)
 
@@ -105,7 +113,25 @@ def _next_token(matcher: Any, tokens: ClosingTokens) -> int | None:
     lengths = np.where(allowed & ~tokens.blank, tokens.lengths, 0)
     if not lengths.any():  # only blanks (or empty tokens) are allowed
         lengths = np.where(allowed, tokens.lengths, 0)
-    return int(np.argmax(lengths)) if lengths.any() else int(np.flatnonzero(allowed)[0])
+    if not lengths.any():
+        return int(np.flatnonzero(allowed)[0])
+    longest = int(np.argmax(lengths))
+    if _moves(matcher, longest, now):
+        return longest
+    # The longest token leaves the very same choices, and so would be taken again and again (zeros
+    # after "-0." in a number that must not be zero): the longest one after which they differ.
+    candidates = np.flatnonzero(lengths)
+    for token in candidates[np.argsort(-lengths[candidates], kind="stable")][1:FALLBACK_TRIES]:
+        if _moves(matcher, int(token), now):
+            return int(token)
+    return longest
+
+
+def _moves(matcher: Any, token: int, now: np.ndarray) -> bool:
+    """After ``token`` the answer may end, or the grammar allows other tokens than ``now``."""
+    ahead = matcher.copy()
+    ahead.accept(token)
+    return ahead.is_terminated() or ahead.is_accepting() or not np.array_equal(ahead.mask(), now)
 
 
 def popcount(words: np.ndarray) -> int:
