@@ -44,11 +44,11 @@ log = logging.getLogger(__name__)
 SeqId = Hashable
 GPU_MEMORY_SHARE = 0.85  # of the free memory after the weights, for the KV cache
 GPU_HEADROOM = 2 << 30  # bytes kept free for activations, graphs and sampling
-# Prompt tokens per step on CUDA. A prompt step runs eagerly (no graph), and its cost there is
-# launching some 60 kernels a layer, not its tokens: a 128-token step (the CPU's chunk) took about
-# 50 ms on an H200, whose arithmetic for it is well under a millisecond, and 64 or 256 streams and a
-# 512-token prompt's first token waited on one such step per 128 prompt tokens (docs/gpu.md). vLLM
-# takes 2048-8192 prompt tokens a step.
+# Prompt tokens per step on CUDA. A prompt step runs eagerly (no graph), and its cost there is the
+# host's (Python, launching dozens of kernels a layer), not its tokens': a 128-token step (the CPU's
+# chunk) took about 50 ms on an H200, whose arithmetic for it is well under a millisecond, and 64 or
+# 256 streams and a 512-token prompt's first token waited on one such step per 128 prompt tokens
+# (docs/gpu.md). vLLM takes 2048-8192 prompt tokens a step.
 GPU_PREFILL_CHUNK = 2048
 
 
