@@ -100,38 +100,38 @@ def _next_token(matcher: Any, tokens: ClosingTokens) -> int | None:
         return None
     choices = popcount(now)
     for token in (t for t in tokens.preferred if allowed[t]):
-        ahead = matcher.copy()
-        ahead.accept(token)
-        if ahead.is_terminated() or ahead.is_accepting():
-            return token
-        after = ahead.mask()
-        # It brings the end nearer when it leaves no more choices than there were, and other ones:
-        # a quote that opens a string leaves almost any token; a bracket written inside a string
-        # leaves the very same choices.
-        if popcount(after) <= choices and not np.array_equal(after, now):
+        after = _after(matcher, token)
+        # It brings the end nearer when the answer may end after it, or it leaves no more choices
+        # than there were, and other ones: a quote that opens a string leaves almost any token; a
+        # bracket written inside a string leaves the very same choices.
+        if after is None or (popcount(after) <= choices and not np.array_equal(after, now)):
             return token
     lengths = np.where(allowed & ~tokens.blank, tokens.lengths, 0)
     if not lengths.any():  # only blanks (or empty tokens) are allowed
         lengths = np.where(allowed, tokens.lengths, 0)
     if not lengths.any():
         return int(np.flatnonzero(allowed)[0])
+    def moves(token: int) -> bool:  # the answer may end after it, or other tokens are allowed than now
+        after = _after(matcher, token)
+        return after is None or not np.array_equal(after, now)
+
     longest = int(np.argmax(lengths))
-    if _moves(matcher, longest, now):
+    if moves(longest):
         return longest
     # The longest token leaves the very same choices, and so would be taken again and again (zeros
     # after "-0." in a number that must not be zero): the longest one after which they differ.
     candidates = np.flatnonzero(lengths)
     for token in candidates[np.argsort(-lengths[candidates], kind="stable")][1:FALLBACK_TRIES]:
-        if _moves(matcher, int(token), now):
+        if moves(int(token)):
             return int(token)
     return longest
 
 
-def _moves(matcher: Any, token: int, now: np.ndarray) -> bool:
-    """After ``token`` the answer may end, or the grammar allows other tokens than ``now``."""
+def _after(matcher: Any, token: int) -> np.ndarray | None:
+    """The grammar's mask after ``token`` (on a copy of the matcher); None when the answer may end there."""
     ahead = matcher.copy()
     ahead.accept(token)
-    return ahead.is_terminated() or ahead.is_accepting() or not np.array_equal(ahead.mask(), now)
+    return None if ahead.is_terminated() or ahead.is_accepting() else ahead.mask()
 
 
 def popcount(words: np.ndarray) -> int:
