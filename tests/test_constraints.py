@@ -389,3 +389,46 @@ def test_a_resumed_answer_closes_as_the_uninterrupted_one(grammars, tokenizer, e
     for cut in (1, 20, 35, 50, 70, len(whole) - 2, len(whole) - 1):
         state = rambling_state(grammar, tokenizer, eos, 100, resumed=whole[:cut])
         assert ramble(state, tokenizer, eos, seed=3) == whole, cut
+
+
+def many_optional_properties(n: int) -> dict:
+    """An object of n optional string properties with patterns: after '{' the parser's row holds
+    about 4 items a property, past llguidance's 2,000 from ~500 properties on."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 5 + 1}}}$"}
+                                             for i in range(n)}}
+
+
+def test_a_grammar_past_the_parsers_limits_is_refused_at_compile_time(grammars):
+    """It passes its first mask ('{' only) and fails on the next token: found along its shortest
+    answer before any compute, with a short message (no parser state, no grammar)."""
+    with pytest.raises(InvalidInputError, match="too complex for the grammar engine: .*Current row has") as err:
+        compile_constraint("json_schema", {"schema": many_optional_properties(3000)}, grammars)
+    assert len(str(err.value)) < 300
+    assert compile_constraint("json_schema", {"schema": many_optional_properties(300)}, grammars)
+
+
+def test_a_grammar_past_the_limits_further_on_fails_its_answer_with_a_typed_400(grammars, tokenizer, eos):
+    """The shortest answer of an array of such objects is '[]', which the compile-time walk takes;
+    an answer that opens an object fails there with GrammarLimitError (400), not a bug's 500."""
+    from modelkiln.errors import ErrorKind, GrammarLimitError
+
+    schema = {"type": "array", "items": many_optional_properties(3000)}
+    grammar = compile_constraint("json_schema", {"schema": schema}, grammars)
+    state = rambling_state(grammar, tokenizer, eos, 20)
+    opening, brace = tokenizer.token_to_id("["), tokenizer.token_to_id("{")
+    assert opening in allowed(state.bitmask())
+    state.accept(opening)
+    assert brace in allowed(state.bitmask())
+    with pytest.raises(GrammarLimitError, match="too complex for the grammar engine at answer token 2") as err:
+        state.accept(brace)
+    assert err.value.kind is ErrorKind.INVALID_INPUT
+
+
+def test_a_token_the_mask_did_not_allow_is_the_engines_bug(grammars, tokenizer, eos):
+    from modelkiln.errors import ErrorKind, KilnError
+
+    state = rambling_state(compile_constraint("regex", "abc", grammars), tokenizer, eos, 5)
+    state.bitmask()
+    with pytest.raises(KilnError, match="the grammar refused token") as err:
+        state.accept(tokenizer.encode("z").ids[0])
+    assert err.value.kind is ErrorKind.INTERNAL

@@ -90,6 +90,12 @@ class InvalidInputError(KilnError):
     kind = ErrorKind.INVALID_INPUT
 
 
+class GrammarLimitError(InvalidInputError):
+    """A request's grammar went past the grammar engine's limits on a token it had allowed (an
+    object of thousands of optional properties): the request's fault, found only while answering,
+    as every grammar is checked along its shortest answer before any compute (constraints.py)."""
+
+
 class ModelNotFoundError(KilnError):
     kind = ErrorKind.NOT_FOUND
 

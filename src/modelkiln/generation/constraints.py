@@ -27,7 +27,12 @@ it computes a mask, so masks for a batch can be filled in a thread while the mod
 
 Errors are ``InvalidInputError`` raised here, at request parsing, before any compute: a schema
 that is not JSON Schema, a feature the engine does not implement, a regex or grammar that does not
-parse, a schema nested deeper than ``MAX_DEPTH`` or larger than ``MAX_SPEC_BYTES``."""
+parse, a schema nested deeper than ``MAX_DEPTH`` or larger than ``MAX_SPEC_BYTES``, and a grammar
+past llguidance's parser limits (``LLParserLimits``: 2,000 Earley items in a row, lexer fuel) on
+its first mask or along its shortest answer. An object of 3,000 optional properties passes its
+first mask and fails on the next token (its row after ``{`` holds 4 items a property); walking
+the shortest answer at compile time finds it. A grammar that fails further on, on a path the
+shortest answer does not take, fails the one answer with ``GrammarLimitError`` (sequence.py)."""
 
 from __future__ import annotations
 
@@ -156,6 +161,9 @@ class Grammars:
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._bytes = 0
         self.closing = ClosingTokens(vocabulary)
+        # llguidance's default limits; errors without the parser's state and the whole grammar,
+        # which a 400 would otherwise carry (a 3,000-property schema's error was 120 kB)
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)
         self._lock = threading.Lock()
 
     @property
@@ -203,7 +211,7 @@ class Grammars:
                 raise InvalidInputError(f"the GBNF grammar does not parse: {exc}") from None
         else:
             raise InvalidInputError(f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
-        prototype = llg(self.vocabulary.llg, text, log_level=0)
+        prototype = llg(self.vocabulary.llg, text, log_level=0, limits=self._limits)
         if prototype.is_error():
             raise InvalidInputError(f"{_NAMES[kind]} cannot be used: {_first_line(prototype.get_error())}")
         # build the lexer now (the first mask), so that each sequence's copy starts with it
@@ -212,8 +220,10 @@ class Grammars:
         prototype.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
         if prototype.is_error():
             raise InvalidInputError(f"{_NAMES[kind]} cannot be used: {_first_line(prototype.get_error())}")
-        shortest = Matcher(prototype.deep_copy(), words, self.vocabulary.usable_words, self.closing).closing_path(
-            SHORTEST_ANSWER_LIMIT)
+        probe = Matcher(prototype.deep_copy(), words, self.vocabulary.usable_words, self.closing)
+        shortest = closing_path(probe, self.closing, SHORTEST_ANSWER_LIMIT)
+        if probe.error:  # it failed on a token it allowed: past the parser's limits, as every answer would be
+            raise InvalidInputError(f"{_NAMES[kind]} is too complex for the grammar engine: {_first_line(probe.error)}")
         return Grammar(kind, key, prototype, words, self.vocabulary.usable_words, self.closing, len(shortest or ()))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..errors import KilnError
+from ..errors import GrammarLimitError, KilnError
 from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams
 from .stopping import StopStringMatcher
@@ -67,6 +67,7 @@ class SequenceState:
         self._stops = StopStringMatcher(self.params.stop)
         self._stop_ids = (frozenset() if self.params.ignore_eos else self.eos_ids) | frozenset(self.params.stop_token_ids)
         self.matcher: Any = self.params.constraint.matcher() if self.params.constraint is not None else None
+        self._mask: np.ndarray | None = None  # the last mask handed to the engine
         # The closing path from the current state, once computed (None: not computed or none found).
         # It only saves work: the path is a function of the matcher's state, so its rest is the path
         # from the state after its first token.
@@ -107,6 +108,7 @@ class SequenceState:
             self.matcher.fill_bitmask(words)
         else:
             words.view(np.uint32)[closing // 32] = np.uint32(1 << (closing % 32))
+        self._mask = words  # what the token was chosen from: tells a grammar's failure from an engine's
         return words
 
     def closing_token(self) -> int | None:
@@ -137,8 +139,8 @@ class SequenceState:
         if self.finished:
             raise RuntimeError(f"request {self.request_id!r} has already finished")
         self.generated_ids.append(token_id)
-        if self.matcher is not None and not self.matcher.accept(token_id):  # the engine did not apply its mask
-            raise KilnError(f"the grammar refused token {token_id}: {getattr(self.matcher, 'error', None) or 'no reason'}")
+        if self.matcher is not None and not self.matcher.accept(token_id):
+            raise self._refused(token_id)
         if self._closing:  # still the path when the token is its first; else found again when needed
             self._closing = self._closing[1:] if self._closing[0] == token_id else None
         if token_id in self._stop_ids:
@@ -152,6 +154,17 @@ class SequenceState:
             return self._finish(token_id, STOP if self._stops.stopped else LENGTH, text)
         self.text += text
         return Delta(token_id, text)
+
+    def _refused(self, token_id: int) -> KilnError:
+        """Why the grammar refused a token: one its mask allowed means the grammar went past the
+        grammar engine's limits there (the request's fault: 400); else the engine did not apply
+        the mask (a bug: 500)."""
+        why = (getattr(self.matcher, "error", None) or "no reason").strip().splitlines()[0][:500]
+        mask = self._mask
+        if mask is not None and token_id // 32 < mask.size and (int(mask[token_id // 32]) >> (token_id % 32)) & 1:
+            return GrammarLimitError(f"the request's grammar is too complex for the grammar engine at answer token "
+                                     f"{len(self.generated_ids)}: {why}")
+        return KilnError(f"the grammar refused token {token_id}: {why}")
 
     def _finish(self, token_id: int, reason: str, text: str) -> Delta:
         text += self._stops.flush()  # nothing more can complete a stop string
