@@ -79,10 +79,19 @@ def test_n_and_seeds():
     ({"guided_grammar": 'start: "a"'}, "lark"),
     ({"grammar": 'root ::= "a"'}, "gbnf"),
     ({"json_schema": SCHEMA}, "json_schema"),
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "json_schema"),  # llama-cpp-python's form
 ])
 def test_every_name_for_a_constraint(fields, kind, grammars):
     assert requested_constraint(fields)[0] == kind
     assert parse(fields, grammars).constraint.kind == kind
+
+
+def test_json_object_with_a_schema_is_that_schema_not_strict(grammars):
+    """llama-cpp-python's, Together's and Fireworks' ``{"type": "json_object", "schema": ...}``: the
+    schema's grammar (was: any object, the schema silently ignored)."""
+    kind, spec = requested_constraint({"response_format": {"type": "json_object", "schema": SCHEMA}})
+    assert (kind, spec) == ("json_schema", {"schema": SCHEMA, "strict": False})
+    assert requested_constraint({"response_format": {"type": "json_object", "schema": None}})[0] == "json_object"
 
 
 def test_text_format_is_no_constraint_and_bad_formats_are_refused(grammars):
@@ -96,6 +105,14 @@ def test_text_format_is_no_constraint_and_bad_formats_are_refused(grammars):
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "'ignore_eos' cannot be used"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}},
          "the JSON schema cannot be used"),
+        # a key kiln does not read would change the answer where another server honours it
+        ({"response_format": {"type": "json_object", "schema": [1]}}, "'schema' must be a JSON schema object"),
+        ({"response_format": {"type": "json_object", "grammar": "root ::= x"}}, "has 'grammar', which this server"),
+        ({"response_format": {"type": "text", "schema": SCHEMA}}, "has 'schema', which this server does not"),
+        ({"response_format": {"type": "json_schema", "schema": SCHEMA, "json_schema": {"schema": SCHEMA}}},
+         "'response_format' has 'schema'"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "mode": "x"}}},
+         "'response_format.json_schema' has 'mode'"),
     ]:
         with pytest.raises(InvalidInputError, match=message):
             parse(fields, grammars)

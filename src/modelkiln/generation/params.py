@@ -133,24 +133,43 @@ def _json_text(name: str, spec: Any) -> Any:
         raise InvalidInputError(f"'{name}' is a string that is not JSON") from None
 
 
+_RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type", "schema"), "json_schema": ("type", "json_schema")}
+
+
+def _known_keys(name: str, value: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    unknown = sorted(k for k, v in value.items() if k not in known and v is not None)
+    if unknown:
+        raise InvalidInputError(f"{name} has {', '.join(map(repr, unknown))}, which this server does not read "
+                                f"(it reads {', '.join(map(repr, known))})")
+
+
 def requested_constraint(fields: Mapping[str, Any]) -> tuple[str, Any] | None:
     """The constraint a request asks for, as (kind, spec) for ``compile_constraint``, or None."""
     asked: list[tuple[str, str, Any]] = []
     response_format = fields.get("response_format")
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind == "json_object":
+        if kind not in _RESPONSE_FORMAT_KEYS:
+            raise InvalidInputError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                    "{\"type\": \"json_schema\", \"json_schema\": {...}}")
+        # a key this server does not read would change the answer where another server honours it: a 400
+        _known_keys("'response_format'", response_format, _RESPONSE_FORMAT_KEYS[kind])
+        if kind == "json_object" and response_format.get("schema") is not None:
+            # llama-cpp-python's, Together's and Fireworks' form of a schema: the same grammar as json_schema
+            schema = response_format["schema"]
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidInputError("'response_format' json_object's 'schema' must be a JSON schema object")
+            asked.append(("response_format", "json_schema", {"schema": schema, "strict": False}))
+        elif kind == "json_object":
             asked.append(("response_format", "json_object", None))
         elif kind == "json_schema":
             spec = response_format.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
                 raise InvalidInputError("'response_format' json_schema needs 'json_schema': {\"name\": ..., "
                                         "\"schema\": {...}, \"strict\": true|false}")
+            _known_keys("'response_format.json_schema'", spec, ("name", "description", "schema", "strict"))
             asked.append(("response_format", "json_schema", {"schema": spec.get("schema", {}),
                                                              "strict": spec.get("strict")}))
-        elif kind != "text":
-            raise InvalidInputError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                                    "{\"type\": \"json_schema\", \"json_schema\": {...}}")
     structured = fields.get("structured_outputs")
     if structured is not None:
         if not isinstance(structured, dict):
