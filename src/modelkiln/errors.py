@@ -104,6 +104,12 @@ class RouteNotFoundError(KilnError):
     kind = ErrorKind.NOT_FOUND
 
 
+class ResponseNotFoundError(KilnError):
+    """A stored response (OpenAI's Responses API) this server does not hold (404)."""
+
+    kind = ErrorKind.NOT_FOUND
+
+
 class UnauthorizedError(KilnError):
     kind = ErrorKind.UNAUTHENTICATED
 

@@ -7,8 +7,9 @@ Names are OpenAI's (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop
 discourages tokens already in the prompt or the answer, Hugging Face's rule), ``ignore_eos``,
 ``stop_token_ids``, ``prompt_logprobs`` and ``structured_outputs`` (with its older ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``), and llama-server's ``grammar`` (GBNF)
-and ``json_schema``; ``max_new_tokens`` (Hugging Face's name) and ``max_completion_tokens``
-(OpenAI's newer one) are accepted for ``max_tokens``. A request asks for one constraint at most.
+and ``json_schema``; ``max_new_tokens`` (Hugging Face's name), ``max_completion_tokens``
+(OpenAI's newer one) and ``max_output_tokens`` (OpenAI's Responses API) are accepted for
+``max_tokens``. A request asks for one constraint at most.
 
 Nothing the client asks for is cut silently: ``max_tokens`` larger than what the context leaves
 after the prompt is a 400 with the numbers (OpenAI's and vLLM's answer). Only the artifact's
@@ -29,7 +30,8 @@ from .sampling import SamplingParams
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # OpenAI's n; the server also refuses more than its running rows
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
-MAX_TOKENS_NAMES = ("max_tokens", "max_new_tokens", "max_completion_tokens")  # OpenAI's, Hugging Face's, OpenAI's newer
+# OpenAI's, Hugging Face's, OpenAI's newer, OpenAI Responses'
+MAX_TOKENS_NAMES = ("max_tokens", "max_new_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def _number(fields: Mapping[str, Any], name: str, kind: type = float) -> Any:

@@ -31,7 +31,7 @@ from . import inference_routes
 from .auth import bearer_matches
 from .dataplane import DataPlane, build_dataplane
 from .errors import error_response
-from .generation import generate_routes, openai_routes, tokenize_routes
+from .generation import generate_routes, openai_routes, responses_routes, tokenize_routes
 from .generation.http import CLIENT_CLOSED
 from .metrics import Metrics
 from .request_watch import RequestWatch
@@ -78,7 +78,7 @@ def route_of(path: str) -> tuple[str, str]:
     if len(parts) >= 3 and parts[0] == "v2" and parts[1] == "models":
         return parts[2], parts[-1] if parts[-1] in ("infer", "predict", "ready", "stats", "generate",
                                                     "generate_stream") else "metadata"
-    if path in ("/v1/embeddings", "/v1/completions", "/v1/chat/completions"):
+    if path in ("/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/responses"):
         return "", path[4:].replace("/", "_")
     return "", parts[-1] if parts[0] in ("v2", "metrics") else "other"
 
@@ -288,9 +288,10 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    # -- text generation: OpenAI completions and Triton's generate extension (serve/generation/) -----
+    # -- text generation: OpenAI completions, chat and responses, Triton's generate extension (serve/generation/)
     generate_routes.register(app, plane)
     openai_routes.register(app, plane)
+    responses_routes.register(app, plane)
     tokenize_routes.register(app, plane)
 
     @app.get("/v1/models")

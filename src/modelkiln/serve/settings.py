@@ -136,6 +136,11 @@ class ServeSettings(BaseModel):
     # assistant's (generation/chat_tokens.py).
     special_tokens_in_messages: bool = setting(False, "Generation: read special tokens written in chat messages "
                                                       "(<|im_end|>...) as control tokens, not as text.")
+    # Each kept response holds its conversation (at most a context's worth of text), for
+    # previous_response_id; count-bounded as OpenAI's store has no size (serve/generation/responses_routes.py).
+    stored_responses: int = setting(1000, "Generation: responses kept for the Responses API's previous_response_id "
+                                          "and GET /v1/responses/ID, the least recently used dropped first (0: none).",
+                                    ge=0)
     # --- model repository (Triton's repository extension)
     model_repository: Optional[str] = setting(None, "A folder of artifact folders to serve.", shown_default="none")
     model_control_mode: Literal["none", "explicit", "poll"] = setting(

@@ -29,7 +29,9 @@ from starlette.responses import Response
 
 from ...errors import InvalidInputError
 from ...generation.params import choices
+from ...generation.sampling import SamplingParams
 from ...generation.tool_calls import ToolFormat, parse_tools, template_messages_with_tools, tool_format
+from ...generation.vocabulary import Vocabulary
 from ..dataplane import DataPlane
 from .answers import Answers, submit, with_seed
 from .http import json_body, sse, sse_response, whole_answer
@@ -136,6 +138,30 @@ async def _chat_prompt(model: GenerationModel, body: dict[str, Any]) -> _Prompts
             constraint = ("lark", syntax.grammar(tools, lambda text: _special_id(model, text)))
     ids = await model.chat_ids(openai_messages(body.get("messages")), tools.tools if syntax else None)
     return _Prompts([None], [ids], syntax, constraint)
+
+
+@dataclass
+class ChatStart:
+    """One chat answer submitted: its stream, the template's call syntax (None without tools), its
+    settings, the vocabulary when it reports log-probabilities, the prompt's length."""
+
+    answers: Answers
+    syntax: ToolFormat | None
+    params: SamplingParams
+    vocabulary: Vocabulary | None
+    prompt_tokens: int
+
+
+async def start_chat(model: GenerationModel, body: dict[str, Any]) -> ChatStart:
+    """One answer (n = 1) to a chat request's body, through the chat route's own steps: the chat
+    template with the tools, the grammar tool_choice or response_format asks for, the sampling
+    settings. The Responses API (responses_routes.py) translates its requests into such a body."""
+    prompts = await _chat_prompt(model, body)
+    ids = prompts.ids[0]
+    params = await model.params(body, len(ids), prompts.constraint)
+    vocabulary = await model.vocabulary() if params.logprobs is not None else None
+    answers = await submit(model, [(0, ids, params)])
+    return ChatStart(answers, prompts.syntax, params, vocabulary, len(ids))
 
 
 async def _completion_prompts(model: GenerationModel, body: dict[str, Any], n: int) -> _Prompts:
