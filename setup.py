@@ -1,6 +1,7 @@
-"""The one native part: onnxruntime operators over GGUF K-quant blocks (src/modelkiln/native/).
-Everything else is declared in pyproject.toml. The library is optional: where it does not build
-(no gcc, not x86-64) the package installs without it, and GGUF weights go into MatMulNBits."""
+"""The native parts (src/modelkiln/native/): onnxruntime operators over GGUF K-quant blocks, and the
+sampler's exact arithmetic. Everything else is declared in pyproject.toml. Both libraries are
+optional: where one does not build (no gcc, not x86-64) the package installs without it; GGUF
+weights then go into MatMulNBits, and the sampler computes the same values in numpy."""
 import platform
 
 from setuptools import Extension, setup
@@ -17,5 +18,13 @@ ext_modules = [
         optional=True,
     )
 ] if X86 else []
+# The sampler's exact arithmetic (numpy's order of float64 sums, Philox draws): plain C for any CPU,
+# every + and * rounded as numpy rounds it (no contraction into FMA, no fast-math).
+ext_modules.append(Extension(
+    "modelkiln.native._sampling",
+    ["src/modelkiln/native/sampling.c"],
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden"],
+    optional=True,
+))
 
 setup(ext_modules=ext_modules)

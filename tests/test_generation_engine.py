@@ -16,6 +16,7 @@ from modelkiln.generation.engine import EngineOptions
 from modelkiln.generation.model import TextGenerationModel
 from modelkiln.generation.padded_engine import PaddedEngine
 from modelkiln.generation.sampling import SamplingParams, TokenChooser
+from modelkiln.generation.sampling.selection import reference_draw
 from modelkiln.generation.serving_engine import ServingEngine
 from modelkiln.generation.stopping import StopStringMatcher
 
@@ -385,7 +386,7 @@ def test_a_masked_choice_is_the_whole_rows_with_the_others_at_minus_infinity():
         whole = TokenChooser(params, case, history)
         scores = whole._processed(logits).astype(np.float32, copy=True)
         scores[~allowed] = -np.inf
-        expected = int(np.argmax(scores)) if params.greedy else whole._draw(scores)
+        expected = int(np.argmax(scores)) if params.greedy else reference_draw(scores, params, whole._uniform())
         assert masked == expected, f"case {case}"
         assert allowed[masked]
 

@@ -176,6 +176,8 @@ SETTINGS = [
     dict(temperature=1.0, frequency_penalty=1.5, presence_penalty=-0.5, logit_bias=((3, 5.0), (9, -100.0))),
     dict(temperature=0.0, repetition_penalty=0.8, logit_bias=((11, 2.0),)),
     dict(temperature=2.0, top_k=1),
+    dict(temperature=0.8, min_p=0.1),
+    dict(temperature=1.2, top_k=50, top_p=0.95, min_p=0.05, presence_penalty=0.4),
 ]
 
 

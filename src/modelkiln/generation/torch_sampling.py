@@ -1,6 +1,6 @@
 """Choosing tokens on the torch engine's device, every row of a step at once, with
 ``TokenChooser``'s semantics (sampling.py): logit bias, the repetition penalty, OpenAI's frequency
-and presence penalties, the grammar's bitmask, then temperature, top-k and top-p, and the inverse
+and presence penalties, the grammar's bitmask, then temperature, top-k, top-p and min-p, and the inverse
 transform of one uniform per token in vocabulary order, in float64.
 
 The uniform is ``sampling.uniform(seed, position)``, computed on the host (one per sampled row), so a
@@ -176,6 +176,10 @@ class DeviceSampler:
             ranks = torch.arange(self.vocab, device=self.device)[None, :]
             kept = torch.zeros_like(probs).scatter(1, order, torch.where(ranks < keep, ordered, 0.0))
             probs = torch.where(top_p < 1.0, kept / kept.sum(dim=-1, keepdim=True), probs)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = _column([p.min_p for p in params], torch.float64, self.device)
+            kept = torch.where(probs >= min_p * probs.max(dim=-1, keepdim=True).values, probs, 0.0)
+            probs = torch.where(min_p > 0.0, kept / kept.sum(dim=-1, keepdim=True), probs)
         cumulative = probs.cumsum(dim=-1)
         total = cumulative[:, -1:]
         targets = (draws[:, None] * total).contiguous()

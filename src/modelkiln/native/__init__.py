@@ -8,6 +8,7 @@ graph holds these operators only when the library was there when it was converte
 
 from __future__ import annotations
 
+import ctypes
 import importlib.machinery
 from functools import lru_cache
 from pathlib import Path
@@ -49,3 +50,32 @@ def check_layout(details: dict, variant: str) -> None:
     if stored is not None and stored != LAYOUT:  # true, the first layout, is not 2 either
         raise ArtifactError(f"variant '{variant}' holds GGUF blocks in a layout this kiln's native operators no "
                             f"longer read (written by an older kiln): convert the model again")
+
+
+@lru_cache(maxsize=1)
+def sampling_library() -> ctypes.CDLL | None:
+    """The sampler's exact arithmetic (``sampling.c``: plain C, any CPU), or None where it was not
+    built; the sampler then computes the same values in numpy, more slowly."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_sampling{suffix}"
+        if path.exists():
+            try:
+                library = ctypes.CDLL(str(path))
+            except OSError:
+                return None
+            return _declare_sampling(library)
+    return None
+
+
+def _declare_sampling(library: ctypes.CDLL) -> ctypes.CDLL:
+    u64, i64, f64 = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
+    library.kiln_uniforms.argtypes = [u64, u64, ctypes.c_int64, f64]
+    library.kiln_uniforms.restype = None
+    library.kiln_sparse_sum.argtypes = [i64, f64, ctypes.c_int64, ctypes.c_int64]
+    library.kiln_sparse_sum.restype = ctypes.c_double
+    library.kiln_cumulative_pick.argtypes = [f64, ctypes.c_int64, ctypes.c_double, f64]
+    library.kiln_cumulative_pick.restype = ctypes.c_int64
+    library.kiln_scale.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.c_double, ctypes.c_double, f64]
+    library.kiln_scale.restype = None
+    return library

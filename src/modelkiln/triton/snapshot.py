@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 MODELS_DIR = Path(__file__).parent / "models"
+_GENERATION = Path(__file__).parent.parent / "generation"
 
 # The package, its errors and manifest, and the tasks (what every model here imports, with what
 # those import).
@@ -19,9 +20,10 @@ _TASKS = (
     "tasks/question_answering.py", "tasks/token_classification.py", "tasks/tensors.py",
 )
 
-# kiln's native onnxruntime operators (GGUF K-quant blocks), which runtime/onnx.py registers with
-# every session: the finder and, where it was built, the library itself.
-_NATIVE = ("native/__init__.py", *sorted(f"native/{p.name}" for p in (Path(__file__).parent.parent / "native").glob("_gguf_ops*")
+# kiln's native libraries: the onnxruntime operators over GGUF K-quant blocks, which runtime/onnx.py
+# registers with every session, and the sampler's exact arithmetic; the finder and, where they were
+# built, the libraries themselves.
+_NATIVE = ("native/__init__.py", *sorted(f"native/{p.name}" for p in (Path(__file__).parent.parent / "native").glob("_*")
                                          if p.suffix in (".so", ".pyd")))
 
 # The encoder models (tokenize, postprocess, the python-backend onnx model); runtime/onnx.py is
@@ -36,7 +38,7 @@ ENCODER_FILES = (
 # engine's threads when none are given).
 GENERATION_FILES = (
     *_TASKS, "tasks/text_generation.py", "runtime/__init__.py", "runtime/onnx.py", *_NATIVE, "cpus.py",
-    *sorted(f"generation/{p.name}" for p in (Path(__file__).parent.parent / "generation").glob("*.py")
+    *sorted(f"generation/{p.relative_to(_GENERATION).as_posix()}" for p in _GENERATION.rglob("*.py")
             if p.name != "command.py"),
 )
 

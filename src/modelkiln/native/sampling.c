@@ -1,0 +1,187 @@
+/* The sampler's exact arithmetic, in plain C (no vector extensions: every CPU gives the same bits).
+
+   The host sampler (generation/sampling/) chooses a token as numpy would over the whole vocabulary,
+   but works on the few tokens that can be chosen. Three pieces need numpy's exact order of
+   operations over positions the sampler no longer visits one by one, and are written here:
+
+   - kiln_uniforms: numpy's Philox4x64-10 ``Generator(Philox(counter=position, key=seed)).random()``
+     for many (seed, position) pairs at once, without building a Generator for each (~14 us each);
+   - kiln_sparse_sum: ``a.sum()`` of a float64 vector that is zero but at a few positions, in numpy's
+     order: chunks of the ufunc buffer (8192 items) added to 0.0 in turn, each chunk summed pairwise
+     (numpy's pairwise_sum: blocks of at most 128 items over 8 accumulators). Zeros add nothing
+     exactly (x + 0.0 == x), so only the blocks that hold a value are visited;
+   - kiln_cumulative_pick: the token ``searchsorted(cumsum(p), u * cumsum(p)[-1], side="right")``
+     picks, with numpy's sequential cumulative sum, without writing the cumulative sums out.
+
+   - kiln_scale: the row's ``(float64(logits) - best) / temperature`` in one pass instead of numpy's
+     three (a conversion, a subtraction, a division), vectorised for the CPU at hand: each item is
+     rounded twice, as numpy rounds it, whatever the vector width.
+
+   Built with -ffp-contract=off and no fast-math: every + and * rounds as numpy's does. */
+
+#include <stdint.h>
+#include <stddef.h>
+
+#if defined(_WIN32)
+#define KILN_EXPORT __declspec(dllexport)
+#else
+#define KILN_EXPORT __attribute__((visibility("default")))
+#endif
+
+/* ---- the scaled row ---------------------------------------------------------------------------- */
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KILN_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KILN_VECTOR_CLONES
+#endif
+
+KILN_VECTOR_CLONES
+KILN_EXPORT void kiln_scale(const float *logits, int64_t n, double best, double temperature, double *out) {
+    for (int64_t i = 0; i < n; i++) {
+        out[i] = ((double)logits[i] - best) / temperature;
+    }
+}
+
+/* ---- Philox4x64-10 as numpy's bit generator (numpy/random/src/philox/philox.h) ---------------- */
+
+static inline uint64_t mulhilo64(uint64_t a, uint64_t b, uint64_t *hi) {
+    __uint128_t product = (__uint128_t)a * (__uint128_t)b;
+    *hi = (uint64_t)(product >> 64);
+    return (uint64_t)product;
+}
+
+/* numpy's first draw after seeding: the counter is incremented once, then ten rounds give four
+   words of which random() takes the first: (word >> 11) * 2^-53. */
+static double philox_first_double(uint64_t seed, uint64_t position) {
+    uint64_t c0 = position, c1 = 0, c2 = 0, c3 = 0;
+    uint64_t k0 = seed, k1 = 0;
+    c0 += 1; /* a counter of 2^64 - 1 carries into the next word */
+    if (c0 == 0) {
+        c1 += 1;
+    }
+    for (int round = 0; round < 10; round++) {
+        if (round > 0) {
+            k0 += 0x9E3779B97F4A7C15ULL;
+            k1 += 0xBB67AE8584CAA73BULL;
+        }
+        uint64_t hi0, hi1;
+        uint64_t lo0 = mulhilo64(0xD2E7470EE14C6C93ULL, c0, &hi0);
+        uint64_t lo1 = mulhilo64(0xCA5A826395121157ULL, c2, &hi1);
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+    }
+    return (double)(c0 >> 11) * (1.0 / 9007199254740992.0);
+}
+
+KILN_EXPORT void kiln_uniforms(const uint64_t *seeds, const uint64_t *positions, int64_t n, double *out) {
+    for (int64_t i = 0; i < n; i++) {
+        out[i] = philox_first_double(seeds[i], positions[i]);
+    }
+}
+
+/* ---- numpy's float64 sum of a sparse vector ---------------------------------------------------- */
+
+#define PW_BLOCKSIZE 128
+#define UFUNC_BUFSIZE 8192
+
+/* numpy's pairwise_sum over positions [lo, lo + n) of a vector whose values are ``values`` at the
+   sorted positions ``ids[first..last)`` and zero elsewhere. */
+static double pairwise(const int64_t *ids, const double *values, int64_t first, int64_t last,
+                       int64_t lo, int64_t n) {
+    if (first == last) {
+        return 0.0; /* every item zero: numpy's sum of them is 0.0 */
+    }
+    if (n < 8) {
+        double res = 0.0;
+        for (int64_t k = first; k < last; k++) {
+            res += values[k]; /* the zeros between leave res as it is */
+        }
+        return res;
+    }
+    if (n <= PW_BLOCKSIZE) {
+        /* r[j] accumulates items lo + j, lo + 8 + j, ... up to the last whole group of 8; the rest
+           is added to the combined sum one by one. */
+        double r[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+        int64_t whole = n - (n % 8);
+        int64_t k = first;
+        for (; k < last && ids[k] - lo < whole; k++) {
+            int64_t j = (ids[k] - lo) % 8;
+            r[j] += values[k];
+        }
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; k < last; k++) {
+            res += values[k];
+        }
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    int64_t split = first;
+    while (split < last && ids[split] < lo + n2) {
+        split++;
+    }
+    return pairwise(ids, values, first, split, lo, n2) + pairwise(ids, values, split, last, lo + n2, n - n2);
+}
+
+/* The r[0] = a[0] start of numpy's 8-accumulator block is the same as 0.0 + a[0]. */
+KILN_EXPORT double kiln_sparse_sum(const int64_t *ids, const double *values, int64_t count, int64_t length) {
+    double total = 0.0;
+    int64_t k = 0;
+    for (int64_t start = 0; start < length; start += UFUNC_BUFSIZE) {
+        int64_t size = length - start < UFUNC_BUFSIZE ? length - start : UFUNC_BUFSIZE;
+        int64_t end = k;
+        while (end < count && ids[end] < start + size) {
+            end++;
+        }
+        if (end > k) {
+            total += pairwise(ids, values, k, end, start, size);
+        }
+        k = end;
+    }
+    return total;
+}
+
+/* ---- the inverse transform in vocabulary order ------------------------------------------------ */
+
+/* The index numpy's ``searchsorted(c, u * c[-1], side="right")`` gives for c = cumsum(p) (p >= 0),
+   or ``count`` where the target is not below the last sum. *total receives c[-1]. The sums are
+   recomputed in a second pass from the last checkpoint under the target, with the same additions. */
+KILN_EXPORT int64_t kiln_cumulative_pick(const double *p, int64_t count, double u, double *total) {
+    enum { STRIDE = 256 };
+    double checkpoints[4096];
+    int64_t saved = 0;
+    double sum = 0.0;
+    int64_t i = 0;
+    for (; i < count; i++) {
+        if (i % STRIDE == 0 && saved < 4096) {
+            checkpoints[saved++] = sum; /* the sum before item i */
+        }
+        sum += p[i];
+    }
+    *total = sum;
+    double target = u * sum;
+    if (!(target < sum)) {
+        return count;
+    }
+    /* the last checkpoint whose sum is not above the target: the first sum above it lies after it
+       (sums never decrease) */
+    int64_t block = 0;
+    for (int64_t b = 1; b < saved; b++) {
+        if (checkpoints[b] <= target) {
+            block = b;
+        } else {
+            break;
+        }
+    }
+    sum = checkpoints[block];
+    for (i = block * STRIDE; i < count; i++) {
+        sum += p[i];
+        if (sum > target) {
+            return i;
+        }
+    }
+    return count;
+}
