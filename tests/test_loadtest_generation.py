@@ -287,3 +287,14 @@ def test_nothing_listening_is_one_line():
              "--max-tokens", "4", "--concurrency", "1", timeout=60)
     assert r.returncode == 2 and "cannot connect to 127.0.0.1" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_sampled_requests_are_seeded_and_checked_under_load(server):
+    """--sampled: temperature 0.7, top_p 0.95 and the prompt's index as its seed, so each sampled answer
+    under load is compared with the same seeded request alone."""
+    result = run_loadtest(options(server.url, "tiny", "openai-chat", Load("concurrency", 4), sampled=True))
+    step = result.steps[0]
+    assert result.sampled is True
+    assert step.errors == {} and step.stream_errors == 0 and step.checked > 0 and step.mismatches == 0
+    bodies = [json.loads(r.body) for r in build_requests("openai-chat", "tiny", ["a", "b"], 8, False, sampled=True)]
+    assert [(b["temperature"], b["top_p"], b["seed"]) for b in bodies] == [(0.7, 0.95, 0), (0.7, 0.95, 1)]

@@ -215,12 +215,12 @@ def slug(text: str) -> str:
 
 
 def loadtest(running: Running, protocol: str, check: bool, server: Server, out: Path, label: str,
-             args: argparse.Namespace) -> dict:
+             args: argparse.Namespace, mode: str = "greedy") -> dict:
     command = [sys.executable, "-m", "modelkiln", "loadtest", running.url, "-m", running.model, "--protocol", protocol,
                "--inputs", "sts", "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency", args.baseline_concurrency if server.baseline else args.concurrency,
                "--max-inputs", str(args.max_inputs), "--warmup", str(args.warmup), "--window", str(args.window),
                "--max-windows", str(min(server.max_windows, args.max_windows)), "--metrics-url", "none", "--label", label, "--json", str(out)]
-    subprocess.run(command + (["--check"] if check else []), check=True)
+    subprocess.run(command + (["--check"] if check else []) + (["--sampled"] if mode == "sampled" else []), check=True)
     return json.loads(out.read_text())
 
 
@@ -250,17 +250,18 @@ def run_rounds(args: argparse.Namespace, names: list[str]) -> list[dict]:
                                      "load_before": load, "seconds_per_answer": seconds,
                                      "max_tokens": args.max_tokens})
                         print(json.dumps(rows[-1]), flush=True)
-                    for protocol in (args.kiln_protocols.split(",") if name == "kiln serve" else server.protocols):
-                        label = f"{name} ({protocol})"
+                    protocols = args.kiln_protocols.split(",") if name == "kiln serve" else server.protocols
+                    for protocol in protocols:
                         warm_up(running, protocol)
-                        load = load_average()
-                        result = loadtest(running, protocol, server.check and (round_ == 1 or args.check_every_round),
-                                          server,
-                                          args.out / f"round{round_}-{slug(label)}.json", label, args)
-                        for step in result["steps"]:
-                            rows.append({"round": round_, "server": name, "protocol": protocol, "load_before": load,
-                                         **{k: step.get(k) for k in STEP_FIELDS}})
-                            print(json.dumps(rows[-1]), flush=True)
+                        for mode in args.modes.split(","):
+                            label = f"{name} ({protocol}{', ' + mode if mode != 'greedy' else ''})"
+                            load = load_average()
+                            result = loadtest(running, protocol, server.check and (round_ == 1 or args.check_every_round),
+                                              server, args.out / f"round{round_}-{slug(label)}.json", label, args, mode)
+                            for step in result["steps"]:
+                                rows.append({"round": round_, "server": name, "protocol": protocol, "mode": mode,
+                                             "load_before": load, **{k: step.get(k) for k in STEP_FIELDS}})
+                                print(json.dumps(rows[-1]), flush=True)
             except (RuntimeError, OSError, subprocess.CalledProcessError, httpx.HTTPError, triton_server.TritonServerError) as exc:
                 rows.append({"round": round_, "server": name, "failed": str(exc)[-2000:], "load_before": uptime_before})
                 print(f"{name} failed: {exc}", file=sys.stderr, flush=True)
@@ -274,11 +275,14 @@ STEP_FIELDS = ("value", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms"
 
 def table(rows: list[dict]) -> list[str]:
     """One line per server, protocol and concurrency: the median over rounds, each round's tokens/s."""
-    lines = ["| server | protocol | streams | TTFT p50 / p90 ms | ITL p50 / p90 ms | output tok/s (rounds) | req/s "
-             "| tok/req | errors | mismatches |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| server | protocol | mode | streams | TTFT p50 / p90 ms | ITL p50 / p90 ms | output tok/s (rounds) | req/s "
+             "| tok/req | errors | mismatches |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     measured = [r for r in rows if "failed" not in r and "seconds_per_answer" not in r]
-    for key in dict.fromkeys((r["server"], r["protocol"], r["value"]) for r in measured):
-        mine = [r for r in measured if (r["server"], r["protocol"], r["value"]) == key]
+    def key_of(r: dict) -> tuple:
+        return r["server"], r["protocol"], r.get("mode", "greedy"), r["value"]
+
+    for key in dict.fromkeys(key_of(r) for r in measured):
+        mine = [r for r in measured if key_of(r) == key]
 
         def med(field: str) -> str:
             values = [r[field] for r in mine if r[field] is not None]
@@ -292,7 +296,7 @@ def table(rows: list[dict]) -> list[str]:
         errors += f" ({ended_early} streams ended early)" if ended_early else ""
         checked = [r for r in mine if r["checked"] is not None]
         mismatches = f"{sum(r['mismatches'] for r in checked)}/{sum(r['checked'] for r in checked)}" if checked else "–"
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]:.0f} | {med('ttft_p50_ms')} / {med('ttft_p90_ms')} "
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]:.0f} | {med('ttft_p50_ms')} / {med('ttft_p90_ms')} "
                      f"| {med('itl_p50_ms')} / {med('itl_p90_ms')} | {statistics.median(tokens):.1f} "
                      f"({', '.join(f'{t:.1f}' for t in tokens)}) | {rate:.2f} | {per_request:.0f} | {errors} | {mismatches} |")
     for r in rows:
@@ -310,9 +314,10 @@ def rows_from_runs(out: Path) -> list[dict]:
     for path in sorted(out.glob("round*-*.json")):
         result = json.loads(path.read_text())
         server, protocol = result["label"].rsplit(" (", 1)
+        protocol, _, mode = protocol[:-1].partition(", ")
         for step in result["steps"]:
-            rows.append({"round": int(path.name[5:path.name.index("-")]), "server": server, "protocol": protocol[:-1],
-                         "load_before": None, **{k: step.get(k) for k in STEP_FIELDS}})
+            rows.append({"round": int(path.name[5:path.name.index("-")]), "server": server, "protocol": protocol,
+                         "mode": mode or "greedy", "load_before": None, **{k: step.get(k) for k in STEP_FIELDS}})
     return rows
 
 
@@ -365,6 +370,8 @@ def main() -> None:
     parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of: " + ", ".join(SERVERS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--modes", default="greedy", help="greedy,sampled: each a run per start (kiln loadtest --sampled: "
+                        "temperature 0.7, top_p 0.95, seeded)")
     parser.add_argument("--baseline-concurrency", default=None,
                         help="concurrency levels for the one-request-at-a-time baselines (default: --concurrency)")
     parser.add_argument("--kiln-protocols", default="openai-chat,generate", help="kiln serve's runs per start")

@@ -38,6 +38,7 @@ class LoadtestOptions(Measurement):
     max_tokens: int | None = None  # generation: tokens per answer (None: the server's default)
     ignore_eos: bool = False  # generation: fixed lengths (max_tokens each) rather than natural ones
     extra_inputs: tuple[tuple[str, Any], ...] = ()  # generation: more fields in every request body
+    sampled: bool = False  # generation: temperature 0.7, top_p 0.95, a seed per prompt (streaming.SAMPLED)
     check: bool = False  # compare every answer with its request's reference taken alone (check.py)
 
     @property
@@ -78,7 +79,7 @@ async def prepare(opts: LoadtestOptions) -> tuple[list[PreparedRequest], int]:
         items = text_inputs.select(text_inputs.load_items(opts.inputs, question_answering=True), opts.length,
                                    opts.max_inputs if opts.max_inputs is not None else GENERATION_PROMPTS, opts.seed)
         return build_requests(opts.protocol, opts.model, items, opts.max_tokens, opts.ignore_eos,
-                              opts.extra_inputs), len(items)
+                              opts.extra_inputs, opts.sampled), len(items)
     metadata = await model_metadata(base, opts.model, opts.headers)
     if metadata is None:
         print(f"warning: no metadata for model '{opts.model}' at {base}; sending TEXT with shape [n]",
@@ -124,7 +125,8 @@ async def _run(opts: LoadtestOptions, on_step: Callable[[StepResult], None] | No
                        protocol=opts.protocol, inputs=f"{source}, {opts.length}, {texts} texts",
                        batch=opts.batch, started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        max_tokens=opts.max_tokens if opts.generation else None,
-                       ignore_eos=opts.ignore_eos if opts.generation else None, check=opts.check)
+                       ignore_eos=opts.ignore_eos if opts.generation else None, check=opts.check,
+                       sampled=opts.sampled if opts.generation else None)
     for load in opts.loads:
         window_cb = (lambda i, t, p, load=load: on_window(load, i, t, p)) if on_window else None
         step = await run_step(cfg, load, raws, opts.batch, window_cb, checker)

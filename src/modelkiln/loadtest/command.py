@@ -27,9 +27,10 @@ def loadtest(
     max_windows: Optional[int] = typer.Option(None, help="Give up on stability after this many windows (marked unstable). Default 10; generation 4."),
     max_tokens: Optional[int] = typer.Option(None, help="Generation: tokens per answer (default: the server's)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generation: always generate --max-tokens tokens (fixed lengths) instead of stopping at the end of the answer."),
+    sampled: bool = typer.Option(False, "--sampled", help="Generation: sample (temperature 0.7, top_p 0.95) with each prompt's index as its seed, instead of greedy; --check then compares the seeded answers."),
     extra_inputs: Optional[list[str]] = typer.Option(None, "--extra-inputs", help="Generation: one more field in every request, 'name:value' with a JSON value (genai-perf's option), "
                                                        "e.g. 'response_format:{\"type\":\"json_object\"}'; repeatable."),
-    check: bool = typer.Option(False, "--check", help="Take each request's answer alone first (greedy), then compare every answer under load with it "
+    check: bool = typer.Option(False, "--check", help="Take each request's answer alone first (greedy, or seeded with --sampled), then compare every answer under load with it "
                                "(generation: text, SSE framing, usage; encoders: cosine >= 0.99999, labels); adds a mismatches column."),
     timeout: Optional[float] = typer.Option(None, help="Seconds per request before it counts as a timeout. Default 30; generation 300."),
     max_connections: int = typer.Option(256, help="Open loop: most requests outstanding at once."),
@@ -71,7 +72,7 @@ def loadtest(
         max_inputs=max_inputs, warmup_s=warmup, window_s=window, stability=stability, stable_windows=stable_windows,
         max_windows=max_windows, timeout_s=timeout, max_connections=max_connections, seed=seed,
         metrics_url=metrics_url, headers=tuple(parse_header(h) for h in header or []), label=label,
-        stop_p99_ms=stop_p99_ms, max_tokens=max_tokens, ignore_eos=ignore_eos, check=check,
+        stop_p99_ms=stop_p99_ms, max_tokens=max_tokens, ignore_eos=ignore_eos, check=check, sampled=sampled,
         extra_inputs=tuple(parse_extra_input(e) for e in extra_inputs or []))
     err = Console(stderr=True)
     out = Console(width=None if __import__("sys").stdout.isatty() else 200)

@@ -67,7 +67,8 @@ def print_generation_table(console: Any, result: RunResult) -> None:
 
     sources = {s.generation.tokens_from for s in result.steps if s.generation and s.generation.tokens_from}
     length = (f"max_tokens {result.max_tokens if result.max_tokens is not None else 'server default'}"
-              f"{', ignore_eos' if result.ignore_eos else ', natural lengths'}")
+              f"{', ignore_eos' if result.ignore_eos else ', natural lengths'}"
+              f"{', sampled (temperature 0.7, top_p 0.95, seeded)' if result.sampled else ''}")
     table = Table(title=escape(f"{result.label}: {result.model} at {result.url} ({result.protocol}, {result.inputs}, "
                                f"{length}; output tokens from {'/'.join(sorted(sources)) or '-'})"),
                   title_justify="left")

@@ -169,6 +169,7 @@ class RunResult:
     steps: list[StepResult] = field(default_factory=list)
     max_tokens: int | None = None  # generation
     ignore_eos: bool | None = None  # generation
+    sampled: bool | None = None  # generation: sampled (streaming.SAMPLED) rather than greedy
     check: bool = False
     mismatch_examples: list[str] = field(default_factory=list)  # --check: the first few, in words
 

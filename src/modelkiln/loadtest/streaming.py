@@ -45,6 +45,11 @@ def prompt_text(item: Item) -> str:
     return f"{second}\n\nQuestion: {first}" if len(second) > len(first) else f"{first}\n{second}"
 
 
+# Sampled traffic as most users send it: OpenAI's and llama-server's own fields, and a seed per prompt
+# so that every answer is reproducible (kiln serve's draws depend only on the seed and the token's index).
+SAMPLED = {"temperature": 0.7, "top_p": 0.95}
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     protocol: str
@@ -52,9 +57,10 @@ class GenerationRequest:
     max_tokens: int | None = None  # None: the server's default (natural lengths up to it)
     ignore_eos: bool = False
     extra: tuple[tuple[str, Any], ...] = ()  # more request fields (genai-perf's --extra-inputs): a response_format...
+    sampled: bool = False  # SAMPLED's settings with the prompt's index as its seed, else greedy
 
-    def build(self, prompt: str) -> PreparedRequest:
-        sampling: dict[str, Any] = {"temperature": 0}
+    def build(self, prompt: str, index: int = 0) -> PreparedRequest:
+        sampling: dict[str, Any] = {**SAMPLED, "seed": index} if self.sampled else {"temperature": 0}
         if self.max_tokens is not None:
             sampling["max_tokens"] = self.max_tokens
         if self.ignore_eos:  # a vLLM extension that kiln serve and llama.cpp accept; not sent unless asked
@@ -290,6 +296,6 @@ async def reference(host: str, port: int, raw: bytes, protocol: str, timeout: fl
 
 
 def build_requests(protocol: str, model: str, items: Sequence[Item], max_tokens: int | None,
-                   ignore_eos: bool, extra: Sequence[tuple[str, Any]] = ()) -> list[PreparedRequest]:
-    builder = GenerationRequest(protocol, model, max_tokens, ignore_eos, tuple(extra))
-    return [builder.build(prompt_text(i)) for i in items]
+                   ignore_eos: bool, extra: Sequence[tuple[str, Any]] = (), sampled: bool = False) -> list[PreparedRequest]:
+    builder = GenerationRequest(protocol, model, max_tokens, ignore_eos, tuple(extra), sampled)
+    return [builder.build(prompt_text(item), i) for i, item in enumerate(items)]
