@@ -91,7 +91,6 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         asked = responses_request(body, context)
         started = await start_chat(model, asked.chat)
         response = new_response(model.name, asked.echo, started.params.temperature, started.params.top_p, asked.store)
-        response["seed"] = started.answers.seed  # kiln's extension, as on chat: the answer's draws' seed
         writer = ResponseWriter(response, started.prompt_tokens, started.syntax, started.vocabulary)
 
         def keep() -> None:
@@ -103,6 +102,7 @@ def register(app: FastAPI, plane: DataPlane) -> None:
 
         async def whole() -> dict[str, Any]:
             async with started.answers:
+                writer.response["seed"] = started.answers.seed  # kiln's extension, as on chat
                 async for _, delta in started.answers.deltas():
                     writer.feed(delta)
             keep()
@@ -130,6 +130,10 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 
 async def _events(answers: Answers, writer: ResponseWriter, keep: Callable[[], None]) -> AsyncIterator[bytes]:
+    """The events of a streamed response (sent once the answer was accepted: ``sse_response``);
+    ``keep`` stores it once complete."""
+    # kiln's extension, as on chat: the seed of the answer's draws (kiln ray's streams know it once accepted)
+    writer.response["seed"] = answers.seed
     for event in writer.start():
         yield _sse(event)
     try:
