@@ -73,6 +73,15 @@ def test_text_items_and_instructions_answer_as_the_chat_route(client):
     assert as_text.instructions == "Be brief." and as_text.max_output_tokens == 8
 
 
+def test_kilns_sampling_extensions_pass_through(client):
+    kw = dict(input="Hi", temperature=1.0, max_output_tokens=6, extra_body={"seed": 4, "min_p": 0.1, "top_k": 5,
+                                                                           "ignore_eos": True})
+    first, again = respond(client, **kw), respond(client, **kw)
+    assert first.output_text == again.output_text and first.model_extra["seed"] == 4
+    with pytest.raises(openai.BadRequestError, match="min_p"):
+        respond(client, input="Hi", extra_body={"min_p": 2})
+
+
 def test_logprobs_when_included(client):
     answer = respond(client, input="Hi", top_logprobs=2, include=["message.output_text.logprobs"], max_output_tokens=4,
                      extra_body={"ignore_eos": True})

@@ -24,7 +24,7 @@ translates (no I/O), and responses_output.py translates the answer back.
   image, file and audio parts, and any parameter this server does not know (as OpenAI does).
 - Accepted without effect: ``user``, ``safety_identifier``, ``prompt_cache_key`` and the other
   caching hints, ``service_tier``, ``stream_options``; ``metadata`` is kept with the response.
-- Extensions, as the chat route takes them: ``seed``, ``stop``, ``top_k``, penalties,
+- Extensions, as the chat route takes them: ``seed``, ``stop``, ``top_k``, ``min_p``, penalties,
   ``logit_bias``, ``ignore_eos``, ``stop_token_ids``."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ _READ = ("model", "input", "instructions", "max_output_tokens", "temperature", "
          "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "previous_response_id", "include",
          "metadata", "reasoning", "truncation", "background")
 # kiln's and vLLM's sampling settings (the Responses API has none of them), passed on to the chat body
-EXTENSIONS = ("seed", "stop", "top_k", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+EXTENSIONS = ("seed", "stop", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
               "ignore_eos", "stop_token_ids")
 # OpenAI's platform features: a 400 when set
 _UNSUPPORTED = {
