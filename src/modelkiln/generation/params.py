@@ -1,9 +1,10 @@
 """Request fields → ``SamplingParams``, checked once for every protocol (OpenAI bodies, Triton's
 generate parameters, OIP request parameters), so that each bad value gets the same clear 400.
 
-Names are OpenAI's (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+The settings are declared in ``sampling/settings.py``. Names are OpenAI's (``max_tokens``,
+``temperature``, ``top_p``, ``seed``, ``stop``,
 ``frequency_penalty``, ``presence_penalty``, ``logit_bias``, ``logprobs``, ``top_logprobs``,
-``echo``, ``response_format``), plus vLLM's extensions ``top_k``, ``repetition_penalty`` (> 1
+``echo``, ``response_format``), plus vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty`` (> 1
 discourages tokens already in the prompt or the answer, Hugging Face's rule), ``ignore_eos``,
 ``stop_token_ids``, ``prompt_logprobs`` and ``structured_outputs`` (with its older ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``), and llama-server's ``grammar`` (GBNF)
@@ -246,6 +247,7 @@ def sampling_params(fields: Mapping[str, Any], defaults: SamplingParams, prompt_
         "max_new_tokens": max_tokens if max_tokens is not None else min(defaults.max_new_tokens, room),
         "temperature": _number(fields, "temperature"),
         "top_p": _number(fields, "top_p"),
+        "min_p": _number(fields, "min_p"),
         "top_k": top_k,
         "repetition_penalty": _number(fields, "repetition_penalty"),
         "seed": _number(fields, "seed", int),

@@ -15,21 +15,17 @@ from pathlib import Path
 
 from ..atomic import atomic_folder
 from ..errors import ArtifactError
+from ..generation.sampling.settings import SETTINGS
 from ..manifest import Manifest
 from .config import ModelConfig, Options, TensorSpec
 from .snapshot import GENERATION_FILES, MODELS_DIR, copy_snapshot
 
-# The generate extension's names; the optional ones are the sampling settings (generate_model.py).
+# The generate extension's names; the optional ones are the sampling settings (generate_model.py),
+# each as sampling/settings.py declares it (a list is a tensor of any length).
 INPUTS = [
     TensorSpec("text_input", "TYPE_STRING", (1,)),
     TensorSpec("stream", "TYPE_BOOL", (1,), optional=True),
-    TensorSpec("max_tokens", "TYPE_INT32", (1,), optional=True),
-    TensorSpec("temperature", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("top_k", "TYPE_INT32", (1,), optional=True),
-    TensorSpec("top_p", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("repetition_penalty", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("seed", "TYPE_INT64", (1,), optional=True),
-    TensorSpec("ignore_eos", "TYPE_BOOL", (1,), optional=True),
+    *(TensorSpec(s.name, s.triton_type, (-1,) if s.listed else (1,), optional=True) for s in SETTINGS),
 ]
 OUTPUTS = [TensorSpec("text_output", "TYPE_STRING", (1,)), TensorSpec("finish_reason", "TYPE_STRING", (1,))]
 
@@ -77,7 +73,8 @@ def _readme(name: str, manifest: Manifest, variant: str) -> str:
         f"curl -s localhost:8000/v2/models/{name}/generate -d '{{\"text_input\": \"Hello\", \"max_tokens\": 16}}'",
         f"curl -s localhost:8000/v2/models/{name}/generate_stream \\",
         "  -d '{\"text_input\": \"Hello\", \"max_tokens\": 16, \"stream\": true}'", "```", "",
-        "Inputs: `text_input`, optional `stream` (one response per piece of text), `max_tokens`, `temperature`,",
-        "`top_k`, `top_p`, `repetition_penalty`, `seed`, `ignore_eos` (also read from the request's parameters).",
+        "Inputs: `text_input`, optional `stream` (one response per piece of text) and the sampling settings",
+        ", ".join(f"`{s.name}`" for s in SETTINGS) + " (also read from the request's parameters;",
+        "`logit_bias` is JSON text such as `{\"11\": 2.5}`).",
         "Outputs: `text_output`, and `finish_reason` with the last response.",
         "The python backend's Python needs numpy, tokenizers, onnxruntime and jinja2.", ""])

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from ...errors import InvalidInputError
+from ...generation.sampling.settings import FLOAT_NAMES
 from ...tasks import text_generation as contract
 from ..types import InferRequest, InferResponse, OutputTensor
 
@@ -21,7 +22,6 @@ def _check_outputs(request: InferRequest) -> None:
                                     f"(outputs: {contract.TEXT_OUTPUT})")
 
 
-_FLOATS = ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 def sampling_fields(parameters: dict[str, Any]) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def sampling_fields(parameters: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(unpacked, dict):
             raise InvalidInputError("'sampling_parameters' must be a JSON object in a string")
         fields.update(unpacked)
-    for name in _FLOATS:
+    for name in FLOAT_NAMES:
         if isinstance(fields.get(name), str):
             try:
                 fields[name] = float(fields[name])

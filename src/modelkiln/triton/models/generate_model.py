@@ -2,8 +2,7 @@
 
 Inputs follow Triton's generate extension (``/v2/models/<name>/generate`` and ``generate_stream``
 map the JSON body's fields onto inputs of the same name): ``text_input`` and the optional sampling
-inputs (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``seed``,
-``ignore_eos``), plus ``stream``: true sends one response per piece of text, false (default) one
+inputs (every setting ``generation/sampling/settings.py`` declares), plus ``stream``: true sends one response per piece of text, false (default) one
 response with the whole answer, which is what ``/generate`` needs. The same names are read from
 the request's parameters too (``"parameters": {...}`` in the JSON body), the tensors winning.
 
@@ -28,11 +27,9 @@ from modelkiln.generation.core import DEFAULT_MAX_WAITING, DEFAULT_TIMEOUT_S, Re
 from modelkiln.generation.driver import CoreDriver  # noqa: E402
 from modelkiln.generation.model import CoreOptions, TextGenerationModel  # noqa: E402
 from modelkiln.generation.params import sampling_params  # noqa: E402
+from modelkiln.generation.sampling.settings import SETTINGS, from_tensor  # noqa: E402
 
 log = logging.getLogger("modelkiln.triton")
-
-# inputs read as the request's sampling fields (generation/params.py checks them as kiln serve does)
-SAMPLING_INPUTS = ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "ignore_eos")
 
 
 class Job(Request):
@@ -78,10 +75,10 @@ class TritonPythonModel:
             raise ValueError("text_input is required")
         prompt = text.decode("utf-8") if isinstance(text, bytes) else str(text)
         fields = json.loads(request.parameters() or "{}")
-        for name in SAMPLING_INPUTS:
-            value = _scalar(request, name)
-            if value is not None:  # the tensors win over the parameters
-                fields[name] = value
+        for setting in SETTINGS:  # read as the request's sampling fields, checked as kiln serve checks them
+            tensor = pb_utils.get_input_tensor_by_name(request, setting.name)
+            if tensor is not None:  # the tensors win over the parameters
+                fields[setting.name] = from_tensor(setting, tensor.as_numpy().reshape(-1).tolist())
         stream_input = _scalar(request, "stream")
         stream = bool(fields.pop("stream", False) if stream_input is None else stream_input)
         ids = self.model.prompt_ids(prompt)
