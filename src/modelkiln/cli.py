@@ -17,6 +17,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from .bench.isolation import DEFAULT_TIMEOUT_S as DEFAULT_PEER_TIMEOUT_S
 from .errors import KilnError
+from .model_arg import PRECISION as MODEL_PRECISION, TASK as MODEL_TASK
 from .option_lists import number_list, split_list
 
 app = typer.Typer(
@@ -91,8 +92,9 @@ def _options(
 
 @app.command()
 def convert(
+    ctx: typer.Context,
     model: str = typer.Argument(..., help="Local model folder, Hugging Face hub id, or a .gguf file (text generation)."),
-    out_dir: Path = typer.Option(..., "--out", "-o", help="Artifact folder to write (atomically)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Artifact folder to write (atomically). Default: the model cache ($KILN_CACHE, else ~/.cache/modelkiln), where kiln serve, generate... MODEL find it; kiln cache ls shows it.", show_default=False),
     task: str = typer.Option("auto", help="text-classification | sentence-embeddings | token-classification | question-answering | text-generation | auto"),
     precision: str = typer.Option("", help="Comma-separated variants to build: fp32,optimized,int8,fp16,tensorrt or all (text generation: gguf,fp32,int8,int4, gguf = a GGUF file's own blocks; --engine torch: fp32,bf16,fp16). Default: all that fit the device; for a GGUF file, gguf."),
     device: str = typer.Option("cpu", help="cpu or cuda: the device variants are built, validated and timed on."),
@@ -142,18 +144,48 @@ def convert(
     gate_counts = number_list(gate_prompts, "--gate-prompts")
     if len(gate_counts) != 2:
         raise typer.BadParameter("--gate-prompts takes SHORT,SQUAD, e.g. 8,4")
-    cfg = ConvertConfig(
-        model=model, out=out_dir, task=task, precisions=precisions, device=device, engine=engine,
-        calibration_texts=read_text_file(calibration_texts) if calibration_texts else None,
-        tolerances=tolerances, threads=threads, force=force, name=name,
-        int4_block_size=int4_block_size, int4_accuracy_level=int4_accuracy_level, native_gguf=native_gguf,
-        gate_short=gate_counts[0], gate_squad=gate_counts[1], max_model_gb=max_model_gb,
-    )
-    manifest = run_convert(cfg, steps=step)
-    print_variants(out, manifest)
-    default = (manifest.generation or {}).get("default_variant")
-    served = f"; served by default: {default}" if default else ""
-    out.print(f"Wrote [bold]{escape(str(out_dir))}[/] ({manifest.task}, {len(manifest.kept_variants())} variants kept{served})")
+
+    def write(model: str, out_dir: Path, name: Optional[str], force: bool) -> None:
+        cfg = ConvertConfig(
+            model=model, out=out_dir, task=task, precisions=precisions, device=device, engine=engine,
+            calibration_texts=read_text_file(calibration_texts) if calibration_texts else None,
+            tolerances=tolerances, threads=threads, force=force, name=name,
+            int4_block_size=int4_block_size, int4_accuracy_level=int4_accuracy_level, native_gguf=native_gguf,
+            gate_short=gate_counts[0], gate_squad=gate_counts[1], max_model_gb=max_model_gb,
+        )
+        manifest = run_convert(cfg, steps=step)
+        print_variants(out, manifest)
+        default = (manifest.generation or {}).get("default_variant")
+        served = f"; served by default: {default}" if default else ""
+        out.print(f"Wrote [bold]{escape(str(out_dir))}[/] ({manifest.task}, {len(manifest.kept_variants())} variants kept{served})")
+
+    if out_dir is not None:
+        return write(model, out_dir, name, force)
+    from .model_cache import convert_into_cache
+
+    entry = convert_into_cache(model, _keyed_options(ctx, calibration_texts),
+                               lambda out_dir, source: write(source.location, out_dir, name or source.name, True),
+                               force=force)
+    out.print(f"In the model cache: [bold]{escape(str(entry))}[/] (kiln serve, generate, bench... {escape(model)} "
+              "start from it; kiln cache ls lists the cache)", soft_wrap=True)
+
+
+# Options of kiln convert that do not change the artifact it writes: left out of the cache key.
+_NOT_KEYED = ("model", "out_dir", "force", "threads")
+
+
+def _keyed_options(ctx: typer.Context, calibration_texts: Optional[Path]) -> dict[str, object]:
+    """The options given to this kiln convert that decide its artifact, as the model cache keys
+    them: each one not at its default, by name (a calibration file by its content)."""
+    from .model_cache import fingerprint
+
+    options: dict[str, object] = {}
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in _NOT_KEYED or value == param.default:
+            continue
+        options[param.name] = fingerprint(calibration_texts) if param.name == "calibration_texts" and calibration_texts else value
+    return options
 
 
 # --- bench ------------------------------------------------------------------------------------
@@ -161,7 +193,7 @@ def convert(
 
 @app.command()
 def bench(
-    target: str = typer.Argument(..., help="An artifact folder, or a model (converted to a temporary artifact first)."),
+    target: str = typer.Argument(..., metavar="MODEL", help="An artifact folder, or a model (a .gguf file, a Hugging Face folder or hub id: converted once into the model cache)."),
     batch: str = typer.Option("1,8,32", help="Batch sizes."),
     seq: str = typer.Option("", help="Sequence lengths (tokens); default 16,128,384 (prompt lengths 16,128,512 for text generation)."),
     past: int = typer.Option(128, help="Text generation: the past (tokens) of every sequence in the decode cells."),
@@ -175,15 +207,15 @@ def bench(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
     peer_timeout: float = typer.Option(DEFAULT_PEER_TIMEOUT_S, help="Seconds a peer row (PyTorch, llama.cpp: each runs in a child process) may take; one that runs longer is stopped and noted, as a crash is."),
     peers: str = typer.Option("llama.cpp,onnxruntime-genai", help="Text generation: the other engines to run, each in a child process (llama.cpp, onnxruntime-genai; 'none': none); a missing one is a note with its install command."),
+    task: Optional[str] = MODEL_TASK,
+    precision: Optional[str] = MODEL_PRECISION,
 ) -> None:
     """Latency and throughput of PyTorch and every ONNX variant over batch × sequence length
     (text generation: prefill by prompt length, decode by batch size, llama.cpp too when installed)."""
-    from .extras import has_extra, install_hint, require_extra
-    from .manifest import is_artifact
+    from .extras import has_extra, install_hint
+    from .model_arg import artifact_path
 
-    if not is_artifact(target):
-        require_extra("convert", f"kiln bench {target} (a model, not an artifact folder)",
-                      "or bench an artifact folder written by kiln convert")
+    target = str(artifact_path(target, task, precision))
     if reference and not has_extra("convert"):
         console.print(f"note: no PyTorch reference (modelkiln[convert] is not installed: {install_hint('convert')}); "
                       "running as --no-reference", markup=False, highlight=False, soft_wrap=True)
@@ -214,10 +246,12 @@ def bench(
 
 @app.command("eval")
 def evaluate(
-    artifact: Path = typer.Argument(..., help="An artifact folder of a sentence-embeddings or text-generation model."),
+    model: str = typer.Argument(..., metavar="MODEL", help="An artifact folder of a sentence-embeddings or text-generation model, or such a model (converted once into the model cache)."),
     sts: Optional[Path] = typer.Option(None, help="STS Benchmark file (default: the STS-B dev split that ships with modelkiln)."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads."),
     reference: bool = typer.Option(True, help="Also score the PyTorch model the artifact came from."),
+    task: Optional[str] = MODEL_TASK,
+    precision: Optional[str] = MODEL_PRECISION,
 ) -> None:
     """Accuracy on STS Benchmark: Spearman ×100 of cosine similarities, per variant and for PyTorch
     (text generation: perplexity on SQuAD paragraphs and SQuAD answered by generation)."""
@@ -225,6 +259,9 @@ def evaluate(
 
     if reference:
         require_extra("convert", "kiln eval's PyTorch reference", "or pass --no-reference")
+    from .model_arg import artifact_path
+
+    artifact = artifact_path(model, task, precision)
     quiet_transformers()
     from .bench.accuracy import evaluate_sts
     from .bench.generation_command import eval_generation, generation_artifact
@@ -233,6 +270,65 @@ def evaluate(
     if generation_artifact(artifact):
         return eval_generation(artifact, threads, reference, out, step)
     print_accuracy(out, evaluate_sts(artifact, sts, threads, reference, steps=step))
+
+
+# --- cache ------------------------------------------------------------------------------------
+
+cache_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                        help="The model cache: the artifacts kiln serve, generate... MODEL (and kiln convert MODEL "
+                             "without --out) converted once and reuse.")
+app.add_typer(cache_app, name="cache")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+@cache_app.command("ls")
+def cache_ls() -> None:
+    """List the cached conversions: key, model name, source, size, status, when converted."""
+    from rich.table import Table
+
+    from .model_cache import cache_root, list_entries
+
+    entries = list_entries()
+    root = cache_root() / "models"
+    if not entries:
+        out.print(f"{root}: empty", markup=False, highlight=False)
+        return
+    table = Table("key", "model", "source", "options", "size", "status", "converted", title=str(root),
+                  title_justify="left")
+    for e in entries:
+        table.add_row(e.key, e.name, e.source, e.options or "defaults", _size(e.bytes), e.status, e.converted)
+    out.print(table)
+    count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
+    out.print(f"{count}, {_size(sum(e.bytes for e in entries))}", highlight=False)
+
+
+@cache_app.command("rm")
+def cache_rm(
+    keys: Optional[list[str]] = typer.Argument(None, help="Keys to remove (kiln cache ls lists them).", show_default=False),
+    all_entries: bool = typer.Option(False, "--all", help="Remove every entry."),
+    stale: bool = typer.Option(False, "--stale", help="Remove the entries whose source changed or is gone, or that an "
+                                                       "older modelkiln wrote, and interrupted conversions."),
+) -> None:
+    """Remove cached conversions (an entry that another process is converting is left alone)."""
+    from .model_cache import list_entries, remove_entry
+
+    if bool(keys) + all_entries + stale != 1:
+        raise typer.BadParameter("give KEY..., --all or --stale")
+    if all_entries or stale:
+        chosen = [e for e in list_entries() if all_entries or e.status.startswith("stale") or e.status == "interrupted"]
+        for e in chosen:
+            if e.status == "converting":
+                out.print(f"Left {e.key}: another process is converting it", markup=False, highlight=False)
+        keys = [e.key for e in chosen if e.status != "converting"]
+    freed = 0
+    for key in keys or []:
+        size = remove_entry(key)
+        freed += size
+        out.print(f"Removed {key} ({_size(size)})", markup=False, highlight=False)
+    out.print(f"Freed {_size(freed)}", highlight=False)
 
 
 from .serve.command import ServeCommand, serve as _serve; app.command("serve", cls=ServeCommand)(_serve)  # noqa: E402,E702

@@ -22,7 +22,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 # KILN_* variables that only say where files are: a child process may keep them.
-PATH_SETTINGS = ("KILN_CACHE_DIR", "KILN_DATA_DIR")
+PATH_SETTINGS = ("KILN_CACHE", "KILN_CACHE_DIR", "KILN_DATA_DIR")
 
 
 def child_environment(**overrides: str) -> dict[str, str]:

@@ -158,7 +158,7 @@ class OrtGenaiBackend:
     """onnxruntime-genai 0.18's Generator (static batches on CPU) on the int4 model its own builder
     writes (``python -m onnxruntime_genai.models.builder -p int4 -e cpu``: it re-quantizes the weights,
     block 32, accuracy level 4) from the artifact's source model, dequantized to fp32 when that is a
-    GGUF file. Built once per source into the cache folder (``KILN_CACHE_DIR``)."""
+    GGUF file. Built once per source into the cache folder (``model_cache.cache_root()``)."""
 
     def __init__(self, model: TextGenerationModel, threads: int | None):
         import onnxruntime_genai as og
@@ -212,7 +212,9 @@ def ort_genai_model(source_model: str) -> Path:
 
     stat = os.stat(source_model)
     key = hashlib.sha256(f"{os.path.realpath(source_model)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "modelkiln") / "onnxruntime-genai" / key
+    from ..model_cache import cache_root
+
+    cache = cache_root() / "onnxruntime-genai" / key
     if (cache / "genai_config.json").is_file():
         return cache
     with tempfile.TemporaryDirectory(prefix="kiln-ort-genai-") as tmp:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import platform
-import tempfile
 from functools import partial
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -21,7 +20,7 @@ from tokenizers import Tokenizer
 from ..cpus import available_cpus
 from ..errors import KilnError
 from ..machine import cpu_description
-from ..manifest import Manifest, is_artifact
+from ..manifest import Manifest
 from ..runtime.engine import Engine
 from ..runtime.onnx import cuda_available
 from ..runtime.pipeline import load_variant
@@ -186,39 +185,26 @@ def _torch_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
-@contextlib.contextmanager
-def _artifact_for(target: str, steps: Steps) -> Iterator[Path]:
-    """An artifact folder for ``target``: itself, or a temporary conversion of a model."""
-    if is_artifact(target):
-        yield Path(target)
-        return
-    from ..convert.pipeline import ConvertConfig, convert
-
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
-        out = Path(tmp) / Path(target).name
-        convert(ConvertConfig(model=target, out=out), steps=steps)
-        yield out
-
-
 def run_bench(target: str, cfg: BenchConfig, steps: Steps) -> BenchResult:
+    """``target``: an artifact folder (kiln bench turns a model into its cached artifact first: model_arg.py)."""
     if cfg.variants is not None and not cfg.variants:
         raise KilnError("--variants is empty")
-    with _artifact_for(target, steps) as folder:
-        manifest = Manifest.load(folder)
-        for name in cfg.variants or []:
-            manifest.variant(name)  # an unknown name fails here, listing the kept ones
-        max_positions = manifest.source.get("max_positions") or manifest.max_length
-        skipped: list[str] = []
-        cells: list[Cell] = []
-        feeds = {(b, s): make_feeds(folder, manifest, b, s) for b in cfg.batches for s in cfg.seqs if s <= max_positions}
-        skipped += [f"seq {s}: longer than the model's {max_positions} positions" for s in cfg.seqs if s > max_positions]
-        for label, device, half in _reference_rows(cfg):
-            cells += _run_reference(label, device, half, folder, list(feeds), cfg, steps, skipped)
-        for label, device, factory in _own_engines(folder, manifest, cfg, skipped):
-            with steps(f"Loading {label}"):
-                engine = factory()
-            cells += [Cell(label, device, b, s, stats) for (b, s), stats in measure_engine(engine, label, feeds, cfg, steps).items()]
-            del engine  # free it before the next backend loads
+    folder = Path(target)
+    manifest = Manifest.load(folder)
+    for name in cfg.variants or []:
+        manifest.variant(name)  # an unknown name fails here, listing the kept ones
+    max_positions = manifest.source.get("max_positions") or manifest.max_length
+    skipped: list[str] = []
+    cells: list[Cell] = []
+    feeds = {(b, s): make_feeds(folder, manifest, b, s) for b in cfg.batches for s in cfg.seqs if s <= max_positions}
+    skipped += [f"seq {s}: longer than the model's {max_positions} positions" for s in cfg.seqs if s > max_positions]
+    for label, device, half in _reference_rows(cfg):
+        cells += _run_reference(label, device, half, folder, list(feeds), cfg, steps, skipped)
+    for label, device, factory in _own_engines(folder, manifest, cfg, skipped):
+        with steps(f"Loading {label}"):
+            engine = factory()
+        cells += [Cell(label, device, b, s, stats) for (b, s), stats in measure_engine(engine, label, feeds, cfg, steps).items()]
+        del engine  # free it before the next backend loads
     baseline = {(c.batch, c.seq): c.stats.median for c in cells if c.backend == "pytorch fp32"}
     for c in cells:
         if (c.batch, c.seq) in baseline:

@@ -195,7 +195,7 @@ def _causal_lm_class_name(config: Any) -> str:
 HUB_PROBE_SECONDS = 3.0
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
                for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
@@ -218,7 +218,7 @@ def check_hub_reachable(ref: str) -> None:
     """Fail in seconds, with one line, when ``ref`` is a hub id and the hub cannot be reached: without this,
     huggingface_hub retries for about 30 s and prints a line per retry. With HF_HUB_OFFLINE=1 the local
     hub cache is used and nothing is probed."""
-    if _hub_offline():
+    if hub_offline():
         return
     import threading
 
@@ -237,6 +237,12 @@ def check_hub_reachable(ref: str) -> None:
         ) from error
 
 
+def is_hub_id(ref: str) -> bool:
+    """Whether ``ref``, which names nothing here, may be a hub id: "name" or "org/name"; anything else
+    is a missing folder."""
+    return not (Path(ref).is_absolute() or ref.startswith((".", "~")) or ref.count("/") > 1)
+
+
 def load_source(ref: str, with_tokenizer: bool = True) -> SourceModel:
     """Load config and fast tokenizer (``with_tokenizer=False``: the config only, for a reference
     that only runs the weights); one-line errors for missing or corrupt files."""
@@ -245,8 +251,7 @@ def load_source(ref: str, with_tokenizer: bool = True) -> SourceModel:
         return load_gguf_source(ref, gguf, with_tokenizer)
     folder = Path(ref)
     is_local = folder.exists()
-    # A hub id is "name" or "org/name"; anything else that does not exist is a missing folder.
-    if not is_local and (folder.is_absolute() or ref.startswith((".", "~")) or ref.count("/") > 1):
+    if not is_local and not is_hub_id(ref):
         raise ModelLoadError(f"model folder {ref} does not exist")
     if is_local and not folder.is_dir():
         raise ModelLoadError(f"{ref} is a file; expected a model folder or a hub id")

@@ -1,18 +1,19 @@
-"""``kiln generate ARTIFACT PROMPT``: stream one answer to the terminal (or one JSON object)."""
+"""``kiln generate MODEL PROMPT``: stream one answer to the terminal (or one JSON object)."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Optional
 
 import typer
 
+from ..model_arg import PRECISION, artifact_path
+
 
 def generate(
-    artifact: Path = typer.Argument(..., help="A text-generation artifact folder."),
+    artifact: str = typer.Argument(..., metavar="MODEL", help="A text-generation artifact folder, or a model (a .gguf file, a Hugging Face folder or hub id: converted once into the model cache)."),
     prompt: str = typer.Argument(..., help="The prompt (or the user message with --chat)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the artifact's chat template to the prompt."),
     system: Optional[str] = typer.Option(None, help="System message (with --chat)."),
@@ -28,13 +29,14 @@ def generate(
     threads: Optional[int] = typer.Option(None, help="Intra-op threads (default: all cores)."),
     device: str = typer.Option("cpu", help="cpu or cuda: where the engine runs (a torch variant converted for cuda needs cuda)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, timings) instead of streaming."),
+    precision: Optional[str] = PRECISION,
 ) -> None:
     """Generate text from PROMPT with a text-generation artifact, streaming tokens as they come."""
     from .core import Request, run_to_completion
     from .model import CoreOptions, TextGenerationModel
     from .params import sampling_params
 
-    model = TextGenerationModel(artifact)
+    model = TextGenerationModel(artifact_path(artifact, precision=precision))
     ids = model.prompt_ids(prompt, chat=chat, system=system)
     fields = {"max_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
               "repetition_penalty": repetition_penalty, "seed": seed, "stop": list(stop) if stop else None,

@@ -16,6 +16,7 @@ from typer.core import TyperGroup
 from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
 from ..errors import KilnError
 from ..extras import install_hint
+from ..model_arg import PRECISION, TASK
 
 
 class RunByDefault(TyperGroup):
@@ -48,8 +49,9 @@ class RayCommand(DerivedOptionsCommand):
         return typer_params([keyword(name, *_setting_option(name)) for name in names])
 
 
-ARTIFACTS = typer.Argument(..., help="Artifact folders, or NAME=PATH (one Serve application per model).",
-                           show_default=False)
+ARTIFACTS = typer.Argument(..., help="Artifact folders or models (a .gguf file, a Hugging Face folder or hub id: "
+                                     "converted once into the model cache), or NAME=PATH (one Serve application per "
+                                     "model).", show_default=False)
 REPLICAS = typer.Option(None, help="Replicas per model (default 1; or autoscale with --min/--max-replicas).",
                         show_default=False)
 MIN_REPLICAS = typer.Option(None, help="Autoscaling: fewest replicas per model.", show_default=False)
@@ -72,14 +74,17 @@ CONFIG = typer.Option(None, help="JSON settings file (as kiln serve --config); e
 
 def _plan(ctx: typer.Context, artifacts: list[str], replicas: Optional[int], min_replicas: Optional[int],
           max_replicas: Optional[int], target: float, cpus: int, per_node: Optional[int], proxy: str, retries: int,
-          window: float, direct: bool, config: Optional[Path]) -> dict[str, Any]:
+          window: float, direct: bool, config: Optional[Path], task: Optional[str],
+          precision: Optional[str]) -> dict[str, Any]:
+    from ..model_arg import model_argument
     from ..serve.config_file import read_serve_config
     from ..serve.settings import ServeSettings, parse_model_arg
     from .plan import Failover, Ingress, Scaling, plan
 
     flags = ctx.meta.get(DERIVED, {})
     settings = ServeSettings.from_env(config=read_serve_config(config) if config else None, **flags)
-    settings = settings.with_models(tuple(parse_model_arg(a, settings.variant) for a in artifacts))
+    settings = settings.with_models(tuple(parse_model_arg(model_argument(a, task, precision), settings.variant)
+                                          for a in artifacts))
     autoscale = min_replicas is not None or max_replicas is not None
     if autoscale and replicas is not None:
         raise typer.BadParameter("give --replicas or --min-replicas/--max-replicas, not both")
@@ -110,13 +115,15 @@ def run(
     num_cpus: Optional[int] = typer.Option(None, help="CPUs of the local cluster (default: the host's).",
                                            show_default=False),
     config: Optional[Path] = CONFIG,
+    task: Optional[str] = TASK,
+    precision: Optional[str] = PRECISION,
 ) -> None:
     """Deploy the artifacts on Ray Serve and serve until interrupted (then delete the applications)."""
     from .deploy import serve_until_interrupted
 
     serve_until_interrupted(_plan(ctx, artifacts, replicas, min_replicas, max_replicas, target_ongoing_requests,
                                   cpus_per_replica, max_replicas_per_node, proxy_location, retries, retry_window_s,
-                                  direct_encoders, config), address, num_cpus)
+                                  direct_encoders, config, task, precision), address, num_cpus)
 
 
 @ray_app.command("config", cls=RayCommand)
@@ -149,6 +156,8 @@ def write_config(
     volume: Optional[str] = typer.Option(None, help="RayService: a PersistentVolumeClaim holding the artifacts, "
                                                     "mounted at their folder's path in every pod.", show_default=False),
     config: Optional[Path] = CONFIG,
+    task: Optional[str] = TASK,
+    precision: Optional[str] = PRECISION,
 ) -> None:
     """Write the Serve config YAML for `serve deploy FILE` on an existing cluster, or with
     --rayservice a KubeRay RayService (artifact paths are absolute: every node must see the same
@@ -159,7 +168,8 @@ def write_config(
         raise KilnError(f"kiln ray config needs PyYAML: {install_hint('ray')}") from None
 
     plan = _plan(ctx, artifacts, replicas, min_replicas, max_replicas, target_ongoing_requests, cpus_per_replica,
-                 max_replicas_per_node, proxy_location, retries, retry_window_s, direct_encoders, config)
+                 max_replicas_per_node, proxy_location, retries, retry_window_s, direct_encoders, config, task,
+                 precision)
     models = len(plan["applications"]) - 1
     if rayservice:
         from .kuberay import rayservice as manifest

@@ -5,8 +5,6 @@ gets its flag, env var and config key by being declared there."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import typing
 from pathlib import Path
@@ -16,45 +14,35 @@ import typer
 
 from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
 from ..errors import KilnError
+from ..model_arg import PRECISION, TASK, artifact_path, model_argument
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
 
 def default_artifact() -> Path:
-    """The embedded default model, converted once into the cache (in a child process, so this
-    server process never imports torch or transformers)."""
-    cache = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "modelkiln") / DEFAULT_MODEL_NAME
-    from ..manifest import is_artifact
-
-    if is_artifact(cache):
-        return cache
+    """The embedded default model, converted once into the model cache (int8 only: the variant a
+    CPU server picks from all of them, 23 MB instead of 195 MB for all three; other variants:
+    `kiln convert` an artifact and serve that)."""
     from ..embedded import embedded_model_path
 
     try:
         source = str(embedded_model_path(DEFAULT_MODEL_NAME))
     except KilnError as exc:
         raise KilnError(f"no artifact given and the default model cannot be used: {exc}") from None
-    # Only int8, the variant a CPU server picks from all of them (fastest kept): the cache holds 23 MB
-    # instead of 195 MB for all three. Other variants: `kiln convert` an artifact and serve that.
-    print(f"converting the default model {DEFAULT_MODEL_NAME} into {cache}, int8 variant only (once)...",
-          file=sys.stderr, flush=True)
-    code = ("import sys; from pathlib import Path; from modelkiln.convert.pipeline import ConvertConfig, convert; "
-            "convert(ConvertConfig(model=sys.argv[1], out=Path(sys.argv[2]), name=sys.argv[3], precisions=['int8']))")
-    quiet = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # no "Loading weights" bar in the server log
-    result = subprocess.run([sys.executable, "-c", code, source, str(cache), DEFAULT_MODEL_NAME], env=quiet)
-    if result.returncode != 0 or not is_artifact(cache):
-        raise KilnError(f"converting the default model failed (exit {result.returncode}); needs modelkiln[convert]")
-    return cache
+    return artifact_path(source, precision="int8", name=DEFAULT_MODEL_NAME)
 
 
 def serve(
     ctx: typer.Context,
     artifacts: Optional[list[str]] = typer.Argument(
-        None, help="Artifact folders, or NAME=PATH. None: the default model (or only the --model-repository's models).",
+        None, help="Artifact folders or models (a .gguf file, a Hugging Face folder or hub id: converted once into "
+                   "the model cache), or NAME=PATH. None: the default model (or only the --model-repository's models).",
         show_default=False),
     config: Optional[Path] = typer.Option(
         None, help="JSON settings file (e.g. written by `kiln tune`); env vars and flags override it.",
         show_default=False),
+    task: Optional[str] = TASK,
+    precision: Optional[str] = PRECISION,
 ) -> None:
     """Serve artifacts over HTTP: KServe v2 / Open Inference Protocol (Triton-compatible),
     /v2/models/{m}/predict, and OpenAI /v1/embeddings, with dynamic batching; text-generation
@@ -67,7 +55,7 @@ def serve(
 
     flags = ctx.meta.get(DERIVED, {})  # one per declared setting, None = not given (ServeCommand)
     settings = ServeSettings.from_env(config=read_serve_config(config) if config else None, **flags)
-    specs = tuple(parse_model_arg(a, settings.variant) for a in artifacts or [])
+    specs = tuple(parse_model_arg(model_argument(a, task, precision), settings.variant) for a in artifacts or [])
     if not specs and not settings.model_repository:  # a repository alone: its folders are the models
         specs = (parse_model_arg(f"{DEFAULT_MODEL_NAME}={default_artifact()}", settings.variant),)
     settings = settings.with_models(specs)

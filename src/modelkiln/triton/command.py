@@ -11,6 +11,7 @@ from typing import Any, Optional
 import typer
 
 from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
+from ..model_arg import PRECISION, TASK, artifact_path
 
 
 class TritonCommand(DerivedOptionsCommand):
@@ -27,11 +28,13 @@ class TritonCommand(DerivedOptionsCommand):
 
 def triton(
     ctx: typer.Context,
-    artifact: Path = typer.Argument(..., help="An artifact folder written by `kiln convert`."),
+    model: str = typer.Argument(..., metavar="MODEL", help="An artifact folder written by `kiln convert`, or a model (a .gguf file, a Hugging Face folder or hub id: converted once into the model cache)."),
     out: Path = typer.Argument(..., help="Model repository folder to write (atomically)."),
     # here TritonCommand adds one option per field of config.Options
     variant: Optional[str] = typer.Option(None, help="Variant to serve (default: the fastest kept one for --kind)."),
     force: bool = typer.Option(False, help="Replace an existing OUT folder."),
+    task: Optional[str] = TASK,
+    precision: Optional[str] = PRECISION,
 ) -> None:
     """Write a Triton model repository: tokenize → model → postprocess, joined by an ensemble (a text-generation
     artifact: one decoupled python model running modelkiln's generation engine, streaming)."""
@@ -44,6 +47,7 @@ def triton(
     from .repository import model_name, write_repository
 
     opts = Options(**ctx.meta[DERIVED])
+    artifact = artifact_path(model, task, precision)
     path = write_repository(artifact, out, opts, variant=variant, force=force)
     manifest = Manifest.load(artifact)
     name = model_name(manifest)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import typer
 
 from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
+from ..model_arg import PRECISION, TASK, artifact_path
 
 
 # What a load step is unless told, per kind of model. Generation requests last seconds: each step waits for
@@ -25,7 +26,7 @@ E, G = LOAD_DEFAULTS["encoder"], LOAD_DEFAULTS["generation"]  # for the help bel
 
 def tune(
     ctx: typer.Context,
-    artifact: Path = typer.Argument(..., help="An artifact folder written by `kiln convert`."),
+    model: str = typer.Argument(..., metavar="MODEL", help="An artifact folder written by `kiln convert`, or a model (a .gguf file, a Hugging Face folder or hub id: converted once into the model cache)."),
     p99_ms: Optional[float] = typer.Option(None, "--p99-ms", help="Encoders: latency budget; rank by the best throughput whose p99 stays below this."),
     ttft_p99_ms: Optional[float] = typer.Option(None, "--ttft-p99-ms", help="Text generation: exclude configurations whose time to first token p99 is above this."),
     max_ppl_increase: Optional[str] = typer.Option(None, "--max-ppl-increase", help="Text generation: exclude variants whose perplexity, as the conversion gate measured it, is more than this above PyTorch's (1% or 0.01)."),
@@ -44,6 +45,8 @@ def tune(
     max_windows: Optional[int] = typer.Option(None, help=f"Windows per step at most (default {E['max_windows']}; text generation {G['max_windows']})."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every trial's results."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Encoders: latency vs throughput, one curve per combination."),
+    task: Optional[str] = TASK,
+    precision: Optional[str] = PRECISION,
 ) -> None:
     """Start `kiln serve` with each combination of settings, load-test each, and write the best as
     a `kiln serve --config` file.
@@ -64,6 +67,7 @@ def tune(
     from ..tasks.text_generation import is_generation
     from .sweep import Grid
 
+    artifact = artifact_path(model, task, precision)
     if not is_artifact(artifact):
         raise KilnError(f"{artifact} is not an artifact folder (run `kiln convert` first)")
     manifest = Manifest.load(artifact)
