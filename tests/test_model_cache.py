@@ -89,7 +89,7 @@ def test_the_first_start_converts_and_later_ones_find_it(tmp_path, cache):
 
     listed = kiln("cache", "ls", env=env)
     assert listed.returncode == 0 and entry.name in listed.stdout and "ready" in listed.stdout
-    assert "MB" in listed.stdout and "1 entries" in listed.stdout
+    assert "MB" in listed.stdout and "1 entry, " in listed.stdout
     removed = kiln("cache", "rm", entry.name, env=env)
     assert removed.returncode == 0 and f"Removed {entry.name} (" in removed.stdout and not entries(cache)
 
