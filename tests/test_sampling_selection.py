@@ -109,6 +109,8 @@ def test_the_draws_are_numpys_philox(arithmetic):
     seeds = [0, 1, 2**63, 2**64 - 1, *map(int, rng.integers(0, 2**63, 200))]
     positions = [0, 1, 2**64 - 2, 2**32, *map(int, rng.integers(0, 2**40, 200))]
     assert uniforms(seeds, positions).tolist() == [numpy_uniform(s, p) for s, p in zip(seeds, positions)]
+    with pytest.raises(ValueError):  # numpy's refusal, not a seed wrapped into range
+        uniforms([3, -1], [0, 0])
 
 
 def test_min_p_keeps_the_tokens_at_least_that_share_of_the_best():

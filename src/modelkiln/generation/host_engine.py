@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import KilnError
 from .plan import Chunk, EngineCapabilities, Sampled, SeqStart, StepPlan, StepResult
-from .sampling import TokenChooser, token_logprobs
+from .sampling import TokenChooser, token_logprobs, uniforms
 
 SeqId = Hashable
 
@@ -101,8 +101,9 @@ class HostEngine:
             logits = self.step({seq: self._next[seq] for seq in rows})
             to_choose += list(zip(rows, logits))
         masks = plan.masks() if plan.masks is not None and to_choose else {}
+        draws = self._draws([seq for seq, _ in to_choose])
         for seq, row in to_choose:
-            self._choose(seq, row, masks.get(seq), result)
+            self._choose(seq, row, masks.get(seq), draws.get(seq), result)
         return result
 
     def warm_up(self) -> None:
@@ -150,7 +151,18 @@ class HostEngine:
             result.prompt_logprobs[chunk.seq] = [token_logprobs(row, target, top)
                                                  for row, target in zip(logits, chunk.targets)]
 
-    def _choose(self, seq: SeqId, logits: np.ndarray, mask: np.ndarray | None, result: StepResult) -> None:
+    def _draws(self, seqs: list[SeqId]) -> dict[SeqId, float]:
+        """The uniforms of the step's sampled rows, drawn in one call (``sampling.uniforms``); a row
+        whose seed numpy would refuse draws its own, and fails alone."""
+        sampling = [seq for seq in seqs if seq not in self._forced and not self._choosers[seq].params.greedy
+                    and 0 <= self._choosers[seq].seed < 2**64]
+        if not sampling:
+            return {}
+        choosers = [self._choosers[seq] for seq in sampling]
+        return dict(zip(sampling, uniforms([c.seed for c in choosers], [c.position for c in choosers]).tolist()))
+
+    def _choose(self, seq: SeqId, logits: np.ndarray, mask: np.ndarray | None, u: float | None,
+                result: StepResult) -> None:
         forced = self._forced.get(seq)
         if forced:  # a resumed token, already sent: the next step's input, and nothing to report
             self._next[seq] = forced.popleft()
@@ -159,7 +171,7 @@ class HostEngine:
             return
         chooser = self._choosers[seq]
         try:
-            token = chooser.choose(logits, mask)
+            token = chooser.choose(logits, mask, u)
         except Exception as exc:  # noqa: BLE001 - its own settings (NaN temperature, a grammar allowing nothing): it alone ends
             result.errors[seq] = exc
             return

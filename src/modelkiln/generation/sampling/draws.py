@@ -25,7 +25,10 @@ def uniform(seed: int, position: int) -> float:
 
 
 def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-    """``uniform(seed, position)`` for each pair, as float64 [n]."""
+    """``uniform(seed, position)`` for each pair, as float64 [n]. A seed or position outside
+    [0, 2**64) is numpy's error (a ValueError), never a wrapped number."""
+    if any(not 0 <= v < 2**64 for v in (*seeds, *positions)):
+        return np.asarray([numpy_uniform(s, p) for s, p in zip(seeds, positions)], dtype=np.float64)
     library = sampling_library()
     if library is None or any(p >= 2**64 - 1 for p in positions):  # the native counter is one word
         return np.asarray([numpy_uniform(s, p) for s, p in zip(seeds, positions)], dtype=np.float64)

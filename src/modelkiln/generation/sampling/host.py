@@ -39,13 +39,15 @@ class TokenChooser:
         self._bias = (np.asarray([t for t, _ in params.logit_bias], dtype=np.int64),
                       np.asarray([b for _, b in params.logit_bias], dtype=np.float32)) if params.logit_bias else None
 
-    def choose(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
+    def choose(self, logits: np.ndarray, allowed: np.ndarray | None = None, u: float | None = None) -> int:
         """The next token for this row of logits ([vocab], the model's own); ``allowed`` is a
-        grammar's bitmask (int32 words, bit set = allowed). Records the token as chosen."""
+        grammar's bitmask (int32 words, bit set = allowed); ``u``: this token's uniform where the
+        caller drew the step's at once (``uniforms``). Records the token as chosen."""
         p = self.params
+        u = self._uniform() if u is None and not p.greedy else u
         scores = self._processed(logits)
         if allowed is None:
-            token = int(np.argmax(scores)) if p.greedy else draw(scores, p, self._uniform())
+            token = int(np.argmax(scores)) if p.greedy else draw(scores, p, u)
         else:
             # Among the grammar's tokens alone, in vocabulary order: the token the whole row gives
             # with every other token at -inf (the first best one; the same inverse transform, where
@@ -55,7 +57,7 @@ class TokenChooser:
             if ids.size == 0:
                 raise InvalidInputError("the grammar allows no token here")
             kept = scores[ids]
-            token = int(ids[int(np.argmax(kept)) if p.greedy else draw(kept, p, self._uniform())])
+            token = int(ids[int(np.argmax(kept)) if p.greedy else draw(kept, p, u)])
         self._record(token)
         return token
 
