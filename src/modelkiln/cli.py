@@ -286,23 +286,21 @@ def _size(n: int) -> str:
 
 @cache_app.command("ls")
 def cache_ls() -> None:
-    """List the cached conversions: key, model name, source, size, status, when converted."""
-    from rich.table import Table
-
+    """List the cached conversions: key, size, status (ready, stale: source changed...), when converted,
+    and each one's source, options and model name. Keys and paths are printed whole, to be copied."""
     from .model_cache import cache_root, list_entries
 
     entries = list_entries()
-    root = cache_root() / "models"
-    if not entries:
-        out.print(f"{root}: empty", markup=False, highlight=False)
-        return
-    table = Table("key", "model", "source", "options", "size", "status", "converted", title=str(root),
-                  title_justify="left")
-    for e in entries:
-        table.add_row(e.key, e.name, e.source, e.options or "defaults", _size(e.bytes), e.status, e.converted)
-    out.print(table)
     count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
-    out.print(f"{count}, {_size(sum(e.bytes for e in entries))}", highlight=False)
+    out.print(f"{cache_root() / 'models'}: {count}, {_size(sum(e.bytes for e in entries))}", markup=False,
+              highlight=False, soft_wrap=True)
+    width, status_width = (max((len(text) for text in texts), default=0)
+                           for texts in ([e.key for e in entries], [e.status for e in entries]))
+    for e in entries:
+        out.print(f"{e.key:<{width}}  {_size(e.bytes):>9}  {e.status:<{status_width}}  {e.converted}", markup=False,
+                  highlight=False, soft_wrap=True)
+        out.print(f"  {e.source} ({e.options or 'default options'}), model {e.name}", markup=False,
+                  highlight=False, soft_wrap=True)
 
 
 @cache_app.command("rm")
