@@ -125,3 +125,18 @@ def test_min_p_is_checked():
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(Exception, match="min_p"):
             SamplingParams(min_p=bad)
+
+
+def test_the_nucleus_order_is_numpys_stable_argsort(arithmetic):
+    """Top-p's sort: largest first, ties in token order, and where the cumulative sum reaches top_p."""
+    rng = np.random.default_rng(6)
+    for n in (1, 2, 31, 33, 1000, 70_000):
+        probs = np.exp(rng.standard_normal(n) * rng.choice([0.1, 3.0]))
+        probs[rng.random(n) < 0.2] = probs[0]  # ties
+        probs[rng.random(n) < 0.05] = 0.0
+        probs /= probs.sum()
+        for top_p in (1e-9, 0.5, 0.95, 1.0, 2.0):
+            order, keep = selection._nucleus_order(probs, top_p)
+            expected = np.argsort(-probs, kind="stable")
+            assert keep == int(np.searchsorted(np.cumsum(probs[expected]), top_p)) + 1, (n, top_p)
+            assert np.array_equal(order[:keep], expected[:keep])

@@ -43,6 +43,7 @@ _FIRST_SHARE = float(np.exp(-_FIRST_REACH[0]))  # the same for top-p, as a share
 _I64 = ctypes.POINTER(ctypes.c_int64)
 _F64 = ctypes.POINTER(ctypes.c_double)
 _F32 = ctypes.POINTER(ctypes.c_float)
+_U64 = ctypes.POINTER(ctypes.c_uint64)
 
 
 def draw(scores: np.ndarray, params: SamplingParams, u: float) -> int:
@@ -105,10 +106,17 @@ def _likely(e: np.ndarray, total: float, share: float) -> tuple[np.ndarray, np.n
     floor a little under that share (a margin far above a rounding), so the set never splits tokens
     of equal probability and holds every token a cut at ``share`` of the best keeps."""
     floor = share / total * (1 - 1e-9)  # the best token's exponential is exp(0) = 1
-    near = np.flatnonzero(e >= floor * total * (1 - 1e-9))
-    probs = e[near] / total
-    keep = probs >= floor
-    return near[keep], probs[keep]
+    bound = floor * total * (1 - 1e-9)
+    library = sampling_library()
+    if library is None:
+        near = np.flatnonzero(e >= bound)
+        probs = e[near] / total
+        keep = probs >= floor
+        return near[keep], probs[keep]
+    ids, probs = _buffers("likely", e.shape[0], np.int64), _buffers("likely probs", e.shape[0], np.float64)
+    count = library.kiln_likely(e.ctypes.data_as(_F64), e.shape[0], total, bound, floor, ids.ctypes.data_as(_I64),
+                                probs.ctypes.data_as(_F64))
+    return ids[:count], probs[:count]
 
 
 _local = threading.local()
@@ -116,10 +124,18 @@ _local = threading.local()
 
 def _scratch(vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """Two float64 rows of ``vocab`` for this thread, kept from call to call."""
-    buffers = getattr(_local, "buffers", None)
-    if buffers is None or buffers[0].shape[0] != vocab:
-        buffers = _local.buffers = (np.empty(vocab, dtype=np.float64), np.empty(vocab, dtype=np.float64))
-    return buffers
+    return _buffers("scaled", vocab, np.float64), _buffers("exponentials", vocab, np.float64)
+
+
+def _buffers(name: str, size: int, dtype: type) -> np.ndarray:
+    """This thread's buffer ``name``, of at least ``size`` items, kept from call to call (a view of ``size``)."""
+    kept = getattr(_local, "kept", None)
+    if kept is None:
+        kept = _local.kept = {}
+    buffer = kept.get(name)
+    if buffer is None or buffer.shape[0] < size:
+        buffer = kept[name] = np.empty(size, dtype=dtype)
+    return buffer[:size]
 
 
 def _top_k(s: np.ndarray, k: int) -> np.ndarray:
@@ -142,13 +158,35 @@ def _top_p(ids: np.ndarray, probs: np.ndarray, top_p: float,
     tokens down to a lower share of the best (None: the tokens in are all that have a probability)."""
     shares = [np.exp(-reach) for reach in _FIRST_REACH[1:]] + [0.0]
     while True:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        keep = int(np.searchsorted(cumulative, top_p)) + 1
+        order, keep = _nucleus_order(probs, top_p)
         if keep <= order.shape[0] or wider is None or not shares:
-            chosen = np.sort(order[:keep])  # back to vocabulary order
+            chosen = _in_order(order[:keep], order.shape[0])  # back to vocabulary order
             return ids[chosen], probs[chosen]
         ids, probs = wider(shares.pop(0))
+
+
+def _nucleus_order(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, int]:
+    """(``argsort(-probs, kind="stable")``, how many of them reach top_p: the first cumulative sum
+    not below it, plus one; ``len + 1`` where none does)."""
+    library = sampling_library()
+    if library is None:
+        order = np.argsort(-probs, kind="stable")
+        return order, int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
+    probs = np.ascontiguousarray(probs, dtype=np.float64)
+    n = probs.shape[0]
+    order, scratch = _buffers("order", n, np.int64), _buffers("radix", 3 * n, np.uint64)
+    keep = library.kiln_top_p(probs.ctypes.data_as(_F64), n, top_p, order.ctypes.data_as(_I64),
+                              scratch.ctypes.data_as(_U64))
+    return order, int(keep)
+
+
+def _in_order(chosen: np.ndarray, n: int) -> np.ndarray:
+    """``np.sort(chosen)`` (distinct positions below n): a pass over a mask where there are many."""
+    if chosen.shape[0] < 4096:
+        return np.sort(chosen)
+    mask = np.zeros(n, dtype=bool)
+    mask[chosen] = True
+    return np.flatnonzero(mask)
 
 
 def _min_p(ids: np.ndarray, probs: np.ndarray, min_p: float) -> tuple[np.ndarray, np.ndarray]:
