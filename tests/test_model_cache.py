@@ -94,23 +94,7 @@ def test_the_first_start_converts_and_later_ones_find_it(tmp_path, cache):
     assert removed.returncode == 0 and f"Removed {entry.name} (" in removed.stdout and not entries(cache)
 
 
-def test_a_changed_source_is_converted_again(tmp_path, cache):
-    gguf = tiny(tmp_path / "tiny.gguf")
-    env = {"KILN_CACHE": str(cache)}
-    assert kiln("convert", str(gguf), *FAST, env=env).returncode == 0
-    [old] = entries(cache)
-    tiny(gguf, matrices="Q8_0")  # the same path, other weights
-    again = kiln("convert", str(gguf), *FAST, env=env)
-    assert again.returncode == 0 and again.stderr.count(CONVERTING) == 1, again.stderr[-3000:]
-    assert len(entries(cache)) == 2 and old in entries(cache)
-    listed = kiln("cache", "ls", env=env).stdout
-    assert "stale: source changed" in listed and "ready" in listed and "--gate-prompts 1,1" in listed
-    stale = kiln("cache", "rm", "--stale", env=env)
-    assert stale.returncode == 0 and f"Removed {old.name}" in stale.stdout and old not in entries(cache)
-    assert len(entries(cache)) == 1
-
-
-def test_a_killed_conversion_leaves_no_artifact_and_the_next_run_converts(tmp_path, cache):
+def test_a_killed_conversion_leaves_no_artifact_and_a_changed_source_is_converted_again(tmp_path, cache):
     gguf = tiny(tmp_path / "tiny.gguf")
     env = {**os.environ, "PYTHONPATH": str(SRC), "KILN_CACHE": str(cache)}
     proc = subprocess.Popen([sys.executable, "-m", "modelkiln", "convert", str(gguf), *FAST], env=env,
@@ -124,9 +108,21 @@ def test_a_killed_conversion_leaves_no_artifact_and_the_next_run_converts(tmp_pa
     assert entries(cache) == [] and list((cache / "models").glob(".*.tmp-*"))
     listed = kiln("cache", "ls", env={"KILN_CACHE": str(cache)})
     assert "interrupted" in listed.stdout and "ready" not in listed.stdout
-    done = kiln("convert", str(gguf), *FAST, env={"KILN_CACHE": str(cache)})
+    env = {"KILN_CACHE": str(cache)}
+    done = kiln("convert", str(gguf), *FAST, env=env)
     assert done.returncode == 0 and done.stderr.count(CONVERTING) == 1, done.stderr[-3000:]
-    assert len(entries(cache)) == 1 and not list((cache / "models").glob(".*.tmp-*"))  # the leftover is gone
+    assert not list((cache / "models").glob(".*.tmp-*"))  # the leftover is gone
+    [old] = entries(cache)
+
+    tiny(gguf, matrices="Q8_0")  # the same path, other weights
+    again = kiln("convert", str(gguf), *FAST, env=env)
+    assert again.returncode == 0 and again.stderr.count(CONVERTING) == 1, again.stderr[-3000:]
+    assert len(entries(cache)) == 2 and old in entries(cache)
+    listed = kiln("cache", "ls", env=env).stdout
+    assert "stale: source changed" in listed and "ready" in listed and "--gate-prompts 1,1" in listed
+    stale = kiln("cache", "rm", "--stale", env=env)
+    assert stale.returncode == 0 and f"Removed {old.name}" in stale.stdout and old not in entries(cache)
+    assert len(entries(cache)) == 1
 
 
 def test_two_processes_starting_at_once_convert_once(tmp_path, cache):
@@ -248,3 +244,27 @@ def test_what_a_model_argument_may_name(tmp_path, cache, monkeypatch):
     (refs / "main").write_text("abc123\n")
     hub = find_source("someone/tiny")
     assert hub is not None and (hub.kind, hub.fingerprint, hub.name) == ("hub", "revision abc123", "tiny")
+
+
+def test_kiln_convert_keys_the_options_as_the_other_commands_pass_them(tmp_path, cache, monkeypatch):
+    """`kiln serve MODEL --task T --precision P` converts with `kiln convert MODEL --task T --precision P` in a child and
+    then looks for the key it computed itself: both sides must key the same options the same way."""
+    from typer.testing import CliRunner
+
+    import modelkiln.model_cache as model_cache
+    from modelkiln.cli import app
+
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"GGUF" + bytes(100))
+    seen: list[dict] = []
+    monkeypatch.setattr(model_cache, "convert_into_cache",
+                        lambda ref, options, convert, force, **_: seen.append(options) or tmp_path)
+    cases = ((["--task", "text-generation", "--precision", "int8,gguf"],
+              {"task": "text-generation", "precision": "int8,gguf"}),
+             (["--task", "auto"], {"task": "auto"}),
+             ([], {}))
+    for flags, given in cases:
+        result = CliRunner().invoke(app, ["convert", str(source), *flags])  # converts nothing: patched
+        assert result.exit_code == 0, result.output
+        s = describe(str(source))
+        assert cache_key(s, seen.pop()) == cache_key(s, convert_options(**given))
