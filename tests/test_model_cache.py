@@ -247,8 +247,8 @@ def test_what_a_model_argument_may_name(tmp_path, cache, monkeypatch):
 
 
 def test_kiln_convert_keys_the_options_as_the_other_commands_pass_them(tmp_path, cache, monkeypatch):
-    """`kiln serve MODEL --task T --precision P` converts with `kiln convert MODEL --task T --precision P` in a child and
-    then looks for the key it computed itself: both sides must key the same options the same way."""
+    """`kiln serve MODEL --task T --precision P` converts with `kiln convert MODEL --task T --precision P` in a
+    child and then looks for the key it computed itself: both sides must key the same options the same way."""
     from typer.testing import CliRunner
 
     import modelkiln.model_cache as model_cache
