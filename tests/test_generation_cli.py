@@ -36,6 +36,24 @@ def test_generate_chat_seed_and_stop(artifact):
         assert cut["finish_reason"] == "stop" and cut["text"] == first["text"][: first["text"].index(stop)]
 
 
+def test_every_sampling_setting_is_an_option_of_kiln_generate(artifact):
+    """The options come from the declaration: each setting's flag is there and reaches the sampler."""
+    from modelkiln.generation.sampling.settings import SETTINGS
+
+    shown = kiln("generate", "--help").stdout
+    for setting in SETTINGS:
+        flag = "--max-new-tokens" if setting.name == "max_tokens" else "--" + setting.name.replace("_", "-")
+        assert flag in shown, flag
+    args = [str(artifact), "Hello", "-n", "8", "--threads", "1", "--temperature", "1.0", "--seed", "5", "--json"]
+    plain = json.loads(kiln("generate", *args).stdout)
+    tuned = kiln("generate", *args, "--min-p", "0.2", "--top-k", "3", "--frequency-penalty", "0.5",
+                 "--presence-penalty", "0.1", "--logit-bias", "7:1.5", "--stop-token-ids", "3")
+    assert tuned.returncode == 0, tuned.stderr
+    assert json.loads(tuned.stdout)["completion_tokens"] >= 1 and plain["completion_tokens"] >= 1
+    bad = kiln("generate", *args, "--logit-bias", "seven")
+    assert bad.returncode == 2 and "TOKEN_ID:BIAS" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_generate_errors_are_one_line(artifact, tmp_path):
     bad = kiln("generate", str(artifact), "hi", "--top-p", "0")
     assert bad.returncode == 2 and "top_p" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,30 +1,47 @@
-"""``kiln generate MODEL PROMPT``: stream one answer to the terminal (or one JSON object)."""
+"""``kiln generate MODEL PROMPT``: stream one answer to the terminal (or one JSON object). Its
+sampling options are derived from the declaration of the sampling settings (``sampling/settings.py``),
+as kiln serve's are from its settings: one option per setting, named after the request field."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
+from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
 from ..model_arg import PRECISION, artifact_path
+from .sampling.settings import BOOL, FLOAT, INT, INTS, SETTINGS, from_command_line
+
+_TYPES = {FLOAT: Optional[float], INT: Optional[int], BOOL: bool, INTS: Optional[list[int]]}
+# the command line's older names for two settings
+_FLAGS = {"max_tokens": ("--max-new-tokens", "-n")}
+
+
+class GenerateCommand(DerivedOptionsCommand):
+    """``kiln generate`` with an option for every sampling setting, before ``--variant``."""
+
+    insert_before = "variant"
+
+    def derive(self) -> list[Any]:
+        params = []
+        for setting in SETTINGS:
+            flags = _FLAGS.get(setting.name, ("--" + setting.name.replace("_", "-"),))
+            kind = _TYPES.get(setting.kind, Optional[list[str]])
+            default = False if setting.kind == BOOL else None
+            params.append(keyword(setting.name, kind, typer.Option(default, *flags, help=setting.help,
+                                                                    show_default=False)))
+        return typer_params(params)
 
 
 def generate(
+    ctx: typer.Context,
     artifact: str = typer.Argument(..., metavar="MODEL", help="A text-generation artifact folder, or a model (a .gguf file, a Hugging Face folder or hub id: converted once into the model cache)."),
     prompt: str = typer.Argument(..., help="The prompt (or the user message with --chat)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the artifact's chat template to the prompt."),
     system: Optional[str] = typer.Option(None, help="System message (with --chat)."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Stop after this many tokens (default: the artifact's)."),
-    temperature: Optional[float] = typer.Option(None, help="0 is greedy (default: the artifact's setting)."),
-    top_k: Optional[int] = typer.Option(None, help="Sample among the k most likely tokens (0: off)."),
-    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling mass (1: off)."),
-    repetition_penalty: Optional[float] = typer.Option(None, help="> 1 discourages repeating tokens (1: off)."),
-    seed: Optional[int] = typer.Option(None, help="Random seed: the same seed gives the same answer."),
-    stop: Optional[list[str]] = typer.Option(None, help="Stop string (repeatable); not included in the answer."),
-    ignore_eos: bool = typer.Option(False, help="Keep generating after an end-of-sequence token."),
     variant: Optional[str] = typer.Option(None, help="Variant to run (default: the fastest kept one)."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads (default: all cores)."),
     device: str = typer.Option("cpu", help="cpu or cuda: where the engine runs (a torch variant converted for cuda needs cuda)."),
@@ -38,9 +55,8 @@ def generate(
 
     model = TextGenerationModel(artifact_path(artifact, precision=precision))
     ids = model.prompt_ids(prompt, chat=chat, system=system)
-    fields = {"max_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-              "repetition_penalty": repetition_penalty, "seed": seed, "stop": list(stop) if stop else None,
-              "ignore_eos": ignore_eos or None}
+    given = ctx.meta.get(DERIVED, {})
+    fields = {s.name: from_command_line(s, given.get(s.name)) for s in SETTINGS}
     params = sampling_params(fields, model.default_params(), len(ids), model.max_context or model.manifest.max_length)
     variant_name, _ = model.variant_path(variant, device)
     core = model.core(variant_name, CoreOptions(threads=threads, device=device, max_running=1))
