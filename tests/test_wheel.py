@@ -14,6 +14,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import httpx
 import pytest
 
 from generation_helpers import make_tiny_llama
@@ -24,6 +25,7 @@ from test_serve import Server
 REPO = SRC.parent
 DATASETS = ["modelkiln/datasets/README.md", "modelkiln/datasets/stsbenchmark/sts-dev.csv",
             "modelkiln/datasets/stsbenchmark/LICENSE.txt", "modelkiln/datasets/squad/squad-v2-dev-subset.json"]
+UI = ["modelkiln/serve/ui/index.html", "modelkiln/serve/ui/app.js", "modelkiln/serve/ui/style.css"]  # kiln serve's page
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def run(installed, *args: str, timeout: float = 300) -> subprocess.CompletedProc
 
 def test_convert_eval_serve_and_loadtest_from_the_installed_wheel(installed):
     wheel, site, work = installed
-    assert set(DATASETS) <= set(zipfile.ZipFile(wheel).namelist())
+    assert set(DATASETS + UI) <= set(zipfile.ZipFile(wheel).namelist())
     where = run(installed, sys.executable, "-c", "import modelkiln, modelkiln.data as d; print(modelkiln.__file__); print(d.data_dir())")
     module, data = where.stdout.split()
     assert Path(module).is_relative_to(site) and Path(data) == site / "modelkiln" / "datasets", where.stderr
@@ -72,6 +74,8 @@ def test_convert_eval_serve_and_loadtest_from_the_installed_wheel(installed):
 
     srv = Server(["tiny=tiny", "--variant", "fp32"], env={"PYTHONPATH": str(site)}, cwd=work)
     try:
+        page = httpx.get(srv.url + "/")  # the page's files came with the wheel
+        assert page.status_code == 200 and "/ui/app.js" in page.text
         load = run(installed, "loadtest", srv.url, "-m", "tiny", "--protocol", "openai-chat", "--inputs", "sts",
                    "--max-tokens", "4", "--ignore-eos", "--concurrency", "1", "--warmup", "0.2", "--window", "0.5",
                    "--max-windows", "1", timeout=120)

@@ -3,8 +3,8 @@
 ``Gate`` does what every request needs: bearer-token check, request id, in-flight gauge,
 per-route outcome metrics and the optional access log. Inference requests then go to the bare
 ASGI handler in ``inference_routes`` (the hot path); everything else (health, metadata, stats,
-metrics, OpenAI's model list) is a small FastAPI app. Both call the same data plane, and errors
-become responses in one place (``errors.error_response``)."""
+metrics, OpenAI's model list, the web page of ``ui/``) is a small FastAPI app. Both call the same
+data plane, and errors become responses in one place (``errors.error_response``)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from ..errors import (InvalidInputError, KilnError, MethodNotAllowedError, RouteNotFoundError,
                       UnauthorizedError)
-from . import inference_routes
+from . import inference_routes, ui
 from .auth import bearer_matches
 from .dataplane import DataPlane, build_dataplane
 from .errors import error_response
@@ -42,7 +42,7 @@ log = logging.getLogger("modelkiln.serve")
 access = logging.getLogger("modelkiln.serve.access")
 
 JSON = "application/json"
-PUBLIC_PREFIX = "/v2/health/"  # the only routes that need no API key (probes)
+PUBLIC_PREFIX = "/v2/health/"  # routes that need no API key: the probes, and the web page's files (ui.PATHS)
 TIMED_ROUTES = frozenset(("infer", "predict", "embeddings", "completions", "chat_completions", "generate",
                           "generate_stream"))  # in kiln_request_duration_seconds
 OPENAI_PREFIX = "/v1/"  # errors in OpenAI's shape
@@ -80,6 +80,8 @@ def route_of(path: str) -> tuple[str, str]:
                                                     "generate_stream") else "metadata"
     if path in ("/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/responses"):
         return "", path[4:].replace("/", "_")
+    if path in ui.PATHS:
+        return "", "ui"
     return "", parts[-1] if parts[0] in ("v2", "metrics") else "other"
 
 
@@ -99,9 +101,10 @@ class Gate:
     """Pure ASGI middleware (no per-request task or body buffering, unlike BaseHTTPMiddleware)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], api_key: str | None, metrics: Metrics,
-                 plane: DataPlane, access_log: bool, watch: RequestWatch):
+                 plane: DataPlane, access_log: bool, watch: RequestWatch, open_paths: frozenset[str] = frozenset()):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.open_paths = open_paths  # besides /v2/health/*: the web page's files (``ui.PATHS``)
         self.metrics = metrics
         self.plane = plane
         self.access_log = access_log
@@ -123,7 +126,7 @@ class Gate:
         request_id = (headers.get(b"x-request-id") or b"").decode("latin-1")[:128] or self.ids.next()
         scope.setdefault("state", {})["request_id"] = request_id
         path: str = scope["path"]
-        if self.api_key is not None and not path.startswith(PUBLIC_PREFIX):
+        if self.api_key is not None and not path.startswith(PUBLIC_PREFIX) and path not in self.open_paths:
             if not bearer_matches(headers.get(b"authorization", b""), self.api_key):
                 status = await inference_routes.send_error(send, UnauthorizedError("missing or wrong bearer token"),
                                                            request_id, {"www-authenticate": "Bearer"},
@@ -299,4 +302,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
         return json_response({"object": "list", "data": [
             {"id": m.name, "object": "model", "owned_by": "modelkiln", "created": 0} for m in plane.models.values()]})
 
-    return Gate(app, settings.api_key, metrics, plane, settings.access_log, watch)
+    if settings.ui:  # the page at / and its files (--no-ui: / is a 404, as any unknown route)
+        ui.register(app)
+    return Gate(app, settings.api_key, metrics, plane, settings.access_log, watch,
+                open_paths=ui.PATHS if settings.ui else frozenset())

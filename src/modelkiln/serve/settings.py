@@ -62,7 +62,8 @@ class ServeSettings(BaseModel):
     host: str = setting("127.0.0.1", "Bind address.")  # loopback unless told otherwise
     port: int = setting(8000, "HTTP port.", ge=0, le=65535)
     grpc_port: int = setting(8001, "KServe v2 gRPC port (0 = off).", ge=0, le=65535)
-    api_key: Optional[str] = setting(None, "Require 'Authorization: Bearer KEY' on every route but health.",
+    api_key: Optional[str] = setting(None, "Require 'Authorization: Bearer KEY' on every route but health and "
+                                             "the web page's files.",
                                      shown_default="none")
     # --- engines
     device: Literal["cpu", "cuda"] = setting("cpu", "cpu or cuda.")
@@ -150,6 +151,10 @@ class ServeSettings(BaseModel):
     warmup: bool = setting(True, "Run warm-up batches at load.")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = setting("info", "Log level.")
     access_log: bool = setting(False, "Log every request with its id.")
+    # The page asks the API for everything it shows, with the key the user types (serve/ui/);
+    # the page itself needs no key, as llama-server's.
+    ui: bool = setting(True, "Serve the web page at /: the models, a chat playground, an encoder form and live "
+                             "figures from /metrics.")
     # given as arguments (kiln serve ARTIFACT...), not as flags, env vars or config keys
     models: tuple[ModelSpec, ...] = Field(default=(), json_schema_extra={"argument": True})
 
