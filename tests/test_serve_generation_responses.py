@@ -1,5 +1,6 @@
 """OpenAI's Responses API as clients use it, on a real `kiln serve` of the tiny Llama (and the
-tiny Llama with Qwen2.5's chat template for tools), with the unmodified `openai` client and the
+tiny Llama with Qwen2.5's chat template for tools; the tiny Llama's own template, which has none,
+takes them in the generic format), with the unmodified `openai` client and the
 OpenAI Agents SDK: text and item inputs, instructions, JSON formats, function tools and their
 outputs, streamed events as the SDK parses them, previous_response_id, and the 400s. Also the
 chat route's json_object-with-schema form and a schema past the grammar engine's limits.
@@ -132,11 +133,12 @@ def test_a_schema_past_the_grammar_engines_limits_is_a_400_before_any_compute(cl
 # --- tools ----------------------------------------------------------------------------------------
 
 
-def test_required_and_named_tool_choice_make_function_calls(client):
+@pytest.mark.parametrize("model", [QWEN, MODEL])
+def test_required_and_named_tool_choice_make_function_calls(client, model):
     """A call takes at least 65 of the tiny tokenizer's tokens; "required" allows several calls, and
     one begun with fewer tokens left than that is cut (as on the chat route): hence 300."""
     for tool_choice in ("required", {"type": "function", "name": "get_weather"}):
-        answer = respond(client, model=QWEN, input="Weather in Oslo?", tools=[WEATHER], tool_choice=tool_choice,
+        answer = respond(client, model=model, input="Weather in Oslo?", tools=[WEATHER], tool_choice=tool_choice,
                          max_output_tokens=300, temperature=1.0, extra_body={"seed": 2})
         assert answer.status == "completed" and answer.output
         for call in answer.output:
@@ -144,18 +146,23 @@ def test_required_and_named_tool_choice_make_function_calls(client):
             WeatherArguments.model_validate_json(call.arguments)
 
 
-def test_a_function_call_output_follows_up(client):
-    first = respond(client, model=QWEN, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",
+@pytest.mark.parametrize("model", [QWEN, MODEL])
+def test_a_function_call_output_follows_up(client, model):
+    first = respond(client, model=model, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",
                     parallel_tool_calls=False, max_output_tokens=120)
     call, = first.output
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "-3 degrees"}
-    kw = dict(model=QWEN, tools=[WEATHER], max_output_tokens=6, extra_body={"ignore_eos": True})
+    # the generic format's "auto" is a grammar, which ignore_eos cannot go with: "none" there
+    kw = dict(model=model, tools=[WEATHER], tool_choice="auto" if model == QWEN else "none", max_output_tokens=6,
+              extra_body={"ignore_eos": True})
     continued = respond(client, previous_response_id=first.id, input=[output], **kw)
     # the same conversation sent whole: the same prompt, the same (greedy) answer
     spelled = respond(client, input=[{"role": "user", "content": "Weather in Oslo?"},
                                      call.model_dump(exclude_none=True), output], **kw)
     assert continued.output_text == spelled.output_text and continued.usage.input_tokens == spelled.usage.input_tokens
-    assert continued.usage.input_tokens > first.usage.total_tokens  # the call and its output are in the prompt
+    alone = respond(client, input="Weather in Oslo?", **kw)
+    # the call and its output are in the prompt
+    assert continued.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
     assert continued.previous_response_id == first.id
 
 
@@ -298,7 +305,8 @@ class Report(pydantic.BaseModel):
     summary: str = pydantic.Field(max_length=20)
 
 
-def test_an_agent_calls_its_tool_and_answers(server):
+@pytest.mark.parametrize("name", [QWEN, MODEL])
+def test_an_agent_calls_its_tool_and_answers(server, name):
     """An agent with one function tool over the Responses API. A random model cannot choose to call
     a tool, so the first turn must (tool_choice "required"; the SDK then resets it to "auto"); its
     final answer is a structured output, which the grammar closes within max_tokens (free text from
@@ -313,7 +321,7 @@ def test_an_agent_calls_its_tool_and_answers(server):
         cities.append(city)
         return f"-3 degrees in {city}"
 
-    model = agents.OpenAIResponsesModel(model=QWEN, openai_client=openai.AsyncOpenAI(
+    model = agents.OpenAIResponsesModel(model=name, openai_client=openai.AsyncOpenAI(
         base_url=server.url + "/v1", api_key="none", max_retries=0))
     agent = agents.Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
                          output_type=Report, model=model,

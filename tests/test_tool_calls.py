@@ -2,7 +2,9 @@
 Llama-3.1-Instruct (tests/chat_templates/): tools and tool messages rendered as the models were
 trained on them, their calls parsed back, and the constrained syntax (tool_choice required or
 named) driven by random token choices on a tiny tokenizer: every answer parses as a call whose
-arguments follow the function's schema."""
+arguments follow the function's schema. A template without tools (the tiny models', as
+SmolLM2's) gets the generic format (tool_prompt.py): the tools in a system message, calls and
+results as text, and a grammar under "auto" too."""
 
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from generation_helpers import CHAT_TEMPLATE, tiny_tokenizer
 from modelkiln.errors import InvalidInputError
 from modelkiln.generation.chat import render_chat, template_messages, template_roles
 from modelkiln.generation.constraints import Grammars, compile_constraint
-from modelkiln.generation.tool_calls import (Hermes, Llama3Json, parse_tools, template_messages_with_tools,
+from modelkiln.generation.tool_calls import (Generic, Hermes, Llama3Json, parse_tools, template_messages_with_tools,
                                              tool_format)
+from modelkiln.generation.tool_prompt import template_chat
 from modelkiln.generation.vocabulary import Vocabulary
-from test_constraints import random_walk
+from test_constraints import allowed, random_walk
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 QWEN = (TEMPLATES / "qwen2.5-instruct.jinja").read_text()
@@ -62,9 +65,73 @@ def test_llama_template_shows_tools_and_takes_calls_and_results_back():
     assert isinstance(tool_format(LLAMA), Llama3Json)
 
 
-def test_a_template_without_tools_is_refused():
-    with pytest.raises(InvalidInputError, match="does not take tools"):
-        tool_format(CHAT_TEMPLATE)
+def test_a_template_without_tools_gets_the_generic_format():
+    assert isinstance(tool_format(CHAT_TEMPLATE), Generic) and isinstance(tool_format(None), Generic)
+    unknown = "{% for t in tools %}[AVAILABLE_TOOLS]{{ t | tojson }}{% endfor %}{{ messages[0]['content'] }}"
+    assert isinstance(tool_format(unknown), Generic)  # it shows tools, in a call syntax not parsed here
+
+
+def generic(messages, tools=None, template=CHAT_TEMPLATE, answer_format=False) -> str:
+    shown, template_tools = template_chat(template, template_messages_with_tools(messages), tools,
+                                          tool_format(template), answer_format)
+    assert template_tools is None  # the template is never given the tools: it cannot show them
+    return render_chat(template, template_messages(shown, template_roles(template)))
+
+
+def test_the_generic_format_shows_the_tools_after_the_users_system_message():
+    tools = parse_tools([WEATHER, TIME], "auto")
+    text = generic([{"role": "system", "content": "Be brief."}, *CONVERSATION], tools)
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nBe brief.\n\nYou can call these functions.")
+    assert json.dumps({"name": "get_weather", **{k: WEATHER["function"][k] for k in ("description", "parameters")}}) \
+        in system and '{"name": "get_time", "parameters": {"type": "object"' in system
+    assert '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}' in system
+    assert "otherwise answer in plain text" in system and "List several calls" in system
+    assert ('<|im_start|>assistant\n{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"unit": "celsius"}}]}<|im_end|>') in text
+    assert '<|im_start|>user\n{"tool_response": {"name": "get_weather", "content": "21 degrees"}}<|im_end|>' in text
+    assert text.count("<|im_start|>system") == 1 and text.endswith("<|im_start|>assistant\n")
+    alone = generic(CONVERSATION[:1], parse_tools([TIME], {"type": "function", "function": {"name": "get_time"}}))
+    assert alone.startswith("<|im_start|>system\nYou can call these functions.") and "Answer with a call of get_time" in alone
+    assert "Make one call at a time." in alone and "tool_response" not in alone
+
+
+def test_the_generic_format_renders_calls_and_results_without_tools_too():
+    """tool_choice "none" (or no tools) on a follow-up: nothing about tools is shown, but the
+    conversation's calls and results still render, as text."""
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "get_time", "arguments": f'{{"zone": {i}}}'}}
+             for i in (1, 2)]
+    text = generic([{"role": "user", "content": "Time?"}, {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "10:00"},
+                    {"role": "tool", "tool_call_id": "call_2", "content": "11:00"}, {"role": "user", "content": "And?"}])
+    assert "system" not in text and "You can call" not in text
+    assert ('<|im_start|>assistant\nChecking.\n{"tool_calls": [{"name": "get_time", "arguments": {"zone": 1}}, '
+            '{"name": "get_time", "arguments": {"zone": 2}}]}<|im_end|>') in text
+    assert ('<|im_start|>user\n{"tool_response": {"name": "get_time", "content": "10:00"}}\n'
+            '{"tool_response": {"name": "get_time", "content": "11:00"}}<|im_end|>\n<|im_start|>user\nAnd?') in text
+
+
+def test_the_generic_format_on_templates_with_a_tool_role_or_without_system_messages():
+    tools = parse_tools([TIME], "required")
+    with_tool_role = ("{% for m in messages %}{% if m['role'] == 'tool' %}<result>{{ m['content'] }}</result>"
+                      "{% else %}<{{ m['role'] }}>{{ m['content'] }}{% endif %}{% endfor %}")
+    text = generic(CONVERSATION, tools, with_tool_role)
+    assert "<result>21 degrees</result>" in text and text.startswith("<system>You can call") and "Answer with a call now" in text
+    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+                 "{% endif %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    text = generic(CONVERSATION[:1], tools, no_system)
+    assert text.startswith("<user>You can call these functions.") and text.endswith("\n\nWeather in Paris?")
+
+
+def test_generic_calls_are_parsed_out_of_the_answer():
+    content, calls = Generic().parse('{"tool_calls": [{"name": "get_time", "arguments": {"zone": 3}}, '
+                                     '{"name": "get_weather", "arguments": {"city": "Oslo"}}]}')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_time", {"zone": 3}), ("get_weather", {"city": "Oslo"})]
+    assert all(c.id.startswith("call_") for c in calls)
+    for text in ("It is sunny.", '{"answer": 1}', '{"tool_calls": []}', '{"tool_calls": [{"name": "f"}]}',
+                 '{"tool_calls": [{"name": "f", "arguments": {}}], "more": 1}', '{"tool_calls": [{"name": '):
+        assert Generic().parse(text) == (text, [])
 
 
 def test_hermes_calls_are_parsed_out_of_the_text():
@@ -107,7 +174,7 @@ def tiny(tmp_path_factory):
     return tokenizer, eos, Grammars(Vocabulary(tokenizer, [eos]))
 
 
-@pytest.mark.parametrize("syntax", [Hermes(), Llama3Json()], ids=lambda s: s.name)
+@pytest.mark.parametrize("syntax", [Hermes(), Llama3Json(), Generic()], ids=lambda s: s.name)
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
                          ids=["required", "named"])
 def test_constrained_calls_always_parse_with_valid_arguments(syntax, choice, tiny):
@@ -157,3 +224,52 @@ def test_a_strict_function_takes_no_keys_but_its_own():
     strict, loose = tools.parameters("f"), tools.parameters("g")
     assert strict["additionalProperties"] is False and strict["properties"]["where"]["additionalProperties"] is False
     assert "additionalProperties" not in loose
+
+
+def walk_from(grammar, tokenizer, eos, rng, first: str) -> str:
+    """A random walk whose first token is ``first``'s, where the grammar allows it."""
+    matcher, words = grammar.matcher(), np.zeros(16, dtype=np.int32)
+    token = tokenizer.token_to_id(first)
+    matcher.fill_bitmask(words)
+    assert token in allowed(words)
+    assert matcher.accept(token)
+
+    class Started:  # the walk goes on from the matcher's state after the first token
+        def matcher(self):
+            return matcher
+
+    return first + random_walk(Started(), tokenizer, eos, rng, max_steps=3000)
+
+
+def test_generic_auto_answers_are_text_or_valid_calls(tiny):
+    """Under "auto" the generic grammar lets the answer be text (never starting with "{") or a
+    call; a call is always well-formed, with arguments that follow the function's schema."""
+    tokenizer, eos, grammars = tiny
+    tools = parse_tools([WEATHER, TIME], "auto", parallel_tool_calls=False)
+    grammar = compile_constraint("lark", Generic().grammar(tools), grammars)
+    rng = np.random.default_rng(5)
+    for _ in range(5):
+        text = random_walk(grammar, tokenizer, eos, rng, max_steps=3000)
+        assert not text.lstrip().startswith("{") and Generic().parse(text) == (text or None, [])
+    for _ in range(5):
+        content, calls = Generic().parse(walk_from(grammar, tokenizer, eos, rng, "{"))
+        assert content is None and len(calls) == 1 and calls[0].name in ("get_weather", "get_time")
+
+
+def test_generic_auto_with_a_response_format_answers_calls_or_that_json(tiny):
+    tokenizer, eos, grammars = tiny
+    answer = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    grammar = compile_constraint("lark", Generic().grammar(parse_tools([TIME], "auto"), answer=answer), grammars)
+    rng = np.random.default_rng(6)
+    kinds = set()
+    for _ in range(12):
+        text = walk_from(grammar, tokenizer, eos, rng, "{")
+        content, calls = Generic().parse(text)
+        if calls:
+            kinds.add("call")
+            assert all(c.name == "get_time" and -12 <= json.loads(c.arguments)["zone"] <= 14 for c in calls)
+        else:
+            kinds.add("answer")
+            assert 0 <= json.loads(content)["n"] <= 9 and set(json.loads(content)) == {"n"}
+    assert kinds == {"call", "answer"}

@@ -237,6 +237,18 @@ def compile_constraint(kind: str, spec: Any, grammars: Grammars) -> Grammar:
     return grammars.compile(kind, spec)
 
 
+def json_answer_schema(kind: str, spec: Any) -> dict[str, Any] | None:
+    """The JSON schema a ``json_object`` or ``json_schema`` constraint puts the answer under (strict
+    mode applied), to embed in a larger grammar; None for the other kinds."""
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        return None
+    _check_depth(spec, kind)
+    schema, strict = _schema_and_strict(spec)
+    return strict_schema(schema) if strict else schema
+
+
 _NAMES = {"json_object": "the JSON object grammar", "json_schema": "the JSON schema", "regex": "the regex",
           "choice": "the choice list", "lark": "the Lark grammar", "gbnf": "the GBNF grammar"}
 

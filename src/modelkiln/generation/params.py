@@ -124,6 +124,8 @@ def _logprobs(fields: Mapping[str, Any]) -> tuple[int | None, int | None]:
 _CONSTRAINT_FIELDS = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "lark"), ("grammar", "gbnf"), ("json_schema", "json_schema"))
 _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+# every request field that asks for a constraint (requested_constraint reads them)
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *(name for name, _ in _CONSTRAINT_FIELDS))
 
 
 def _json_text(name: str, spec: Any) -> Any:

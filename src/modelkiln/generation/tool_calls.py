@@ -9,8 +9,11 @@ Two syntaxes are known, picked from the template's text:
 - ``llama3_json``: the answer is one JSON object ``{"name": ..., "parameters": {...}}`` (Llama 3.1,
   3.2 and 3.3's templates, whose system prompt asks for exactly that).
 
-A template that never mentions ``tools`` cannot show the model its tools: a request with tools
-is refused (400) rather than answered by a model that was never told of them."""
+A template that never mentions ``tools`` (SmolLM2's), or writes calls in a syntax not known here,
+gets the ``generic`` format, as llama.cpp's server does for such templates: kiln tells the model of
+its tools in a system message (tool_prompt.py) and the whole answer is either plain text or
+``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, always under a grammar (``auto`` too),
+since the model never learned the syntax."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from ..errors import InvalidInputError
@@ -114,15 +118,21 @@ class ToolFormat:
         """The answer's content (None when it was only calls) and its tool calls."""
         raise NotImplementedError
 
+    # the chat template shows the model its tools (False: tool_prompt.py writes them as a system message)
+    in_template = True
+
+    def constrains(self, tools: Tools) -> bool:
+        """Whether ``tools.choice`` puts the answer under ``grammar``: "required" and a named
+        function; the generic format's "auto" too."""
+        return tools.constrained
+
     def grammar(self, tools: Tools, special_id: Callable[[str], int | None]) -> str:
         """A Lark grammar (llguidance's dialect) whose every sentence is a call of ``tools.choice``
         (a name) or of any tool ("required")."""
         raise NotImplementedError
 
     def _call_schema(self, tools: Tools, arguments_key: str) -> dict[str, Any]:
-        names = tools.names if tools.choice == "required" else [tools.choice]
-        calls = [{"type": "object", "properties": {"name": {"const": name}, arguments_key: tools.parameters(name)},
-                  "required": ["name", arguments_key], "additionalProperties": False} for name in names]
+        calls = _call_schemas(tools, arguments_key)
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         return {**schema, "x-guidance": JSON_OPTIONS}
 
@@ -168,17 +178,80 @@ class Llama3Json(ToolFormat):
         return f"start: body\nbody: %json {json.dumps(self._call_schema(tools, 'parameters'))}\n"
 
 
+class Generic(ToolFormat):
+    """The format for templates that cannot show tools: the answer is plain text (not starting
+    with ``{``), or one JSON object ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}``. Under
+    "auto" the grammar allows either, so a call is never malformed; with a response format, the
+    non-call answer follows it instead of being text (llama.cpp's generic format does the same)."""
+
+    name = "generic"
+    in_template = False
+    KEY = "tool_calls"
+    # any text that does not start with "{" (after blanks), the empty answer included
+    TEXT = r"/\s*([^{\s][\s\S]*)?/"
+
+    def constrains(self, tools: Tools) -> bool:
+        return tools.choice != "none"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        calls = self._calls(text.strip()) if text.lstrip().startswith("{") else None
+        return (None, calls) if calls else (text or None, [])
+
+    def _calls(self, text: str) -> list[ToolCall] | None:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or list(value) != [self.KEY] or not isinstance(value[self.KEY], list):
+            return None
+        calls = []
+        for item in value[self.KEY]:
+            call = _call(json.dumps(item)) if isinstance(item, dict) and set(item) == {"name", "arguments"} else None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls or None
+
+    def call_schema(self, tools: Tools) -> dict[str, Any]:
+        """The JSON schema of a call answer for ``tools.choice`` ("auto" and "required": any tool)."""
+        items = _call_schemas(tools, "arguments")
+        calls: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
+                                 "minItems": 1}
+        if not tools.parallel or tools.choice not in ("auto", "required"):
+            calls["maxItems"] = 1
+        return {"type": "object", "properties": {self.KEY: calls}, "required": [self.KEY],
+                "additionalProperties": False, "x-guidance": JSON_OPTIONS}
+
+    def grammar(self, tools: Tools, special_id: Callable[[str], int | None] | None = None,
+                answer: dict[str, Any] | None = None) -> str:
+        """The call (or, under "auto", the call or else text; ``answer``: else a JSON value of this
+        schema, the request's response format)."""
+        calls = f"calls: %json {json.dumps(self.call_schema(tools))}\n"
+        if tools.choice != "auto":
+            return "start: calls\n" + calls
+        if answer is None:
+            return f"start: calls | text\n{calls}text: {self.TEXT}\n"
+        return f"start: calls | answer\n{calls}answer: %json {json.dumps({**answer, 'x-guidance': JSON_OPTIONS})}\n"
+
+
+def _call_schemas(tools: Tools, arguments_key: str) -> list[dict[str, Any]]:
+    """One JSON schema per function ``tools.choice`` allows: {"name": its name, arguments_key: its parameters}."""
+    names = tools.names if tools.choice in ("auto", "required") else [tools.choice]
+    return [{"type": "object", "properties": {"name": {"const": name}, arguments_key: tools.parameters(name)},
+             "required": ["name", arguments_key], "additionalProperties": False} for name in names]
+
+
+@lru_cache(maxsize=8)
 def tool_format(template: str | None) -> ToolFormat:
-    """The tool-call syntax of ``template``; a 400 when it takes no tools or writes them otherwise."""
+    """The tool-call syntax of ``template``: its own (hermes, llama3_json) when it shows tools in
+    one this server parses, else the generic format."""
     if not template or not re.search(r"\btools\b", template):
-        raise InvalidInputError("this model's chat template does not take tools, so it cannot be told of them: "
-                                "leave 'tools' out (or set 'tool_choice': \"none\")")
+        return Generic()
     if Hermes.OPEN in template:
         return Hermes()
     if '"parameters"' in template:
         return Llama3Json()
-    raise InvalidInputError("this model's chat template takes tools but writes tool calls in a syntax this "
-                            "server does not parse (known: <tool_call> blocks, Llama 3's JSON)")
+    return Generic()  # it shows tools, but teaches a call syntax this server does not parse
 
 
 def _call(text: str) -> ToolCall | None:

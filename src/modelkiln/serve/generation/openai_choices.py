@@ -243,16 +243,19 @@ class ChatChoice:
                 content, calls = content + more, calls + late
             self.finish_reason = TOOL_CALLS if self.tools and self.tools.calls and delta.finish_reason == "stop" \
                 else delta.finish_reason
-        pieces: dict[str, Any] = {}
-        if content:
-            pieces["content"] = content
+        # one chunk per tool-call piece, as OpenAI streams them (clients such as instructor read
+        # only a chunk's first tool_calls entry); the finish reason on the last one
+        pieces: list[dict[str, Any]] = [{"content": content}] if content else []
         if calls:
-            pieces["tool_calls"] = tool_call_pieces(calls, self.sent_calls)
+            pieces += [{"tool_calls": [piece]} for piece in tool_call_pieces(calls, self.sent_calls)]
             self.sent_calls += len(calls)
-        if not pieces and delta.finish_reason is None:
-            return []
-        return [with_token_ids({"index": self.index, "delta": pieces, "logprobs": self._logprobs(),
-                                "finish_reason": self.finish_reason}, self.token_ids)]
+        if not pieces:
+            if delta.finish_reason is None:
+                return []
+            pieces = [{}]
+        return [with_token_ids({"index": self.index, "delta": piece, "logprobs": self._logprobs() if k == 0 else None,
+                                "finish_reason": self.finish_reason if k == len(pieces) - 1 else None}, self.token_ids)
+                for k, piece in enumerate(pieces)]
 
     def whole(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.text}

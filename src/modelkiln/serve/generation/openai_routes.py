@@ -10,7 +10,8 @@ table of every parameter and what this server does with it is in docs/generation
 ``n`` answers per prompt and a list of prompts on completions are each their own engine request
 (answers.py); choice ``index`` is prompt × n + answer, as OpenAI numbers them. Tools are shown to
 the model by its own chat template and its calls parsed back (generation/tool_calls.py,
-openai_choices.py). ``best_of`` other than ``n``, ``suffix`` and the legacy ``functions`` are
+openai_choices.py); a template that cannot show tools gets the generic format
+(generation/tool_prompt.py). ``best_of`` other than ``n``, ``suffix`` and the legacy ``functions`` are
 refused with a 400 saying so (not silently ignored). Errors have OpenAI's shape
 (``serve/errors.py``)."""
 
@@ -28,9 +29,11 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from ...errors import InvalidInputError
-from ...generation.params import choices
+from ...generation.constraints import json_answer_schema
+from ...generation.params import CONSTRAINT_FIELDS, choices, requested_constraint
 from ...generation.sampling import SamplingParams
-from ...generation.tool_calls import ToolFormat, parse_tools, template_messages_with_tools, tool_format
+from ...generation.tool_calls import Generic, ToolFormat, Tools, parse_tools, template_messages_with_tools, tool_format
+from ...generation.tool_prompt import template_chat
 from ...generation.vocabulary import Vocabulary
 from ..dataplane import DataPlane
 from .answers import Answers, submit, with_seed
@@ -121,23 +124,50 @@ def _special_id(model: GenerationModel, text: str) -> int | None:
 @dataclass
 class _Prompts:
     """What a request asks the model to continue: each prompt as given (None for a chat), its ids,
-    and for a chat with tools the template's call syntax and the constraint tool_choice asks for."""
+    and for a chat with tools the call syntax and the constraint tool_choice asks for (``fields``:
+    the request's fields the sampling settings read, when the constraint took in its own)."""
 
     given: list[Any]
     ids: list[list[int]]
     syntax: ToolFormat | None = None
     constraint: tuple[str, Any] | None = None
+    fields: dict[str, Any] | None = None
 
 
 async def _chat_prompt(model: GenerationModel, body: dict[str, Any]) -> _Prompts:
     tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
-    syntax, constraint = None, None
-    if tools is not None and tools.choice != "none":
-        syntax = tool_format(model.artifact.chat_template)
-        if tools.constrained:
-            constraint = ("lark", syntax.grammar(tools, lambda text: _special_id(model, text)))
-    ids = await model.chat_ids(openai_messages(body.get("messages")), tools.tools if syntax else None)
-    return _Prompts([None], [ids], syntax, constraint)
+    shown = tools if tools is not None and tools.choice != "none" else None
+    template = model.artifact.chat_template
+    syntax = tool_format(template)
+    constraint, fields, answer = None, None, None
+    if shown is not None and syntax.constrains(shown):
+        if isinstance(syntax, Generic) and shown.choice == "auto":
+            answer, fields = _generic_answer(body)
+        constraint = ("lark", _tool_grammar(model, syntax, shown, answer))
+    messages, template_tools = template_chat(template, openai_messages(body.get("messages")), shown, syntax,
+                                             answer is not None)
+    ids = await model.chat_ids(messages, template_tools)
+    return _Prompts([None], [ids], syntax if shown is not None else None, constraint, fields)
+
+
+def _generic_answer(body: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Under the generic format's "auto", a response format is the non-call answer's: its JSON
+    schema, and the fields without it (the tool grammar takes it in)."""
+    asked = requested_constraint(body)
+    if asked is None:
+        return None, None
+    schema = json_answer_schema(*asked)
+    if schema is None:
+        raise InvalidInputError("with tools and 'tool_choice' \"auto\" on this model (its chat template does not "
+                                "show tools), a structured output can be a JSON object or schema only")
+    return schema, {k: v for k, v in body.items() if k not in CONSTRAINT_FIELDS}
+
+
+def _tool_grammar(model: GenerationModel, syntax: ToolFormat, tools: Tools, answer: dict[str, Any] | None) -> str:
+    def special(text: str) -> int | None:
+        return _special_id(model, text)
+
+    return syntax.grammar(tools, special, answer) if isinstance(syntax, Generic) else syntax.grammar(tools, special)
 
 
 @dataclass
@@ -158,7 +188,7 @@ async def start_chat(model: GenerationModel, body: dict[str, Any]) -> ChatStart:
     settings. The Responses API (responses_routes.py) translates its requests into such a body."""
     prompts = await _chat_prompt(model, body)
     ids = prompts.ids[0]
-    params = await model.params(body, len(ids), prompts.constraint)
+    params = await model.params(prompts.fields or body, len(ids), prompts.constraint)
     vocabulary = await model.vocabulary() if params.logprobs is not None else None
     answers = await submit(model, [(0, ids, params)])
     return ChatStart(answers, prompts.syntax, params, vocabulary, len(ids))
@@ -185,7 +215,7 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         model = plane.generation_model(name)
         n = choices(body, model.settings.max_batch_size)
         prompts = await (_chat_prompt(model, body) if chat else _completion_prompts(model, body, n))
-        params = [await model.params(body, len(ids), prompts.constraint) for ids in prompts.ids]
+        params = [await model.params(prompts.fields or body, len(ids), prompts.constraint) for ids in prompts.ids]
         if n * len(params) > 1 and params[0].seed is None:  # answer i draws with seed + i: one seed for all
             params = [replace(p, seed=secrets.randbits(63)) for p in params]
         streaming = bool(body.get("stream"))

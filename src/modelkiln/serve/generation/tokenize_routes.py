@@ -22,7 +22,8 @@ from starlette.responses import Response
 
 from ...errors import InvalidInputError
 from ...generation.chat_tokens import encode
-from ...generation.tool_calls import parse_tools
+from ...generation.tool_calls import parse_tools, tool_format
+from ...generation.tool_prompt import template_chat
 from ..dataplane import DataPlane
 from .http import json_body
 from .model import INLINE_CHARS, GenerationModel
@@ -39,8 +40,9 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
 async def _tokens(model: GenerationModel, body: dict[str, Any]) -> list[int]:
     if "messages" in body:
         tools = parse_tools(body.get("tools"), None)
-        messages = openai_messages(body["messages"])
-        work = (model.chat.ids, messages, tools.tools if tools else None, _flag(body, "add_generation_prompt", True))
+        template = model.artifact.chat_template  # the tools and calls as a chat request renders them
+        messages, shown = template_chat(template, openai_messages(body["messages"]), tools, tool_format(template))
+        work = (model.chat.ids, messages, shown, _flag(body, "add_generation_prompt", True))
         chars = sum(len(m["content"]) for m in messages)
     else:
         text = body.get("prompt", body.get("content"))
