@@ -13,6 +13,7 @@
    - kiln_cumulative_pick: the token ``searchsorted(cumsum(p), u * cumsum(p)[-1], side="right")``
      picks, with numpy's sequential cumulative sum, without writing the cumulative sums out.
 
+   - kiln_top_k: top-k's threshold and the tokens at or above it, in one pass with a heap of k;
    - kiln_top_p: top-p's cut, numpy's ``argsort(-p, kind="stable")`` then the first cumulative sum of
      the sorted probabilities that reaches top_p, by a radix sort (a stable sort, so ties keep token
      order): a flat row's nucleus holds most of the vocabulary, which numpy's merge sort takes ~10 ms
@@ -146,6 +147,54 @@ KILN_EXPORT double kiln_sparse_sum(const int64_t *ids, const double *values, int
         k = end;
     }
     return total;
+}
+
+/* ---- top-k's cut --------------------------------------------------------------------------------- */
+
+/* The positions of the scores not below the k-th largest (numpy's ``np.partition(s, -k)[-k]``, a
+   repeated value counted each time), into ``ids`` in order; returns their number. One pass keeps the
+   k largest in a min-heap (a score below its top, the usual case, costs one comparison), a second
+   collects; ``heap`` holds k doubles. */
+KILN_EXPORT int64_t kiln_top_k(const double *s, int64_t n, int64_t k, double *heap, int64_t *ids) {
+    if (k <= 0 || k > n) {
+        return 0;
+    }
+    for (int64_t i = 0; i < k; i++) { /* heapify the first k */
+        heap[i] = s[i];
+    }
+    for (int64_t start = k / 2 - 1; start >= 0; start--) {
+        int64_t at = start;
+        for (;;) {
+            int64_t left = 2 * at + 1, least = at;
+            if (left < k && heap[left] < heap[least]) least = left;
+            if (left + 1 < k && heap[left + 1] < heap[least]) least = left + 1;
+            if (least == at) break;
+            double t = heap[at]; heap[at] = heap[least]; heap[least] = t;
+            at = least;
+        }
+    }
+    for (int64_t i = k; i < n; i++) {
+        if (s[i] > heap[0]) { /* replace the least of the k largest, then sift it down */
+            heap[0] = s[i];
+            int64_t at = 0;
+            for (;;) {
+                int64_t left = 2 * at + 1, least = at;
+                if (left < k && heap[left] < heap[least]) least = left;
+                if (left + 1 < k && heap[left + 1] < heap[least]) least = left + 1;
+                if (least == at) break;
+                double t = heap[at]; heap[at] = heap[least]; heap[least] = t;
+                at = least;
+            }
+        }
+    }
+    double kth = heap[0];
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (s[i] >= kth) {
+            ids[count++] = i;
+        }
+    }
+    return count;
 }
 
 /* ---- the likely tokens -------------------------------------------------------------------------- */

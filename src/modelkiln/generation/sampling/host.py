@@ -32,6 +32,7 @@ class TokenChooser:
         generated = list(generated)
         self.position = len(generated)  # index in the answer of the next token
         self._seen = set(prompt_ids) | set(generated) if params.repetition_penalty != 1.0 else set()
+        self._seen_ids: np.ndarray | None = None  # the set as an array, made again when it grows
         self._counts: dict[int, int] = {}
         if params.frequency_penalty or params.presence_penalty:
             for token in generated:
@@ -72,7 +73,9 @@ class TokenChooser:
             inside = ids < scores.shape[-1]
             scores[ids[inside]] += bias[inside]
         if self._seen:
-            seen = np.fromiter(self._seen, dtype=np.int64)
+            if self._seen_ids is None:
+                self._seen_ids = np.fromiter(self._seen, dtype=np.int64)
+            seen = self._seen_ids
             values = scores[seen]
             scores[seen] = np.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if self._counts:
@@ -87,7 +90,9 @@ class TokenChooser:
     def _record(self, token: int) -> None:
         self.position += 1
         if self.params.repetition_penalty != 1.0:
-            self._seen.add(token)
+            if token not in self._seen:
+                self._seen.add(token)
+                self._seen_ids = None
         if self.params.frequency_penalty or self.params.presence_penalty:
             self._counts[token] = self._counts.get(token, 0) + 1
 
