@@ -1,4 +1,4 @@
-"""Seeded sampled answers, written down so that two builds of kiln can be compared answer by answer.
+"""Greedy and seeded sampled answers, written down so that two builds of kiln can be compared answer by answer.
 
 Runs STS-B sentences as chat prompts through the engine core (as ``kiln serve`` runs it), 16 at a time,
 under several sampling settings, each request with its own seed, and writes every answer's token ids.
@@ -25,6 +25,7 @@ from modelkiln.generation.sampling import SamplingParams
 
 # Settings every build compared has (min_p is newer than some of them).
 SETTINGS = {
+    "greedy": dict(temperature=0.0),
     "t0.7 top_p0.95": dict(temperature=0.7, top_p=0.95),
     "t1.0": dict(temperature=1.0),
     "t1.0 top_k40": dict(temperature=1.0, top_k=40),
@@ -77,10 +78,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--running", type=int, default=16)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--settings", help="comma-separated names of SETTINGS (default: all)")
     parser.add_argument("--compare", type=Path, nargs=2)
     args = parser.parse_args()
     if args.compare:
         sys.exit(1 if compare(*args.compare) else 0)
+    if args.settings:
+        for name in set(SETTINGS) - set(args.settings.split(",")):
+            del SETTINGS[name]
     result = answers(args.artifact, args.prompts, args.tokens, args.running)
     args.out.write_text(json.dumps(result))
 

@@ -272,6 +272,118 @@ KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, int64_t
     return n + 1;
 }
 
+/* ---- after the probabilities: the cuts and the draw, in one call --------------------------------- */
+
+KILN_EXPORT int64_t kiln_cumulative_pick(const double *p, int64_t count, double u, double *total);
+
+/* The tokens in (ids, probs) compacted to those marked, in order. */
+static int64_t compact(int64_t *ids, double *probs, int64_t m, const unsigned char *marked) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < m; i++) {
+        if (marked[i]) {
+            ids[k] = ids[i];
+            probs[k] = probs[i];
+            k++;
+        }
+    }
+    return k;
+}
+
+static void renormalise(const int64_t *ids, double *probs, int64_t m, int64_t vocab) {
+    double sum = kiln_sparse_sum(ids, probs, m, vocab);
+    for (int64_t i = 0; i < m; i++) {
+        probs[i] = probs[i] / sum;
+    }
+}
+
+/* What selection.draw does after the exponentials, with the same operations in the same order:
+   ``support`` (top-k's tokens, sorted; NULL: every token) with ``values`` their exponentials, or
+   ``values`` the whole row's; ``total`` the exponentials' sum as numpy took it. Top-p orders the
+   tokens at least ``shares[0]`` of the best's probability, then ``shares[1]``, then all, until its
+   nucleus is inside; min-p; each cut renormalised; the inverse transform of ``u``. The work
+   buffers hold n items (``radix`` 3n, ``marks`` n bytes). Returns the token, or -1 where the
+   settings give no probabilities. */
+KILN_VECTOR_CLONES
+KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int64_t n, int64_t vocab, double total,
+                              double top_p, double min_p, const double *shares, double u, int64_t *ids, double *probs,
+                              int64_t *order, uint64_t *radix, unsigned char *marks) {
+    int cut = top_p < 1.0 || min_p > 0.0;
+    int64_t m;
+    int complete; /* every token with a probability is in */
+    int next_share = 1;
+    if (support != NULL) {
+        for (int64_t i = 0; i < n; i++) {
+            ids[i] = support[i];
+            probs[i] = values[i] / total;
+        }
+        m = n;
+        complete = 1;
+    } else if (cut) {
+        double share = top_p < 1.0 ? shares[0] : 1.0;
+        if (min_p > 0.0 && min_p < share) {
+            share = min_p;
+        }
+        double floor = share / total * (1 - 1e-9);
+        m = kiln_likely(values, n, total, floor * total * (1 - 1e-9), floor, ids, probs);
+        complete = 0;
+    } else { /* no cut: the inverse transform over the whole row's probabilities */
+        for (int64_t i = 0; i < n; i++) {
+            probs[i] = values[i] / total;
+        }
+        double sum;
+        int64_t index = kiln_cumulative_pick(probs, n, u, &sum);
+        if (!(sum > 0)) {
+            return -1;
+        }
+        return index >= n ? vocab - 1 : index;
+    }
+    if (top_p < 1.0) {
+        for (;;) {
+            int64_t keep = kiln_top_p(probs, m, top_p, order, radix);
+            if (keep <= m || complete) {
+                if (keep > m) {
+                    keep = m;
+                }
+                for (int64_t i = 0; i < m; i++) {
+                    marks[i] = 0;
+                }
+                for (int64_t i = 0; i < keep; i++) {
+                    marks[order[i]] = 1;
+                }
+                m = compact(ids, probs, m, marks);
+                break;
+            }
+            /* the nucleus reaches past the tokens in: take in more of the row */
+            double share = next_share < 2 ? shares[next_share] : 0.0;
+            next_share++;
+            double floor = share / total * (1 - 1e-9);
+            m = kiln_likely(values, n, total, floor * total * (1 - 1e-9), floor, ids, probs);
+            complete = share == 0.0;
+        }
+        renormalise(ids, probs, m, vocab);
+    }
+    if (min_p > 0.0) {
+        double best = probs[0];
+        for (int64_t i = 1; i < m; i++) {
+            if (probs[i] > best) {
+                best = probs[i];
+            }
+        }
+        double floor = min_p * best;
+        for (int64_t i = 0; i < m; i++) {
+            marks[i] = probs[i] >= floor;
+        }
+        m = compact(ids, probs, m, marks);
+        renormalise(ids, probs, m, vocab);
+    }
+    double sum;
+    int64_t index = kiln_cumulative_pick(probs, m, u, &sum);
+    if (!(sum > 0)) {
+        return -1;
+    }
+    return index >= m ? vocab - 1 : ids[index];
+}
+
 /* ---- the inverse transform in vocabulary order ------------------------------------------------ */
 
 /* The index numpy's ``searchsorted(c, u * c[-1], side="right")`` gives for c = cumsum(p) (p >= 0),

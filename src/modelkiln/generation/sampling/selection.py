@@ -26,6 +26,7 @@ import ctypes
 import threading
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -40,10 +41,14 @@ _PAIRWISE_BLOCK = 128
 # temperature) of the best; a row whose cut reaches further widens the search, then takes every token.
 _FIRST_REACH = (12.0, 40.0)
 _FIRST_SHARE = float(np.exp(-_FIRST_REACH[0]))  # the same for top-p, as a share of the best's probability
+# the shares top-p's floor takes in turn (then 0: every token)
+_SHARES = np.array([_FIRST_SHARE, *(float(np.exp(-reach)) for reach in _FIRST_REACH[1:])])
+_SHARES_POINTER = _SHARES.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
 _I64 = ctypes.POINTER(ctypes.c_int64)
 _F64 = ctypes.POINTER(ctypes.c_double)
 _F32 = ctypes.POINTER(ctypes.c_float)
 _U64 = ctypes.POINTER(ctypes.c_uint64)
+_U8 = ctypes.POINTER(ctypes.c_uint8)
 
 
 def draw(scores: np.ndarray, params: SamplingParams, u: float) -> int:
@@ -54,6 +59,9 @@ def draw(scores: np.ndarray, params: SamplingParams, u: float) -> int:
     if not np.isfinite(best):  # NaN, or a bias that overflowed: the reference's own rule
         return reference_draw(scores, params, u)
     s, e = _scaled(scores, best, params.temperature)  # the best token scores 0
+    library = sampling_library()
+    if library is not None:
+        return _native_draw(library, s, e, params, u)
     ids: np.ndarray | None  # the tokens still in (sorted), or None: all of them
     wider = None  # where the tokens in are not all that have a probability: a look at more of the row
     if params.top_k and params.top_k < vocab:
@@ -85,6 +93,30 @@ def draw(scores: np.ndarray, params: SamplingParams, u: float) -> int:
     return int(index if ids is None else ids[index])
 
 
+def _native_draw(library: ctypes.CDLL, s: np.ndarray, e: np.ndarray, params: SamplingParams, u: float) -> int:
+    """``draw``'s steps after the scaling, the numpy passes (the exponentials, their sum) here and the
+    rest in one native call (``kiln_pick``: the same operations in the same order as the numpy path)."""
+    vocab = s.shape[0]
+    support = None
+    if params.top_k and params.top_k < vocab:
+        support = _top_k(s, params.top_k)
+        values = np.exp(s[support])
+        total = sparse_sum(support, values, vocab)
+    else:
+        values = np.exp(s, out=e)
+        total = values.sum()
+    n = values.shape[0]
+    token = library.kiln_pick(
+        support.ctypes.data_as(_I64) if support is not None else None,
+        values.ctypes.data_as(_F64) if support is not None else _pointer("exponentials", vocab, np.float64), n, vocab,
+        total, params.top_p, params.min_p, _SHARES_POINTER, u,
+        _pointer("pick ids", n, np.int64), _pointer("pick probs", n, np.float64), _pointer("order", n, np.int64),
+        _pointer("radix", 3 * n, np.uint64), _pointer("marks", n, np.uint8))
+    if token < 0:
+        raise InvalidInputError(f"the sampling settings give no probabilities (temperature {params.temperature})")
+    return int(token)
+
+
 def _scaled(scores: np.ndarray, best: float, temperature: float) -> tuple[np.ndarray, np.ndarray]:
     """``(float64(scores) - best) / temperature`` in a kept buffer, and a second kept buffer: a fresh
     0.4-1.2 MB array a pass costs more in page faults than its arithmetic (measured: 0.5 ms a row at
@@ -92,7 +124,8 @@ def _scaled(scores: np.ndarray, best: float, temperature: float) -> tuple[np.nda
     s, e = _scratch(scores.shape[-1])
     library = sampling_library()
     if library is not None and scores.dtype == np.float32 and scores.flags.c_contiguous:
-        library.kiln_scale(scores.ctypes.data_as(_F32), scores.shape[-1], best, temperature, s.ctypes.data_as(_F64))
+        library.kiln_scale(scores.ctypes.data_as(_F32), scores.shape[-1], best, temperature,
+                           _pointer("scaled", scores.shape[-1], np.float64))
     else:
         np.copyto(s, scores)
         np.subtract(s, best, out=s)
@@ -129,13 +162,27 @@ def _scratch(vocab: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _buffers(name: str, size: int, dtype: type) -> np.ndarray:
     """This thread's buffer ``name``, of at least ``size`` items, kept from call to call (a view of ``size``)."""
+    return _kept(name, size, dtype)[0][:size]
+
+
+def _pointer(name: str, size: int, dtype: type) -> Any:
+    """The ctypes pointer to ``_buffers(name, size, dtype)``, made once with its buffer (a pointer a
+    call costs a microsecond, and a row makes a dozen native calls)."""
+    return _kept(name, size, dtype)[1]
+
+
+_CTYPES = {np.int64: ctypes.c_int64, np.float64: ctypes.c_double, np.uint64: ctypes.c_uint64, np.uint8: ctypes.c_uint8}
+
+
+def _kept(name: str, size: int, dtype: type) -> tuple[np.ndarray, Any]:
     kept = getattr(_local, "kept", None)
     if kept is None:
         kept = _local.kept = {}
-    buffer = kept.get(name)
-    if buffer is None or buffer.shape[0] < size:
-        buffer = kept[name] = np.empty(size, dtype=dtype)
-    return buffer[:size]
+    entry = kept.get(name)
+    if entry is None or entry[0].shape[0] < size:
+        buffer = np.empty(max(size, 1), dtype=dtype)
+        entry = kept[name] = (buffer, buffer.ctypes.data_as(ctypes.POINTER(_CTYPES[dtype])))
+    return entry
 
 
 def _top_k(s: np.ndarray, k: int) -> np.ndarray:
@@ -162,7 +209,7 @@ def _top_p(ids: np.ndarray, probs: np.ndarray, top_p: float,
     probability floor, so they come first in that order and their cumulative sums are the
     reference's first ones; where the nucleus reaches past them, ``wider(share)`` takes in the
     tokens down to a lower share of the best (None: the tokens in are all that have a probability)."""
-    shares = [np.exp(-reach) for reach in _FIRST_REACH[1:]] + [0.0]
+    shares = [*_SHARES[1:].tolist(), 0.0]
     while True:
         order, keep = _nucleus_order(probs, top_p)
         if keep <= order.shape[0] or wider is None or not shares:
