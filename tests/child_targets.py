@@ -1,4 +1,4 @@
-"""Functions for tests/test_isolation.py to run in a child process (the child imports them by name,
+"""Functions for tests/bench/test_isolation.py to run in a child process (the child imports them by name,
 so they live in a module of their own): one for each way a peer engine ends."""
 
 from __future__ import annotations

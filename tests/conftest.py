@@ -56,7 +56,7 @@ def zoo(tmp_path_factory) -> TinyZoo:
 def encoder_server(zoo):
     """A real `kiln serve` of the tiny classifier (``cls``) and QA model (``qa``), fp32, HTTP and gRPC:
     the server both loadtest test modules measure, started once."""
-    from test_grpc import GrpcServer
+    from servers import GrpcServer
 
     srv = GrpcServer([f"cls={zoo.artifact('bert', 'text-classification')}",
                       f"qa={zoo.artifact('bert', 'question-answering')}",

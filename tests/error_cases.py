@@ -1,6 +1,6 @@
 """The error table as data: bad requests and the ``ErrorKind`` each must be answered with.
 
-``tests/test_serve.py`` runs every case over HTTP against a real server. Another transport runs
+``tests/serve/test_serve.py`` runs every case over HTTP against a real server. Another transport runs
 the cases of the routes it has (gRPC: ``route == "infer"``) that are not ``http_only`` (those are
 about JSON framing); their bodies are OIP JSON, convertible to a ModelInferRequest. So both
 transports answer the same table. The server they run against serves the

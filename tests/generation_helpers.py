@@ -1,5 +1,5 @@
 """Tiny text-generation artifacts for the engine and CLI tests, and tiny causal LMs / GGUF files for
-the converter's tests. The decoder export is the product's (modelkiln.convert.decoder_export);
+the converter's tests. The decoder export is the product's (modelkiln.convert.generation.decoder_export);
 ``write_generation_artifact`` writes the manifest without the gate, so the CLI tests get an int8
 variant even where the converter would drop it as not faster on a tiny model."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from modelkiln.samples import SAMPLE_TEXTS
@@ -53,10 +54,10 @@ def make_tiny_llama(folder: Path, hidden_size: int = 64, layers: int = 2) -> Pat
 
 
 def export_decoder(model_folder: Path, path: Path) -> Path:
-    """The product's exporter (modelkiln.convert.decoder_export) on a saved folder, without the gate."""
+    """The product's exporter (modelkiln.convert.generation.decoder_export) on a saved folder, without the gate."""
     import transformers as tf
 
-    from modelkiln.convert.decoder_export import export_decoder as export
+    from modelkiln.convert.generation.decoder_export import export_decoder as export
 
     path.parent.mkdir(parents=True, exist_ok=True)
     export(tf.AutoModelForCausalLM.from_pretrained(model_folder).eval(), path)
@@ -287,3 +288,31 @@ def make_tiny_mistral(folder: Path, sliding_window: int = 12) -> Path:
         model.lm_head.weight.mul_(8.0)
     model.eval().save_pretrained(folder)
     return folder
+
+
+# --- grammars: walking a grammar's masks --------------------------------------------------------------------
+
+PADDED_WORDS = 16  # 512 bits: the model's vocabulary padded past the tokenizer's 400
+
+
+def allowed(words: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+
+
+def random_walk(grammar, tokenizer, eos: int, rng: np.random.Generator, max_steps: int = 600) -> str:
+    """Pick uniformly among the allowed tokens until end-of-sequence; the text written."""
+    matcher, words, ids = grammar.matcher(), np.zeros(PADDED_WORDS, dtype=np.int32), []
+    for _ in range(max_steps):
+        matcher.fill_bitmask(words)
+        tokens = allowed(words)
+        assert tokens.size and tokens.max() < tokenizer.get_vocab_size(), "padded rows must never be allowed"
+        token = int(rng.choice(tokens))
+        if token == eos:
+            return tokenizer.decode(ids, skip_special_tokens=False)
+        assert token not in (0, 1), "special tokens other than end-of-sequence are never allowed"
+        assert matcher.accept(token), matcher.error
+        ids.append(token)
+        if matcher.is_terminated():
+            matcher.fill_bitmask(words)
+            assert list(allowed(words)) == [eos]
+    raise AssertionError(f"no end within {max_steps} steps: {tokenizer.decode(ids)!r}")

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+REPO = Path(__file__).resolve().parents[1]  # the repository root
+TESTS = REPO / "tests"
+SRC = REPO / "src"
 
 
 def kiln(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:

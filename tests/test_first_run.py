@@ -131,7 +131,7 @@ def test_bench_warns_about_spread_and_out_of_order_cells():
 
 
 def test_examples_clients_against_a_real_server(zoo):
-    from test_serve import Server
+    from servers import Server
 
     grpc_port = free_port()
     srv = Server([f"emb={zoo.artifact('bert', 'sentence-embeddings')}", "--variant", "fp32",

@@ -18,7 +18,7 @@ Each probe was checked once to fail on a planted defect (then the defect was rem
 - soak: every request body kept in a module-level list -> RSS growth over 5%;
 - security: default host 0.0.0.0 -> "listens on 0.0.0.0";
 - sigterm: SIGTERM left in uvicorn's captured signals -> exit code -15.
-- and without ``serve/http_protocol.py`` the bad-input probe found stalled request heads and
+- and without ``serve/http/protocol.py`` the bad-input probe found stalled request heads and
   silent connections held open past 30 s (a real defect, fixed; see test_serve.py).
 """
 

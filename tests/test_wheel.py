@@ -20,7 +20,7 @@ import pytest
 from generation_helpers import make_tiny_llama
 from helpers import SRC
 from modelkiln.loadtest.api import GENERATION_PROMPTS
-from test_serve import Server
+from servers import Server
 
 REPO = SRC.parent
 DATASETS = ["modelkiln/datasets/README.md", "modelkiln/datasets/stsbenchmark/sts-dev.csv",

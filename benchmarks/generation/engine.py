@@ -17,7 +17,7 @@ drifts from minute to minute: compare within a round):
    (llama-cpp-python with every position's logits) and onnxruntime-genai's int4 (its graph run by
    onnxruntime).
 
-    python benchmarks/generation/engine.py ARTIFACT --llama-server PATH/TO/llama-server \\
+    python benchmarks/generation/engines/registry.py ARTIFACT --llama-server PATH/TO/llama-server \\
         --rounds 3 --out benchmarks/results/generation-engine
 
 llama-server: built from the llama.cpp in the llama-cpp-python sdist (docs/generation-results.md says
@@ -41,8 +41,8 @@ from modelkiln.data import sts_sentences
 from modelkiln.embedded import embedded_model_path
 from modelkiln.generation.core import EngineCore, Request, complete, greedy, prompt_logits, run_to_completion
 from modelkiln.generation.model import CoreOptions, TextGenerationModel
-from modelkiln.generation.padded_engine import PaddedEngine
-from modelkiln.generation.decoder import DecoderSession
+from modelkiln.generation.engines.onnx.padded import PaddedEngine
+from modelkiln.generation.engines.onnx.decoder import DecoderSession
 from modelkiln.machine import cpu_description
 
 THREADS = 2
@@ -118,7 +118,7 @@ class OrtGenai:
 
 def perplexities(model: TextGenerationModel, variants: list[str], notes: list[str]) -> dict[str, float]:
     from modelkiln.bench.generation_backends import ort_genai_model
-    from modelkiln.convert.generation_gate import perplexity
+    from modelkiln.convert.generation.gate import perplexity
     from modelkiln.data import read_squad
 
     paragraphs = [model.prompt_ids(p)[:256] for p in read_squad()[0][:16]]
@@ -159,8 +159,8 @@ def export_engine(model: TextGenerationModel, folder: Path) -> PaddedEngine:
     """The engine before the serving graph: SmolLM2 through the torch export, fp32."""
     path = folder / "model.onnx"
     if not path.is_file():
-        from modelkiln.convert.decoder_export import export_decoder
-        from modelkiln.convert.generation_sources import load_causal_lm
+        from modelkiln.convert.generation.decoder_export import export_decoder
+        from modelkiln.convert.generation.sources import load_causal_lm
         from modelkiln.convert.source import load_source
 
         folder.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from modelkiln.convert.gguf_tiles import BLOCK_BYTES, tiles
+from modelkiln.convert.gguf.tiles import BLOCK_BYTES, tiles
 from modelkiln.machine import cpu_description
 from modelkiln.native import GGML_TYPES, library_path
 

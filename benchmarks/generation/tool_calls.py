@@ -3,7 +3,7 @@ named function, streamed and not, greedy and sampled, against a running server w
 chat template takes tools (Qwen2.5-Instruct's). Every call's arguments must parse against its
 function's schema (pydantic validates them), every time.
 
-    python benchmarks/generation/tool_calls.py --url http://127.0.0.1:8000 --model qwen [--seeds 5] [--json out.json]
+    python benchmarks/generation/chat/tool_calls.py --url http://127.0.0.1:8000 --model qwen [--seeds 5] [--json out.json]
 
 A random-weight model (benchmarks/generation/model_shapes.py) is enough: the grammar, not the
 weights, makes the call parse; the weights decide only what the arguments say."""

@@ -46,5 +46,5 @@ step engines "${ENGINES_S:-300}" "$py" benchmarks/gpu/torch_engines.py --device 
 # 4. where a step's time goes (host or device), decode at 1 and 64 rows and a 2048-token prompt
 step profile "${PROFILE_S:-90}" "$py" benchmarks/gpu/profile_steps.py --artifact "$work/decoder-cuda" --device "$device"
 # 5. the CPU tests of the torch engines, under this machine's torch
-step tests "${TESTS_S:-120}" "$py" -m pytest -q -x -p no:cacheprovider tests/test_torch_engine.py tests/test_torch_serving.py
+step tests "${TESTS_S:-120}" "$py" -m pytest -q -x -p no:cacheprovider tests/generation/engines/test_torch_engine.py tests/serve/test_torch_serving.py
 rm -rf "$work"

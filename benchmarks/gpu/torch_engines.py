@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from modelkiln.convert.torch_weights import save_weights, variant_name, weights_file, torch_dtype  # noqa: E402
+from modelkiln.convert.generation.torch_weights import save_weights, variant_name, weights_file, torch_dtype  # noqa: E402
 from modelkiln.manifest import Manifest, Pooling, TokenizerSpec, Variant  # noqa: E402
 from modelkiln.samples import SAMPLE_TEXTS  # noqa: E402
 

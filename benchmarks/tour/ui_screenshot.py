@@ -1,5 +1,5 @@
 """docs/web-ui.png: kiln serve's page after one chat question and one embedding, in headless
-Chromium (the system's, as tests/test_serve_ui_browser.py drives it).
+Chromium (the system's, as tests/serve/test_serve_ui_browser.py drives it).
 
     kiln convert $(python -m modelkiln.embedded SmolLM2-135M-Instruct) --task text-generation --out artifacts/smollm2
     kiln convert $(python -m modelkiln.embedded all-MiniLM-L6-v2) --precision int8 --out artifacts/all-MiniLM-L6-v2

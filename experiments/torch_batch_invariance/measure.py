@@ -56,7 +56,7 @@ def kernel_rows(device: str, threads: int) -> dict:
 
 
 def engine_runs(artifact: str, device: str, threads: int, rows: int, new_tokens: int) -> dict:
-    from modelkiln.convert.generation import gate_prompts  # noqa: F401 - the same prompts as the gate
+    from modelkiln.convert.generation.pipeline import gate_prompts  # noqa: F401 - the same prompts as the gate
     from modelkiln.generation.core import Request, complete, greedy
     from modelkiln.generation.model import CoreOptions, TextGenerationModel
     from modelkiln.data import sts_sentences

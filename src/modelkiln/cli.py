@@ -122,7 +122,7 @@ def convert(
     quiet_transformers()
 
     from .convert.pipeline import PRECISIONS, ConvertConfig
-    from .convert.torch_weights import TORCH_PRECISIONS
+    from .convert.generation.torch_weights import TORCH_PRECISIONS
     from .convert.pipeline import convert as run_convert
     from .convert.validate import DEFAULT_TOLERANCES
     from .data import read_text_file

@@ -1,5 +1,5 @@
 """Typed errors. Each one carries an ``ErrorKind``; every transport maps kinds to its own
-status codes in exactly one place (HTTP in ``serve/errors.py``, gRPC in ``serve/grpc``), and the
+status codes in exactly one place (HTTP in ``serve/http/errors.py``, gRPC in ``serve/grpc``), and the
 CLI prints ``str(err)``."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class InvalidInputError(KilnError):
 class GrammarLimitError(InvalidInputError):
     """A request's grammar went past the grammar engine's limits on a token it had allowed (an
     object of thousands of optional properties): the request's fault, found only while answering,
-    as every grammar is checked along its shortest answer before any compute (constraints.py)."""
+    as every grammar is checked along its shortest answer before any compute (structured_output/grammars.py)."""
 
 
 class ModelNotFoundError(KilnError):

@@ -42,7 +42,7 @@ class Variant:
     latency_ms: float | None = None  # median, batch 1, on the build machine
     latency_shape: list[int] | None = None  # [batch, seq] the latency was measured at
     details: dict[str, Any] = field(default_factory=dict)
-    # what runs it (generation/engine.py's registry: onnx-serving, onnx-export, torch; runtime's for
+    # what runs it (generation/engines/registry.py's registry: onnx-serving, onnx-export, torch; runtime's for
     # encoders: onnx, torch); None in artifacts written before it was recorded (read from the file)
     engine: str | None = None
 

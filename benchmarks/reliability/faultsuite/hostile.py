@@ -210,7 +210,7 @@ def judge(case: BadCase, reply: Reply | str) -> str:
 
 
 def fuzz_strategies() -> Any:
-    """The test suite's hypothesis strategies (tests/test_codec_fuzz.py): a module with
+    """The test suite's hypothesis strategies (tests/serve/test_codec_fuzz.py): a module with
     ``json_values``, ``parameters`` and OIP ``requests``."""
     sys.path.insert(0, str(TESTS))
     import test_codec_fuzz
@@ -399,7 +399,7 @@ async def disconnects(server: KilnServer, work: Workload, per_group: int) -> Pro
     # abandoned inputs were computed is reported, not judged: on a fast engine (a tiny model, a quiet
     # machine) they are batched and done before the watch's 0.1 s tick sees the socket close, so the
     # count says more about the machine than the server. Dropping queued work of departed clients is
-    # asserted by tests/test_serve.py::test_work_of_clients_that_left_is_not_computed, on a backlog
+    # asserted by tests/serve/test_serve.py::test_work_of_clients_that_left_is_not_computed, on a backlog
     # built for it (0 of 1,920 computed).
     passed = idle and good_passed(tally)
     outcome = (f"{3 * per_group} clients vanished ({per_group} mid-body, {per_group} queued, {per_group} before "

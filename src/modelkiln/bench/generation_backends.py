@@ -79,7 +79,7 @@ class TorchBackend:
         if threads:
             torch.set_num_threads(threads)
         self.torch = torch
-        from ..convert.generation_sources import load_causal_lm
+        from ..convert.generation.sources import load_causal_lm
         from ..convert.source import load_source
 
         self.model = load_causal_lm(load_source(model.manifest.source["model"], with_tokenizer=False))
@@ -234,7 +234,7 @@ def ort_genai_model(source_model: str) -> Path:
 def _hf_folder(source_model: str, folder: Path) -> Path:
     """A Hugging Face folder (fp32 safetensors, tokenizer) of the source, which the builder reads:
     a GGUF file is loaded dequantized by transformers and saved without its quantization config."""
-    from ..convert.generation_sources import load_causal_lm
+    from ..convert.generation.sources import load_causal_lm
     from ..convert.source import load_source
 
     source = load_source(source_model)

@@ -23,12 +23,12 @@ from ..runtime.registry import ONNX, TORCH, open_encoder
 from ..runtime.tokenizer import TextEncoder
 from ..samples import SAMPLE_TEXTS
 from ..tasks import Task, TextInput, make_task, task_class
-from . import generation
+from .generation import pipeline as generation
 from . import source as src
 from . import variants as build
 from .artifact import ONNX_ENGINE, TORCH_ENGINE, default_precisions, remove_variant_file, versions
-from .torch_weights import TORCH_PRECISIONS, save_weights, weights_file
-from .torch_weights import variant_name as torch_variant_name
+from .generation.torch_weights import TORCH_PRECISIONS, save_weights, weights_file
+from .generation.torch_weights import variant_name as torch_variant_name
 from .export import EXTERNAL_DATA_THRESHOLD, OPSET, TaskModule, export_onnx
 from .validate import (DEFAULT_TOLERANCES, Reference, Tolerance, batch_invariance, failure_reason, run_reference,
                        validate)
@@ -62,7 +62,7 @@ class ConvertConfig:
     name: str | None = None
     external_data_threshold: int = EXTERNAL_DATA_THRESHOLD
     timing_seconds: float = 0.5  # time budget for each variant's latency measurement
-    # Text generation (convert/generation.py)
+    # Text generation (convert/generation/pipeline.py)
     int4_block_size: int = 32
     int4_accuracy_level: int = 4
     native_gguf: bool = True  # a GGUF's Q4_K/Q6_K blocks as stored, for kiln's native operators (native/)

@@ -24,7 +24,7 @@ _HEAD_SUFFIXES = {
     "ForSequenceClassification": "text-classification",
     "ForTokenClassification": "token-classification",
     "ForQuestionAnswering": "question-answering",
-    "ForCausalLM": "text-generation",  # converted by convert/generation.py, not a tasks/ Task
+    "ForCausalLM": "text-generation",  # converted by convert/generation/pipeline.py, not a tasks/ Task
     "LMHeadModel": "text-generation",  # GPT-2, GPT-J and other early causal LMs' class names
 }
 # Heads that carry no task head of ours: fine for embeddings, not for head tasks.

@@ -1,5 +1,5 @@
 """``kiln generate MODEL PROMPT``: stream one answer to the terminal (or one JSON object). Its
-sampling options are derived from the declaration of the sampling settings (``sampling/settings.py``),
+sampling options are derived from the declaration of the sampling settings (``request/settings.py``),
 as kiln serve's are from its settings: one option per setting, named after the request field."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import typer
 
 from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
 from ..model_arg import PRECISION, artifact_path
-from .sampling.settings import BOOL, FLOAT, INT, INTS, SETTINGS, from_command_line
+from .request.settings import BOOL, FLOAT, INT, INTS, SETTINGS, from_command_line
 
 _TYPES = {FLOAT: Optional[float], INT: Optional[int], BOOL: bool, INTS: Optional[list[int]]}
 # the command line's older names for two settings
@@ -51,7 +51,7 @@ def generate(
     """Generate text from PROMPT with a text-generation artifact, streaming tokens as they come."""
     from .core import Request, run_to_completion
     from .model import CoreOptions, TextGenerationModel
-    from .params import sampling_params
+    from .request.params import sampling_params
 
     model = TextGenerationModel(artifact_path(artifact, precision=precision))
     ids = model.prompt_ids(prompt, chat=chat, system=system)

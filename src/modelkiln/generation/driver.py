@@ -1,5 +1,5 @@
 """The one thread that steps an engine core for a server: ``kiln serve`` (serve/generation/
-scheduler.py hands each step's outputs to the requests' event loops) and the Triton model (it sends
+loop_driver.py hands each step's outputs to the requests' event loops) and the Triton model (it sends
 them through Triton's response senders). Requests join and leave between steps (iteration-level
 scheduling, as in Orca, vLLM and TGI); every scheduling rule lives in the core.
 

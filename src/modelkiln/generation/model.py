@@ -13,10 +13,10 @@ from ..errors import ArtifactError
 from ..manifest import Manifest, Variant
 from ..native import check_layout
 from ..tasks.text_generation import is_generation
-from .chat import chat_messages, render_chat
-from .chat_tokens import ChatTokens
+from .chat.templates import chat_messages, render_chat
+from .chat.tokens import ChatTokens
 from .core import DEFAULT_MAX_RUNNING, CoreHooks, EngineCore
-from .engine import EngineOptions, ModelShape, open_engine
+from .engines.registry import EngineOptions, ModelShape, open_engine
 from .plan import Engine
 from .sampling import SamplingParams
 

@@ -117,7 +117,7 @@ class EngineOptions:
     """How to run an engine. ``prefix_cache_tokens``: the most prompt-prefix KV kept for the prompts
     that follow (0: none); ``keep_logits``: every chosen token comes with its row of logits;
     ``batch_invariant``: the torch engine's kernels give a row the same bits whatever else runs
-    (torch_ops.py; the ONNX engines are batch-invariant by construction); ``kv_tokens``: the KV
+    (engines/torch/ops.py; the ONNX engines are batch-invariant by construction); ``kv_tokens``: the KV
     budget the core will keep to (an engine that allocates its cache up front allocates no more;
     None: what the device holds)."""
 
@@ -140,8 +140,8 @@ class ModelShape:
 
 
 class Engine(Protocol):
-    """A decoder engine behind the core (``serving_engine.py``, ``padded_engine.py``,
-    ``torch_engine.py``)."""
+    """A decoder engine behind the core (``engines/onnx/serving.py``, ``engines/onnx/padded.py``,
+    ``engines/torch/engine.py``)."""
 
     capabilities: EngineCapabilities
     max_context: int | None

@@ -13,14 +13,15 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..errors import GrammarLimitError, KilnError
-from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams
-from .stopping import StopStringMatcher
+from .structured_output import bitmask
+from .text.detokenizer import IncrementalDetokenizer
+from .text.stopping import StopStringMatcher
 
 STOP = "stop"  # an end-of-sequence token or a stop string (OpenAI's finish_reason)
 LENGTH = "length"  # max_new_tokens or the model's context
 
-# Closing a constrained answer within its budget (closing.py finds the tokens that complete it).
+# Closing a constrained answer within its budget (structured_output/closing.py finds the tokens that complete it).
 # The closing path is followed, one allowed token a step, once it takes all but a margin of the
 # tokens left. The margin is what one freely chosen token may add to the path (a key's opening
 # quote, an object that brings its required keys): CLOSING_MARGIN at first, then the most that one
@@ -102,12 +103,12 @@ class SequenceState:
         budget, only the next token of the shortest way to complete the grammar."""
         if self.matcher is None:
             return None
-        words = np.zeros(-(-self.tokenizer.get_vocab_size(with_added_tokens=True) // 32), dtype=np.int32)
+        words = bitmask.empty(self.tokenizer.get_vocab_size(with_added_tokens=True))
         closing = self.closing_token()
         if closing is None:
             self.matcher.fill_bitmask(words)
         else:
-            words.view(np.uint32)[closing // 32] = np.uint32(1 << (closing % 32))
+            bitmask.allow(words, closing)
         self._mask = words  # what the token was chosen from: tells a grammar's failure from an engine's
         return words
 
@@ -161,7 +162,7 @@ class SequenceState:
         the mask (a bug: 500)."""
         why = (getattr(self.matcher, "error", None) or "no reason").strip().splitlines()[0][:500]
         mask = self._mask
-        if mask is not None and token_id // 32 < mask.size and (int(mask[token_id // 32]) >> (token_id % 32)) & 1:
+        if mask is not None and bitmask.allows(mask, token_id):
             return GrammarLimitError(f"the request's grammar is too complex for the grammar engine at answer token "
                                      f"{len(self.generated_ids)}: {why}")
         return KilnError(f"the grammar refused token {token_id}: {why}")

@@ -18,7 +18,7 @@ from ..errors import ArtifactError
 DOMAIN = "kiln.gguf"
 GGML_TYPES = {"Q4_K": 12, "Q6_K": 14}  # the GGUF types these operators read (ggml's type numbers)
 # How GgufMatMul's weights are laid out, recorded in a variant's details ("native_ops"): 2 is tiles
-# of 16 rows (convert/gguf_tiles.py); graphs of the first layout (the file's rows, recorded as
+# of 16 rows (convert/gguf/tiles.py); graphs of the first layout (the file's rows, recorded as
 # ``true``) cannot run on these kernels.
 LAYOUT = 2
 _CPU_FLAGS = ("avx2", "fma", "f16c")  # what the library is compiled for

@@ -1,7 +1,7 @@
 """The Ray Serve deployments (``plan.py`` says how they are laid out and why).
 
 ``ModelReplica``: one model's replica, the whole ``kiln serve`` HTTP front-end
-(``serve.app.create_app``) over a data plane built in the replica (``build_dataplane``), with its
+(``serve.http.app.create_app``) over a data plane built in the replica (``build_dataplane``), with its
 own batcher and engine threads sized from the replica's CPU share. ``forward`` runs that app for a
 request the router passes on (or Ray's proxy hands it the requests of ``/v2/models/{name}/...``
 when the model has that route prefix); ``generate`` streams one generation request's deltas to the
@@ -22,7 +22,7 @@ from ray import serve
 
 from ..generation.sampling import SamplingParams
 from ..generation.sequence import Delta
-from ..serve.app import create_app
+from ..serve.http.app import create_app
 from ..serve.dataplane import DataPlane, build_dataplane
 from ..serve.settings import ModelSpec, ServeSettings
 from .ingress import RouterApp, without_request_id

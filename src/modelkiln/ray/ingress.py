@@ -5,7 +5,7 @@ kiln ray deployment (``plan.py`` says why it is laid out so).
   routes' metrics and the failover counters ``kiln_retries_total``, ``kiln_streams_resumed_total``,
   ``kiln_failovers_failed_total``).
 - Generation routes of a text-generation model (OpenAI completions and chat, Triton's generate and
-  generate_stream, OIP infer): kiln serve's own app (``serve.app.create_app``) over
+  generate_stream, OIP infer): kiln serve's own app (``serve.http.app.create_app``) over
   ``RemoteGenerationModel``s, whose streams go on on another replica when theirs is lost.
 - Every other route of a deployed model (an encoder's infer, predict and embeddings; any model's
   metadata, ready, stats): forwarded to one of its replicas (``ModelReplica.forward``, which runs
@@ -24,10 +24,10 @@ from ray.serve.handle import DeploymentHandle
 from .. import __version__
 from ..errors import (InvalidInputError, KilnError, MethodNotAllowedError, ModelNotFoundError, PayloadTooLargeError,
                       RouteNotFoundError, UnauthorizedError)
-from ..serve.app import OPENAI_PREFIX, PUBLIC_PREFIX, bearer_matches, create_app
+from ..serve.http.app import OPENAI_PREFIX, PUBLIC_PREFIX, bearer_matches, create_app
 from ..serve.dataplane import EXTENSIONS, DataPlane
-from ..serve.errors import error_response
-from ..serve.inference_routes import ClientGone
+from ..serve.http.errors import error_response
+from ..serve.http.inference_routes import ClientGone
 from ..serve.metrics import Metrics
 from ..serve.settings import ModelSpec, ServeSettings
 from .failover import Retry, replica_lost, unwrap

@@ -1,7 +1,7 @@
 """What a Ray Serve deployment of modelkiln looks like, as plain data (no Ray import).
 
 One Serve application per model, whose replicas are each a whole modelkiln data plane and batcher
-(``serve.app.create_app``), so a replica batches its share of the traffic exactly as ``kiln serve``
+(``serve.http.app.create_app``), so a replica batches its share of the traffic exactly as ``kiln serve``
 does: there is no second batching layer.
 
 One more application, ``kiln``, at ``/``: the router, on the head node, is the ingress. It answers

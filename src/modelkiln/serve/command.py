@@ -102,8 +102,8 @@ def _setting_option(name: str) -> tuple[Any, Any]:
 
 def run_server(settings: object) -> None:
     """Serve ``settings``' models: in this process, or in ``--workers`` processes."""
-    from .app import build_app
-    from .http_server import serve_http
+    from .http.app import build_app
+    from .http.server import serve_http
     from .settings import ServeSettings
     from .workers import generates_text, run_workers, startup_specs
 

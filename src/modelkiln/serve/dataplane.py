@@ -22,7 +22,7 @@ from .. import __version__
 from ..errors import (InvalidInputError, KilnError, ModelControlError, ModelNotFoundError, ModelNotReadyError,
                       OverloadedError)
 from .generation.model import GenerationModel
-from .json_api import EmbeddingsRequest, EmbeddingsResponse, PredictRequest, PredictResponse
+from .http.json_api import EmbeddingsRequest, EmbeddingsResponse, PredictRequest, PredictResponse
 from .local_models import LocalModels
 from .metrics import Metrics
 from .model import EncoderModel

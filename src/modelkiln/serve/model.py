@@ -25,7 +25,7 @@ from ..runtime.registry import capabilities
 from ..tasks import make_task
 from ..tasks import tensors as tensors_protocol
 from .batcher import Batcher, BatchHooks, Item, Job, wait_for
-from .json_api import PredictRequest, PredictResponse
+from .http.json_api import PredictRequest, PredictResponse
 from .metrics import Metrics
 from .settings import ModelSpec, ServeSettings
 from .tokenized import TokenLimits, TokenRow, is_tokenized, raw_tensors, token_rows

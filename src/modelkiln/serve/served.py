@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from ..manifest import Manifest, Variant
 from ..tasks.text_generation import is_generation
 from .generation.model import GenerationModel
-from .json_api import PredictRequest, PredictResponse
+from .http.json_api import PredictRequest, PredictResponse
 from .metrics import Metrics
 from .model import EncoderModel, Stats
 from .settings import ModelSpec, ServeSettings

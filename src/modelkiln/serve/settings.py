@@ -114,7 +114,7 @@ class ServeSettings(BaseModel):
     max_inputs_per_request: int = setting(256, "Inputs per request.", gt=0)
     max_input_chars: int = setting(100_000, "Characters per input, checked before tokenizing.", gt=0)
     truncate: bool = setting(True, "Cut inputs longer than the model's max length, or reject them (400).")
-    # --- text generation (serve/generation/scheduler.py)
+    # --- text generation (serve/generation/loop_driver.py)
     max_kv_tokens: Optional[int] = setting(
         None, "Generation: KV-cache tokens for the running sequences (each its prompt + max tokens) and cached "
               "prefixes (full: requests wait, cached prefixes are dropped first).",
@@ -134,7 +134,7 @@ class ServeSettings(BaseModel):
     truncate_prompt: bool = setting(False, "Generation: cut prompts longer than the context from the left "
                                            "instead of answering 400.")
     # A user who writes "<|im_end|>" in a message would otherwise end their turn and write the
-    # assistant's (generation/chat_tokens.py).
+    # assistant's (generation/chat/tokens.py).
     special_tokens_in_messages: bool = setting(False, "Generation: read special tokens written in chat messages "
                                                       "(<|im_end|>...) as control tokens, not as text.")
     # Each kept response holds its conversation (at most a context's worth of text), for

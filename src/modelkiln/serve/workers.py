@@ -12,7 +12,7 @@ How it stays one server:
   starts the workers (fresh interpreters, each in a session of its own, talking to it over a
   socket pair in JSON: ``channel.py``), waits until every one has loaded the
   models, then lets them all serve.
-- Each worker is a whole server (``http_server.serve_http``: uvicorn, gRPC if on, the data plane and
+- Each worker is a whole server (``http.server.serve_http``: uvicorn, gRPC if on, the data plane and
   engines, sized to its share of the CPU budget) listening through its own ``SO_REUSEPORT``
   socket on the same port: the kernel spreads new connections over the workers (by a hash of the
   connection's addresses, so each gets its share of a client's connections; a keep-alive
@@ -114,9 +114,9 @@ def worker_main(fd: int) -> None:
     settings = ServeSettings.model_validate(start["settings"])
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s [worker {start['index']}]: %(message)s")
-    from .app import create_app
+    from .http.app import create_app
     from .dataplane import build_dataplane
-    from .http_server import serve_http
+    from .http.server import serve_http
 
     link = SupervisorLink(conn, settings.model_control_mode)
     try:

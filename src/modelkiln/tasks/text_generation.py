@@ -1,7 +1,7 @@
 """Text generation's Open Inference Protocol contract: one BYTES ``text_input`` in, one BYTES
 ``text_output`` out (the names of Triton's generate extension and of its vLLM / TensorRT-LLM
 backends, so the same client code works). Sampling settings travel as request parameters
-(``max_tokens``, ``temperature``, ...: ``generation/params.py``).
+(``max_tokens``, ``temperature``, ...: ``generation/request/params.py``).
 
 Not a ``Task`` subclass: an encoder task's prepare / postprocess / agreement do not apply to a
 decoder. The server's model metadata and its OIP infer route derive from this module, and

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from ..atomic import atomic_folder
 from ..errors import ArtifactError
-from ..generation.sampling.settings import SETTINGS
+from ..generation.request.settings import SETTINGS
 from ..manifest import Manifest
 from .config import ModelConfig, Options, TensorSpec
 from .snapshot import GENERATION_FILES, MODELS_DIR, copy_snapshot
 
 # The generate extension's names; the optional ones are the sampling settings (generate_model.py),
-# each as sampling/settings.py declares it (a list is a tensor of any length).
+# each as request/settings.py declares it (a list is a tensor of any length).
 INPUTS = [
     TensorSpec("text_input", "TYPE_STRING", (1,)),
     TensorSpec("stream", "TYPE_BOOL", (1,), optional=True),

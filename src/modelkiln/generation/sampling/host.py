@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ...errors import InvalidInputError
+from ..structured_output import bitmask
 from .draws import uniform
 from .params import SamplingParams
 from .selection import draw
@@ -54,7 +55,7 @@ class TokenChooser:
             # with every other token at -inf (the first best one; the same inverse transform, where
             # the others' probabilities are exact zeros and only the normalising sum may round
             # differently), at the cost of their number rather than the vocabulary's.
-            ids = np.flatnonzero(bitmask_to_bool(allowed, scores.shape[-1]))
+            ids = np.flatnonzero(bitmask.to_bool(allowed, scores.shape[-1]))
             if ids.size == 0:
                 raise InvalidInputError("the grammar allows no token here")
             kept = scores[ids]
@@ -95,15 +96,6 @@ class TokenChooser:
                 self._seen_ids = None
         if self.params.frequency_penalty or self.params.presence_penalty:
             self._counts[token] = self._counts.get(token, 0) + 1
-
-
-def bitmask_to_bool(bitmask: np.ndarray, vocab: int) -> np.ndarray:
-    """int32 words (bit j of word i = token 32·i + j) → bool [vocab]; tokens past the mask are disallowed."""
-    bits = np.unpackbits(np.ascontiguousarray(bitmask, dtype=np.int32).view(np.uint8), bitorder="little")
-    allowed = np.zeros(vocab, dtype=bool)
-    n = min(vocab, bits.shape[0])
-    allowed[:n] = bits[:n].astype(bool)
-    return allowed
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -34,7 +34,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's log-probability and the k most likely
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (completions' echo)
-    # a compiled grammar (generation/constraints.py) every token must keep the answer inside
+    # a compiled grammar (generation/structured_output/grammars.py) every token must keep the answer inside
     constraint: Any = field(default=None, compare=False)
     extra: dict = field(default_factory=dict, compare=False)
 

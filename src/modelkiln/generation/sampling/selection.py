@@ -17,7 +17,7 @@ without sorting the vocabulary (a ~4 ms sort at 49k tokens, 13 ms at 152k):
   sum of the inverse transform, are taken over the kept tokens alone in numpy's exact order of
   additions (``native/sampling.c``; a numpy fallback where it was not built).
 
-``tests/test_sampling_selection.py`` checks ``draw`` against ``reference_draw`` over thousands of
+``tests/generation/sampling/test_sampling_selection.py`` checks ``draw`` against ``reference_draw`` over thousands of
 random rows, settings and uniforms."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from ...generation.params import choice_seed
+from ...generation.request.params import choice_seed
 from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
 from .model import GenerationModel, Stream

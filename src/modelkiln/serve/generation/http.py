@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ...errors import InvalidInputError, KilnError, PayloadTooLargeError
 from ..codec import decompress
-from ..errors import error_response
+from ..http.errors import error_response
 from .model import GenerationModel
 
 T = TypeVar("T")

@@ -1,5 +1,5 @@
 """A served text-generation model: the artifact (tokenizer, chat template, end-of-sequence ids),
-its engine replicas (usually one), each an engine core with the ``Scheduler`` thread that steps it.
+its engine replicas (usually one), each an engine core with the ``LoopDriver`` thread that steps it.
 
 It is a ``served.ServedModel``, as the encoder's ``EncoderModel`` is (load, stop, release, ready,
 in_flight, stats, metadata, OIP infer), so the data plane and the model repository handle both
@@ -22,21 +22,21 @@ from tokenizers import Tokenizer
 
 from ...cpus import available_cpus
 from ...errors import InvalidInputError
-from ...generation.chat_tokens import encode
+from ...generation.chat.tokens import encode
 from ...generation.model import CoreOptions, TextGenerationModel
 from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
 from ...tasks import text_generation as contract
-from ..json_api import PredictRequest, PredictResponse
+from ..http.json_api import PredictRequest, PredictResponse
 from ..metrics import Metrics
 from ..model import Stats, platform_of
 from ..settings import ModelSpec, ServeSettings
 from ..types import MODEL_VERSION, InferRequest, InferResponse, ModelMetadata, TensorSpec, request_timeout
 from . import oip, resume
-from ...generation.constraints import Grammars
-from ...generation.params import requested_constraint, sampling_params
-from ...generation.vocabulary import Vocabulary
-from .scheduler import CoreHooks, Job, Scheduler
+from ...generation.structured_output.grammars import Grammars
+from ...generation.request.params import requested_constraint, sampling_params
+from ...generation.structured_output.vocabulary import Vocabulary
+from .loop_driver import CoreHooks, Job, LoopDriver
 
 log = logging.getLogger("modelkiln.serve")
 
@@ -93,13 +93,13 @@ class GenerationModel:
         options = CoreOptions(threads=self.threads, device=s.device, max_running=s.max_batch_size,
                               max_waiting=s.max_queue_size, kv_budget=s.max_kv_tokens, prefill_chunk=s.prefill_chunk,
                               prefix_cache_tokens=s.prefix_cache_tokens, warm_up=s.warmup, kv_share=self.instances)
-        self.schedulers = []
+        self.drivers = []
         for replica in range(self.instances):
             core = self.artifact.core(self.variant.name, options, _MetricHooks(self.metrics, self.name, totals, replica))
             totals.budgets[replica] = core.kv_budget
-            self.schedulers.append(Scheduler(core, name=f"{self.name}-{replica}" if self.instances > 1 else self.name))
-        for scheduler in self.schedulers:
-            scheduler.start()
+            self.drivers.append(LoopDriver(core, name=f"{self.name}-{replica}" if self.instances > 1 else self.name))
+        for driver in self.drivers:
+            driver.start()
         self.kv_budget = sum(totals.budgets)
         self.ready = True
         log.info("loaded text-generation model %s (variant %s, %d engine replica(s) x %d thread(s), KV budget %d tokens, "
@@ -107,14 +107,14 @@ class GenerationModel:
                  self.max_context, time.perf_counter() - started)
 
     def stop(self) -> None:
-        """Refuse new requests; finish the accepted ones; end the scheduler thread."""
+        """Refuse new requests; finish the accepted ones; end the driver threads."""
         self.ready = False
-        for scheduler in getattr(self, "schedulers", ()):
-            scheduler.stop()
+        for driver in getattr(self, "drivers", ()):
+            driver.stop()
 
     def release(self) -> None:
         self.stop()
-        self.__dict__.pop("schedulers", None)
+        self.__dict__.pop("drivers", None)
 
     @property
     def full(self) -> bool:
@@ -122,7 +122,7 @@ class GenerationModel:
 
     @property
     def queued(self) -> int:
-        return sum(s.waiting for s in self.schedulers)
+        return sum(s.waiting for s in self.drivers)
 
     def record(self, ok: bool, seconds: float) -> None:
         s = self.stats
@@ -147,7 +147,7 @@ class GenerationModel:
 
     async def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Messages (and OpenAI's ``tools``) rendered with the artifact's chat template, their text kept
-        as text (``generation/chat_tokens.py``)."""
+        as text (``generation/chat/tokens.py``)."""
         chars = sum(len(m.get("content") or "") for m in messages) + (len(json.dumps(tools)) if tools else 0)
         self._check_chars(chars)
         if tools is None:
@@ -212,11 +212,11 @@ class GenerationModel:
         ``seed``: the draws' seed when ``params`` has none (else the core picks one: ``Stream.seed``)."""
         timeout_s = timeout_s or self.settings.generation_timeout_s
         # the replica with the fewest requests admitted or waiting: rows free soonest there
-        scheduler = min(self.schedulers, key=lambda s: s.running + s.waiting)
+        driver = min(self.drivers, key=lambda s: s.running + s.waiting)
         job = Job(next(_job_ids), prompt_ids, params, deadline=time.monotonic() + timeout_s,
                   resume_ids=list(resume_ids), seed=params.seed if params.seed is not None else seed,
-                  loop=asyncio.get_running_loop(), queue=asyncio.Queue(), scheduler=scheduler)
-        scheduler.submit(job)
+                  loop=asyncio.get_running_loop(), queue=asyncio.Queue(), driver=driver)
+        driver.submit(job)
         return Stream(self, job)
 
     # -- protocol description ----------------------------------------------------------------------
@@ -308,7 +308,7 @@ class OpenStream:
 
 class Stream(OpenStream):
     """One request's deltas. ``aclose`` (or leaving ``async with``) before the end cancels it: the
-    scheduler frees its sequence before its next step. The protocol edges always close it."""
+    driver frees its sequence before its next step. The protocol edges always close it."""
 
     def __init__(self, model: GenerationModel, job: Job):
         self.model = model
@@ -349,8 +349,8 @@ class Stream(OpenStream):
         return event
 
     def _cancel(self) -> None:
-        if self.job.scheduler is not None:
-            self.job.scheduler.cancel(self.job)
+        if self.job.driver is not None:
+            self.job.driver.cancel(self.job)
 
 
 async def _off_loop(chars: int, work: Callable[..., list[int]], *args: Any) -> list[int]:
@@ -387,7 +387,7 @@ class _Totals:
 
 
 class _MetricHooks(CoreHooks):
-    """An engine replica's events → vLLM-named Prometheus metrics (called on its scheduler thread)."""
+    """An engine replica's events → vLLM-named Prometheus metrics (called on its driver thread)."""
 
     def __init__(self, metrics: Metrics, name: str, totals: _Totals, replica: int):
         self.totals, self.replica = totals, replica

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from ...errors import InvalidInputError
-from ...generation.sampling.settings import FLOAT_NAMES
+from ...generation.request.settings import FLOAT_NAMES
 from ...tasks import text_generation as contract
 from ..types import InferRequest, InferResponse, OutputTensor
 

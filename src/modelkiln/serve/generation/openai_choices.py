@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...generation.sequence import Delta
-from ...generation.tool_calls import Hermes, ToolCall, ToolFormat
-from ...generation.vocabulary import Vocabulary
+from ...generation.chat.tool_calls import Hermes, ToolCall, ToolFormat
+from ...generation.structured_output.vocabulary import Vocabulary
 
 TOOL_CALLS = "tool_calls"  # OpenAI's finish_reason when the answer is calls
 

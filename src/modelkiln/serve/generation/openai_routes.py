@@ -4,16 +4,16 @@ that the unmodified ``openai`` client works (sync, async, ``stream=True``, ``bet
 Streams are server-sent events: one ``data: {chunk}`` per token that adds text (a token held back
 as a possible stop string or half a character adds none and sends nothing), the finish reason
 on the last chunk of each choice, with ``stream_options: {"include_usage": true}`` a final chunk
-with ``usage`` and no choices, then ``data: [DONE]``. Parameters: ``generation/params.py``; the
+with ``usage`` and no choices, then ``data: [DONE]``. Parameters: ``generation/request/params.py``; the
 table of every parameter and what this server does with it is in docs/generation.md.
 
 ``n`` answers per prompt and a list of prompts on completions are each their own engine request
 (answers.py); choice ``index`` is prompt × n + answer, as OpenAI numbers them. Tools are shown to
-the model by its own chat template and its calls parsed back (generation/tool_calls.py,
+the model by its own chat template and its calls parsed back (generation/chat/tool_calls.py,
 openai_choices.py); a template that cannot show tools gets the generic format
-(generation/tool_prompt.py). ``best_of`` other than ``n``, ``suffix`` and the legacy ``functions`` are
+(generation/chat/tool_prompt.py). ``best_of`` other than ``n``, ``suffix`` and the legacy ``functions`` are
 refused with a 400 saying so (not silently ignored). Errors have OpenAI's shape
-(``serve/errors.py``)."""
+(``serve/http/errors.py``)."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from ...errors import InvalidInputError
-from ...generation.constraints import json_answer_schema
-from ...generation.params import CONSTRAINT_FIELDS, choices, requested_constraint
+from ...generation.structured_output.grammars import json_answer_schema
+from ...generation.request.params import CONSTRAINT_FIELDS, choices, requested_constraint
 from ...generation.sampling import SamplingParams
-from ...generation.tool_calls import Generic, ToolFormat, Tools, parse_tools, template_messages_with_tools, tool_format
-from ...generation.tool_prompt import template_chat
-from ...generation.vocabulary import Vocabulary
+from ...generation.chat.tool_calls import Generic, ToolFormat, Tools, parse_tools, template_messages_with_tools, tool_format
+from ...generation.chat.tool_prompt import template_chat
+from ...generation.structured_output.vocabulary import Vocabulary
 from ..dataplane import DataPlane
 from .answers import Answers, submit, with_seed
 from .http import json_body, sse, sse_response, whole_answer

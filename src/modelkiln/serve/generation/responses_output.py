@@ -25,8 +25,8 @@ from typing import Any
 
 from ...errors import ErrorKind, KilnError
 from ...generation.sequence import Delta
-from ...generation.tool_calls import ToolCall, ToolFormat
-from ...generation.vocabulary import Vocabulary
+from ...generation.chat.tool_calls import ToolCall, ToolFormat
+from ...generation.structured_output.vocabulary import Vocabulary
 from .openai_choices import ChatLogprobs, ToolStream
 
 LENGTH = "length"

@@ -21,9 +21,9 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from ...errors import InvalidInputError
-from ...generation.chat_tokens import encode
-from ...generation.tool_calls import parse_tools, tool_format
-from ...generation.tool_prompt import template_chat
+from ...generation.chat.tokens import encode
+from ...generation.chat.tool_calls import parse_tools, tool_format
+from ...generation.chat.tool_prompt import template_chat
 from ..dataplane import DataPlane
 from .http import json_body
 from .model import INLINE_CHARS, GenerationModel

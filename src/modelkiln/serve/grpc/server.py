@@ -3,7 +3,7 @@
 A thin edge, like the REST routes: decode (``codec``), call ``types.InferenceService``, encode.
 It runs on uvicorn's event loop in the same process (started from the HTTP app's lifespan), so
 both transports share the models, batchers, limits and metrics. Errors carry an ``ErrorKind``,
-mapped here once to a gRPC status code (``GRPC_STATUS``), as ``serve/errors.py`` maps it to HTTP."""
+mapped here once to a gRPC status code (``GRPC_STATUS``), as ``serve/http/errors.py`` maps it to HTTP."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import grpc
 
 from ...errors import ErrorKind, InvalidInputError, KilnError, UnauthorizedError
 from ..auth import bearer_matches
-from ..errors import bug_key, kind_of, throttle
+from ..http.errors import bug_key, kind_of, throttle
 from ..metrics import Metrics
 from ..settings import ServeSettings
 from ..types import InferenceService

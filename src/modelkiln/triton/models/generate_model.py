@@ -2,7 +2,7 @@
 
 Inputs follow Triton's generate extension (``/v2/models/<name>/generate`` and ``generate_stream``
 map the JSON body's fields onto inputs of the same name): ``text_input`` and the optional sampling
-inputs (every setting ``generation/sampling/settings.py`` declares), plus ``stream``: true sends one response per piece of text, false (default) one
+inputs (every setting ``generation/request/settings.py`` declares), plus ``stream``: true sends one response per piece of text, false (default) one
 response with the whole answer, which is what ``/generate`` needs. The same names are read from
 the request's parameters too (``"parameters": {...}`` in the JSON body), the tensors winning.
 
@@ -26,8 +26,8 @@ from modelkiln.errors import KilnError  # noqa: E402
 from modelkiln.generation.core import DEFAULT_MAX_WAITING, DEFAULT_TIMEOUT_S, Request  # noqa: E402
 from modelkiln.generation.driver import CoreDriver  # noqa: E402
 from modelkiln.generation.model import CoreOptions, TextGenerationModel  # noqa: E402
-from modelkiln.generation.params import sampling_params  # noqa: E402
-from modelkiln.generation.sampling.settings import SETTINGS, from_tensor  # noqa: E402
+from modelkiln.generation.request.params import sampling_params  # noqa: E402
+from modelkiln.generation.request.settings import SETTINGS, from_tensor  # noqa: E402
 
 log = logging.getLogger("modelkiln.triton")
 

@@ -1,0 +1,243 @@
+"""The decoder graph built for serving: written node by node from a Llama-family model's weights
+with onnxruntime's contrib ops, the layout onnxruntime-genai's model builder uses on CPU.
+
+Per layer:
+
+    h   = SkipSimplifiedLayerNormalization(previous output, residual)     (RMSNorm and the residual add, one op)
+    qkv = MatMul(h, W_qkv)                                                (q, k and v projections fused)
+    a   = GroupQueryAttention(qkv, past_k, past_v, seqlens_k, ...)        (rotary inside; each row over its own length)
+    h   = SkipSimplifiedLayerNormalization(a · W_o, residual)
+    gu  = MatMul(h, W_gate_up); out = (silu(gate) * up) · W_down          (gate and up projections fused)
+
+and after the last layer the final norm, then ``lm_head`` for the positions asked for only
+(``logit_positions``, indices into the call's tokens flattened row by row: each row's last one for
+a prefill, every one for a perplexity, one per row for a decode step).
+
+Why this graph and not the torch export (``decoder_export.py``, kept for the architectures this
+builder does not cover): ``GroupQueryAttention`` reduces each row over that row's own length
+(``seqlens_k``), in a fixed order, whatever the other rows in the call are, so a sequence's
+logits do not depend on its batch; and its KV cache is one preallocated buffer per layer
+[rows, kv_heads, capacity, head_dim] that the op writes in place when the same buffer is bound as
+past and present (``past_present_share_buffer``): no copy of the cache per step, joining a
+sequence is writing its rows, leaving is forgetting them (``generation/engines/onnx/kv_cache.py``).
+
+The graph's inputs and outputs are named in ``generation/engines/onnx/graph_io.py``. Weights come from a
+``DecoderWeights``: a transformers model's (``TorchDecoderWeights``, fp32) or a GGUF file's, read
+by name (``gguf/decoder.py``); how each is stored (fp32, or the file's own blocks) is
+``linear_weights.py``'s job."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from ...errors import UnsupportedArchitectureError
+from ...generation.engines.onnx import graph_io as io
+from ..external_data import TensorFile
+from .linear_weights import MS_DOMAIN, GraphBuilder, Matrix
+
+log = logging.getLogger(__name__)
+
+SERVING_GRAPH_OPSET = 21  # the ONNX domain's ops here are all old; contrib ops are com.microsoft v1
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What the graph needs from a model's config, checked for what the builder supports."""
+
+    model_type: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    rms_eps: float
+    qkv_bias: bool
+    max_positions: int
+
+    @classmethod
+    def of(cls, model: Any) -> DecoderSpec:
+        """A transformers model's; raises UnsupportedArchitectureError, naming what is not covered
+        (the caller falls back to the torch export)."""
+        kind = getattr(model.config, "model_type", "?")
+        if kind not in SUPPORTED_MODEL_TYPES:  # before looking inside: other families name their modules otherwise
+            raise UnsupportedArchitectureError(f"the serving graph covers {', '.join(SUPPORTED_MODEL_TYPES)}, not {kind}")
+        attention = model.model.layers[0].self_attn
+        return cls.from_config(model.config, qkv_bias=getattr(attention.q_proj, "bias", None) is not None,
+                               qk_norm=getattr(attention, "q_norm", None) is not None)
+
+    @classmethod
+    def from_config(cls, cfg: Any, qkv_bias: bool, qk_norm: bool) -> DecoderSpec:
+        kind = getattr(cfg, "model_type", "?")
+        if kind not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedArchitectureError(f"the serving graph covers {', '.join(SUPPORTED_MODEL_TYPES)}, not {kind}")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise UnsupportedArchitectureError(f"{kind}: activation {cfg.hidden_act} (the serving graph has silu)")
+        if getattr(cfg, "mlp_bias", False):
+            raise UnsupportedArchitectureError(f"{kind}: MLP biases")
+        window = getattr(cfg, "sliding_window", None)
+        if window and (kind != "qwen2" or getattr(cfg, "use_sliding_window", False)):
+            raise UnsupportedArchitectureError(f"{kind}: sliding-window attention ({window} tokens)")
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        if (rope.get("rope_type") or rope.get("type") or "default") in ("dynamic", "longrope"):
+            raise UnsupportedArchitectureError(f"{kind}: rotary scaling '{rope.get('rope_type') or rope.get('type')}' "
+                                               "changes with the sequence length")
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        if head_dim % 16:
+            raise UnsupportedArchitectureError(f"{kind}: head size {head_dim} (GroupQueryAttention on CPU needs a "
+                                               "multiple of 16)")
+        if qk_norm:
+            raise UnsupportedArchitectureError(f"{kind}: per-head q/k norms")
+        return cls(kind, int(cfg.num_hidden_layers), heads, kv_heads, head_dim, int(cfg.hidden_size),
+                   int(cfg.intermediate_size), int(cfg.vocab_size), float(cfg.rms_norm_eps), qkv_bias,
+                   int(cfg.max_position_embeddings))
+
+
+class DecoderWeights(Protocol):
+    """A decoder's weights by role. ``tensor`` keys: ``embed``, ``lm_head`` [vocab, hidden],
+    ``final_norm``, and per layer ``layers.{i}.`` + ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``,
+    ``down`` ([out, in]), ``q_bias``, ``k_bias``, ``v_bias``, ``input_norm``, ``post_attention_norm``."""
+
+    spec: DecoderSpec
+
+    def tensor(self, key: str) -> Matrix:
+        """A matrix (fp32 values or a GGUF tensor read on demand) or, for norms and biases, fp32 values."""
+
+    def rotary(self, positions: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin [positions, head_dim / 2] in float32."""
+
+
+def rotary_caches(rotary: Any, positions: int, freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [positions, head_dim / 2] from a transformers rotary embedding module (its own
+    inv_freq and attention scaling, so rope variants such as llama3's come for free; a GGUF's
+    ``rope_freqs`` divide inv_freq, as llama.cpp does), in float32."""
+    import torch
+
+    inv_freq = rotary.inv_freq.detach().float()
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.from_numpy(np.asarray(freq_factors, np.float32))
+    scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return (angles.cos() * scaling).numpy(), (angles.sin() * scaling).numpy()
+
+
+class TorchDecoderWeights:
+    """A transformers causal LM's weights, in fp32."""
+
+    _LAYER = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+              "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+              "v_bias": "self_attn.v_proj.bias", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+              "down": "mlp.down_proj.weight", "input_norm": "input_layernorm.weight",
+              "post_attention_norm": "post_attention_layernorm.weight"}
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.spec = DecoderSpec.of(model)
+
+    def tensor(self, key: str) -> np.ndarray:
+        inner = self.model.model
+        if key == "embed":
+            param = inner.embed_tokens.weight
+        elif key == "lm_head":
+            param = self.model.lm_head.weight
+        elif key == "final_norm":
+            param = inner.norm.weight
+        else:
+            _, layer, role = key.split(".")
+            param = inner.layers[int(layer)].get_parameter(self._LAYER[role])
+        return param.detach().float().numpy()
+
+    def rotary(self, positions: int) -> tuple[np.ndarray, np.ndarray]:
+        return rotary_caches(self.model.model.rotary_emb, positions)
+
+
+@dataclass(frozen=True)
+class GraphSummary:
+    """What a written graph holds: projection nodes by storage, and per GGUF type how many
+    tensors went in and how they are stored (empty for a transformers model)."""
+
+    formats: dict[str, int]
+    gguf_types: dict[str, dict[str, Any]]
+
+
+def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False, accuracy_level: int = 0,
+                        native: bool = False) -> GraphSummary:
+    """Write the serving graph to ``path``, its weights to ``path.data`` as each is made. ``pack``:
+    GGUF tensors stay in their own blocks where they have an exact MatMulNBits form; ``native``:
+    Q4_K and Q6_K stay exactly as the file stores them, for kiln's native operators."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    spec = weights.spec
+    tensors = TensorFile(path)
+    try:
+        g = GraphBuilder(tensors, pack=pack, accuracy_level=accuracy_level, native=native)
+        _write_nodes(g, weights, spec)
+    finally:
+        tensors.close()
+    past_shape = ["batch", spec.kv_heads, "capacity", spec.head_dim]
+    inputs = [helper.make_tensor_value_info(io.INPUT_IDS, TensorProto.INT64, ["batch", "sequence"]),
+              helper.make_tensor_value_info(io.SEQLENS_K, TensorProto.INT32, ["batch"]),
+              helper.make_tensor_value_info(io.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, []),
+              helper.make_tensor_value_info(io.LOGIT_POSITIONS, TensorProto.INT64, ["positions"])]
+    outputs = [helper.make_tensor_value_info(io.LOGITS, TensorProto.FLOAT, ["positions", spec.vocab])]
+    for i in range(spec.layers):
+        for name in (io.past_key_name(i), io.past_value_name(i)):
+            inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, past_shape))
+        for name in (io.present_key_name(i), io.present_value_name(i)):
+            outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, past_shape))
+    graph = helper.make_graph(g.nodes, "kiln_serving_decoder", inputs, outputs, g.initializers)
+    from ...native import DOMAIN as NATIVE_DOMAIN
+
+    domains = [MS_DOMAIN] + ([NATIVE_DOMAIN] if any(n.domain == NATIVE_DOMAIN for n in g.nodes) else [])
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", SERVING_GRAPH_OPSET)]
+                                   + [helper.make_opsetid(d, 1) for d in domains])
+    onnx_model.ir_version = 10
+    onnx_model.metadata_props.add(key=io.GRAPH_KIND_KEY, value=io.SERVING_GRAPH)
+    onnx.save_model(onnx_model, str(path))
+    log.info("serving graph: %d nodes, weights %s", len(g.nodes), dict(g.formats))
+    return GraphSummary(dict(g.formats), g.gguf_types)
+
+
+def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec) -> None:
+    cos, sin = weights.rotary(spec.max_positions)
+    g.constant("rotary.cos", cos)
+    g.constant("rotary.sin", sin)
+    embed, head = weights.tensor("embed"), weights.tensor("lm_head")
+    x = g.embedding(io.INPUT_IDS, embed, tied=head is embed)
+    residual = x
+    h = g.node("SimplifiedLayerNormalization", [x, g.constant("layers.0.input_norm.weight", weights.tensor("layers.0.input_norm"))],
+               "layers.0.input_norm", axis=-1, epsilon=spec.rms_eps, stash_type=1)
+    for i in range(spec.layers):
+        w = lambda role: weights.tensor(f"layers.{i}.{role}")  # noqa: E731
+        qkv = g.linear(h, f"layers.{i}.qkv", [w("q"), w("k"), w("v")],
+                       [w("q_bias"), w("k_bias"), w("v_bias")] if spec.qkv_bias else None, parts=["q", "k", "v"])
+        q, k, v = qkv if len(qkv) == 3 else (qkv[0], "", "")  # one packed input, or three
+        attended = g.node("GroupQueryAttention",
+                          [q, k, v, io.past_key_name(i), io.past_value_name(i), io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH,
+                           "rotary.cos", "rotary.sin"],
+                          f"layers.{i}.attention", outputs=[f"layers.{i}.attention", io.present_key_name(i), io.present_value_name(i)],
+                          domain=MS_DOMAIN, num_heads=spec.heads, kv_num_heads=spec.kv_heads, do_rotary=1,
+                          rotary_interleaved=0, scale=float(spec.head_dim ** -0.5))
+        out = g.linear(attended, f"layers.{i}.o_proj", [w("o")])[0]
+        h, residual = g.skip_norm(out, residual, w("post_attention_norm"), spec.rms_eps, f"layers.{i}.post_attention_norm")
+        gate_up = g.linear(h, f"layers.{i}.gate_up", [w("gate"), w("up")], parts=["gate", "up"])
+        gate, up = gate_up if len(gate_up) == 2 else g.split(gate_up[0], [spec.intermediate, spec.intermediate], f"layers.{i}.gate_up")
+        silu = g.node("Mul", [gate, g.node("Sigmoid", [gate], f"layers.{i}.sigmoid")], f"layers.{i}.silu")
+        act = g.node("Mul", [silu, up], f"layers.{i}.act")
+        out = g.linear(act, f"layers.{i}.down_proj", [w("down")])[0]
+        last = i + 1 == spec.layers
+        norm = weights.tensor("final_norm" if last else f"layers.{i + 1}.input_norm")
+        h, residual = g.skip_norm(out, residual, norm, spec.rms_eps, "final_norm" if last else f"layers.{i + 1}.input_norm")
+    tokens = g.node("Reshape", [h, g.constant("hidden_rows", np.asarray([-1, spec.hidden], np.int64))], "hidden_by_token")
+    last_rows = g.node("Gather", [tokens, io.LOGIT_POSITIONS], "hidden_at_logit_positions", axis=0)
+    g.lm_head(last_rows, head, io.LOGITS)

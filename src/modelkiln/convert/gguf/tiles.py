@@ -1,0 +1,88 @@
+"""Q4_K and Q6_K rows regrouped for kiln's native ``GgufMatMul`` (``native/gguf_ops.c``).
+
+The values are the file's, bit for bit: the same 4- or 6-bit codes, 6- or 8-bit sub-block scales
+and fp16 super-block scales, only moved. Sixteen consecutive rows (output columns) make a tile; a
+tile's super-blocks follow each other, and inside one the codes of the sixteen columns are
+interleaved four at a time, so that every 32-bit lane of a 64-byte vector belongs to one column:
+
+    Q4_K, 2304 bytes = 16 × 144:
+        qs    [32 v][16 col][4]  low nibble: code 4v+i, high nibble: code 128+4v+i
+        sc    [3][16 col][4]     the file's 12 bytes of 6-bit scales and minimums, as three words
+        d     [16 col] fp16,  dmin [16 col] fp16
+    Q6_K, 3360 bytes = 16 × 210 (codes q in 0..63, the weight is d·sc·(q − 32)):
+        ql    [32 v][16 col][4]  low nibble: q & 15 of code 4v+i, high nibble: of code 128+4v+i
+        qh    [16 h][16 col][4]  bits 2f..2f+1: q >> 4 of code 4(h + 16f)+i
+        sc    [16][16 col]       signed 8-bit scales of each 16 codes
+        d     [16 col] fp16
+
+Why: one vector instruction then multiplies four codes of sixteen columns by four broadcast
+activations and sums them per column (``vpdpbusd``), with no sums across lanes; a per-row layout
+needs a horizontal reduction for every column and super-block, which cost more than the products
+when several rows are multiplied at once. The tiles take as many bytes as the file's rows; a last
+tile short of sixteen rows is filled with zero blocks (scale 0), whose results are dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from .blocks import q4_k_codes, q6_k_codes
+
+TILE = 16  # columns a tile
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # one super-block of one row, as the file stores it
+
+
+def tiles(kind: str, raw: np.ndarray) -> np.ndarray:
+    """The file's rows [N, bytes per row] of ``kind`` as tiles [ceil(N / 16), bytes per row · 16]."""
+    size = BLOCK_BYTES[kind]
+    n, row_bytes = raw.shape
+    nb = row_bytes // size
+    padded = -n % TILE
+    if padded:
+        raw = np.concatenate([raw, np.zeros((padded, row_bytes), np.uint8)])
+    count = raw.shape[0] // TILE
+    blocks = np.ascontiguousarray(raw.reshape(count, TILE, nb, size).transpose(0, 2, 1, 3))  # [tile, block, col, bytes]
+    parts = _q4_k(blocks) if kind == "Q4_K" else _q6_k(blocks)
+    lead = (count, nb)
+    return np.concatenate([np.ascontiguousarray(p).reshape(*lead, -1) for p in parts], axis=-1).reshape(count, -1)
+
+
+def _lanes(codes: np.ndarray) -> np.ndarray:
+    """[..., col, 32 v, 4] → [..., 32 v, col, 4]: four codes of each column side by side."""
+    return np.swapaxes(codes, -3, -2)
+
+
+def _q4_k(b: np.ndarray) -> list[np.ndarray]:
+    lead = b.shape[:-1]  # tile, block, col
+    codes = q4_k_codes(b.reshape(-1, b.shape[-1])).reshape(*lead, 2, 32, 4)  # [.., first or second 128, v, i]
+    return [_lanes(codes[..., 0, :, :] | (codes[..., 1, :, :] << np.uint8(4))),
+            _lanes(b[..., 4:16].reshape(*lead, 3, 4)), b[..., 0:2], b[..., 2:4]]
+
+
+def _q6_k(b: np.ndarray) -> list[np.ndarray]:
+    lead = b.shape[:-1]
+    q = q6_k_codes(b.reshape(-1, b.shape[-1])).reshape(*lead, 256)  # 0..63, in weight order
+    low = (q & np.uint8(0x0F)).reshape(*lead, 2, 32, 4)
+    ql = low[..., 0, :, :] | (low[..., 1, :, :] << np.uint8(4))
+    top = (q >> np.uint8(4)).reshape(*lead, 4, 16, 4)  # [.., f, h, i]: code 4(h + 16f) + i
+    qh = top[..., 0, :, :] | (top[..., 1, :, :] << np.uint8(2)) | (top[..., 2, :, :] << np.uint8(4)) | (top[..., 3, :, :] << np.uint8(6))
+    return [_lanes(ql), _lanes(qh), np.swapaxes(b[..., 192:208], -1, -2), b[..., 208:210]]
+
+
+def tiled_rows(kind: str, chunks: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    """Tiles of a stream of row ranges (any sizes), each range's rows held only until its tiles
+    are made: a converter streams a matrix without holding it."""
+    held: np.ndarray | None = None
+    for chunk in chunks:
+        rows = chunk if held is None else np.concatenate([held, chunk])
+        whole = rows.shape[0] - rows.shape[0] % TILE
+        if whole:
+            yield tiles(kind, rows[:whole])
+        held = rows[whole:] if whole < rows.shape[0] else None
+    if held is not None:
+        yield tiles(kind, held)
+
+
+def tile_count(rows: int) -> int:
+    return -(-rows // TILE)

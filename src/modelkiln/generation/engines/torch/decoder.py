@@ -1,0 +1,213 @@
+"""A Llama-family causal LM (Llama, Mistral, Qwen2) as PyTorch tensors on a device, and its forward
+pass over one engine step's tokens, packed: decode rows (one token each) and prompt chunks in one
+sequence of tokens, so every linear layer runs once per layer for the whole step.
+
+The weights are a torch variant's file (``model.torch-<precision>.safetensors``: transformers' own
+names, in the variant's precision) and the artifact's ``config.json``; transformers' module for the
+same model is the reference the tests and the gate compare with. Query/key/value and gate/up are
+concatenated at load, so a layer is four matrix products. Each token's key and value are written
+into the engine's cache (``KVCache``) at its sequence's slot and position before attention reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ....errors import ArtifactError, UnsupportedArchitectureError
+from .ops import Kernels
+
+FAMILIES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static tables; dynamic NTK and longrope change with the length
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    max_positions: int
+    windows: tuple[int | None, ...]  # per layer: sliding window (keys visible to a query), None: all
+
+    @classmethod
+    def of(cls, config: Any) -> DecoderConfig:
+        """From a transformers config; an architecture this forward does not cover is a typed error."""
+        family = getattr(config, "model_type", "")
+        if family not in FAMILIES:
+            raise UnsupportedArchitectureError(f"the torch engine runs {', '.join(FAMILIES)} decoders, not {family!r}")
+        rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ROPE_TYPES:
+            raise UnsupportedArchitectureError(f"the torch engine's rotary table is static; rope type {rope_type!r} is not")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedArchitectureError(f"the torch engine's MLP is SiLU-gated, not {config.hidden_act!r}")
+        heads = config.num_attention_heads
+        window = getattr(config, "sliding_window", None)
+        kinds = getattr(config, "layer_types", None) or []
+        if kinds:
+            windows = tuple(window if kind == "sliding_attention" else None for kind in kinds)
+        else:
+            windows = (window,) * config.num_hidden_layers
+        return cls(family, config.num_hidden_layers, config.hidden_size, heads,
+                   getattr(config, "num_key_value_heads", None) or heads,
+                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.vocab_size,
+                   float(config.rms_norm_eps), int(config.max_position_embeddings), windows)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim
+
+
+def load_config(folder: Path) -> Any:
+    """The artifact's config.json as a transformers config (its rotary parameters are computed from it)."""
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise ArtifactError(f"{folder} has no config.json (a torch variant needs the model's configuration)")
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (ValueError, OSError) as exc:
+        raise ArtifactError(f"cannot read {folder / 'config.json'}: {str(exc).splitlines()[0]}") from exc
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    out: torch.Tensor
+    out_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    window: int | None
+
+
+@dataclass
+class StepTokens:
+    """One step's tokens, packed: the first ``decode_rows`` are decode rows (one token per
+    sequence), then each chunk's tokens. ``width``: the key positions decode rows attend over
+    (padded; positions past a row's length are masked). ``chunks``: (offset, tokens, slot, start)
+    per prompt chunk. ``select``: the token indices whose logits are wanted (None: all)."""
+
+    ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
+    slots: torch.Tensor  # [tokens] int64
+    decode_rows: int
+    width: int
+    chunks: list[tuple[int, int, int, int]] = field(default_factory=list)
+    select: torch.Tensor | None = None
+
+
+class TorchDecoder:
+    """The weights, in the file's own precision, on ``device``; rotary tables for ``max_length`` positions."""
+
+    def __init__(self, weights: Path, config: Any, device: torch.device, kernels: Kernels, max_length: int):
+        from safetensors.torch import load_file
+
+        self.config = DecoderConfig.of(config)
+        self.device, self.kernels = device, kernels
+        try:
+            tensors = load_file(str(weights), device=str(device))
+        except Exception as exc:  # safetensors raises its own errors for missing or corrupt files
+            raise ArtifactError(f"cannot load {weights}: {exc}") from exc
+        if "model.embed_tokens.weight" not in tensors:
+            raise ArtifactError(f"{weights} has no 'model.embed_tokens.weight': not a {self.config.family} checkpoint")
+        self.dtype = tensors["model.embed_tokens.weight"].dtype
+        dtype = self.dtype
+        self.layers = [self._layer(tensors, i) for i in range(self.config.layers)]
+        self.embed = self._take(tensors, "model.embed_tokens.weight")
+        self.norm = self._take(tensors, "model.norm.weight")
+        self.lm_head = tensors.pop("lm_head.weight", None)
+        self.lm_head = self.embed if self.lm_head is None else self.lm_head.to(dtype)
+        self.cos, self.sin = _rotary_tables(config, max_length, device, dtype)
+        first = self.layers[0]
+        kernels.calibrate([first.qkv, first.out, first.gate_up, first.down, self.lm_head])
+
+    def _take(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ArtifactError(f"the weights file has no {name!r}: not a {self.config.family} checkpoint")
+        return tensors.pop(name).to(self.dtype)
+
+    def _layer(self, tensors: dict[str, torch.Tensor], i: int) -> _Layer:
+        p = f"model.layers.{i}."
+
+        def cat(names: list[str], kind: str) -> torch.Tensor | None:
+            keys = [f"{p}{n}.{kind}" for n in names]
+            if kind == "bias" and not any(k in tensors for k in keys):
+                return None
+            return torch.cat([self._take(tensors, k) for k in keys])
+
+        qkv, gate_up = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]
+        return _Layer(self._take(tensors, p + "input_layernorm.weight"),
+                      cat(qkv, "weight"), cat(qkv, "bias"),  # type: ignore[arg-type]
+                      self._take(tensors, p + "self_attn.o_proj.weight"), cat(["self_attn.o_proj"], "bias"),
+                      self._take(tensors, p + "post_attention_layernorm.weight"),
+                      cat(gate_up, "weight"), cat(gate_up, "bias"),  # type: ignore[arg-type]
+                      self._take(tensors, p + "mlp.down_proj.weight"), cat(["mlp.down_proj"], "bias"),
+                      self.config.windows[i])
+
+    # -- the forward pass ----------------------------------------------------------------------------
+    def forward(self, step: StepTokens, cache: Any) -> torch.Tensor:
+        """Logits (fp32) [selected tokens, vocab]; writes every token's key and value into ``cache``."""
+        c, k = self.config, self.kernels
+        tokens = step.ids.shape[0]
+        q_width, kv_width = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        cos = self.cos[step.positions].unsqueeze(1)  # [tokens, 1, head_dim]
+        sin = self.sin[step.positions].unsqueeze(1)
+        n = step.decode_rows
+        decode_lengths = step.positions[:n] + 1
+        decode_slots = step.slots[:n]
+        h = F.embedding(step.ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = k.rms_norm(h, layer.input_norm, c.eps)
+            qkv = k.linear(x, layer.qkv, layer.qkv_bias)
+            q = _rotate(qkv[:, :q_width].view(tokens, c.heads, c.head_dim), cos, sin)
+            key = _rotate(qkv[:, q_width:q_width + kv_width].view(tokens, c.kv_heads, c.head_dim), cos, sin)
+            value = qkv[:, q_width + kv_width:].view(tokens, c.kv_heads, c.head_dim)
+            keys, values = cache.layer(i)  # [slots, kv_heads, max_length, head_dim] each
+            keys[step.slots, :, step.positions] = key
+            values[step.slots, :, step.positions] = value
+            attended = torch.empty(tokens, c.heads, c.head_dim, dtype=h.dtype, device=h.device)
+            if n:
+                gathered_k = keys[:, :, :step.width].index_select(0, decode_slots)
+                gathered_v = values[:, :, :step.width].index_select(0, decode_slots)
+                attended[:n] = k.decode_attention(q[:n], gathered_k, gathered_v, decode_lengths, layer.window)
+            for offset, count, slot, start in step.chunks:
+                end = start + count
+                attended[offset:offset + count] = k.chunk_attention(
+                    q[offset:offset + count], keys[slot, :, :end], values[slot, :, :end], start, layer.window)
+            h = h + k.linear(attended.view(tokens, q_width), layer.out, layer.out_bias)
+            x = k.rms_norm(h, layer.post_norm, c.eps)
+            gate, up = k.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            h = h + k.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        if step.select is not None:
+            h = h.index_select(0, step.select)
+        return k.linear(k.rms_norm(h, self.norm, c.eps), self.lm_head).float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding as transformers applies it (``rotate_half``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rotary_tables(config: Any, length: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [length, head_dim] for every position, from transformers' own rotary module (every
+    static rope type computes its frequencies there), in the model's dtype as transformers casts them."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config).to(device)
+    cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), torch.arange(length, device=device)[None])
+    return cos[0], sin[0]

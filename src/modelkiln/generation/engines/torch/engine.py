@@ -1,0 +1,422 @@
+"""The torch engine: a Llama-family decoder (``engines/torch/decoder.py``) on the CPU or a CUDA device, its
+KV cache preallocated there, tokens chosen there (``sampling/device.py``), behind the engine seam
+(``plan.Engine``).
+
+- **One call per step** (``mixed_steps``): the decode rows and the prompt chunks of a plan are packed
+  into one sequence of tokens, so each linear layer runs once for all of them; attention runs for
+  the decode rows together and for each chunk on its own sequence's cache.
+- **The KV cache** is one tensor [layers, 2, slots, kv_heads, max_length, head_dim]. A sequence takes
+  a free slot when it starts and gives it back when it leaves: no other row is copied. On the CPU the
+  tensor lies in reserved, lazily committed memory (a slot holds in RAM what its sequence wrote, and
+  gives its pages back when freed), so the KV budget is the sum of the sequences' lengths, as for
+  the serving graph's engine; on CUDA it is allocated at load from the device's free memory, and the
+  budget is slots × ``max_length``.
+- **CUDA graphs** (CUDA only): a decode-only step replays a graph captured at ``warm_up`` for its
+  batch size and key width, each rounded up to a bucket (batch 1, 2, 4, ... ``max_rows``; width 128,
+  256, ... ``max_length``); padding rows write into a spare slot. Steps with prompt chunks run eagerly.
+- **Batch invariance** (``EngineOptions.batch_invariant``, on by default): the kernels of
+  ``engines/torch/ops.py`` give a row the same bits whatever else is in the step, so an answer does not
+  depend on the load. With it off, PyTorch's kernels run as they come (faster on the CPU).
+
+No prefix cache: ``cached_prefix`` answers 0."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ....errors import InvalidInputError, KilnError
+from ..memory import give_back, host_kv_capacity, reserve
+from ...plan import Chunk, EngineCapabilities, EngineOptions, ModelShape, Sampled, SeqId, SeqStart, StepPlan, StepResult
+from ...sampling import SamplingParams
+from .decoder import StepTokens, TorchDecoder, load_config
+from .ops import SPLIT, Kernels, padded_width
+from ...sampling.device import DeviceSampler, token_logprobs
+
+log = logging.getLogger(__name__)
+
+GPU_MEMORY_SHARE = 0.85  # of the free memory after the weights, for the KV cache
+GPU_HEADROOM = 2 << 30  # bytes kept free for activations, graphs and sampling
+# Prompt tokens per step on CUDA. A prompt step runs eagerly (no graph), and its cost there is the
+# host's (Python, launching dozens of kernels a layer), not its tokens': a 128-token step (the CPU's
+# chunk) took about 50 ms on an H200, whose arithmetic for it is well under a millisecond, and 64 or
+# 256 streams and a 512-token prompt's first token waited on one such step per 128 prompt tokens
+# (docs/gpu.md). vLLM takes 2048-8192 prompt tokens a step.
+GPU_PREFILL_CHUNK = 2048
+
+
+class KVCache:
+    """[layers, 2 (key, value), slots, kv_heads, max_length, head_dim] on one device."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, max_length: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.shape = (layers, 2, slots, kv_heads, max_length, head_dim)
+        size = int(np.prod(self.shape))
+        self._memory = None
+        if device.type == "cpu":  # reserved, committed page by page as written (memory.reserve)
+            self._memory = reserve(size * dtype.itemsize)
+            self.data = torch.frombuffer(self._memory, dtype=dtype, count=size).view(self.shape)
+        else:
+            self.data = torch.zeros(self.shape, dtype=dtype, device=device)
+        self._slot_bytes = kv_heads * max_length * head_dim * dtype.itemsize
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, 0], self.data[i, 1]
+
+    def release(self, slot: int) -> None:
+        """Give a slot's pages back (CPU); on CUDA the memory stays the cache's."""
+        if self._memory is None:
+            return
+        layers, _, slots = self.shape[:3]
+        for block in range(2 * layers):
+            give_back(self._memory, (block * slots + slot) * self._slot_bytes, self._slot_bytes)
+
+
+@dataclass
+class _Sequence:
+    slot: int
+    length: int = 0  # tokens in its cache
+    next_token: int | None = None  # what its next decode step feeds (once its prompt is in)
+    forced: list[int] = field(default_factory=list)  # a resumed answer's tokens, fed instead of chosen
+
+
+class TorchEngine:
+    def __init__(self, decoder: TorchDecoder, cache: KVCache, max_rows: int, max_context: int | None,
+                 keep_logits: bool = False, decode_graphs: bool | None = None):
+        self.decoder, self.cache = decoder, cache
+        self.device = decoder.device
+        self.max_rows = max_rows
+        self.max_length = cache.shape[4]
+        self.max_context = min(max_context or self.max_length, self.max_length)
+        self.keep_logits = keep_logits
+        self.capabilities = EngineCapabilities(self.device.type, max_rows, mixed_steps=True, prefix_cache=False,
+                                               prefill_chunk=GPU_PREFILL_CHUNK if self.device.type == "cuda" else None)
+        self.spare_slot = max_rows  # padding rows of a graph write here
+        self._free = list(range(max_rows))
+        self._sequences: dict[SeqId, _Sequence] = {}
+        self.sampler = DeviceSampler(max_rows, decoder.config.vocab, self.device)
+        # decode graphs: on CUDA by default; on the CPU only when asked (eager replays of the same buckets)
+        use_graphs = self.device.type == "cuda" if decode_graphs is None else decode_graphs
+        self.graphs = DecodeGraphs(self) if use_graphs else None
+
+    # -- queries -----------------------------------------------------------------------------------
+    def __contains__(self, seq: SeqId) -> bool:
+        return seq in self._sequences
+
+    @property
+    def cache_tokens(self) -> int:
+        return sum(s.length for s in self._sequences.values())
+
+    @property
+    def prefix_tokens(self) -> int:
+        return 0
+
+    def kv_tokens_needed(self, reserves: Sequence[int]) -> int:
+        """On the CPU each sequence holds its own length; on CUDA each holds a whole slot (a
+        sequence's reserve never exceeds a slot: the core caps it at ``max_context``)."""
+        if self.device.type == "cpu":
+            return sum(reserves)
+        return len(reserves) * self.max_length
+
+    def kv_capacity(self) -> int:
+        if self.device.type == "cpu":
+            return host_kv_capacity(self.decoder.config.kv_bytes_per_token * self.decoder.dtype.itemsize,
+                                    self.max_rows * self.max_length)
+        return self.max_rows * self.max_length
+
+    # -- no prefix cache ---------------------------------------------------------------------------------
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        return 0
+
+    def use_prefix_cache(self, tokens: int) -> None:
+        """This engine keeps no prefixes, whatever is asked."""
+
+    def evict_prefixes(self, tokens: int) -> int:
+        return 0
+
+    # -- the seam ------------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        for seq in plan.finished:
+            self._leave(seq)
+        result = StepResult()
+        for start in plan.starts:
+            try:
+                self._start(start)
+            except Exception as exc:  # noqa: BLE001 - its own request (too long, no free slot): it alone ends
+                result.errors[start.seq] = exc
+        chunks = []
+        for chunk in plan.chunks:
+            if chunk.seq in result.errors:
+                continue
+            try:
+                self._check_chunk(chunk)
+                chunks.append(chunk)
+            except KilnError as exc:
+                result.errors[chunk.seq] = exc
+        decode = list(plan.decode)
+        for seq in decode:
+            state = self._sequences.get(seq)
+            if state is None or state.next_token is None:
+                raise KilnError(f"the plan decodes {seq!r}, which is not running in the engine")
+            if state.length + 1 > self.max_length:
+                raise InvalidInputError(f"{state.length + 1} tokens exceed the engine's {self.max_length}-token rows")
+        if not decode and not chunks:
+            return result
+        logits, rows = self._run(decode, chunks)
+        choosing: list[tuple[SeqId, int]] = [(seq, rows[seq][0]) for seq in decode]
+        for chunk in chunks:
+            first, count = rows[chunk.seq]
+            if chunk.targets is not None or chunk.keep_logits:
+                self._prompt_outputs(chunk, logits[first:first + count], result)
+            self._sequences[chunk.seq].length = chunk.start + len(chunk.token_ids)
+            if chunk.last:
+                choosing.append((chunk.seq, first + count - 1))
+        for seq in decode:
+            self._sequences[seq].length += 1
+        if choosing:
+            masks = plan.masks() if plan.masks is not None else {}
+            self._choose(choosing, logits, masks, result)
+        return result
+
+    def warm_up(self) -> None:
+        """A short prompt and a few decode steps (the first runs allocate); on CUDA, the decode graphs."""
+        seq = ("warm-up",)
+        start = SeqStart(seq, [0, 1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True), seed=0)
+        self.execute(StepPlan(starts=[start], chunks=[Chunk(seq, 0, [0, 1, 2, 3], last=True)]))
+        for _ in range(2):
+            self.execute(StepPlan(decode=[seq]))
+        self.execute(StepPlan(finished=[seq]))
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    # -- steps -----------------------------------------------------------------------------------------------
+    def _start(self, start: SeqStart) -> None:
+        if start.seq in self._sequences:
+            raise InvalidInputError(f"sequence {start.seq!r} is already in the engine")
+        if start.restore:
+            raise KilnError("this engine has no prefix cache")
+        if len(start.prompt_ids) > self.max_context:
+            raise InvalidInputError(f"{len(start.prompt_ids)} prompt tokens exceed the engine's context of "
+                                    f"{self.max_context} tokens")
+        if not self._free:
+            raise KilnError(f"no free slot: the engine runs {self.max_rows} sequences at most")
+        slot = self._free.pop(0)
+        try:
+            self.sampler.start(slot, start.params, start.seed, start.prompt_ids, start.generated)
+        except Exception:
+            self._free.insert(0, slot)
+            raise
+        self._sequences[start.seq] = _Sequence(slot, forced=list(reversed(start.generated)))
+
+    def _check_chunk(self, chunk: Chunk) -> None:
+        state = self._sequences.get(chunk.seq)
+        if state is None:
+            raise KilnError(f"a prompt chunk for {chunk.seq!r}, which the engine was not told about")
+        if chunk.start != state.length or not chunk.token_ids:
+            raise KilnError(f"a prompt chunk of {chunk.seq!r} at {chunk.start} with {len(chunk.token_ids)} tokens; "
+                            f"its cache holds {state.length}")
+        if chunk.start + len(chunk.token_ids) > self.max_length:
+            raise InvalidInputError(f"{chunk.start + len(chunk.token_ids)} tokens exceed the engine's "
+                                    f"{self.max_length}-token rows")
+
+    def _leave(self, seq: SeqId) -> None:
+        state = self._sequences.pop(seq, None)
+        if state is None:
+            return
+        self.sampler.leave(state.slot)
+        self.cache.release(state.slot)
+        self._free.append(state.slot)
+        self._free.sort()
+
+    def _run(self, decode: list[SeqId], chunks: list[Chunk]) -> tuple[torch.Tensor, dict[SeqId, tuple[int, int]]]:
+        """The forward pass: logits of the positions wanted, and each sequence's (first row, rows) in
+        them: a decode row's one, a chunk's every position (scored) or its last (ending its prompt)."""
+        states = [self._sequences[seq] for seq in decode]
+        ids = [s.next_token for s in states]
+        positions = [s.length for s in states]
+        slots = [s.slot for s in states]
+        longest = max(positions, default=0) + 1
+        rows = {seq: (i, 1) for i, seq in enumerate(decode)}
+        if not chunks and self.graphs is not None and self.graphs.covers(len(decode), longest):
+            return self.graphs.run(ids, positions, slots, longest), rows  # type: ignore[arg-type]
+        select = list(range(len(decode)))
+        packed = []
+        for chunk in chunks:
+            offset, count = len(ids), len(chunk.token_ids)
+            packed.append((offset, count, self._sequences[chunk.seq].slot, chunk.start))
+            ids += chunk.token_ids
+            positions += range(chunk.start, chunk.start + count)
+            slots += [self._sequences[chunk.seq].slot] * count
+            if chunk.targets is not None or chunk.keep_logits:
+                rows[chunk.seq] = (len(select), count)
+                select += range(offset, offset + count)
+            elif chunk.last:
+                rows[chunk.seq] = (len(select), 1)
+                select.append(offset + count - 1)
+            else:
+                rows[chunk.seq] = (len(select), 0)
+        host = torch.tensor([ids, positions, slots], dtype=torch.long)
+        tokens = host.to(self.device, non_blocking=True)
+        step = StepTokens(tokens[0], tokens[1], tokens[2], decode_rows=len(decode),
+                          width=padded_width(longest) if decode else 0, chunks=packed,
+                          select=torch.tensor(select, dtype=torch.long).to(self.device))
+        with torch.inference_mode():
+            logits = self.decoder.forward(step, self.cache)
+        return logits, rows
+
+    def _prompt_outputs(self, chunk: Chunk, logits: torch.Tensor, result: StepResult) -> None:
+        if chunk.keep_logits:
+            result.prompt_logits[chunk.seq] = logits.cpu().numpy()
+        if chunk.targets is not None:
+            top = self.sampler.params(self._sequences[chunk.seq].slot).prompt_logprobs or 0
+            targets = list(chunk.targets) + [0] * (len(chunk.token_ids) - len(chunk.targets))
+            scored = token_logprobs(logits, targets, [top] * len(targets))
+            result.prompt_logprobs[chunk.seq] = scored[:len(chunk.targets)]
+
+    def _choose(self, choosing: list[tuple[SeqId, int]], logits: torch.Tensor, masks: dict, result: StepResult) -> None:
+        fed = set()
+        for seq, _ in choosing:  # a resumed token, already sent: the next step's input, nothing to report
+            state = self._sequences[seq]
+            if state.forced:
+                state.next_token = state.forced.pop()
+                fed.add(seq)
+        choosing = [(seq, row) for seq, row in choosing if seq not in fed]
+        if not choosing:
+            return
+        rows = torch.tensor([row for _, row in choosing], device=self.device)
+        chosen_logits = logits.index_select(0, rows)
+        slots = [self._sequences[seq].slot for seq, _ in choosing]
+        choice = self.sampler.choose(slots, chosen_logits, [masks.get(seq) for seq, _ in choosing])
+        kept_logits = chosen_logits.cpu().numpy() if self.keep_logits else None
+        for r, (seq, _) in enumerate(choosing):
+            if r in choice.errors:
+                result.errors[seq] = choice.errors[r]
+                continue
+            token = choice.tokens[r]
+            self._sequences[seq].next_token = token
+            sampled = Sampled(seq, token, logits=kept_logits[r].copy() if kept_logits is not None else None)
+            if r in choice.logprobs:
+                sampled.logprob, sampled.top_logprobs = choice.logprobs[r]
+            result.sampled.append(sampled)
+
+
+class DecodeGraphs:
+    """The decode-only forward pass per (batch bucket, key-width bucket), captured by ``capture``:
+    on CUDA a CUDA graph each, all in one memory pool; on the CPU the same forward on the same
+    static buffers, run eagerly (what the tests exercise: the bucketing and padding rows). Inputs
+    are copied into static buffers before a replay; rows past the real ones are padding (token 0
+    at position 0 of the spare slot), which a batch-invariant forward keeps out of the real rows."""
+
+    def __init__(self, engine: TorchEngine):
+        self.engine = engine
+        self.batches = _buckets(1, engine.max_rows)
+        self.widths = _buckets(SPLIT, engine.max_length)
+        self.inputs = torch.zeros(3, self.batches[-1], dtype=torch.long, device=engine.device)  # ids, positions, slots
+        self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+
+    def covers(self, rows: int, longest: int) -> bool:
+        return bool(self.replays) and rows <= self.batches[-1] and longest <= self.widths[-1]
+
+    def capture(self) -> None:
+        self.inputs[2].fill_(self.engine.spare_slot)
+        pool = torch.cuda.graph_pool_handle() if self.engine.device.type == "cuda" else None
+        for width in reversed(self.widths):  # the largest first: the pool is sized by it
+            for rows in reversed(self.batches):
+                step = StepTokens(self.inputs[0, :rows], self.inputs[1, :rows], self.inputs[2, :rows],
+                                  decode_rows=rows, width=width)
+                self.replays[(rows, width)] = self._cuda_graph(step, pool) if pool is not None else self._eager(step)
+        log.info("captured %d decode steps (batch %s, key width %s)", len(self.replays), self.batches, self.widths)
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], longest: int) -> torch.Tensor:
+        rows = len(ids)
+        bucket = next(b for b in self.batches if b >= rows)
+        width = next(w for w in self.widths if w >= longest)
+        pad = bucket - rows
+        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.engine.spare_slot] * pad],
+                            dtype=torch.long)
+        if self.engine.device.type == "cuda":  # pragma: no cover - CUDA
+            host = host.pin_memory()
+        self.inputs[:, :bucket].copy_(host, non_blocking=True)
+        return self.replays[(bucket, width)]()[:rows]
+
+    def _eager(self, step: StepTokens) -> Callable[[], torch.Tensor]:
+        def replay() -> torch.Tensor:
+            with torch.inference_mode():
+                return self.engine.decoder.forward(step, self.engine.cache)
+        return replay
+
+    def _cuda_graph(self, step: StepTokens, pool: Any) -> Callable[[], torch.Tensor]:  # pragma: no cover - CUDA
+        engine = self.engine
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():  # the first runs allocate outside the graph
+            for _ in range(2):
+                engine.decoder.forward(step, engine.cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+            logits = engine.decoder.forward(step, engine.cache)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return logits
+        return replay
+
+
+def _buckets(first: int, last: int) -> list[int]:
+    """first, 2·first, 4·first, ... below ``last``, then ``last``."""
+    sizes, size = [], first
+    while size < last:
+        sizes.append(size)
+        size *= 2
+    return sizes + [last]
+
+
+# --- opening ---------------------------------------------------------------------------------------------------
+
+
+def open_torch_engine(path: Path, shape: ModelShape, options: EngineOptions) -> TorchEngine:
+    """The torch engine on a torch variant's weights file (the artifact's config.json beside it)."""
+    device = _device(options.device)
+    if device.type == "cpu" and options.threads:
+        torch.set_num_threads(options.threads)
+    config = load_config(path.parent)
+    context = shape.max_context or int(getattr(config, "max_position_embeddings", 0) or 4096)
+    kernels = Kernels(device, invariant=options.batch_invariant)
+    length = -(-context // SPLIT) * SPLIT  # CPU: address space only
+    decoder = TorchDecoder(path, config, device, kernels, length)
+    c = decoder.config
+    if device.type == "cuda":  # pragma: no cover - needs a CUDA device
+        length = min(length, _gpu_length(device, options.max_rows + 1, c.kv_bytes_per_token * decoder.dtype.itemsize))
+        if options.kv_tokens:  # the budget is slots × length here: allocate no more than it
+            length = min(length, max(SPLIT, -(-options.kv_tokens // options.max_rows // SPLIT) * SPLIT))
+        decoder.cos, decoder.sin = decoder.cos[:length], decoder.sin[:length]
+    cache = KVCache(c.layers, options.max_rows + 1, c.kv_heads, length, c.head_dim, decoder.dtype, device)
+    return TorchEngine(decoder, cache, options.max_rows, min(context, length), keep_logits=options.keep_logits)
+
+
+def _device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type not in ("cpu", "cuda"):
+        raise KilnError(f"the torch engine runs on cpu or cuda, not {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KilnError("--device cuda: torch sees no CUDA device here")
+    return device
+
+
+def _gpu_length(device: torch.device, slots: int, bytes_per_token: int) -> int:  # pragma: no cover - CUDA
+    """Positions per slot that the device's free memory holds, after the weights and a headroom."""
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = max(0, free - GPU_HEADROOM) * GPU_MEMORY_SHARE
+    length = int(budget // (slots * bytes_per_token)) // SPLIT * SPLIT
+    if length < SPLIT:
+        raise KilnError(f"the GPU's free memory ({free / 2**30:.1f} GiB) holds less than {SPLIT} tokens for each of "
+                        f"{slots - 1} sequences: ask for fewer rows (--max-batch-size)")
+    return length
+

@@ -1,0 +1,1 @@
+"""What a request asks for: the sampling settings, declared once, and their parsing for every protocol."""

@@ -1,0 +1,221 @@
+"""Choosing tokens on the torch engine's device, every row of a step at once, with
+``TokenChooser``'s semantics (sampling.py): logit bias, the repetition penalty, OpenAI's frequency
+and presence penalties, the grammar's bitmask, then temperature, top-k, top-p and min-p, and the inverse
+transform of one uniform per token in vocabulary order, in float64.
+
+The uniform is ``sampling.uniform(seed, position)``, computed on the host (one per sampled row), so a
+request draws what it would on any engine and a resumed one what its first run would have. The
+state the penalties need (tokens seen, how often each was generated, the bias) stays on the device,
+one row per slot; a row whose settings do not ask for it adds exact zeros."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...errors import InvalidInputError
+from ..structured_output import bitmask
+from .draws import uniform
+from .params import SamplingParams
+
+
+@dataclass
+class _Slot:
+    params: SamplingParams
+    seed: int
+    position: int  # index in the answer of the next token
+
+
+@dataclass
+class Choice:
+    tokens: list[int]
+    errors: dict[int, Exception]  # row → what failed for it (its own settings)
+    logprobs: dict[int, tuple[float, list[tuple[int, float]]]]  # row → (chosen token's, top ones), rows that asked
+
+
+class DeviceSampler:
+    def __init__(self, slots: int, vocab: int, device: torch.device):
+        self.vocab, self.device = vocab, device
+        self._slots: dict[int, _Slot] = {}
+        self.seen = torch.zeros(slots, vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(slots, vocab, dtype=torch.float32, device=device)
+        self.bias = torch.zeros(slots, vocab, dtype=torch.float32, device=device)
+        self._biased: set[int] = set()
+
+    def start(self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int],
+              generated: Sequence[int]) -> None:
+        """A sequence takes ``slot``: its settings, and what its prompt and resumed tokens count for."""
+        self._slots[slot] = _Slot(params, seed, len(generated))
+        self.seen[slot] = False
+        self.counts[slot] = 0.0
+        if params.repetition_penalty != 1.0:
+            ids = [t for t in set(prompt_ids) | set(generated) if 0 <= t < self.vocab]
+            self.seen[slot, torch.tensor(ids, dtype=torch.long, device=self.device)] = True
+        if generated:
+            counts = np.bincount(np.asarray([t for t in generated if 0 <= t < self.vocab], dtype=np.int64),
+                                 minlength=self.vocab)
+            self.counts[slot] = torch.from_numpy(counts.astype(np.float32)).to(self.device)
+        if slot in self._biased:
+            self.bias[slot] = 0.0
+            self._biased.discard(slot)
+        if params.logit_bias:
+            bias = np.zeros(self.vocab, dtype=np.float32)
+            for token, value in params.logit_bias:  # as numpy's ``scores[ids] += bias``: the last of a repeated id counts
+                if 0 <= token < self.vocab:
+                    bias[token] = value
+            self.bias[slot] = torch.from_numpy(bias).to(self.device)
+            self._biased.add(slot)
+
+    def leave(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    def params(self, slot: int) -> SamplingParams:
+        return self._slots[slot].params
+
+    # -- choosing --------------------------------------------------------------------------------
+    def choose(self, slots: Sequence[int], logits: torch.Tensor, masks: Sequence[np.ndarray | None]) -> Choice:
+        """One token per row: ``logits`` [rows, vocab] (the model's, fp32) of the sequences in ``slots``;
+        ``masks``: each row's grammar bitmask (int32 words) or None."""
+        rows = len(slots)
+        states = [self._slots[s] for s in slots]
+        params = [s.params for s in states]
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        scores = self._processed(logits, index, params, masks)
+        tokens = scores.argmax(dim=-1)
+        errors: dict[int, Exception] = {}
+        sampled = [r for r, p in enumerate(params) if not p.greedy]
+        if sampled:
+            draws = torch.tensor([uniform(states[r].seed, states[r].position) for r in sampled], dtype=torch.float64,
+                                 device=self.device)
+            chosen, failed = self._draw(scores[sampled], [params[r] for r in sampled], draws)
+            tokens[sampled] = chosen
+            for r in failed:
+                errors[sampled[r]] = InvalidInputError(
+                    f"the sampling settings give no probabilities (temperature {params[sampled[r]].temperature})")
+        allowed = self._allowed(masks, tokens)
+        host = tokens.tolist()
+        if allowed is not None:
+            for r, ok in enumerate(allowed.tolist()):
+                if not ok and r not in errors:
+                    errors[r] = InvalidInputError("the grammar allows no token here")
+        if sampled:
+            self._fallback_rows(scores, host, sampled, states, errors)
+        kept = [r for r in range(rows) if r not in errors]
+        if kept:
+            kept_index = torch.tensor(kept, device=self.device)
+            chosen_tokens = tokens[kept_index]
+            self.seen[index[kept_index], chosen_tokens] = True
+            self.counts[index[kept_index], chosen_tokens] += 1.0
+        for r in kept:
+            states[r].position += 1
+        asking = [r for r in kept if params[r].logprobs is not None]
+        logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}
+        if asking:
+            found = token_logprobs(logits[asking], [host[r] for r in asking], [params[r].logprobs or 0 for r in asking])
+            logprobs = dict(zip(asking, found))
+        return Choice(host, errors, logprobs)
+
+    def _processed(self, logits: torch.Tensor, index: torch.Tensor, params: list[SamplingParams],
+                   masks: Sequence[np.ndarray | None]) -> torch.Tensor:
+        """Logit bias, penalties and the grammar's mask, in TokenChooser's order (fp32)."""
+        scores = logits
+        if any(p.logit_bias for p in params):
+            scores = scores + self.bias.index_select(0, index)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            penalty = _column([p.repetition_penalty for p in params], torch.float32, self.device)
+            seen = self.seen.index_select(0, index)
+            scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
+        if any(p.frequency_penalty or p.presence_penalty for p in params):
+            counts = self.counts.index_select(0, index)
+            frequency = _column([p.frequency_penalty for p in params], torch.float32, self.device)
+            presence = _column([p.presence_penalty for p in params], torch.float32, self.device)
+            scores = scores - (counts * frequency + (counts > 0).float() * presence)
+        if any(m is not None for m in masks):
+            scores = scores.masked_fill(~self._mask_rows(masks), float("-inf"))
+        return scores
+
+    def _mask_rows(self, masks: Sequence[np.ndarray | None]) -> torch.Tensor:
+        """Each row's bitmask as bool [rows, vocab] (a row without one allows everything)."""
+        words = bitmask.words(self.vocab)
+        packed = np.full((len(masks), words), -1, dtype=np.int32)
+        for r, mask in enumerate(masks):
+            if mask is not None:
+                packed[r] = 0
+                packed[r, :min(words, mask.shape[-1])] = mask[:words]
+        shifts = torch.arange(32, device=self.device, dtype=torch.int32)
+        bits = torch.from_numpy(packed).to(self.device).unsqueeze(-1) >> shifts
+        return (bits & 1).bool().view(len(masks), words * 32)[:, :self.vocab]
+
+    def _allowed(self, masks: Sequence[np.ndarray | None], tokens: torch.Tensor) -> torch.Tensor | None:
+        if all(m is None for m in masks):
+            return None
+        return self._mask_rows(masks).gather(1, tokens[:, None])[:, 0]
+
+    def _draw(self, scores: torch.Tensor, params: list[SamplingParams],
+              draws: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """TokenChooser._draw for several rows: (tokens, rows whose settings gave no probabilities).
+        Rows whose best score is not finite are left to ``_fallback_rows``."""
+        scores = scores.double()
+        best = scores.max(dim=-1, keepdim=True).values
+        finite = torch.isfinite(best)
+        temperature = _column([p.temperature for p in params], torch.float64, self.device)
+        scores = torch.where(finite, (scores - best) / temperature, scores)
+        top_k = [p.top_k if p.top_k and p.top_k < self.vocab else 0 for p in params]
+        if any(top_k):
+            k = torch.tensor(top_k, device=self.device)
+            ordered = scores.sort(dim=-1, descending=True).values
+            kth = ordered.gather(1, (k - 1).clamp(min=0)[:, None])
+            scores = torch.where((k[:, None] > 0) & (scores < kth), float("-inf"), scores)
+        exp = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+        probs = exp / exp.sum(dim=-1, keepdim=True)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = _column([p.top_p for p in params], torch.float64, self.device)
+            ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+            keep = (ordered.cumsum(dim=-1) < top_p).sum(dim=-1, keepdim=True) + 1
+            ranks = torch.arange(self.vocab, device=self.device)[None, :]
+            kept = torch.zeros_like(probs).scatter(1, order, torch.where(ranks < keep, ordered, 0.0))
+            probs = torch.where(top_p < 1.0, kept / kept.sum(dim=-1, keepdim=True), probs)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = _column([p.min_p for p in params], torch.float64, self.device)
+            kept = torch.where(probs >= min_p * probs.max(dim=-1, keepdim=True).values, probs, 0.0)
+            probs = torch.where(min_p > 0.0, kept / kept.sum(dim=-1, keepdim=True), probs)
+        cumulative = probs.cumsum(dim=-1)
+        total = cumulative[:, -1:]
+        targets = (draws[:, None] * total).contiguous()
+        tokens = torch.searchsorted(cumulative, targets, right=True)[:, 0].clamp(max=self.vocab - 1)
+        failed = (~(total[:, 0] > 0) & finite[:, 0]).nonzero().flatten().tolist()
+        return tokens, failed
+
+    def _fallback_rows(self, scores: torch.Tensor, tokens: list[int], sampled: list[int], states: list[_Slot],
+                       errors: dict[int, Exception]) -> None:
+        """Rows whose best score overflowed: a uniform choice among the tokens at the top (TokenChooser's rule)."""
+        best = scores[sampled].max(dim=-1).values
+        for i, value in enumerate(best.tolist()):
+            r = sampled[i]
+            if np.isfinite(value) or r in errors:
+                continue
+            top = (scores[r] == value).nonzero().flatten().tolist()
+            u = uniform(states[r].seed, states[r].position)
+            tokens[r] = int(top[min(int(u * len(top)), len(top) - 1)])
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
+                   tops: Sequence[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """``sampling.token_logprobs`` for several rows: the model's log-probability of each row's token
+    and its ``top`` most likely tokens with theirs (most likely first, ties by token id), in float64."""
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None])[:, 0].tolist()
+    most = max(tops, default=0)
+    best_values, best_ids = ([], [])
+    if most:
+        values, ids = logprobs.sort(dim=-1, descending=True, stable=True)
+        best_values, best_ids = values[:, :most].tolist(), ids[:, :most].tolist()
+    return [(chosen[r], [(int(best_ids[r][j]), float(best_values[r][j])) for j in range(top)])
+            for r, top in enumerate(tops)]
+
+
+def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)[:, None]

@@ -1,0 +1,1 @@
+"""From token ids to text: incremental detokenization and stop strings."""

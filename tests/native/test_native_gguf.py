@@ -1,0 +1,121 @@
+"""kiln's native operators over GGUF K-quant blocks (src/modelkiln/native/gguf_ops.c), through
+onnxruntime as a served graph runs them."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from generation_helpers import GGUF_FP16_FIELDS, random_gguf_blocks
+from modelkiln.convert.gguf.tiles import tiles
+from modelkiln.native import DOMAIN, GGML_TYPES, library_path
+
+pytestmark = pytest.mark.skipif(library_path() is None, reason="the native library is not built on this machine")
+
+
+def random_blocks(kind: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid random blocks (generation_helpers.random_gguf_blocks) whose fp16 super-block scales
+    differ from block to block, so that a kernel reading another block's scale shows."""
+    rng = np.random.default_rng(seed)
+    raw = random_gguf_blocks(kind, rows, k, rng).reshape(rows, k // 256, -1)
+    for at in GGUF_FP16_FIELDS[kind]:
+        raw[..., at:at + 2] = (rng.random((rows, k // 256, 1)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def session(nodes, inputs, outputs, initializers):
+    import onnxruntime as ort
+    from onnx import helper
+
+    from modelkiln.runtime.onnx import session_options
+
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    return ort.InferenceSession(model.SerializeToString(), session_options(2))
+
+
+def matmul_session(kind: str, raw: np.ndarray, k: int):
+    from onnx import TensorProto, helper, numpy_helper
+
+    n = raw.shape[0]
+    return session([helper.make_node("GgufMatMul", ["x", "w"], ["y"], domain=DOMAIN, ggml_type=GGML_TYPES[kind], K=k, N=n)],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", k])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", n])],
+                   [numpy_helper.from_array(tiles(kind, raw), "w")])
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_the_gather_is_gguf_pys_dequantization_bit_for_bit(kind):
+    from gguf import GGMLQuantizationType, dequantize
+    from onnx import TensorProto, helper, numpy_helper
+
+    raw = random_blocks(kind, 70, 512)  # the last tile of 16 rows is short: 6 rows and 10 of zeros
+    s = session([helper.make_node("GgufGather", ["w", "ids"], ["rows"], domain=DOMAIN, ggml_type=GGML_TYPES[kind], K=512, N=70)],
+                [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+                [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["b", "s", 512])],
+                [numpy_helper.from_array(tiles(kind, raw), "w")])
+    ids = np.array([[5, 0, 63], [7, 69, 17]], np.int64)
+    [rows] = s.run(None, {"ids": ids})
+    expected = dequantize(raw, GGMLQuantizationType[kind]).reshape(70, 512)[ids]
+    assert rows.dtype == np.float32 and np.array_equal(rows.view(np.uint32), expected.view(np.uint32))
+    [every] = s.run(None, {"ids": np.arange(70, dtype=np.int64)[None]})
+    assert np.array_equal(every[0], dequantize(raw, GGMLQuantizationType[kind]).reshape(70, 512))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_tiles_move_the_files_bytes_and_keep_their_count(kind):
+    """A tile of 16 rows takes the bytes of its 16 rows: the same values, moved (the gather above
+    reads them back bit for bit)."""
+    raw = random_blocks(kind, 32, 768, seed=7)
+    tiled = tiles(kind, raw)
+    assert tiled.shape == (2, 16 * raw.shape[1]) and tiled.dtype == np.uint8
+    assert not np.array_equal(tiled.reshape(raw.shape), raw)  # moved, not copied
+    assert tiles(kind, raw[:17]).shape == (2, 16 * raw.shape[1])  # a short last tile is filled
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_the_matmul_is_the_dequantized_product_to_int8_activation_rounding(kind):
+    from gguf import GGMLQuantizationType, dequantize
+
+    k, n = 768, 40
+    raw = random_blocks(kind, n, k, seed=1)
+    w = dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
+    x = np.random.default_rng(2).standard_normal((2, 3, k)).astype(np.float32)
+    [y] = matmul_session(kind, raw, k).run(None, {"x": x})
+    expected = x @ w.T
+    assert y.shape == (2, 3, n)
+    # activations are quantized to int8 per 256 inputs, as llama.cpp does: about 1% of the scale
+    assert np.abs(y - expected).max() < 0.02 * np.abs(expected).max()
+    assert np.corrcoef(y.ravel(), expected.ravel())[0, 1] > 0.999
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(kind):
+    """Rows are multiplied one to four at a time: the same integer sums and float operations
+    for each, so an answer does not depend on its batch."""
+    k, n = 512, 70
+    raw = random_blocks(kind, n, k, seed=3)
+    x = np.random.default_rng(4).standard_normal((1, 11, k)).astype(np.float32)
+    s = matmul_session(kind, raw, k)
+    [together] = s.run(None, {"x": x})
+    for i in range(11):
+        [alone] = s.run(None, {"x": x[:, i:i + 1]})
+        assert np.array_equal(alone[0, 0], together[0, i]), i
+    [some] = s.run(None, {"x": x[:, 3:9]})
+    assert np.array_equal(some, together[:, 3:9])
+
+
+def test_the_avx2_and_avx512_forms_agree_bit_for_bit():
+    lib = ctypes.CDLL(library_path())
+    k, n, rows = 512, 33, 6
+    for kind in GGML_TYPES:
+        tiled = tiles(kind, random_blocks(kind, n, k, seed=5))
+        x = np.random.default_rng(6).standard_normal((rows, k)).astype(np.float32)
+        outs = []
+        for avx512 in (0, 1):
+            lib.kiln_gguf_use_avx512(avx512)
+            y = np.zeros((rows, n), np.float32)
+            lib.kiln_gguf_matmul(GGML_TYPES[kind], x.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(rows), ctypes.c_int64(k),
+                                 tiled.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(n), y.ctypes.data_as(ctypes.c_void_p))
+            outs.append(y)
+        lib.kiln_gguf_use_avx512(1)
+        assert np.array_equal(outs[0], outs[1]), kind
