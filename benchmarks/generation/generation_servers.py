@@ -214,13 +214,19 @@ def slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
+# kiln loadtest's options per --modes name: greedy; sampled (temperature 0.7, top_p 0.95, seeded); and the
+# same with llama-server's default top_k of 40 (a random-weight model's flat rows put most of the vocabulary
+# in a top_p nucleus, which a real model's rows do not).
+MODES = {"greedy": [], "sampled": ["--sampled"], "sampled-top-k-40": ["--sampled", "--extra-inputs", "top_k:40"]}
+
+
 def loadtest(running: Running, protocol: str, check: bool, server: Server, out: Path, label: str,
              args: argparse.Namespace, mode: str = "greedy") -> dict:
     command = [sys.executable, "-m", "modelkiln", "loadtest", running.url, "-m", running.model, "--protocol", protocol,
                "--inputs", "sts", "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency", args.baseline_concurrency if server.baseline else args.concurrency,
                "--max-inputs", str(args.max_inputs), "--warmup", str(args.warmup), "--window", str(args.window),
                "--max-windows", str(min(server.max_windows, args.max_windows)), "--metrics-url", "none", "--label", label, "--json", str(out)]
-    subprocess.run(command + (["--check"] if check else []) + (["--sampled"] if mode == "sampled" else []), check=True)
+    subprocess.run(command + (["--check"] if check else []) + MODES[mode], check=True)
     return json.loads(out.read_text())
 
 
@@ -370,8 +376,8 @@ def main() -> None:
     parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of: " + ", ".join(SERVERS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", default="1,16,64")
-    parser.add_argument("--modes", default="greedy", help="greedy,sampled: each a run per start (kiln loadtest --sampled: "
-                        "temperature 0.7, top_p 0.95, seeded)")
+    parser.add_argument("--modes", default="greedy", help="of " + ", ".join(MODES) + ": each a run per start "
+                        "(kiln loadtest --sampled: temperature 0.7, top_p 0.95, seeded)")
     parser.add_argument("--baseline-concurrency", default=None,
                         help="concurrency levels for the one-request-at-a-time baselines (default: --concurrency)")
     parser.add_argument("--kiln-protocols", default="openai-chat,generate", help="kiln serve's runs per start")
@@ -409,7 +415,7 @@ def main() -> None:
     started = {"uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), "args": vars(args)}
     rows = run_rounds(args, names)
     lines = [f"# SmolLM2-135M-Instruct: kiln serve and its peers ({args.threads} threads each, STS-B short chats, "
-             f"{args.max_tokens} tokens per answer with ignore_eos, greedy; median of {args.rounds} rounds)", "",
+             f"{args.max_tokens} tokens per answer with ignore_eos, {args.modes}; median of {args.rounds} rounds)", "",
              *table(rows), "", f"uptime before: {started['uptime']}",
              "uptime after: " + subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
              "load average before each run: " + "; ".join(dict.fromkeys(
