@@ -414,7 +414,7 @@ def main() -> None:
         names.remove("MLServer HF")
     started = {"uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), "args": vars(args)}
     rows = run_rounds(args, names)
-    lines = [f"# SmolLM2-135M-Instruct: kiln serve and its peers ({args.threads} threads each, STS-B short chats, "
+    lines = [f"# {Manifest.load(args.artifact).name}: kiln serve and its peers ({args.threads} threads each, STS-B short chats, "
              f"{args.max_tokens} tokens per answer with ignore_eos, {args.modes}; median of {args.rounds} rounds)", "",
              *table(rows), "", f"uptime before: {started['uptime']}",
              "uptime after: " + subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),

@@ -344,7 +344,7 @@ from .loadtest.command import loadtest as _loadtest; app.command("loadtest")(_lo
 from .tune.command import TuneCommand, tune as _tune; app.command("tune", cls=TuneCommand)(_tune)  # noqa: E402,E702
 
 
-from .generation.command import GenerateCommand, generate as _generate; app.command("generate", cls=GenerateCommand)(_generate)  # noqa: E402,E702
+from .generate_command import GenerateCommand, generate as _generate; app.command("generate", cls=GenerateCommand)(_generate)  # noqa: E402,E702
 
 
 # --- entry point ------------------------------------------------------------------------------

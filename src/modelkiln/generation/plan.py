@@ -158,3 +158,18 @@ class Engine(Protocol):
     def kv_capacity(self) -> int: ...  # tokens of KV its device can hold
     def warm_up(self) -> None: ...  # the first requests should not pay for the first runs
     def __contains__(self, seq: SeqId) -> bool: ...
+
+
+def begin_step(plan: StepPlan, leave: Callable[[SeqId], None], start: Callable[[SeqStart], None]) -> StepResult:
+    """What every engine's ``execute`` does first: the finished sequences leave, then the new ones start;
+    one that cannot start (its own request: too long, no free slot, a seed numpy refuses) ends alone,
+    its error in the step's result."""
+    for seq in plan.finished:
+        leave(seq)
+    result = StepResult()
+    for new in plan.starts:
+        try:
+            start(new)
+        except Exception as exc:  # noqa: BLE001 - the request's own fault: it alone ends
+            result.errors[new.seq] = exc
+    return result

@@ -33,13 +33,12 @@ ENCODER_FILES = (
     "triton/__init__.py", "triton/batching.py",
 )
 
-# The generation model: the generation package but its command line (the engines, the engine core,
+# The generation model: the generation package (the engines, the engine core,
 # sampling, text), tasks/text_generation.py (which tells a generation artifact) and cpus.py (the
 # engine's threads when none are given).
 GENERATION_FILES = (
     *_TASKS, "tasks/text_generation.py", "runtime/__init__.py", "runtime/onnx.py", *_NATIVE, "cpus.py",
-    *sorted(f"generation/{p.relative_to(_GENERATION).as_posix()}" for p in _GENERATION.rglob("*.py")
-            if p.name != "command.py"),
+    *sorted(f"generation/{p.relative_to(_GENERATION).as_posix()}" for p in _GENERATION.rglob("*.py")),
 )
 
 

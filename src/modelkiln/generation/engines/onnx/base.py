@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+from typing import Any
+
 import numpy as np
 
-from ....errors import KilnError
-from ...plan import Chunk, EngineCapabilities, Sampled, SeqId, SeqStart, StepPlan, StepResult
+from ....errors import InvalidInputError, KilnError
+from ...plan import Chunk, EngineCapabilities, Sampled, SeqId, SeqStart, StepPlan, StepResult, begin_step
 from ...sampling import TokenChooser, token_logprobs, uniforms
 
 
@@ -35,12 +37,33 @@ class HostEngine:
         self._stored: dict[SeqId, np.ndarray] = {}  # first-token logits of a whole prompt restored from the cache
 
     # -- primitives (subclasses) ---------------------------------------------------------------------
-    def prefill(self, seq_id: SeqId, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray: ...
+    def prefill(self, seq_id: SeqId, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Run ``token_ids`` through a sequence that is not running (new, or prefilled in part).
+        Returns the last position's logits [vocab] (every position's [len, vocab] with ``all_logits``)."""
+        raise NotImplementedError
+
     def prefill_first(self, prompts: Sequence[tuple[SeqId, Sequence[int]]]) -> list[np.ndarray]: ...
     def join(self, seq_id: SeqId) -> None: ...
     def step(self, next_tokens: Mapping[SeqId, int]) -> np.ndarray: ...
     def remove(self, seq_id: SeqId) -> None: ...
-    def __contains__(self, seq_id: SeqId) -> bool: ...
+    def _joining(self) -> Mapping[SeqId, Any]: ...  # prefilled, not yet in the decode batch: each has a ``length``
+    def _row_lengths(self) -> np.ndarray: ...  # the running rows' cache lengths, in row order
+
+    def _check_prefill(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
+        if seq_id in self.rows:
+            raise InvalidInputError(f"sequence {seq_id!r} is already running")
+        if not token_ids:
+            raise InvalidInputError("a prompt needs at least one token")
+
+    def length(self, seq_id: SeqId) -> int:
+        """Tokens in a sequence's cache."""
+        joining = self._joining()
+        if seq_id in joining:
+            return joining[seq_id].length
+        return int(self._row_lengths()[self.rows.index(seq_id)])
+
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._joining() or seq_id in self.rows
 
     def restore_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int], tokens: int) -> np.ndarray | None:
         """Start ``seq_id`` with ``tokens`` cached prompt tokens; the stored first-token logits when
@@ -65,14 +88,7 @@ class HostEngine:
 
     # -- the seam --------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
-        for seq in plan.finished:
-            self._forget(seq)
-        result = StepResult()
-        for start in plan.starts:
-            try:
-                self._start(start)
-            except Exception as exc:  # noqa: BLE001 - its own settings (a seed numpy refuses): it alone ends
-                result.errors[start.seq] = exc
+        result = begin_step(plan, self._forget, self._start)
         to_choose: list[tuple[SeqId, np.ndarray]] = []
         chunks = [c for c in plan.chunks if c.seq not in result.errors]
         while chunks:

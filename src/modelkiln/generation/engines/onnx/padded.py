@@ -79,23 +79,15 @@ class PaddedEngine(HostEngine):
         per_token = 2 * d.layers * int(d.kv_heads) * int(d.head_dim) * np.dtype(d.cache_dtype).itemsize
         return host_kv_capacity(per_token, self.capabilities.max_rows * (self.max_context or 4096))
 
-    def length(self, seq_id: SeqId) -> int:
-        """Tokens in a sequence's cache."""
-        if seq_id in self._pending:
-            return self._pending[seq_id].length
-        return int(self._positions[self.rows.index(seq_id)])
+    def _joining(self) -> dict[SeqId, _Pending]:
+        return self._pending
 
-    def __contains__(self, seq_id: SeqId) -> bool:
-        return seq_id in self._pending or seq_id in self.rows
+    def _row_lengths(self) -> np.ndarray:
+        return self._positions  # a row's next position is its cache's length
 
     # -- prefill ---------------------------------------------------------------------------
     def prefill(self, seq_id: SeqId, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Run ``token_ids`` through a sequence that is not running (new, or prefilled in part).
-        Returns the last position's logits [vocab] (every position's [len, vocab] with ``all_logits``)."""
-        if seq_id in self.rows:
-            raise InvalidInputError(f"sequence {seq_id!r} is already running")
-        if not token_ids:
-            raise InvalidInputError("a prompt needs at least one token")
+        self._check_prefill(seq_id, token_ids)
         pending = self._pending.get(seq_id) or _Pending(self.decoder.empty_past(1), 0)
         n = len(token_ids)
         self._check_context(pending.length + n)

@@ -92,13 +92,11 @@ class ServingEngine(HostEngine):
         """Tokens of KV the host's memory holds by the default share, at most every row full."""
         return host_kv_capacity(self.shape.bytes_per_token, self.max_rows * self.shape.max_length)
 
-    def length(self, seq_id: SeqId) -> int:
-        if seq_id in self._staged:
-            return self._staged[seq_id].length
-        return int(self._lengths[self.rows.index(seq_id)])
+    def _joining(self) -> dict[SeqId, _Staged]:
+        return self._staged
 
-    def __contains__(self, seq_id: SeqId) -> bool:
-        return seq_id in self._staged or seq_id in self.rows
+    def _row_lengths(self) -> np.ndarray:
+        return self._lengths
 
     # -- the prefix cache ---------------------------------------------------------------------
     def use_prefix_cache(self, tokens: int) -> None:
@@ -142,12 +140,7 @@ class ServingEngine(HostEngine):
         return self.prefixes.evict(tokens) if self.prefixes else 0
 
     def prefill(self, seq_id: SeqId, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Run ``token_ids`` through a sequence that is not running (new, or prefilled in part).
-        Returns the last position's logits [vocab] (every position's [len, vocab] with ``all_logits``)."""
-        if seq_id in self.rows:
-            raise InvalidInputError(f"sequence {seq_id!r} is already running")
-        if not token_ids:
-            raise InvalidInputError("a prompt needs at least one token")
+        self._check_prefill(seq_id, token_ids)
         staged = self._stage(seq_id)
         n = len(token_ids)
         total = staged.length + n

@@ -33,7 +33,8 @@ import torch
 
 from ....errors import InvalidInputError, KilnError
 from ..memory import give_back, host_kv_capacity, reserve
-from ...plan import Chunk, EngineCapabilities, EngineOptions, ModelShape, Sampled, SeqId, SeqStart, StepPlan, StepResult
+from ...plan import (Chunk, EngineCapabilities, EngineOptions, ModelShape, Sampled, SeqId, SeqStart, StepPlan, StepResult,
+                     begin_step)
 from ...sampling import SamplingParams
 from .decoder import StepTokens, TorchDecoder, load_config
 from .ops import SPLIT, Kernels, padded_width
@@ -142,14 +143,7 @@ class TorchEngine:
 
     # -- the seam ------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
-        for seq in plan.finished:
-            self._leave(seq)
-        result = StepResult()
-        for start in plan.starts:
-            try:
-                self._start(start)
-            except Exception as exc:  # noqa: BLE001 - its own request (too long, no free slot): it alone ends
-                result.errors[start.seq] = exc
+        result = begin_step(plan, self._leave, self._start)
         chunks = []
         for chunk in plan.chunks:
             if chunk.seq in result.errors:

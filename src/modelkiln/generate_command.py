@@ -1,4 +1,5 @@
-"""``kiln generate MODEL PROMPT``: stream one answer to the terminal (or one JSON object). Its
+"""``kiln generate MODEL PROMPT``: stream one answer to the terminal (or one JSON object). A command,
+above the model cache it may convert into (so not inside generation/, which the cache's conversion uses). Its
 sampling options are derived from the declaration of the sampling settings (``request/settings.py``),
 as kiln serve's are from its settings: one option per setting, named after the request field."""
 
@@ -11,9 +12,9 @@ from typing import Any, Optional
 
 import typer
 
-from ..derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
-from ..model_arg import PRECISION, artifact_path
-from .request.settings import BOOL, FLOAT, INT, INTS, SETTINGS, from_command_line
+from .derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
+from .generation.request.settings import BOOL, FLOAT, INT, INTS, SETTINGS, from_command_line
+from .model_arg import PRECISION, artifact_path
 
 _TYPES = {FLOAT: Optional[float], INT: Optional[int], BOOL: bool, INTS: Optional[list[int]]}
 # the command line's older names for two settings
@@ -49,9 +50,9 @@ def generate(
     precision: Optional[str] = PRECISION,
 ) -> None:
     """Generate text from PROMPT with a text-generation artifact, streaming tokens as they come."""
-    from .core import Request, run_to_completion
-    from .model import CoreOptions, TextGenerationModel
-    from .request.params import sampling_params
+    from .generation.core import Request, run_to_completion
+    from .generation.model import CoreOptions, TextGenerationModel
+    from .generation.request.params import sampling_params
 
     model = TextGenerationModel(artifact_path(artifact, precision=precision))
     ids = model.prompt_ids(prompt, chat=chat, system=system)
