@@ -58,9 +58,9 @@ test-all: install
 	$(PY) -m pytest -q
 
 # The fault suite's short form on a tiny model (about 2 minutes; docs/reliability.md). The full run on
-# all-MiniLM-L6-v2: `make demo`, then `python benchmarks/reliability/reliability.py`.
+# all-MiniLM-L6-v2: `make demo`, then `python tests/reliability/fault_suite.py`.
 reliability: install
-	$(PY) -m pytest -q -m slow tests/test_reliability.py
+	$(PY) -m pytest -q -m slow tests/reliability/test_reliability.py
 
 clean:
 	rm -rf $(VENV) artifacts

@@ -246,7 +246,7 @@ def test_a_stalled_body_is_answered_408_in_bounded_time(server):
 
 def test_a_stalled_request_head_is_answered_408_and_a_silent_connection_closed(server):
     """uvicorn bounds nothing before a request's headers are complete: half a request line, or
-    nothing at all, kept the connection open for good (found by benchmarks/reliability/reliability.py). Now
+    nothing at all, kept the connection open for good (found by tests/reliability/fault_suite.py). Now
     both end within --body-read-timeout (1 s here), and a keep-alive connection still works."""
     for sent, expected in ((b"POST /v2/models/emb/infer HTTP/1.1\r\nHost: x\r\nContent-Le", b"HTTP/1.1 408"), (b"", b"")):
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:

@@ -11,7 +11,7 @@ A request's head (request line and headers) must arrive within the body-read tim
 uvicorn times nothing out before a request's headers are complete: its keep-alive timer is
 cancelled by the first byte of the next request and runs only between answered requests. A
 connection that sends half a request line and goes silent, or connects and sends nothing, was
-held open indefinitely (the fault suite, benchmarks/reliability/reliability.py: "stalled-headers" and
+held open indefinitely (the fault suite, tests/reliability/fault_suite.py: "stalled-headers" and
 "silent-connection" still open after 30 s); each holds a socket, and such a request never reaches
 the ASGI app, so ``RequestWatch`` (which bounds the body) cannot see it. Here a timer starts with
 a new connection and with the first bytes of each new request; if no request head has been

@@ -1,9 +1,9 @@
-"""The fault suite behind ``benchmarks/reliability/reliability.py``: a real ``kiln serve`` subprocess and the
+"""The fault suite behind ``tests/reliability/fault_suite.py``: a real ``kiln serve`` subprocess and the
 probes that attack it (misrouting, bad input, overload, disconnects, SIGTERM, soak, security).
 
-It lives beside the other benchmarks, not in ``src/modelkiln``: it is a measuring tool, not part of
-the product, and it needs test-only packages (hypothesis) and the test suite's error table
-(``tests/error_cases.py``), which the installed package must not depend on.
+It lives with the tests, not in ``src/modelkiln``: it checks the product rather than being part of
+it, and it needs test-only packages (hypothesis) and the test suite's error table
+(``tests/error_cases.py``) and fuzzing strategies, which the installed package must not depend on.
 
 - ``harness``: the server process, a raw HTTP/1.1 client (lying headers and stalls need bytes on a
   socket, not a client library that corrects them), /metrics reading, the reference answers.

@@ -170,8 +170,7 @@ def error_table_cases(model: str) -> list[BadCase]:
     """tests/error_cases.py, the one list of bad requests the test suite checks kind by kind:
     here only "4xx with a JSON error". Its model ``emb`` is the model under test; its other models
     (cls, ner, qa) are unknown here, answered 404. Deadline cases (503 by design) are left out."""
-    sys.path.insert(0, str(TESTS))
-    from error_cases import CASES
+    from error_cases import CASES  # tests/ is on the path (fault_suite.py, as pytest's pythonpath)
 
     from modelkiln.errors import ErrorKind
 
@@ -212,7 +211,7 @@ def judge(case: BadCase, reply: Reply | str) -> str:
 def fuzz_strategies() -> Any:
     """The test suite's hypothesis strategies (tests/serve/test_codec_fuzz.py): a module with
     ``json_values``, ``parameters`` and OIP ``requests``."""
-    sys.path.insert(0, str(TESTS))
+    sys.path.insert(0, str(TESTS / "serve"))  # a test module, imported by its name as pytest imports it
     import test_codec_fuzz
 
     return test_codec_fuzz

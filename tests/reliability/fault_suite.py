@@ -2,9 +2,9 @@
 SIGTERM, soak and security probes, each reported with a count, an outcome and its goal, in
 ``benchmarks/results/reliability.{json,txt}``. Exits 1 when a probe misses its goal.
 
-    python benchmarks/reliability/reliability.py                        # full: 100,000 answers, 30-minute soak
-    python benchmarks/reliability/reliability.py --short                # CI's form: a few thousand requests, < 3 min
-    python benchmarks/reliability/reliability.py ARTIFACT --variant fp32 --soak-minutes 5 --probes misrouting,soak
+    python tests/reliability/fault_suite.py                        # full: 100,000 answers, 30-minute soak
+    python tests/reliability/fault_suite.py --short                # CI's form: a few thousand requests, < 3 min
+    python tests/reliability/fault_suite.py ARTIFACT --variant fp32 --soak-minutes 5 --probes misrouting,soak
 
 The artifact (default ``artifacts/all-MiniLM-L6-v2``, from ``make demo``) is a sentence-embeddings
 model (a vector per text is what makes a swapped answer visible) or a text-generation model (the
@@ -13,7 +13,9 @@ are real (STS-B sentences, SQuAD questions and paragraphs packaged with modelkil
 checked against the answer its text gets alone, on the idle server, before any load. The server
 runs with an API key (every probe sends it), its default bind address, a small queue (so that 10x
 the concurrency it holds is a few hundred connections) and otherwise its defaults. The probes are
-in ``benchmarks/reliability/faultsuite/``; docs/reliability.md explains each and shows a run."""
+in ``tests/reliability/faultsuite/``; docs/reliability.md explains each and shows a run. Its short form is
+a test (``test_reliability.py`` beside it, ``make reliability``); the long form is this command, whose report
+``benchmarks/results/`` keeps."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # faultsuite/
+# As pytest's pythonpath has it: src/, and tests/ for the test suite's shared tables (error_cases.py); then
+# this folder, for faultsuite/.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO / "src"), str(REPO / "tests")]
 
 from faultsuite import generation_hostile, generation_load, hostile, load  # noqa: E402
 from faultsuite.harness import KilnServer, ProbeResult, References, load_texts, once, request_bytes  # noqa: E402
@@ -187,7 +190,7 @@ def write(args: argparse.Namespace, results: list[ProbeResult], started: float, 
     """Write the results so far (after every probe: a long run stopped early keeps what it measured)."""
     seconds = time.monotonic() - started
     load_now = os.getloadavg()
-    command = "python benchmarks/reliability/reliability.py " + " ".join(sys.argv[1:])
+    command = "python tests/reliability/fault_suite.py " + " ".join(sys.argv[1:])
     context = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "artifact": str(args.artifact), "variant": args.variant or "kiln serve's default",
                "workers": args.workers or "kiln serve's default",

@@ -1,4 +1,4 @@
-"""The fault suite's short form (``benchmarks/reliability/reliability.py --short``) against a tiny embedding
+"""The fault suite's short form (``fault_suite.py --short``, beside this file) against a tiny embedding
 model (served by one process, and by ``--workers 2``) and, in its generation mode, the tiny generation model,
 run as a user runs it (a subprocess
 starting real ``kiln serve`` processes), and its correctness goals asserted from the JSON it writes
@@ -34,14 +34,14 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+SUITE = Path(__file__).resolve().parent / "fault_suite.py"
 
 
 def short_run(artifact: Path, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "reliability" / "reliability.py"), str(artifact),
-                           "--short", "--variant", "fp32", "--out", str(out), *extra], capture_output=True, text=True,
-                          env=env, timeout=400)
+    done = subprocess.run([sys.executable, str(SUITE), str(artifact), "--short", "--variant", "fp32", "--out", str(out),
+                           *extra], capture_output=True, text=True, env=env, timeout=400)
     return done, json.loads((out / "reliability.json").read_text())
 
 
