@@ -41,8 +41,8 @@ from modelkiln.data import sts_sentences
 from modelkiln.embedded import embedded_model_path
 from modelkiln.generation.core import EngineCore, Request, complete, greedy, prompt_logits, run_to_completion
 from modelkiln.generation.model import CoreOptions, TextGenerationModel
-from modelkiln.generation.engines.onnx.padded import PaddedEngine
-from modelkiln.generation.engines.onnx.decoder import DecoderSession
+from modelkiln.generation.engines.registry import ONNX_EXPORT, open_engine
+from modelkiln.generation.plan import Engine, EngineOptions, ModelShape
 from modelkiln.machine import cpu_description
 
 THREADS = 2
@@ -155,7 +155,7 @@ def perplexities(model: TextGenerationModel, variants: list[str], notes: list[st
     return result
 
 
-def export_engine(model: TextGenerationModel, folder: Path) -> PaddedEngine:
+def export_engine(model: TextGenerationModel, folder: Path) -> Engine:
     """The engine before the serving graph: SmolLM2 through the torch export, fp32."""
     path = folder / "model.onnx"
     if not path.is_file():
@@ -165,7 +165,7 @@ def export_engine(model: TextGenerationModel, folder: Path) -> PaddedEngine:
 
         folder.mkdir(parents=True, exist_ok=True)
         export_decoder(load_causal_lm(load_source(model.manifest.source["model"], with_tokenizer=False)), path)
-    return PaddedEngine(DecoderSession(path, threads=THREADS), model.max_context)
+    return open_engine(path, ONNX_EXPORT, ModelShape(model.heads, model.max_context), EngineOptions(threads=THREADS))
 
 
 def main() -> None:

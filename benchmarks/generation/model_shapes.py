@@ -316,8 +316,6 @@ def report(out: Path) -> str:
 def check(out: Path, llama_cpp: Path, kind: str = "Q4_K_M", tokens: int = 16) -> str:
     """Each shape's ``kind`` file loads in llama.cpp and generates ``tokens`` tokens with 2 threads; the first
     shape's config reads back in transformers from the GGUF."""
-    from transformers import AutoConfig
-
     lines = [f"load average before the checks: {' '.join(f'{load:.1f}' for load in os.getloadavg())} "
              f"(1, 5, 15 min; {os.cpu_count()} cores). Peak RSS counts the file's mapped pages and llama.cpp's "
              "CPU_REPACK copy of the Q4_K tensors (repacked for AVX-512)."]
@@ -377,7 +375,6 @@ def transformers_reads(path: Path) -> str:
             f"{config.num_hidden_layers}, heads {config.num_attention_heads}/{config.num_key_value_heads}, vocab "
             f"{config.vocab_size}; AutoTokenizer {type(tokenizer).__name__} of {len(tokenizer)} tokens, "
             f"{'the same' if same else 'other'} ids as SmolLM2's own GGUF on {text!r}")
-    return "\n".join(lines)
 
 
 def main() -> None:
