@@ -31,7 +31,7 @@ class TritonPythonModel:
     def execute(self, requests):
         try:
             feeds = [
-                {n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.manifest.input_names}
+                {n: _required(r, n) for n in self.manifest.input_names}
                 for r in requests
             ]
             batch, sizes = stack(feeds, self.pad_values)
@@ -43,3 +43,10 @@ class TritonPythonModel:
             pb_utils.InferenceResponse([pb_utils.Tensor(n, v) for n, v in part.items()])
             for part in split(outputs, sizes, self.per_token)
         ]
+
+
+def _required(request, name):
+    """A required input's array: config.pbtxt declares it, so Triton refuses a request without it."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    assert tensor is not None, name
+    return tensor.as_numpy()

@@ -39,7 +39,7 @@ class TritonPythonModel:
                     texts[name] = tensor.as_numpy() if tensor is not None else None
                 prepared = self.task.prepare(self.task.inputs_from_tensors(texts))
                 encodings = self.encoder.tokenize(prepared)
-                outputs = {n: pb_utils.get_input_tensor_by_name(request, n).as_numpy() for n in self.manifest.output_names}
+                outputs = {n: _required(request, n) for n in self.manifest.output_names}
                 answers = self.task.postprocess(outputs, encodings, prepared)
                 tensors = self.task.answer_tensors(answers)
                 # Triton's configs give per-example values dims [1]: [n] → [n, 1].
@@ -48,3 +48,10 @@ class TritonPythonModel:
             except (KilnError, KeyError, ValueError) as exc:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(exc).__name__}: {exc}")))
         return responses
+
+
+def _required(request, name):
+    """A required input's array: config.pbtxt declares it, so Triton refuses a request without it."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    assert tensor is not None, name
+    return tensor.as_numpy()
