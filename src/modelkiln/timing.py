@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -51,15 +52,18 @@ def measure(
     return Stats.of(samples)
 
 
+K = TypeVar("K", bound=Hashable)  # what names each callable (a label, an id)
+
+
 def measure_interleaved(
-    fns: dict[str, Callable[[], object]], rounds: int = 5, seconds_per_round: float = 0.1, warmup: int = 3
-) -> dict[str, Stats]:
+    fns: Mapping[K, Callable[[], object]], rounds: int = 5, seconds_per_round: float = 0.1, warmup: int = 3
+) -> dict[K, Stats]:
     """Time several callables in alternating rounds, so a burst of load from elsewhere on the
     machine hits all of them alike and the comparison between them stays fair."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict[K, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             started = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import ContextManager
 
@@ -13,7 +14,7 @@ import numpy as np
 from ..data import read_sts
 from ..errors import KilnError
 from ..manifest import Manifest
-from ..runtime.engine import Engine
+from ..runtime.engine import Runner
 from ..runtime.pipeline import Pipeline, load_encoder, load_variant
 from ..tasks import make_task
 from ..tasks.embeddings import spearman
@@ -46,14 +47,14 @@ def evaluate_sts(artifact: Path, sts: Path | None, threads: int | None, referenc
         raise KilnError(f"STS evaluation needs a sentence-embeddings artifact; '{manifest.name}' is {manifest.task}")
     pairs = read_sts(sts)
     encoder = load_encoder(artifact, manifest)
-    engines: list[tuple[str, Callable[[], Engine]]] = []
+    engines: list[tuple[str, Callable[[], Runner]]] = []
     if reference:
         from ..convert.reference import reference_engine
 
         engines.append(("pytorch fp32", lambda: reference_engine(manifest, threads)))
     for v in manifest.kept_variants():
         if v.device == "cpu":
-            engines.append((f"onnxruntime {v.name}", lambda v=v: load_variant(artifact, manifest, v, threads)))
+            engines.append((f"onnxruntime {v.name}", partial(load_variant, artifact, manifest, v, threads)))
     scores: list[Score] = []
     for label, factory in engines:
         with steps(f"STS-B ({len(pairs)} pairs): {label}"):

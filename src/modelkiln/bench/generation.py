@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -232,7 +233,7 @@ def _own_variants(model: TextGenerationModel, cfg: GenerationBenchConfig) -> Ite
         if v.device != "cpu" or (cfg.variants and v.name not in cfg.variants):
             continue
         label = f"kiln {v.name}" if v.engine == "torch" else f"onnxruntime {v.name}"
-        yield label, lambda v=v: OnnxBackend(model, v.name, cfg.threads, max_batch=max(cfg.batches))
+        yield label, partial(OnnxBackend, model, v.name, cfg.threads, max_batch=max(cfg.batches))
 
 
 def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,

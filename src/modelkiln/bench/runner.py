@@ -21,7 +21,7 @@ from ..cpus import available_cpus
 from ..errors import KilnError
 from ..machine import cpu_description
 from ..manifest import Manifest
-from ..runtime.engine import Engine
+from ..runtime.engine import Engine, Runner
 from ..runtime.onnx import cuda_available
 from ..runtime.pipeline import load_variant
 from ..runtime.registry import TORCH
@@ -138,10 +138,10 @@ def _own_engines(folder: Path, manifest: Manifest, cfg: BenchConfig, skipped: li
             skipped.append(f"{label} {v.name}: no CUDA device")
             continue
         assert v.file is not None
-        yield (f"{label} {v.name}", v.device, lambda v=v: load_variant(folder, manifest, v, cfg.threads))
+        yield (f"{label} {v.name}", v.device, partial(load_variant, folder, manifest, v, cfg.threads))
 
 
-def measure_engine(engine: Engine, label: str, feeds: dict[tuple[int, int], dict[str, np.ndarray]], cfg: BenchConfig,
+def measure_engine(engine: Runner, label: str, feeds: dict[tuple[int, int], dict[str, np.ndarray]], cfg: BenchConfig,
                    steps: Steps = lambda d: contextlib.nullcontext()) -> dict[tuple[int, int], Stats]:
     """Every (batch, seq) cell of one engine."""
     stats = {}

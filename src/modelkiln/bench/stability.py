@@ -7,6 +7,7 @@ lines say which numbers to re-measure."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from ..timing import Stats
@@ -30,7 +31,7 @@ class TimedCell(Protocol):
     speedup: float | None
 
 
-def timing_warnings(cells: list[TimedCell]) -> list[str]:
+def timing_warnings(cells: Sequence[TimedCell]) -> list[str]:
     warnings = []
     for c in cells:
         if c.stats.median > 0 and c.stats.p95 / c.stats.median > MAX_SPREAD:

@@ -7,6 +7,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import ContextManager
 
@@ -142,7 +143,7 @@ class _Builder:
     def time_all(self, variants: list[Variant]) -> None:
         """Latency of every validated variant at batch 1, measured interleaved (see measure_interleaved)."""
         engines = {id(v): open_encoder(self.folder, self.manifest, v, self.cfg.threads) for v in variants}
-        stats = measure_interleaved({k: (lambda e=e: e.run(self.feeds)) for k, e in engines.items()},
+        stats = measure_interleaved({k: partial(e.run, self.feeds) for k, e in engines.items()},
                                     rounds=5, seconds_per_round=self.cfg.timing_seconds / 5)
         for v in variants:
             v.latency_ms = round(stats[id(v)].median, 4)
@@ -295,10 +296,12 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
     with b.steps(f"Timing {len(validated)} variants at batch 1 (interleaved)"):
         b.time_all(validated)
     # Fusions are kept only where they are measured faster on this device.
-    opt = next((v for v in b.variants if v.name == "optimized" and v.kept), None)
-    if opt and fp32.latency_ms is not None and opt.latency_ms is not None and opt.latency_ms >= fp32.latency_ms:
-        opt.kept = False
-        opt.reason = f"not faster than fp32 on {device} ({opt.latency_ms:.3f} ms vs {fp32.latency_ms:.3f} ms)"
+    kept_fused = next((v for v in b.variants if v.name == "optimized" and v.kept), None)
+    if (kept_fused and fp32.latency_ms is not None and kept_fused.latency_ms is not None
+            and kept_fused.latency_ms >= fp32.latency_ms):
+        kept_fused.kept = False
+        kept_fused.reason = (f"not faster than fp32 on {device} "
+                             f"({kept_fused.latency_ms:.3f} ms vs {fp32.latency_ms:.3f} ms)")
 
 
 def _build_torch_variants(b: _Builder, wanted: list[str], model: object, device: str) -> None:

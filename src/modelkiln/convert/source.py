@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..errors import ModelLoadError, TaskNotSupportedError, UnsupportedArchitectureError
 from ..manifest import Pooling
@@ -63,8 +63,9 @@ class SourceModel:
     def model_type(self) -> str:
         return self.config.model_type
 
-    def st_file(self, relative: str) -> dict | list | None:
-        """A sentence-transformers json file of the model, if present."""
+    def st_file(self, relative: str) -> Any:
+        """A sentence-transformers json file of the model, parsed, if present (else None): modules.json
+        is a list, the others objects."""
         if self.folder is None:
             return None
         path = self.folder / relative
@@ -123,7 +124,7 @@ def one_gguf_parse() -> Iterator[None]:
     except ImportError:  # transformers says which package is missing when it needs it
         yield
         return
-    parse = gguf.GGUFReader
+    parse: Any = gguf.GGUFReader
 
     def shared_reader(path: Any, mode: str = "r") -> Any:
         if mode != "r":
@@ -135,11 +136,11 @@ def one_gguf_parse() -> Iterator[None]:
             _parsed_gguf[key] = parse(path, mode)
         return _parsed_gguf[key]
 
-    gguf.GGUFReader = shared_reader
+    gguf.GGUFReader = shared_reader  # type: ignore[misc, assignment]  # patched on purpose: transformers calls gguf.GGUFReader
     try:
         yield
     finally:
-        gguf.GGUFReader = parse
+        gguf.GGUFReader = parse  # type: ignore[misc]  # the class put back
 
 
 def forget_gguf_parse() -> None:
@@ -187,7 +188,8 @@ def _causal_lm_class_name(config: Any) -> str:
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM._model_mapping[type(config)].__name__
+        # a model mapping's value is the model class (transformers annotates every mapping's as a tokenizer pair)
+        return cast(type, AutoModelForCausalLM._model_mapping[type(config)]).__name__
     except KeyError:
         return f"{type(config).__name__.removesuffix('Config')}ForCausalLM"
 

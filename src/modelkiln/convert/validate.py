@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..manifest import Validation
-from ..runtime.engine import Engine
+from ..runtime.engine import Engine, Runner
 from ..runtime.tokenizer import TextEncoder
 from ..tasks import Task, TextInput
 
@@ -55,7 +55,7 @@ class Reference:
     outputs: list[dict[str, np.ndarray]]
 
 
-def run_reference(engine: Engine, encoder: TextEncoder, task: Task, texts: Sequence[TextInput]) -> Reference:
+def run_reference(engine: Runner, encoder: TextEncoder, task: Task, texts: Sequence[TextInput]) -> Reference:
     prepared = task.prepare(list(texts))
     batches, outputs = [], []
     for i in range(0, len(prepared), BATCH):

@@ -198,7 +198,7 @@ def to_fp16(src: Path, dst: Path) -> None:
 
 def tensorrt_version() -> str | None:
     try:
-        import tensorrt  # type: ignore[import-not-found]
+        import tensorrt
     except ImportError:
         return None
     return str(tensorrt.__version__)

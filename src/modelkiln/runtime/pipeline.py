@@ -9,13 +9,13 @@ from typing import Any
 
 from ..manifest import Manifest, Variant
 from ..tasks import Task, make_task
-from .engine import Engine
+from .engine import Engine, Runner
 from .registry import open_encoder
 from .tokenizer import TextEncoder
 
 
 class Pipeline:
-    def __init__(self, task: Task, encoder: TextEncoder, engine: Engine):
+    def __init__(self, task: Task, encoder: TextEncoder, engine: Runner):
         self.task = task
         self.encoder = encoder
         self.engine = engine

@@ -91,7 +91,8 @@ class TorchEncoderEngine:
         self.keep_hidden = keep_hidden or self.pooling is None
         self.output_names = ([POOLED] if self.pooling else []) + (self.task_outputs if self.keep_hidden else [])
         hidden = int(getattr(self.module.config, "hidden_size", -1))
-        self.output_shapes = {n: (-1, -1, hidden) if n == "last_hidden_state" else (-1, -1) for n in self.task_outputs}
+        self.output_shapes: dict[str, tuple[int, ...]] = {
+            n: (-1, -1, hidden) if n == "last_hidden_state" else (-1, -1) for n in self.task_outputs}
         self.max_length = manifest.max_length
         use_graphs = self.device.type == "cuda" if graphs is None else graphs
         # per (batch, length) bucket: its replay, or None where the capture failed
@@ -104,9 +105,9 @@ class TorchEncoderEngine:
         rows, length = feeds["input_ids"].shape
         if self._graphs is not None:
             lengths = [n for n in GRAPH_LENGTHS if n < self.max_length] + [self.max_length]
-            bucket = _bucket(rows, GRAPH_BATCHES), _bucket(length, lengths)
-            if None not in bucket:
-                return self._run_bucket(feeds, bucket)  # type: ignore[arg-type]
+            batch, width = _bucket(rows, GRAPH_BATCHES), _bucket(length, lengths)
+            if batch is not None and width is not None:
+                return self._run_bucket(feeds, (batch, width))
         inputs = {n: torch.from_numpy(np.ascontiguousarray(feeds[n])).to(self.device) for n in self.input_names}
         with torch.inference_mode():
             outputs = self._forward(inputs)
@@ -126,6 +127,7 @@ class TorchEncoderEngine:
         the capture failed. On the CPU (``graphs=True``: tests) the replay is the same forward on
         the same static buffers, run eagerly."""
         rows, length = feeds["input_ids"].shape
+        assert self._graphs is not None  # run() buckets only with graphs on
         if bucket not in self._graphs:
             self._graphs[bucket] = self._capture(bucket)
         replay = self._graphs[bucket]
@@ -218,8 +220,8 @@ def _no_init_weights() -> Any:
         from transformers.initialization import no_init_weights
     except ImportError:
         try:
-            from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef]
+            from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined, no-redef]  # transformers 4's place
         except ImportError:
-            no_init_weights = contextlib.nullcontext  # type: ignore[assignment]
+            no_init_weights = contextlib.nullcontext  # type: ignore[assignment]  # neither has it: initialise, then overwrite
     with no_init_weights():
         yield

@@ -18,7 +18,7 @@ class TensorRTUnavailableError(KilnError):
 def require() -> str:
     """The importable TensorRT's version, or a one-line error saying what to do instead."""
     try:
-        import tensorrt  # type: ignore[import-not-found]
+        import tensorrt
     except ImportError:
         raise TensorRTUnavailableError(
             "--model-backend tensorrt needs the TensorRT Python package (`import tensorrt` failed): build the plan "
@@ -30,7 +30,7 @@ def require() -> str:
 def build_plan(onnx_path: Path, plan_path: Path, manifest: Manifest, opts: Options) -> None:  # pragma: no cover - needs a GPU
     """ONNX → serialized engine with one optimization profile: batch 1..max_batch_size, tokens
     1..max_length (the tokenize model pads to power-of-two buckets within that range)."""
-    import tensorrt as trt  # type: ignore[import-not-found]
+    import tensorrt as trt
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)

@@ -79,7 +79,7 @@ def cache_wrapper(model: Any, shape: DecoderShape) -> Any:
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids, attention_mask, position_ids, *past):  # type: ignore[no-untyped-def]
+        def forward(self, input_ids, attention_mask, position_ids, *past):
             cache = DynamicCache(config=self.model.config)
             for i in range(shape.layers):
                 cache.update(past[2 * i], past[2 * i + 1], i)

@@ -151,7 +151,7 @@ class GraphBuilder:
             self._count(w, storage)
         if isinstance(storage, AsStored):
             self.formats[str(storage)] += 1
-            self._gguf_matmul(x, name, self._write_tiles(name, weights), storage.kind, weights[0].shape[1],  # type: ignore[arg-type]
+            self._gguf_matmul(x, name, self._write_tiles(name, _gguf(weights)), storage.kind, weights[0].shape[1],
                               sum(w.shape[0] for w in weights), product)
         elif storage is None:
             self.formats["fp32"] += 1
@@ -159,7 +159,7 @@ class GraphBuilder:
             self.node("MatMul", [x, self.constant(f"{name}.weight", stacked)], f"{name}.matmul", outputs=[product])
         else:
             self.formats[str(storage)] += 1
-            quantized = self._write_blocks(name, weights, storage)  # type: ignore[arg-type]
+            quantized = self._write_blocks(name, _gguf(weights), storage)
             self._matmul_nbits(x, name, quantized, product, rank)
         if biases is not None:
             self.node("Add", [product, self.constant(f"{name}.bias", np.concatenate(biases))], f"{name}.bias_add",
@@ -293,6 +293,13 @@ class GraphBuilder:
                 self._matmul_nbits(x, "lm_head", weights, output, rank=2)
             return output
         return self.linear(x, "lm_head", [matrix], output=output, rank=2)[0]
+
+
+def _gguf(matrices: list[Matrix]) -> list[GgufMatrix]:
+    """Matrices stored as GGUF blocks: GGUF tensors all (``storage`` chooses blocks for no other)."""
+    gguf = [m for m in matrices if isinstance(m, GgufMatrix)]
+    assert len(gguf) == len(matrices)
+    return gguf
 
 
 def _fp32(matrix: Matrix) -> np.ndarray:

@@ -40,7 +40,7 @@ from ..artifact import TORCH_ENGINE, default_precisions, remove_variant_file, ve
 from .decoder_export import DecoderShape
 from .gate import (DEFAULT_GATE, CandidateRun, GatePrompts, ReferenceRun, candidate_run, check_batch_invariance,
                               judge, teacher_forced)
-from .sources import FP32_VARIANTS, GgufSource, open_source
+from .sources import FP32_VARIANTS, GgufSource, TransformersSource, open_source
 from .logit_store import LogitStore
 from .torch_weights import TORCH_PRECISIONS, save_weights, weights_file
 from .torch_weights import variant_name as torch_variant_name
@@ -103,6 +103,7 @@ def gate_prompts(artifact: Any, source: src.SourceModel, texts: Sequence[str] | 
     from ...data import read_squad, sts_sentences
 
     prompts, kinds = [], []
+    chats: list[str]
     if texts:
         plain, chats, paragraphs_text = list(texts[:short + squad]), [], list(texts[:squad])
     else:
@@ -180,6 +181,7 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         origin.config.to_json_file(str(folder / "config.json"))
         manifest.save(folder)  # provisional, no variant yet: the gate reads prompts through the artifact's own code
         if torch_engine:
+            assert isinstance(origin, TransformersSource)  # open_source's source for the torch engine
             built = _build_torch(origin.model, folder, wanted, steps)
         else:
             built = _build_onnx(cfg, origin, folder, wanted, steps)
@@ -344,7 +346,12 @@ def _default_variant(variants: list[Variant], device: str) -> str:
     cost of more accuracy than that)."""
     kept = [v for v in variants if v.kept and v.device == device and v.latency_ms is not None]
     close = [v for v in kept if abs(v.details.get("perplexity_change", 1.0)) <= DEFAULT_PPL_BUDGET]
-    return min(close or kept, key=lambda v: v.latency_ms).name  # type: ignore[arg-type,return-value]
+
+    def latency(v: Variant) -> float:
+        assert v.latency_ms is not None  # kept: those with one
+        return v.latency_ms
+
+    return min(close or kept, key=latency).name
 
 
 def _refuse_batch_variant(invariance: Any, validation: Any, details: dict[str, Any], reason: str) -> str:

@@ -184,7 +184,7 @@ def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False,
         _write_nodes(g, weights, spec)
     finally:
         tensors.close()
-    past_shape = ["batch", spec.kv_heads, "capacity", spec.head_dim]
+    past_shape: list[str | int] = ["batch", spec.kv_heads, "capacity", spec.head_dim]
     inputs = [helper.make_tensor_value_info(io.INPUT_IDS, TensorProto.INT64, ["batch", "sequence"]),
               helper.make_tensor_value_info(io.SEQLENS_K, TensorProto.INT32, ["batch"]),
               helper.make_tensor_value_info(io.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, []),
@@ -208,6 +208,13 @@ def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False,
     return GraphSummary(dict(g.formats), g.gguf_types)
 
 
+def _values(weights: DecoderWeights, key: str) -> np.ndarray:
+    """A norm's or a bias's fp32 values (``tensor`` gives a GgufMatrix for matrices only)."""
+    values = weights.tensor(key)
+    assert isinstance(values, np.ndarray), key
+    return values
+
+
 def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec) -> None:
     cos, sin = weights.rotary(spec.max_positions)
     g.constant("rotary.cos", cos)
@@ -215,12 +222,13 @@ def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec) ->
     embed, head = weights.tensor("embed"), weights.tensor("lm_head")
     x = g.embedding(io.INPUT_IDS, embed, tied=head is embed)
     residual = x
-    h = g.node("SimplifiedLayerNormalization", [x, g.constant("layers.0.input_norm.weight", weights.tensor("layers.0.input_norm"))],
+    first_norm = _values(weights, "layers.0.input_norm")
+    h = g.node("SimplifiedLayerNormalization", [x, g.constant("layers.0.input_norm.weight", first_norm)],
                "layers.0.input_norm", axis=-1, epsilon=spec.rms_eps, stash_type=1)
     for i in range(spec.layers):
         w = lambda role: weights.tensor(f"layers.{i}.{role}")  # noqa: E731
-        qkv = g.linear(h, f"layers.{i}.qkv", [w("q"), w("k"), w("v")],
-                       [w("q_bias"), w("k_bias"), w("v_bias")] if spec.qkv_bias else None, parts=["q", "k", "v"])
+        biases = [_values(weights, f"layers.{i}.{r}_bias") for r in "qkv"] if spec.qkv_bias else None
+        qkv = g.linear(h, f"layers.{i}.qkv", [w("q"), w("k"), w("v")], biases, parts=["q", "k", "v"])
         q, k, v = qkv if len(qkv) == 3 else (qkv[0], "", "")  # one packed input, or three
         attended = g.node("GroupQueryAttention",
                           [q, k, v, io.past_key_name(i), io.past_value_name(i), io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH,
@@ -229,14 +237,15 @@ def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec) ->
                           domain=MS_DOMAIN, num_heads=spec.heads, kv_num_heads=spec.kv_heads, do_rotary=1,
                           rotary_interleaved=0, scale=float(spec.head_dim ** -0.5))
         out = g.linear(attended, f"layers.{i}.o_proj", [w("o")])[0]
-        h, residual = g.skip_norm(out, residual, w("post_attention_norm"), spec.rms_eps, f"layers.{i}.post_attention_norm")
+        post_norm = _values(weights, f"layers.{i}.post_attention_norm")
+        h, residual = g.skip_norm(out, residual, post_norm, spec.rms_eps, f"layers.{i}.post_attention_norm")
         gate_up = g.linear(h, f"layers.{i}.gate_up", [w("gate"), w("up")], parts=["gate", "up"])
         gate, up = gate_up if len(gate_up) == 2 else g.split(gate_up[0], [spec.intermediate, spec.intermediate], f"layers.{i}.gate_up")
         silu = g.node("Mul", [gate, g.node("Sigmoid", [gate], f"layers.{i}.sigmoid")], f"layers.{i}.silu")
         act = g.node("Mul", [silu, up], f"layers.{i}.act")
         out = g.linear(act, f"layers.{i}.down_proj", [w("down")])[0]
         last = i + 1 == spec.layers
-        norm = weights.tensor("final_norm" if last else f"layers.{i + 1}.input_norm")
+        norm = _values(weights, "final_norm" if last else f"layers.{i + 1}.input_norm")
         h, residual = g.skip_norm(out, residual, norm, spec.rms_eps, "final_norm" if last else f"layers.{i + 1}.input_norm")
     tokens = g.node("Reshape", [h, g.constant("hidden_rows", np.asarray([-1, spec.hidden], np.int64))], "hidden_by_token")
     last_rows = g.node("Gather", [tokens, io.LOGIT_POSITIONS], "hidden_at_logit_positions", axis=0)

@@ -43,13 +43,14 @@ class GgufRowIndex:
         """(tensor name, GGUF row of each column) for a [K, N] MatMul weight, or None."""
         columns = np.ascontiguousarray(weight.T, dtype=np.float32)
         found = [self.rows.get(c.tobytes()) for c in columns]
-        if any(f is None for f in found):
+        matched = [f for f in found if f is not None]
+        if len(matched) < len(found):
             return None
-        names = set.intersection(*({n for n, _ in f} for f in found))  # type: ignore[union-attr]
+        names = set.intersection(*({n for n, _ in f} for f in matched))
         if not names:
             return None
         name = sorted(names)[0]
-        return name, np.asarray([next(i for n, i in f if n == name) for f in found])  # type: ignore[union-attr]
+        return name, np.asarray([next(i for n, i in f if n == name) for f in matched])
 
     def blocks_for(self, weight: np.ndarray) -> Blocks | None:
         """The GGUF blocks that dequantize to exactly ``weight`` ([K, N], a MatMul's), or None."""
