@@ -69,12 +69,14 @@ def generate(
     for event in run_to_completion(core, [Request("cli", ids, params)]):
         if event.error is not None:
             raise event.error
+        delta = event.delta
+        assert delta is not None  # an output is a token or an error
         first_token_at = first_token_at or time.perf_counter()
-        tokens.append(event.delta.token_id)
-        pieces.append(event.delta.text)
-        finish_reason = event.delta.finish_reason or finish_reason
-        if not json_output and event.delta.text:
-            sys.stdout.write(event.delta.text)
+        tokens.append(delta.token_id)
+        pieces.append(delta.text)
+        finish_reason = delta.finish_reason or finish_reason
+        if not json_output and delta.text:
+            sys.stdout.write(delta.text)
             sys.stdout.flush()
     elapsed = time.perf_counter() - started
     ttft = (first_token_at or time.perf_counter()) - started

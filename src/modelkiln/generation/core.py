@@ -292,7 +292,8 @@ class EngineCore:
             restore = self.engine.cached_prefix(prompt) if cached else 0
             self.hooks.prefix(request, restore)
             request.prefilled = restore
-            plan.starts.append(SeqStart(request.request_id, prompt, request.params, request.seed,  # type: ignore[arg-type]
+            assert request.seed is not None  # add_request chose it
+            plan.starts.append(SeqStart(request.request_id, prompt, request.params, request.seed,
                                         restore=restore, generated=list(request.resume_ids)))
             self._prefilling.append(request)
         budget = self.prefill_chunk
@@ -335,13 +336,13 @@ class EngineCore:
         release the GIL); cheap ones before it: handing them to a thread cost more than computing
         them (SmolLM2, one json_object stream, 2 busy cores: +0.3-0.5 ms a token threaded, +0.0-0.1
         inline, for masks of ~10 µs)."""
-        constrained = [r for r in choosing if r.state is not None and r.state.matcher is not None]
+        constrained = [(r.request_id, r.state) for r in choosing if r.state is not None and r.state.matcher is not None]
         if not constrained:
             return None
 
         def compute() -> dict[Hashable, Any]:
             started = time.perf_counter()
-            masks = {r.request_id: r.state.bitmask() for r in constrained}  # type: ignore[union-attr]
+            masks = {request_id: state.bitmask() for request_id, state in constrained}
             self._mask_seconds = time.perf_counter() - started
             return masks
 

@@ -63,7 +63,8 @@ class TextGenerationModel:
         return {k: v for k, v in (self.settings.get("special_tokens") or {}).items() if isinstance(v, str)}
 
     def chat_prompt(self, prompt: str, system: str | None = None) -> str:
-        return render_chat(self.chat_template or "", chat_messages(prompt, system), **self.template_tokens)
+        return render_chat(self.chat_template or "", chat_messages(prompt, system), add_generation_prompt=True,
+                           tools=None, **self.template_tokens)
 
     def chat_tokens(self, special_tokens_in_text: bool = False) -> ChatTokens:
         """Messages → prompt ids with the chat template; message text is text unless ``special_tokens_in_text``."""

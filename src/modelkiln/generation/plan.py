@@ -144,8 +144,9 @@ class Engine(Protocol):
     ``engines/torch/engine.py``)."""
 
     capabilities: EngineCapabilities
-    max_context: int | None
 
+    @property
+    def max_context(self) -> int | None: ...  # the longest sequence it runs (None: no limit known)
     def execute(self, plan: StepPlan) -> StepResult: ...
     def cached_prefix(self, prompt_ids: Sequence[int]) -> int: ...  # prompt tokens its prefix cache can restore
     def use_prefix_cache(self, tokens: int) -> None: ...  # keep at most this many tokens of prefixes (0: none)

@@ -24,7 +24,7 @@ memory for running sequences: what the cache takes is bounded, so a server's mem
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +33,7 @@ import numpy as np
 # often 20-30 tokens. A block costs one dictionary entry and one copy in and out.
 BLOCK_TOKENS = 8
 MAX_WHOLE = 32  # whole prompts kept with their last logits (151,936 floats each for Qwen2.5's vocabulary)
+ReadKv = Callable[[int, int], np.ndarray]  # (start, stop) -> a copy of those positions' KV
 
 
 @dataclass
@@ -103,7 +104,7 @@ class PrefixCache:
         blocks, whole = self.lookup(token_ids)
         return len(token_ids) if whole is not None else len(blocks) * self.block_tokens
 
-    def insert(self, token_ids: Sequence[int], read_kv, last_logits: np.ndarray | None = None) -> int:  # type: ignore[no-untyped-def]
+    def insert(self, token_ids: Sequence[int], read_kv: ReadKv, last_logits: np.ndarray | None = None) -> int:
         """Cache every full block of ``token_ids`` not cached yet; ``read_kv(start, stop)`` returns
         a copy of those positions' KV. With ``last_logits`` (and room), the whole prompt too.
         Returns the tokens added."""
@@ -119,7 +120,7 @@ class PrefixCache:
             self.evict(self.tokens - self.max_tokens)
         return added
 
-    def _insert_blocks(self, token_ids: Sequence[int], read_kv) -> int:  # type: ignore[no-untyped-def]
+    def _insert_blocks(self, token_ids: Sequence[int], read_kv: ReadKv) -> int:
         added, parent = 0, None
         blocks = min(len(token_ids), self.max_tokens) // self.block_tokens
         for b, (key, tokens) in enumerate(self._keys(token_ids, blocks)):

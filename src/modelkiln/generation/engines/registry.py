@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...cpus import available_cpus
 from ...errors import ArtifactError
@@ -16,10 +17,13 @@ from .onnx import graph_io as io
 from .onnx.decoder import DecoderSession, open_session
 from ..plan import Engine, EngineOptions, ModelShape
 
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
 ONNX_SERVING, ONNX_EXPORT, TORCH = "onnx-serving", "onnx-export", "torch"
 
 
-def graph_kind(session) -> str:  # type: ignore[no-untyped-def]
+def graph_kind(session: ort.InferenceSession) -> str:
     """The engine an ONNX decoder graph needs, from its metadata (artifacts without ``engine``)."""
     kind = session.get_modelmeta().custom_metadata_map.get(io.GRAPH_KIND_KEY, "export")
     return ONNX_SERVING if kind == io.SERVING_GRAPH else ONNX_EXPORT

@@ -46,7 +46,8 @@ class TokenChooser:
         grammar's bitmask (int32 words, bit set = allowed); ``u``: this token's uniform where the
         caller drew the step's at once (``uniforms``). Records the token as chosen."""
         p = self.params
-        u = self._uniform() if u is None and not p.greedy else u
+        if u is None:
+            u = 0.0 if p.greedy else self._uniform()  # greedy draws nothing
         scores = self._processed(logits)
         if allowed is None:
             token = int(np.argmax(scores)) if p.greedy else draw(scores, p, u)
@@ -112,8 +113,8 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, lis
     best: list[tuple[int, float]] = []
     if top:
         ids = np.argpartition(-logprobs, top - 1)[:top] if top < logprobs.shape[-1] else np.arange(logprobs.shape[-1])
-        ids = sorted(ids.tolist(), key=lambda i: (-logprobs[i], i))
-        best = [(int(i), float(logprobs[i])) for i in ids]
+        order = sorted(ids.tolist(), key=lambda i: (-logprobs[i], i))
+        best = [(int(i), float(logprobs[i])) for i in order]
     return float(logprobs[token]), best
 
 

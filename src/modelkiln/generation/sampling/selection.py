@@ -171,7 +171,8 @@ def _pointer(name: str, size: int, dtype: type) -> Any:
     return _kept(name, size, dtype)[1]
 
 
-_CTYPES = {np.int64: ctypes.c_int64, np.float64: ctypes.c_double, np.uint64: ctypes.c_uint64, np.uint8: ctypes.c_uint8}
+_CTYPES: dict[type, type[ctypes._SimpleCData[Any]]] = {np.int64: ctypes.c_int64, np.float64: ctypes.c_double,
+                                                       np.uint64: ctypes.c_uint64, np.uint8: ctypes.c_uint8}
 
 
 def _kept(name: str, size: int, dtype: type) -> tuple[np.ndarray, Any]:
@@ -180,7 +181,7 @@ def _kept(name: str, size: int, dtype: type) -> tuple[np.ndarray, Any]:
         kept = _local.kept = {}
     entry = kept.get(name)
     if entry is None or entry[0].shape[0] < size:
-        buffer = np.empty(max(size, 1), dtype=dtype)
+        buffer: np.ndarray = np.empty(max(size, 1), dtype=dtype)
         entry = kept[name] = (buffer, buffer.ctypes.data_as(ctypes.POINTER(_CTYPES[dtype])))
     return entry
 

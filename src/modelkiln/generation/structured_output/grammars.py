@@ -39,8 +39,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +49,10 @@ from . import bitmask
 from ...errors import InvalidInputError
 from .closing import ClosingTokens, closing_path
 from .vocabulary import Vocabulary
+
+if TYPE_CHECKING:
+    # a TypedDict its stub declares (the compiled module has no such name)
+    from llguidance._lib import JsonCompileOptions
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "lark", "gbnf")
 MAX_DEPTH = 32  # nesting of a schema's objects and arrays (a schema's own $ref recursion is not limited)
@@ -58,7 +63,7 @@ SHORTEST_ANSWER_LIMIT = 256  # tokens: a grammar whose shortest answer is longer
 
 # One space after ',' and ':' and nowhere else: the output reads as json.dumps writes it, and a
 # small model cannot spend its tokens on whitespace (free whitespace lets it loop on newlines).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class Matcher:
@@ -278,6 +283,7 @@ def _check_depth(spec: Any, kind: str) -> None:
     stack = [(spec, 1)]
     while stack:
         value, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(value, dict):
             children = value.values()
         elif isinstance(value, list):
@@ -335,7 +341,7 @@ def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
             return [walk(n) for n in node]
         if not isinstance(node, dict):
             return node
-        out = {}
+        out: dict[str, Any] = {}
         for key, value in node.items():
             if key in _SCHEMA_MAPS and isinstance(value, dict):
                 out[key] = {name: walk(sub) for name, sub in value.items()}

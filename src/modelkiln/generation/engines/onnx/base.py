@@ -42,12 +42,23 @@ class HostEngine:
         Returns the last position's logits [vocab] (every position's [len, vocab] with ``all_logits``)."""
         raise NotImplementedError
 
-    def prefill_first(self, prompts: Sequence[tuple[SeqId, Sequence[int]]]) -> list[np.ndarray]: ...
+    def prefill_first(self, prompts: Sequence[tuple[SeqId, Sequence[int]]]) -> list[np.ndarray]:
+        raise NotImplementedError
+
     def join(self, seq_id: SeqId) -> None: ...
-    def step(self, next_tokens: Mapping[SeqId, int]) -> np.ndarray: ...
+
+    def step(self, next_tokens: Mapping[SeqId, int]) -> np.ndarray:
+        raise NotImplementedError
+
     def remove(self, seq_id: SeqId) -> None: ...
-    def _joining(self) -> Mapping[SeqId, Any]: ...  # prefilled, not yet in the decode batch: each has a ``length``
-    def _row_lengths(self) -> np.ndarray: ...  # the running rows' cache lengths, in row order
+
+    def _joining(self) -> Mapping[SeqId, Any]:
+        """Prefilled, not yet in the decode batch: each has a ``length``."""
+        raise NotImplementedError
+
+    def _row_lengths(self) -> np.ndarray:
+        """The running rows' cache lengths, in row order."""
+        raise NotImplementedError
 
     def _check_prefill(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
         if seq_id in self.rows:
@@ -94,8 +105,8 @@ class HostEngine:
         while chunks:
             group = self._first_chunk_group(chunks)
             if len(group) > 1:
-                logits = self.prefill_first([(c.seq, c.token_ids) for c in group])
-                for chunk, row in zip(group, logits):
+                firsts = self.prefill_first([(c.seq, c.token_ids) for c in group])
+                for chunk, row in zip(group, firsts):
                     self._chunk_done(chunk, row, to_choose)
                 del chunks[:len(group)]
                 continue

@@ -131,6 +131,7 @@ class PaddedEngine(HostEngine):
         if not self.rows:
             return np.zeros((0, 0), dtype=np.float32)
         self._check_context(int(self._positions.max()) + 1)
+        assert self._past is not None  # running rows have their cache
         ids = np.asarray([[next_tokens[s]] for s in self.rows], dtype=np.int64)
         mask = np.concatenate([self._mask, np.ones((len(self.rows), 1), dtype=np.int64)], axis=1)
         logits, self._past = self.decoder.forward(ids, mask, self._positions[:, None], self._past)
@@ -150,6 +151,7 @@ class PaddedEngine(HostEngine):
             self._past, self._mask = None, np.zeros((0, 0), dtype=np.int64)
             return
         mask = np.delete(self._mask, row, axis=0)
+        assert self._past is not None  # rows ran: they have their cache
         first = int(np.argmax(mask.any(axis=0)))  # columns before this are padding in every row
         arrays = self.decoder.past_to_numpy(self._past)
         self._past = self.decoder.past_from_numpy([np.delete(a, row, axis=0)[:, :, first:] for a in arrays])

@@ -169,8 +169,8 @@ class ServingEngine(HostEngine):
         each one's last-position logits. GroupQueryAttention takes several rows of more than one
         token only when none has a past: later chunks go one sequence at a time (``prefill``)."""
         if len(prompts) == 1:
-            seq_id, ids = prompts[0]
-            return [self.prefill(seq_id, ids)]
+            seq_id, token_ids = prompts[0]
+            return [self.prefill(seq_id, token_ids)]
         if any(seq_id in self for seq_id, _ in prompts) or any(not ids for _, ids in prompts):
             raise InvalidInputError("prefill_first takes new sequences with at least one token each")
         lengths = [len(ids) for _, ids in prompts]

@@ -128,8 +128,8 @@ class TorchDecoder:
         self.layers = [self._layer(tensors, i) for i in range(self.config.layers)]
         self.embed = self._take(tensors, "model.embed_tokens.weight")
         self.norm = self._take(tensors, "model.norm.weight")
-        self.lm_head = tensors.pop("lm_head.weight", None)
-        self.lm_head = self.embed if self.lm_head is None else self.lm_head.to(dtype)
+        lm_head = tensors.pop("lm_head.weight", None)
+        self.lm_head = self.embed if lm_head is None else lm_head.to(dtype)
         self.cos, self.sin = _rotary_tables(config, max_length, device, dtype)
         first = self.layers[0]
         kernels.calibrate([first.qkv, first.out, first.gate_up, first.down, self.lm_head])
@@ -142,19 +142,22 @@ class TorchDecoder:
     def _layer(self, tensors: dict[str, torch.Tensor], i: int) -> _Layer:
         p = f"model.layers.{i}."
 
-        def cat(names: list[str], kind: str) -> torch.Tensor | None:
-            keys = [f"{p}{n}.{kind}" for n in names]
-            if kind == "bias" and not any(k in tensors for k in keys):
+        def weight(names: list[str]) -> torch.Tensor:
+            return torch.cat([self._take(tensors, f"{p}{n}.weight") for n in names])
+
+        def bias(names: list[str]) -> torch.Tensor | None:
+            keys = [f"{p}{n}.bias" for n in names]
+            if not any(k in tensors for k in keys):
                 return None
             return torch.cat([self._take(tensors, k) for k in keys])
 
         qkv, gate_up = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]
         return _Layer(self._take(tensors, p + "input_layernorm.weight"),
-                      cat(qkv, "weight"), cat(qkv, "bias"),  # type: ignore[arg-type]
-                      self._take(tensors, p + "self_attn.o_proj.weight"), cat(["self_attn.o_proj"], "bias"),
+                      weight(qkv), bias(qkv),
+                      self._take(tensors, p + "self_attn.o_proj.weight"), bias(["self_attn.o_proj"]),
                       self._take(tensors, p + "post_attention_layernorm.weight"),
-                      cat(gate_up, "weight"), cat(gate_up, "bias"),  # type: ignore[arg-type]
-                      self._take(tensors, p + "mlp.down_proj.weight"), cat(["mlp.down_proj"], "bias"),
+                      weight(gate_up), bias(gate_up),
+                      self._take(tensors, p + "mlp.down_proj.weight"), bias(["mlp.down_proj"]),
                       self.config.windows[i])
 
     # -- the forward pass ----------------------------------------------------------------------------

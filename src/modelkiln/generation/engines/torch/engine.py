@@ -232,13 +232,14 @@ class TorchEngine:
         """The forward pass: logits of the positions wanted, and each sequence's (first row, rows) in
         them: a decode row's one, a chunk's every position (scored) or its last (ending its prompt)."""
         states = [self._sequences[seq] for seq in decode]
-        ids = [s.next_token for s in states]
+        ids = [s.next_token for s in states if s.next_token is not None]  # every one: execute checked
+        assert len(ids) == len(states)
         positions = [s.length for s in states]
         slots = [s.slot for s in states]
         longest = max(positions, default=0) + 1
         rows = {seq: (i, 1) for i, seq in enumerate(decode)}
         if not chunks and self.graphs is not None and self.graphs.covers(len(decode), longest):
-            return self.graphs.run(ids, positions, slots, longest), rows  # type: ignore[arg-type]
+            return self.graphs.run(ids, positions, slots, longest), rows
         select = list(range(len(decode)))
         packed = []
         for chunk in chunks:
