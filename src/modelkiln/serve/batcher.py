@@ -245,10 +245,11 @@ class Batcher:
 
     def _tokenize(self, new: list[Item], finished: list[Job]) -> list[Item]:
         live = [it for it in new if not (it.job.done or it.job.cancelled)]
+        errors: Sequence[BaseException | None]
         try:
             errors = self.hooks.tokenize(live)
         except Exception as exc:
-            errors = [exc] * len(live)  # type: ignore[list-item]
+            errors = [exc] * len(live)
         for item, error in zip(live, errors):
             if error is not None:
                 self._fail(item.job, error, finished)
@@ -343,7 +344,7 @@ class Batcher:
         with self._done_lock:
             if not job.done:
                 job.done = True
-                job.results = error  # type: ignore[assignment]
+                job.results = error  # type: ignore[assignment]  # an ended job's error in place of its answers (_resolve_jobs)
                 finished.append(job)
 
     def _resolve(self, jobs: list[Job]) -> None:

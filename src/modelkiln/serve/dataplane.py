@@ -40,7 +40,8 @@ class Repository(Protocol):
     process's models, or, in a worker of ``kiln serve --workers N``, the supervisor's
     (``workers.SupervisorLink``), which changes every worker's models at once."""
 
-    mode: str
+    @property
+    def mode(self) -> str: ...  # none, explicit or poll
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...

@@ -10,6 +10,7 @@ over the live ones."""
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -38,7 +39,7 @@ class Metrics:
                                     buckets=_SIZE_BUCKETS, registry=r)
         self.batch_tokens = Histogram("kiln_batch_tokens", "Padded tokens per model batch.", ["model"],
                                       buckets=_TOKEN_BUCKETS, registry=r)
-        live = "livesum"  # several workers: the sum over the live ones
+        live: Literal["livesum"] = "livesum"  # several workers: the sum over the live ones
         self.in_flight = Gauge("kiln_requests_in_flight", "Requests being handled now.", registry=r,
                                multiprocess_mode=live)
         self.queued = Gauge("kiln_queue_inputs", "Inputs waiting for a batch.", ["model"], registry=r,

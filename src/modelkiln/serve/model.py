@@ -122,7 +122,7 @@ class EncoderModel(BatchHooks):
         """Run a short and a full-size batch so first requests don't pay for arena growth."""
         samples: list[Any] = list(self.task.sample_inputs)
         for n in (1, min(len(samples), self.settings.max_batch_size)):
-            job = Job(n=n, future=None)  # type: ignore[arg-type]
+            job = Job(n=n, future=None)  # type: ignore[arg-type]  # a warm-up's answers are not awaited: no future
             items = [Item(job, i, text) for i, text in enumerate(self.task.prepare(samples[:n]))]
             self.tokenize(items)
             self.execute(items, instance, alone)

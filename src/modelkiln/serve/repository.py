@@ -164,9 +164,9 @@ class ModelRepository:
 
     async def load(self, name: str) -> None:
         self._check_api("load", name)
-        folder = self.root / name if self.root is not None else None
-        if folder is None or name not in artifact_names(self.root):  # type: ignore[arg-type]
+        if self.root is None or name not in artifact_names(self.root):
             raise ModelNotFoundError(f"no model '{name}' in the repository {self.root}")
+        folder = self.root / name
         folder_now = await asyncio.to_thread(lambda: Folder(name, folder, fingerprint(folder)))
         await self._load(folder_now)
 

@@ -20,13 +20,16 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 from ..cpus import available_cpus
 from ..errors import KilnError
+
+if TYPE_CHECKING:
+    from pydantic.config import JsonDict
 
 ENV_PREFIX = "KILN_"
 
@@ -52,7 +55,8 @@ def setting(default: Any, help: str, *, sweep: str | Mapping[str, str] | None = 
     when it is not ``--field-name``; ``shown_default``: how help shows a default of None
     ("cores / instances"); ``checks``: pydantic constraints (ge, gt, le)."""
     extra = {"sweep": sweep, "flag": flag, "shown_default": shown_default}
-    return Field(default, description=help, json_schema_extra=extra, **checks)
+    # the declaration's own metadata (read back by _meta): strings and a {kind: values} mapping, JSON all the same
+    return Field(default, description=help, json_schema_extra=cast("JsonDict", extra), **checks)
 
 
 class ServeSettings(BaseModel):

@@ -55,13 +55,13 @@ def token_rows(tensors: Mapping[str, np.ndarray], limits: TokenLimits, model_nam
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise InvalidInputError(f"input_ids of shape {list(ids.shape)} holds no tokens")
     arrays = {}
-    for n in TOKEN_INPUTS:
-        a = tensors.get(n)
+    for name in TOKEN_INPUTS:
+        a = tensors.get(name)
         if a is None:
-            a = np.ones_like(ids) if n == "attention_mask" else np.zeros_like(ids)
+            a = np.ones_like(ids) if name == "attention_mask" else np.zeros_like(ids)
         if a.shape != ids.shape or a.dtype.kind not in "iu":
-            raise InvalidInputError(f"{n} must be an integer tensor shaped like input_ids {list(ids.shape)}")
-        arrays[n] = a
+            raise InvalidInputError(f"{name} must be an integer tensor shaped like input_ids {list(ids.shape)}")
+        arrays[name] = a
     _check_range(arrays["input_ids"], 0, limits.vocab_size - 1, "input_ids", f"the vocabulary has {limits.vocab_size} tokens")
     _check_range(arrays["token_type_ids"], 0, limits.max_type_id, "token_type_ids", f"the model's types are 0..{limits.max_type_id}")
     _check_range(arrays["attention_mask"], 0, 1, "attention_mask", "the mask is 0 or 1")

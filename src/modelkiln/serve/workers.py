@@ -47,7 +47,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -236,7 +236,7 @@ class WorkerModels:
                 outcomes = await self.supervisor.each_worker("install", spec)
                 failed = [w for w, error in outcomes.items() if error is not None]
                 if failed and len(failed) == len(outcomes):
-                    raise next(iter(outcomes.values()))  # type: ignore[misc]
+                    raise next(error for error in outcomes.values() if error is not None)  # every one failed
                 self.specs[spec.name] = spec
                 for worker in failed:  # loaded elsewhere (so not the artifact): a fresh worker loads it again
                     log.warning("worker %d could not load %s (%s); replacing it", worker.index, spec.name,
@@ -254,7 +254,11 @@ class WorkerModels:
 def statistics_from_json(rows: list[dict]) -> list[ModelStatistics]:
     """Statistics as a worker sent them (JSON: dataclasses as dicts)."""
     durations = ("success", "fail", "queue", "compute_infer")
-    return [ModelStatistics(**{k: Duration(**v) if k in durations else v for k, v in row.items()}) for row in rows]
+
+    def value(key: str, v: Any) -> Any:
+        return Duration(**v) if key in durations else v
+
+    return [ModelStatistics(**{k: value(k, v) for k, v in row.items()}) for row in rows]
 
 
 def add_statistics(per_worker: list[list[ModelStatistics]]) -> list[ModelStatistics]:
@@ -389,7 +393,7 @@ class Supervisor:
             env={**os.environ, MULTIPROCESS_DIR: self.metrics_dir})  # read by the worker's prometheus_client at import
         theirs.close()
         loop = asyncio.get_running_loop()
-        worker = Worker(index, process, None, loop.create_future())  # type: ignore[arg-type]
+        worker = Worker(index, process, None, loop.create_future())  # type: ignore[arg-type]  # channel next: it needs the worker
         worker.loaded.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody awaits: no warning
         worker.channel = Channel(Connection(ours.detach()), self._handlers(),
                                  on_message=lambda m: self._message(worker, m))
@@ -466,7 +470,8 @@ class Supervisor:
         failed = [r for r in answered if isinstance(r, Exception)]
         if failed and len(failed) == len(answered):
             raise failed[0]
-        return add_statistics([statistics_from_json(r) for r in answered if not isinstance(r, Exception)])
+        # a call's answer: a worker's rows (JSON)
+        return add_statistics([statistics_from_json(cast(list[dict], r)) for r in answered if not isinstance(r, Exception)])
 
 
 def run_workers(settings: ServeSettings, count: int, startup: Startup) -> int:

@@ -15,7 +15,7 @@ from dataclasses import replace
 from ...generation.request.params import choice_seed
 from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
-from .model import GenerationModel, Stream
+from .model import DeltaStream, GenerationModel
 
 def with_seed(params: SamplingParams, index: int) -> SamplingParams:
     return params if index == 0 else replace(params, seed=choice_seed(params.seed, index))
@@ -24,7 +24,7 @@ def with_seed(params: SamplingParams, index: int) -> SamplingParams:
 class Answers:
     """The streams of one request's answers, by choice index; closing closes them all."""
 
-    def __init__(self, streams: dict[int, Stream]):
+    def __init__(self, streams: dict[int, DeltaStream]):
         self.streams = streams
 
     @property
@@ -90,7 +90,7 @@ async def submit(model: GenerationModel, requests: list[tuple[int, list[int], Sa
     """Submit every (choice index, prompt ids, params) now; if one is refused (a full queue), the
     ones already submitted are cancelled and the refusal raised. ``resume_ids``: the tokens of the
     one answer a client resumes (``resume.py``)."""
-    streams: dict[int, Stream] = {}
+    streams: dict[int, DeltaStream] = {}
     try:
         for index, ids, params in requests:
             streams[index] = model.generate(ids, params, timeout_s, resume_ids or ())

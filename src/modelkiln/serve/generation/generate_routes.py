@@ -26,7 +26,7 @@ from ...errors import InvalidInputError
 from ...tasks import text_generation as contract
 from ..dataplane import DataPlane
 from .http import json_body, sse, sse_response, whole_answer
-from .model import GenerationModel, Stream
+from .model import DeltaStream, GenerationModel
 from .resume import wants_token_ids
 
 
@@ -57,7 +57,7 @@ _JSON_TEXT_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
 def register(app: FastAPI, plane: DataPlane) -> None:
     limit, timeout = plane.settings.max_body_bytes, plane.settings.body_read_timeout_s
 
-    async def start(request: Request, name: str, version: str | None) -> tuple[GenerationModel, Stream, bool]:
+    async def start(request: Request, name: str, version: str | None) -> tuple[GenerationModel, DeltaStream, bool]:
         """The request's model, its stream, and whether it asked for token ids."""
         body = await json_body(request, limit, timeout)
         model = plane.generation_model(name, version)
@@ -92,11 +92,11 @@ def register(app: FastAPI, plane: DataPlane) -> None:
         return sse_response(stream, _events(model, stream, token_ids), openai=False)
 
 
-async def _events(model: GenerationModel, stream: Stream, token_ids: bool) -> AsyncIterator[bytes]:
+async def _events(model: GenerationModel, stream: DeltaStream, token_ids: bool) -> AsyncIterator[bytes]:
     """One event per token that adds text; the first carries the answer's ``seed``, and with
     ``return_token_ids`` each carries the ids of the tokens since the last one (``resume.py``)."""
-    head = {"model_name": model.name, "model_version": model.version}
-    first = {**head, "seed": stream.seed}
+    head: dict[str, object] = {"model_name": model.name, "model_version": model.version}
+    first: dict[str, object] = {**head, "seed": stream.seed}
     unsent: list[int] = []
     async for delta in stream:
         if token_ids:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import orjson
@@ -70,7 +70,7 @@ def sse_response(stream: Answering, events: AsyncIterator[bytes], openai: bool) 
     """Send ``events`` once the stream is accepted (a refusal is an HTTP status); an error after
     the first byte becomes an ``error`` event (the status is sent)."""
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncGenerator[bytes, None]:
         try:
             async for event in events:
                 yield event
@@ -89,16 +89,16 @@ class _AcceptedStreamResponse(StreamingResponse):
     which may still refuse it (a full queue: 503). A stream that names the replica it runs on
     (``replica``: kiln ray) says so in ``x-kiln-replica``, as kiln ray's other answers do."""
 
-    def __init__(self, stream: Answering, openai: bool, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.stream, self.openai = stream, openai
+    def __init__(self, stream: Answering, openai: bool, body: AsyncGenerator[bytes, None], **kwargs: Any):
+        super().__init__(body, **kwargs)
+        self.stream, self.openai, self._sse_body = stream, openai, body
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await self.stream.started()
         except KilnError as exc:
             await self.stream.aclose()
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._sse_body.aclose()
             status, payload, headers = error_response(exc, openai=self.openai)
             await Response(payload, status, headers, media_type="application/json")(scope, receive, send)
             return

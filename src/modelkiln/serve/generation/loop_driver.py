@@ -31,7 +31,7 @@ class LoopDriver(CoreDriver):
     def engine(self) -> Any:
         return self.core.engine
 
-    def cancel(self, job: Job) -> None:  # type: ignore[override]
+    def cancel(self, job: Job) -> None:  # type: ignore[override]  # by Job: its holders never cancel by request id
         super().cancel(job.request_id)
 
 
@@ -39,7 +39,7 @@ def _deliver(outputs: list[Output]) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
     for output in outputs:
         job = output.request
-        assert isinstance(job, Job) and job.loop is not None
+        assert isinstance(job, Job) and job.loop is not None and job.queue is not None
         by_loop.setdefault(job.loop, []).append((job.queue, output.error or output.delta))
     for loop, items in by_loop.items():
         try:

@@ -16,13 +16,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
 from ...cpus import available_cpus
 from ...errors import InvalidInputError
 from ...generation.chat.tokens import encode
+from ...generation.core import Request
 from ...generation.model import CoreOptions, TextGenerationModel
 from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
@@ -59,6 +60,7 @@ class GenerationModel:
     version = MODEL_VERSION
     task = GenerationTask()
     queue_unit = "generation requests"  # what its queue holds, for the message of a refusal
+    kv_budget: int | None  # tokens of KV, every engine replica's (set by load; kiln ray's router: None)
 
     def __init__(self, spec: ModelSpec, settings: ServeSettings, metrics: Metrics):
         self.folder = Path(spec.path)
@@ -96,6 +98,7 @@ class GenerationModel:
         self.drivers = []
         for replica in range(self.instances):
             core = self.artifact.core(self.variant.name, options, _MetricHooks(self.metrics, self.name, totals, replica))
+            assert core.kv_budget is not None  # TextGenerationModel.core always sizes one
             totals.budgets[replica] = core.kv_budget
             self.drivers.append(LoopDriver(core, name=f"{self.name}-{replica}" if self.instances > 1 else self.name))
         for driver in self.drivers:
@@ -205,7 +208,7 @@ class GenerationModel:
 
     # -- generating ------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None,
-                 resume_ids: Sequence[int] = (), seed: int | None = None) -> Stream:
+                 resume_ids: Sequence[int] = (), seed: int | None = None) -> DeltaStream:
         """Submit now (``OverloadedError`` at once when the wait queue is full, before any answer is
         sent); the returned stream yields the answer's deltas, the last with ``finish_reason``.
         ``resume_ids``: the answer's first tokens, already sent (the stream goes on after them);
@@ -236,7 +239,7 @@ class GenerationModel:
                                                      "kv_tokens": self.kv_budget if self.ready else None,
                                                      "decoupled": True})
 
-    async def _start_oip(self, request: InferRequest) -> Stream:
+    async def _start_oip(self, request: InferRequest) -> DeltaStream:
         """An OIP request checked and submitted: its deltas (a 4xx or 503 error before any)."""
         ids = await self.prompt_ids(oip.prompt(request))
         params = await self.params(oip.sampling_fields(request.parameters), len(ids))
@@ -276,6 +279,24 @@ class GenerationModel:
     async def predict(self, request: PredictRequest) -> PredictResponse:
         raise InvalidInputError(f"model '{self.name}' generates text: use /v2/models/{self.name}/generate, "
                                 "/v1/completions or /v1/chat/completions")
+
+
+class DeltaStream(Protocol):
+    """What the protocol edges read from an answer's stream: ``Stream`` (this process's engine) or
+    kiln ray's ``RemoteStream`` (a replica's), which ``generate`` returns."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+
+    @property
+    def seed(self) -> int: ...
+    async def started(self) -> None: ...
+    def __aiter__(self) -> DeltaStream: ...
+    async def __anext__(self) -> Delta: ...
+    async def aclose(self) -> None: ...
+    async def __aenter__(self) -> Any: ...
+    async def __aexit__(self, *exc: object) -> None: ...
 
 
 class OpenStream:
@@ -399,7 +420,7 @@ class _MetricHooks(CoreHooks):
         self.prefix_hits = metrics.prefix_cache_hits.labels(name)
         self.generation_tokens = metrics.generation_tokens.labels(name)
 
-    def token(self, job, now: float) -> None:  # type: ignore[no-untyped-def]
+    def token(self, job: Request, now: float) -> None:
         if job.first_token_at == 0.0:
             self.ttft.observe(now - job.arrived)
             self.prompt_tokens.inc(len(job.prompt_ids))
@@ -407,11 +428,11 @@ class _MetricHooks(CoreHooks):
             self.itl.observe(now - job.last_token_at)
         self.generation_tokens.inc()
 
-    def prefix(self, job, cached_tokens: int) -> None:  # type: ignore[no-untyped-def]
+    def prefix(self, job: Request, cached_tokens: int) -> None:
         self.prefix_queries.inc(len(job.prompt_ids))
         self.prefix_hits.inc(cached_tokens)
 
-    def finished(self, job, now: float) -> None:  # type: ignore[no-untyped-def]
+    def finished(self, job: Request, now: float) -> None:
         self.e2e.observe(now - job.arrived)
 
     def iteration(self, running: int, waiting: int, cache_tokens: int) -> None:

@@ -285,7 +285,9 @@ async def _chunks(answers: Answers, writers: dict[int, ChatChoice | CompletionCh
     first = {**head, "seed": answers.seed}
     if chat:
         for index in sorted(writers):
-            yield sse({**first, "choices": [writers[index].first()]})  # type: ignore[union-attr]
+            writer = writers[index]
+            assert isinstance(writer, ChatChoice)  # a chat's writers
+            yield sse({**first, "choices": [writer.first()]})
             first = head
     async for index, delta in answers.deltas():
         for piece in writers[index].feed(delta):

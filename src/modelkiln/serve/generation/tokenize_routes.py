@@ -14,6 +14,8 @@ request would refuse it)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -42,16 +44,16 @@ async def _tokens(model: GenerationModel, body: dict[str, Any]) -> list[int]:
         tools = parse_tools(body.get("tools"), None)
         template = model.artifact.chat_template  # the tools and calls as a chat request renders them
         messages, shown = template_chat(template, openai_messages(body["messages"]), tools, tool_format(template))
-        work = (model.chat.ids, messages, shown, _flag(body, "add_generation_prompt", True))
+        work: Callable[[], list[int]] = partial(model.chat.ids, messages, shown, _flag(body, "add_generation_prompt", True))
         chars = sum(len(m["content"]) for m in messages)
     else:
         text = body.get("prompt", body.get("content"))
         if not isinstance(text, str):
             raise InvalidInputError("give 'prompt' (or llama-server's 'content') as a string, or 'messages'")
         special = _flag(body, "add_special", False) if "content" in body else _flag(body, "add_special_tokens", True)
-        work = (encode, model.tokenizer, text, special)
+        work = partial(encode, model.tokenizer, text, special)
         chars = len(text)
-    return work[0](*work[1:]) if chars <= INLINE_CHARS else await asyncio.to_thread(*work)
+    return work() if chars <= INLINE_CHARS else await asyncio.to_thread(work)
 
 
 def register(app: FastAPI, plane: DataPlane) -> None:

@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -187,7 +187,7 @@ def create_app(plane: DataPlane, metrics: Metrics | None = None, *, on_shutdown:
     watch = RequestWatch(settings.body_read_timeout_s)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await plane.start()  # poll mode's repository scans
         grpc_server = None
         if settings.grpc_port:  # the same process, loop, models and batchers as HTTP

@@ -102,6 +102,7 @@ def error_response(exc: BaseException, request_id: str | None = None, openai: bo
                 more = f" (and {repeats} more since the last such line)" if repeats else ""
                 log.warning("request %s: %d %s%s", request_id, status, message, more)
     headers = {"retry-after": RETRY_AFTER[kind]} if kind in RETRY_AFTER else {}
+    body: dict[str, object]
     if openai:
         body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
                           "param": None, "code": kind.value}}

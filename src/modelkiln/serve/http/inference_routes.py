@@ -139,7 +139,9 @@ async def handle(plane: DataPlane, route: tuple[str, str | None, str], scope: di
     except asyncio.CancelledError:
         if not watched.why:
             raise  # shutdown, not the watch
-        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        task = asyncio.current_task()
+        assert task is not None  # a request is handled in a task
+        task.uncancel()
         if watched.why == "gone":
             return 499, name
         error = orjson.dumps({"error": f"request body not received within {watch.body_timeout_s:g}s"})

@@ -65,7 +65,7 @@ def bounded_head_protocol(timeout_s: float) -> type[asyncio.Protocol]:
     answer = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
               b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
-    class BoundedHeadProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+    class BoundedHeadProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # a variable: httptools' class or h11's
         _head_timer: asyncio.TimerHandle | None = None
         _head_cycle: Any = None  # the last request parsed when the timer was armed
         _head_bytes = False  # bytes of the request being waited for have arrived

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import socket
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from ..settings import ServeSettings
@@ -21,8 +22,8 @@ def serve_http(app: Any, settings: ServeSettings, sockets: list[socket.socket] |
     from .protocol import bounded_head_protocol
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: object) -> None:
-            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
             # uvicorn re-raises the signal after a graceful shutdown, which would make the
             # process die of SIGTERM; a drained shutdown is a success, so exit 0 instead.
             if sig == signal.SIGTERM and sig in self._captured_signals:
