@@ -137,6 +137,7 @@ def convert(
         tolerances["int8"] = replace(tolerances["int8"], min_agreement=int8_min_agreement)
     if fp16_min_cosine is not None:
         tolerances["fp16"] = replace(tolerances["fp16"], min_mean_cosine=fp16_min_cosine)
+    precisions: list[str] | None  # None: every variant that fits the device
     if precision.strip() == "all":
         precisions = list(TORCH_PRECISIONS if engine == "torch" else PRECISIONS)
     else:

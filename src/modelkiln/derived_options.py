@@ -50,7 +50,7 @@ def typer_params(parameters: Sequence[inspect.Parameter]) -> list[Any]:
     def carrier(**values: Any) -> None:  # never called: it only carries the signature
         raise AssertionError("not a command")
 
-    carrier.__signature__ = inspect.Signature(list(parameters))  # type: ignore[attr-defined]
+    carrier.__signature__ = inspect.Signature(list(parameters))  # type: ignore[attr-defined]  # read by inspect.signature
     carrier.__annotations__ = {p.name: p.annotation for p in parameters}
     holder = typer.Typer(add_completion=False)
     holder.command()(carrier)

@@ -7,7 +7,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from datetime import datetime, timezone
 
 from ..errors import KilnError
@@ -16,6 +16,9 @@ from .client import fetch, parse_url, render_request, run_async
 from .protocols import InputLayout, PreparedRequest, make_protocol
 from .runner import Load, Measurement, RunConfig, RunResult, StepResult, model_metadata, run_step
 from .streaming import build_requests, is_generation
+
+if TYPE_CHECKING:
+    from .check import Checker
 
 MAX_BODIES = 4096  # distinct request bodies pre-built per run (cycled); bounds memory for big files
 GENERATION_PROMPTS = 32  # generation: distinct prompts per run unless --max-inputs (--check takes each alone first)
@@ -111,7 +114,7 @@ async def _run(opts: LoadtestOptions, on_step: Callable[[StepResult], None] | No
     cfg = RunConfig(**opts.measurement(), url=base, model=opts.model, metrics_url=metrics_url, route=route,
                     grpc_target=grpc_target(opts.url, opts.grpc_url) if grpc else None, protocol=opts.protocol)
     source = opts.inputs or "samples"
-    checker = None
+    checker: Checker | None = None
     if opts.check:
         from . import check
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 from ..errors import KilnError
@@ -88,7 +88,7 @@ class Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a TCP connection's: create_connection made it
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -137,7 +137,8 @@ class Connection(asyncio.Protocol):
             del buf[:end]
             return _Response(status, close, body)
         if b"\ntransfer-encoding: chunked" in head:
-            pos, parts = start, []
+            pos = start
+            parts: list[bytes] = []
             while True:
                 line_end = buf.find(b"\r\n", pos)
                 if line_end < 0:
@@ -233,7 +234,7 @@ def run_async(factory: Callable[[], Awaitable[T]]) -> T:
     try:
         import uvloop
 
-        loop = uvloop.new_event_loop()
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
     try:

@@ -52,7 +52,7 @@ def loadtest(
     from ..errors import KilnError
     from .api import LoadtestOptions, parse_extra_input, parse_header, run_loadtest
     from .report import print_table, read_json, write_csv, write_json
-    from .runner import Load, parse_levels
+    from .runner import Load, StepResult, parse_levels
     from .streaming import is_generation
 
     # requests of a generation protocol last seconds: longer windows hold enough of them (docs/loadtest-generation.md)
@@ -77,7 +77,7 @@ def loadtest(
     err = Console(stderr=True)
     out = Console(width=None if __import__("sys").stdout.isatty() else 200)
 
-    def on_step(step) -> None:  # type: ignore[no-untyped-def]
+    def on_step(step: StepResult) -> None:
         p95 = f"{step.latency.p95:.2f} ms" if step.latency else "-"
         tokens = f", {step.generation.output_tokens_per_s:.1f} output tokens/s" if step.generation else ""
         checked = f", mismatches {step.mismatches}/{step.checked}" if step.mismatches is not None else ""

@@ -65,9 +65,9 @@ class InputLayout:
             if not all(isinstance(i, tuple) for i in batch):
                 raise KilnError("a question-answering model needs (question, context) inputs: use --inputs squad, "
                                 "the samples, or a file with question<TAB>context lines")
-            return {"QUESTION": [i[0] for i in batch], "CONTEXT": [i[1] for i in batch]}  # type: ignore[index]
+            return {"QUESTION": [i[0] for i in batch], "CONTEXT": [i[1] for i in batch]}
         if self.pair and all(isinstance(i, tuple) for i in batch):
-            return {self.text: [i[0] for i in batch], self.pair: [i[1] for i in batch]}  # type: ignore[index]
+            return {self.text: [i[0] for i in batch], self.pair: [i[1] for i in batch]}
         # a pair sent to a single-text model: join them (it is still real text of that length)
         return {self.text: [i if isinstance(i, str) else f"{i[0]} {i[1]}" for i in batch]}
 
@@ -144,7 +144,7 @@ class GrpcInfer(Protocol):
 
     name = "grpc"
 
-    def build(self, batch: Sequence) -> PreparedRequest:  # type: ignore[type-arg]
+    def build(self, batch: Sequence[Item]) -> PreparedRequest:
         from tritonclient.grpc import service_pb2  # loadtest extra; never imported by the server
 
         n = len(batch)

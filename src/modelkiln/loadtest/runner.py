@@ -208,7 +208,7 @@ async def run_step(cfg: RunConfig, load: Load, requests: Sequence[bytes], inputs
                        for _ in range(int(load.value))]
         else:
             state.next_t = time.perf_counter()
-            in_flight = set()
+            in_flight: set[asyncio.Task[None]] = set()
             workers = [asyncio.create_task(grpc_load.open_loop(state, cfg.grpc_target, cfg.headers, cfg.timeout_s,
                                                                cfg.max_connections, in_flight))]
     elif generation:  # streams: each waits for its own answer (seconds), no callback chain needed

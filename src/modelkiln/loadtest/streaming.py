@@ -23,7 +23,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ..errors import KilnError
 from .client import closed_unanswered
@@ -110,7 +110,7 @@ class StreamConnection(asyncio.Protocol):
         return conn
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a TCP connection's: create_connection made it
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

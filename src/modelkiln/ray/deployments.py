@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 
@@ -93,7 +93,7 @@ class ModelReplica:
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
                  "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query,
                  "root_path": "", "headers": headers, "client": None, "server": None, "state": {}}
-        task = asyncio.create_task(self.app(scope, receive, messages.put))  # type: ignore[attr-defined]
+        task = asyncio.create_task(self.app(scope, receive, messages.put))  # type: ignore[attr-defined]  # serve.ingress adds app
         task.add_done_callback(lambda _: messages.put_nowait(None))
         try:
             while (message := await messages.get()) is not None:
@@ -112,7 +112,7 @@ class ModelReplica:
 
 def model_app(args: dict[str, Any]) -> Any:
     """``serve deploy``'s builder for one model (``import_path: modelkiln.ray.deployments:model_app``)."""
-    return ModelReplica.bind(args["model"], args["settings"])
+    return _deployment(ModelReplica).bind(args["model"], args["settings"])
 
 
 @serve.deployment(name=ROUTER_DEPLOYMENT)
@@ -132,7 +132,7 @@ class Router:
 
 def router_app(args: dict[str, Any]) -> Any:
     """``serve deploy``'s builder for the router (``import_path: modelkiln.ray.deployments:router_app``)."""
-    return Router.bind(args["models"], args["settings"], args.get("generation", []), args.get("failover"))
+    return _deployment(Router).bind(args["models"], args["settings"], args.get("generation", []), args.get("failover"))
 
 
 def build(application: dict[str, Any]) -> Any:
@@ -143,9 +143,14 @@ def build(application: dict[str, Any]) -> Any:
     deployment = {MODEL_DEPLOYMENT: ModelReplica, ROUTER_DEPLOYMENT: Router}[name]
     args = application["args"]
     if deployment is ModelReplica:
-        return ModelReplica.options(**options).bind(args["model"], args["settings"])
-    return Router.options(**options).bind(args["models"], args["settings"], args.get("generation", []),
-                                          args.get("failover"))
+        return _deployment(ModelReplica).options(**options).bind(args["model"], args["settings"])
+    return _deployment(Router).options(**options).bind(args["models"], args["settings"], args.get("generation", []),
+                                                       args.get("failover"))
+
+
+def _deployment(cls: object) -> serve.Deployment:
+    """``cls`` as what ``@serve.deployment`` made of it (mypy types a decorated class as the class)."""
+    return cast(serve.Deployment, cls)
 
 
 __all__ = ["ModelReplica", "Router", "build", "model_app", "router_app", "REPLICA_HEADER"]

@@ -115,6 +115,7 @@ class LocalCluster:
                                  raise_on_missing_output=False):
             if actor.name and actor.name.startswith("SERVE_REPLICA::") and actor.node_id in by_id:
                 app, _, replica = actor.name.removeprefix("SERVE_REPLICA::").split("#")
+                assert actor.pid is not None  # an ALIVE actor has its process
                 found.append(Replica(app, replica, by_id[actor.node_id], actor.pid))
         return found
 
@@ -213,7 +214,7 @@ class LocalCluster:
         return node
 
     def _wait_registered(self, node: Node) -> str:
-        from ray._raylet import GcsClient
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]  # missing from ray's _raylet.pyi
 
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:

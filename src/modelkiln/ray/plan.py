@@ -100,12 +100,13 @@ class Scaling:
 
     def check(self) -> None:
         autoscale = self.min_replicas is not None or self.max_replicas is not None
-        if autoscale and (self.min_replicas is None or self.max_replicas is None):
-            raise KilnError("autoscaling needs both --min-replicas and --max-replicas")
-        if autoscale and not 0 <= self.min_replicas <= self.max_replicas:  # type: ignore[operator]
-            raise KilnError(f"--min-replicas {self.min_replicas} must be between 0 and --max-replicas {self.max_replicas}")
-        if autoscale and self.max_replicas < 1:  # type: ignore[operator]
-            raise KilnError("--max-replicas must be at least 1")
+        if autoscale:
+            if self.min_replicas is None or self.max_replicas is None:
+                raise KilnError("autoscaling needs both --min-replicas and --max-replicas")
+            if not 0 <= self.min_replicas <= self.max_replicas:
+                raise KilnError(f"--min-replicas {self.min_replicas} must be between 0 and --max-replicas {self.max_replicas}")
+            if self.max_replicas < 1:
+                raise KilnError("--max-replicas must be at least 1")
         if not autoscale and (self.replicas is None or self.replicas < 1):
             raise KilnError("--replicas must be at least 1")
         if self.cpus_per_replica < 1:
@@ -181,7 +182,7 @@ def plan(settings: ServeSettings, scaling: Scaling, ingress: Ingress = Ingress()
     if not settings.models:
         raise KilnError("kiln ray needs at least one artifact")
     per_replica = replica_settings(settings, scaling)
-    applications = []
+    applications: list[dict[str, Any]] = []
     names: list[str] = []
     generation: list[dict[str, Any]] = []  # the models whose generation routes the router runs
     for spec in settings.models:

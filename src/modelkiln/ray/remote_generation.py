@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -179,7 +179,7 @@ class RemoteStream(OpenStream):
 
 
 async def replica_deltas(plane: DataPlane, replica: str, prompt_ids: list[int], params: SamplingParams, seed: int,
-                         resume_ids: list[int], timeout_s: float) -> AsyncIterator[str | list[Delta]]:
+                         resume_ids: list[int], timeout_s: float) -> AsyncGenerator[str | list[Delta], None]:
     """A replica's side of a ``RemoteStream`` (``ModelReplica.generate``): the replica's id once its
     model accepted the request (a refusal, a full queue or a model stopping, is raised before), then
     the deltas. Closing it early (the router cancels the call: its client left) cancels the sequence."""

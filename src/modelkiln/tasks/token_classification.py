@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from tokenizers import Encoding
@@ -93,7 +93,8 @@ class TokenClassification(Task):
         self, outputs: dict[str, np.ndarray], encodings: Sequence[Encoding], inputs: Sequence[TextInput]
     ) -> list[list[dict]]:
         logits = outputs["logits"]
-        return [self.entities(self._token_tags(logits[i], enc), inputs[i]) for i, enc in enumerate(encodings)]
+        texts = cast(Sequence[str], inputs)  # prepare() takes single texts only, no pairs
+        return [self.entities(self._token_tags(logits[i], enc), texts[i]) for i, enc in enumerate(encodings)]
 
     def task_vector(self, outputs: dict[str, np.ndarray], encodings: Sequence[Encoding]) -> list[np.ndarray]:
         logits = outputs["logits"].astype(np.float32)

@@ -130,13 +130,13 @@ def start(repository: Path | str | Sequence[Path | str], timeout: float = 120.0,
     ``metrics``: serve Prometheus metrics on ``metrics_port`` (queue/compute times for `kiln loadtest`)."""
     dist = find_distribution()
     workdir = Path(tempfile.mkdtemp(prefix="kiln-triton-"))
-    ports = [free_port() for _ in range(3)]
+    http_port, grpc_port, metrics_port = (free_port() for _ in range(3))
     log_path = workdir / "tritonserver.log"
     repositories = [repository] if isinstance(repository, (str, Path)) else list(repository)
     cmd = [
         str(dist.binary), *(f"--model-repository={Path(r).resolve()}" for r in repositories),
         f"--backend-directory={_backend_dir(dist, workdir)}",
-        f"--http-port={ports[0]}", f"--grpc-port={ports[1]}", f"--metrics-port={ports[2]}",
+        f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
         # Triton waits up to exit-timeout for clients to close keep-alive connections on SIGTERM;
         # a local test/bench server should go down promptly.
         f"--allow-metrics={str(metrics).lower()}", "--allow-cpu-metrics=false",
@@ -149,7 +149,8 @@ def start(repository: Path | str | Sequence[Path | str], timeout: float = 120.0,
     with log_path.open("wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(dist),
                                    start_new_session=True, cwd=workdir)
-    server = TritonServer(process, *ports, log_path=log_path, workdir=workdir, keep_log=keep_log)
+    server = TritonServer(process, http_port, grpc_port, metrics_port, log_path=log_path, workdir=workdir,
+                          keep_log=keep_log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -73,7 +73,7 @@ def tune(
     manifest = Manifest.load(artifact)
     kind = "generation" if is_generation(manifest) else "encoder"
     kept = [v.name for v in manifest.kept_variants() if v.device == "cpu"]
-    chosen = split_list(variants) if variants else kept
+    chosen = (split_list(variants) or []) if variants else kept  # split_list's None: an empty string only
     for v in chosen:
         manifest.variant(v)  # fails early, listing the kept ones
     given = {name: raw for name, raw in ctx.meta.get(DERIVED, {}).items() if raw is not None}
@@ -81,9 +81,14 @@ def tune(
     if other:
         raise KilnError(f"{', '.join(other)}: not swept for {kind} models "
                         f"(kiln tune sweeps {', '.join(cli_flag(n) for n in sweepable(kind))} for them)")
-    values = {name: sweep_values(name, given.get(name) or sweep_default(name, kind)) for name in swept_numbers(kind)}
+    values = {}
+    for name in swept_numbers(kind):
+        text = given.get(name) or sweep_default(name, kind)
+        assert text is not None  # swept_numbers(kind): the settings with values to try for this kind
+        values[name] = sweep_values(name, text)
     grid = Grid({"variant": tuple(chosen), **values}, kind)
     defaults = LOAD_DEFAULTS[kind]
+    options: dict[str, Any]  # the load options both sweeps take, as keywords
     options = dict(concurrency=concurrency or defaults["concurrency"], protocol=protocol or defaults["protocol"],
                    inputs=inputs or defaults["inputs"], length=length, warmup=defaults["warmup"] if warmup is None else warmup,
                    window=defaults["window"] if window is None else window,
@@ -132,7 +137,7 @@ def _tune_encoder(artifact: Path, manifest: Any, grid: Any, out: Path, p99_ms: O
     from ..loadtest.api import LoadtestOptions
     from ..loadtest.runner import Load, parse_levels
     from .report import print_ranking, write_best, write_json
-    from .sweep import run_sweep
+    from .sweep import Trial, run_sweep
 
     _check_protocol(protocol, generation=False)
     loads = tuple(Load("concurrency", float(int(v))) for v in parse_levels(concurrency, "--concurrency"))
@@ -142,7 +147,7 @@ def _tune_encoder(artifact: Path, manifest: Any, grid: Any, out: Path, p99_ms: O
     total = len(grid.combinations())
     err.print(f"tuning {escape(manifest.name)}: {total} combinations × up to {len(loads)} load steps")
 
-    def on_trial(i, n, trial) -> None:  # type: ignore[no-untyped-def]
+    def on_trial(i: int, n: int, trial: Trial) -> None:
         settings = ", ".join(f"{k}={v}" for k, v in trial.settings.items() if v is not None)  # None: the default
         if trial.error:
             err.print(f"[red]✗[/] {i}/{n} {escape(str(settings))}: {escape(str(trial.error))}")
@@ -179,7 +184,7 @@ def _tune_generation(artifact: Path, manifest: Any, grid: Any, out: Path, ttft_p
     from ..errors import KilnError
     from ..loadtest.api import LoadtestOptions
     from ..loadtest.runner import Load, parse_levels
-    from .generation import Limits, parse_fraction, run_generation_sweep
+    from .generation import GenerationTrial, Limits, parse_fraction, run_generation_sweep
     from .report import describe_limits, print_generation_table, serve_command, write_generation_config, write_generation_json
 
     _check_protocol(protocol, generation=True)
@@ -197,7 +202,7 @@ def _tune_generation(artifact: Path, manifest: Any, grid: Any, out: Path, ttft_p
     err.print(f"tuning {escape(manifest.name)}: {total} configuration{'s' if total != 1 else ''} ({escape(describe_limits(limits))}); "
               f"each first answers its {max_inputs} prompts alone (--check), then runs {load.loads[0].label}")
 
-    def on_trial(i, n, trial) -> None:  # type: ignore[no-untyped-def]
+    def on_trial(i: int, n: int, trial: GenerationTrial) -> None:
         settings = escape(", ".join(f"{k}={v}" for k, v in trial.settings.items() if v is not None))
         if trial.error:
             err.print(f"[red]✗[/] {i}/{n} {settings}: {escape(trial.error)}")
@@ -236,7 +241,7 @@ class TuneCommand(DerivedOptionsCommand):
             flag = cli_flag(name)
             field = ServeSettings.model_fields[name]
             auto = "; auto = the server's default" if field.default is None else ""
-            kinds = {KIND_NAMES[k]: sweep_default(name, k) for k in MODEL_KINDS if sweep_default(name, k) is not None}
+            kinds = {KIND_NAMES[k]: swept for k in MODEL_KINDS if (swept := sweep_default(name, k)) is not None}
             if len(kinds) == 1:
                 default = "{1}; {0} only".format(*next(iter(kinds.items())))
             elif len(set(kinds.values())) == 1:
