@@ -151,6 +151,20 @@ KILN_EXPORT double kiln_sparse_sum(const int64_t *ids, const double *values, int
 
 /* ---- top-k's cut --------------------------------------------------------------------------------- */
 
+/* A min-heap of k values with ``at`` out of place below: moved down until its children are not less. */
+static void sift_down(double *heap, int64_t k, int64_t at) {
+    for (;;) {
+        int64_t left = 2 * at + 1, least = at;
+        if (left < k && heap[left] < heap[least]) least = left;
+        if (left + 1 < k && heap[left + 1] < heap[least]) least = left + 1;
+        if (least == at) return;
+        double t = heap[at];
+        heap[at] = heap[least];
+        heap[least] = t;
+        at = least;
+    }
+}
+
 /* The positions of the scores not below the k-th largest (numpy's ``np.partition(s, -k)[-k]``, a
    repeated value counted each time), into ``ids`` in order; returns their number. One pass keeps the
    k largest in a min-heap (a score below its top, the usual case, costs one comparison), a second
@@ -163,28 +177,12 @@ KILN_EXPORT int64_t kiln_top_k(const double *s, int64_t n, int64_t k, double *he
         heap[i] = s[i];
     }
     for (int64_t start = k / 2 - 1; start >= 0; start--) {
-        int64_t at = start;
-        for (;;) {
-            int64_t left = 2 * at + 1, least = at;
-            if (left < k && heap[left] < heap[least]) least = left;
-            if (left + 1 < k && heap[left + 1] < heap[least]) least = left + 1;
-            if (least == at) break;
-            double t = heap[at]; heap[at] = heap[least]; heap[least] = t;
-            at = least;
-        }
+        sift_down(heap, k, start);
     }
     for (int64_t i = k; i < n; i++) {
-        if (s[i] > heap[0]) { /* replace the least of the k largest, then sift it down */
+        if (s[i] > heap[0]) { /* replace the least of the k largest */
             heap[0] = s[i];
-            int64_t at = 0;
-            for (;;) {
-                int64_t left = 2 * at + 1, least = at;
-                if (left < k && heap[left] < heap[least]) least = left;
-                if (left + 1 < k && heap[left + 1] < heap[least]) least = left + 1;
-                if (least == at) break;
-                double t = heap[at]; heap[at] = heap[least]; heap[least] = t;
-                at = least;
-            }
+            sift_down(heap, k, 0);
         }
     }
     double kth = heap[0];

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from modelkiln.generation.core import EngineCore, Request, complete, greedy, prompt_logits, run_to_completion
@@ -54,3 +55,49 @@ def test_penalties_and_logit_bias_steer_the_choice(engine_core):
                                                                        presence_penalty=2.0,
                                                                        frequency_penalty=2.0))])[0].token_ids
     assert len(set(spread)) > len(set(plain))
+
+
+class _OnlyTokens:
+    """A stand-in grammar: every token must be one of ``allowed``, and the answer ends after ``length``."""
+
+    shortest_answer = 0
+
+    def __init__(self, allowed, length):
+        self.allowed, self.length = allowed, length
+
+    def matcher(self):
+        grammar = self
+
+        class Matcher:
+            taken = 0
+
+            def closing_path(self, limit):
+                return None  # never closed early: it ends after ``length`` tokens anyway
+
+            def fill_bitmask(self, words):
+                for token in grammar.allowed:
+                    words[token >> 5] |= np.int32(1 << (token & 31)) if (token & 31) < 31 else np.int32(-(1 << 31))
+
+            def accept(self, token):
+                self.taken += 1
+                return token in grammar.allowed
+
+            def is_terminated(self):
+                return self.taken >= grammar.length
+
+        return Matcher()
+
+
+def test_a_grammars_mask_is_applied_where_the_token_is_chosen(engine_core):
+    """Every token comes from the grammar's bitmask (computed while the model runs; on the torch engine
+    applied on the device), sampled or not, alone or among unconstrained streams; the answer ends when
+    the grammar says so."""
+    grammar = _OnlyTokens({3, 63, 64, 200}, length=7)
+    ids = ids_of(engine_core, "The quick brown fox")
+    for extra in ({}, dict(temperature=1.0, seed=5)):
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True, constraint=grammar, **extra)
+        alone = complete(engine_core, [Request("g", ids, params)])[0]
+        crowd = complete(engine_core, [Request("x", ids, SamplingParams(max_new_tokens=20, ignore_eos=True)),
+                                       Request("g", ids, params)])[1]
+        assert set(alone.token_ids) <= grammar.allowed and len(alone.token_ids) == 7
+        assert alone.finish_reason == "stop" and crowd.token_ids == alone.token_ids

@@ -572,52 +572,6 @@ def test_a_request_without_a_seed_gets_one_that_reproduces_it(tiny):
     assert again == tokens
 
 
-class _OnlyTokens:
-    """A stand-in grammar: every token must be one of ``allowed``, and the answer ends after ``length``."""
-
-    shortest_answer = 0
-
-    def __init__(self, allowed, length):
-        self.allowed, self.length = allowed, length
-
-    def matcher(self):
-        grammar = self
-
-        class Matcher:
-            taken = 0
-
-            def closing_path(self, limit):
-                return None  # never closed early: it ends after ``length`` tokens anyway
-
-            def fill_bitmask(self, words):
-                for token in grammar.allowed:
-                    words[token >> 5] |= np.int32(1 << (token & 31)) if (token & 31) < 31 else np.int32(-(1 << 31))
-
-            def accept(self, token):
-                self.taken += 1
-                return token in grammar.allowed
-
-            def is_terminated(self):
-                return self.taken >= grammar.length
-
-        return Matcher()
-
-
-def test_a_grammars_mask_is_applied_where_the_token_is_chosen(tiny):
-    """Every token comes from the grammar's bitmask (computed while the model runs), sampled or not,
-    alone or among unconstrained streams; the answer ends when the grammar says so."""
-    core = EngineCore(tiny.engine("fp32", EngineOptions(threads=1)), tiny.tokenizer, max_running=4)
-    grammar = _OnlyTokens({3, 63, 64, 200}, length=7)
-    ids = prompt_ids(core, "The quick brown fox")
-    for extra in ({}, dict(temperature=1.0, seed=5)):
-        params = SamplingParams(max_new_tokens=30, ignore_eos=True, constraint=grammar, **extra)
-        alone = complete(core, [Request("g", ids, params)])[0]
-        crowd = complete(core, [Request("x", ids, SamplingParams(max_new_tokens=20, ignore_eos=True)),
-                                Request("g", ids, params)])[1]
-        assert set(alone.token_ids) <= grammar.allowed and len(alone.token_ids) == 7
-        assert alone.finish_reason == "stop" and crowd.token_ids == alone.token_ids
-
-
 def test_answers_to_one_prompt_compute_it_once(tiny):
     """Requests with the same prompt arriving together (OpenAI's n): the first computes the prompt,
     the others wait for it to be in the prefix cache and take their first token from it; each answer

@@ -253,20 +253,6 @@ def test_logprobs_are_the_models_own(torch_core):
         assert [t for t, _ in output.delta.top_logprobs] == np.argsort(-expected, kind="stable")[:3].tolist()
 
 
-def test_a_grammars_mask_is_applied_on_the_device(torch_core):
-    from test_generation_engine import _OnlyTokens
-
-    grammar = _OnlyTokens({3, 63, 64, 200}, length=7)
-    ids = ids_of(torch_core, "The quick brown fox")
-    for extra in ({}, dict(temperature=1.0, seed=5)):
-        params = SamplingParams(max_new_tokens=30, ignore_eos=True, constraint=grammar, **extra)
-        alone = complete(torch_core, [Request("g", ids, params)])[0]
-        crowd = complete(torch_core, [Request("x", ids, SamplingParams(max_new_tokens=20, ignore_eos=True)),
-                                      Request("g", ids, params)])[1]
-        assert set(alone.token_ids) <= grammar.allowed and len(alone.token_ids) == 7
-        assert alone.finish_reason == "stop" and crowd.token_ids == alone.token_ids
-
-
 def test_a_constrained_answer_is_closed_on_the_device_too(torch_core, tiny_torch_artifact):
     """The closing path's single-token masks go through the device sampler as any mask: an answer
     biased to write "a" forever is closed near max_tokens, parses and ends with "stop", alone or
