@@ -17,7 +17,7 @@ from .generation.request.settings import BOOL, FLOAT, INT, INTS, SETTINGS, from_
 from .model_arg import PRECISION, artifact_path
 
 _TYPES = {FLOAT: Optional[float], INT: Optional[int], BOOL: bool, INTS: Optional[list[int]]}
-# the command line's older names for two settings
+# the command line's older name for a setting (Hugging Face's)
 _FLAGS = {"max_tokens": ("--max-new-tokens", "-n")}
 
 

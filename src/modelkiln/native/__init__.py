@@ -78,8 +78,6 @@ def _declare_sampling(library: ctypes.CDLL) -> ctypes.CDLL:
     library.kiln_cumulative_pick.restype = ctypes.c_int64
     library.kiln_top_k.argtypes = [f64, ctypes.c_int64, ctypes.c_int64, f64, i64]
     library.kiln_top_k.restype = ctypes.c_int64
-    library.kiln_likely.argtypes = [f64, ctypes.c_int64, ctypes.c_double, ctypes.c_double, ctypes.c_double, i64, f64]
-    library.kiln_likely.restype = ctypes.c_int64
     library.kiln_top_p.argtypes = [f64, ctypes.c_int64, ctypes.c_double, i64, u64]
     library.kiln_top_p.restype = ctypes.c_int64
     library.kiln_pick.argtypes = [i64, f64, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_double,

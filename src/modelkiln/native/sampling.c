@@ -198,10 +198,12 @@ KILN_EXPORT int64_t kiln_top_k(const double *s, int64_t n, int64_t k, double *he
 /* ---- the likely tokens -------------------------------------------------------------------------- */
 
 /* The positions i whose probability e[i] / total (rounded as numpy's division of the row) is at
-   least ``floor``, into ``ids`` with those probabilities into ``probs``; returns their number. The
-   division is taken only where e[i] reaches ``near`` (a bound a little under floor * total). */
-KILN_EXPORT int64_t kiln_likely(const double *e, int64_t n, double total, double near, double floor,
-                                int64_t *ids, double *probs) {
+   least a floor a little under ``share`` of the best's, into ``ids`` with those probabilities into
+   ``probs``; returns their number. selection._likely's numpy form computes the same floor, and the
+   division is taken only where e[i] reaches a bound a little under floor * total. */
+static int64_t kiln_likely(const double *e, int64_t n, double total, double share, int64_t *ids, double *probs) {
+    double floor = share / total * (1 - 1e-9); /* the best token's exponential is exp(0) = 1 */
+    double near = floor * total * (1 - 1e-9);
     int64_t k = 0;
     for (int64_t i = 0; i < n; i++) {
         if (e[i] >= near) {
@@ -321,8 +323,7 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
         if (min_p > 0.0 && min_p < share) {
             share = min_p;
         }
-        double floor = share / total * (1 - 1e-9);
-        m = kiln_likely(values, n, total, floor * total * (1 - 1e-9), floor, ids, probs);
+        m = kiln_likely(values, n, total, share, ids, probs);
         complete = 0;
     } else { /* no cut: the inverse transform over the whole row's probabilities */
         for (int64_t i = 0; i < n; i++) {
@@ -354,8 +355,7 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
             /* the nucleus reaches past the tokens in: take in more of the row */
             double share = next_share < 2 ? shares[next_share] : 0.0;
             next_share++;
-            double floor = share / total * (1 - 1e-9);
-            m = kiln_likely(values, n, total, floor * total * (1 - 1e-9), floor, ids, probs);
+            m = kiln_likely(values, n, total, share, ids, probs);
             complete = share == 0.0;
         }
         renormalise(ids, probs, m, vocab);

@@ -3,6 +3,8 @@ every row, setting and uniform; numpy's own sums, cumulative sums and Philox dra
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -91,7 +93,35 @@ def test_sparse_sums_are_numpys_sums(arithmetic):
             assert sparse_sum(ids, values, length) == dense.sum(), (length, density)
 
 
-def test_the_cumulative_pick_is_numpys_searchsorted(arithmetic):
+def native_cumulative_pick(probs: np.ndarray, u: float) -> tuple[int, float]:
+    """``kiln_cumulative_pick`` (which ``kiln_pick`` ends with), called alone."""
+    total = ctypes.c_double()
+    index = sampling_library().kiln_cumulative_pick(probs.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+                                                    probs.shape[0], u, ctypes.byref(total))
+    return int(index), total.value
+
+
+def native_nucleus_order(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, int]:
+    """``kiln_top_p`` (top-p's sort inside ``kiln_pick``), called alone."""
+    order, scratch = np.empty(probs.shape[0], dtype=np.int64), np.empty(3 * probs.shape[0], dtype=np.uint64)
+    keep = sampling_library().kiln_top_p(probs.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), probs.shape[0], top_p,
+                                         order.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
+                                         scratch.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)))
+    return order, int(keep)
+
+
+@pytest.fixture(params=["native", "numpy"])
+def forms(request):
+    """The native functions ``kiln_pick`` is made of, and their numpy forms (the path without the library)."""
+    if request.param == "numpy":
+        return cumulative_pick, selection._nucleus_order
+    if sampling_library() is None:
+        pytest.skip("the native sampling library was not built here")
+    return native_cumulative_pick, native_nucleus_order
+
+
+def test_the_cumulative_pick_is_numpys_searchsorted(forms):
+    pick, _ = forms
     rng = np.random.default_rng(4)
     for length in (1, 2, 255, 256, 257, 5000, 49_152):
         probs = np.exp(rng.standard_normal(length) * 3)
@@ -99,7 +129,7 @@ def test_the_cumulative_pick_is_numpys_searchsorted(arithmetic):
         probs[0] = probs[0] or 1e-3
         cumulative = np.cumsum(probs)
         for u in (*rng.random(5), 0.0, np.nextafter(1.0, 0.0)):
-            index, total = cumulative_pick(probs, float(u))
+            index, total = pick(probs, float(u))
             assert total == cumulative[-1]
             assert index == np.searchsorted(cumulative, u * cumulative[-1], side="right")
 
@@ -107,7 +137,7 @@ def test_the_cumulative_pick_is_numpys_searchsorted(arithmetic):
 def test_the_draws_are_numpys_philox(arithmetic):
     rng = np.random.default_rng(5)
     seeds = [0, 1, 2**63, 2**64 - 1, *map(int, rng.integers(0, 2**63, 200))]
-    positions = [0, 1, 2**64 - 2, 2**32, *map(int, rng.integers(0, 2**40, 200))]
+    positions = [0, 1, 2**64 - 2, 2**64 - 1, 2**32, *map(int, rng.integers(0, 2**40, 200))]
     assert uniforms(seeds, positions).tolist() == [numpy_uniform(s, p) for s, p in zip(seeds, positions)]
     with pytest.raises(ValueError):  # numpy's refusal, not a seed wrapped into range
         uniforms([3, -1], [0, 0])
@@ -127,8 +157,9 @@ def test_min_p_is_checked():
             SamplingParams(min_p=bad)
 
 
-def test_the_nucleus_order_is_numpys_stable_argsort(arithmetic):
+def test_the_nucleus_order_is_numpys_stable_argsort(forms):
     """Top-p's sort: largest first, ties in token order, and where the cumulative sum reaches top_p."""
+    _, nucleus_order = forms
     rng = np.random.default_rng(6)
     for n in (1, 2, 31, 33, 1000, 70_000):
         probs = np.exp(rng.standard_normal(n) * rng.choice([0.1, 3.0]))
@@ -136,7 +167,7 @@ def test_the_nucleus_order_is_numpys_stable_argsort(arithmetic):
         probs[rng.random(n) < 0.05] = 0.0
         probs /= probs.sum()
         for top_p in (1e-9, 0.5, 0.95, 1.0, 2.0):
-            order, keep = selection._nucleus_order(probs, top_p)
+            order, keep = nucleus_order(probs, top_p)
             expected = np.argsort(-probs, kind="stable")
             assert keep == int(np.searchsorted(np.cumsum(probs[expected]), top_p)) + 1, (n, top_p)
             assert np.array_equal(order[:keep], expected[:keep])

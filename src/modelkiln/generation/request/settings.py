@@ -52,7 +52,6 @@ SETTINGS = (
     Setting("stop_token_ids", INTS, "A token id that ends the answer, besides the model's own (repeatable)."),
     Setting("ignore_eos", BOOL, "Keep generating after an end-of-sequence token."),
 )
-BY_NAME = {s.name: s for s in SETTINGS}
 FLOAT_NAMES = tuple(s.name for s in SETTINGS if s.kind == FLOAT)
 
 
@@ -75,10 +74,10 @@ def from_command_line(setting: Setting, value: Any) -> Any:
         for item in value:
             token, sep, amount = item.partition(":")
             try:
-                bias[token.strip()] = float(amount) if sep else None
+                if not sep:
+                    raise ValueError(item)
+                bias[token.strip()] = float(amount)
             except ValueError:
-                bias[token.strip()] = None
-            if bias[token.strip()] is None:
-                raise InvalidInputError(f"--logit-bias takes TOKEN_ID:BIAS, got {item!r}")
+                raise InvalidInputError(f"--logit-bias takes TOKEN_ID:BIAS, got {item!r}") from None
         return bias
     return list(value) if setting.listed else value

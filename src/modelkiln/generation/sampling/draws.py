@@ -27,10 +27,9 @@ def uniform(seed: int, position: int) -> float:
 def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
     """``uniform(seed, position)`` for each pair, as float64 [n]. A seed or position outside
     [0, 2**64) is numpy's error (a ValueError), never a wrapped number."""
-    if any(not 0 <= v < 2**64 for v in (*seeds, *positions)):
-        return np.asarray([numpy_uniform(s, p) for s, p in zip(seeds, positions)], dtype=np.float64)
     library = sampling_library()
-    if library is None or any(p >= 2**64 - 1 for p in positions):  # the native counter is one word
+    # numpy's own form: without the library, and where a seed or position is out of its range (numpy's error)
+    if library is None or any(not 0 <= v < 2**64 for v in (*seeds, *positions)):
         return np.asarray([numpy_uniform(s, p) for s, p in zip(seeds, positions)], dtype=np.float64)
     keys = np.asarray(seeds, dtype=np.uint64)
     counters = np.asarray(positions, dtype=np.uint64)

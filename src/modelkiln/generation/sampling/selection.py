@@ -34,9 +34,6 @@ from ...errors import InvalidInputError
 from ...native import sampling_library
 from .params import SamplingParams
 
-# numpy sums a float64 vector in chunks of its ufunc buffer, each chunk pairwise (blocks of 128)
-_BUFSIZE = 8192
-_PAIRWISE_BLOCK = 128
 # The tokens top-k's and top-p's searches look at first: those within this many nats (after the
 # temperature) of the best; a row whose cut reaches further widens the search, then takes every token.
 _FIRST_REACH = (12.0, 40.0)
@@ -62,6 +59,7 @@ def draw(scores: np.ndarray, params: SamplingParams, u: float) -> int:
     library = sampling_library()
     if library is not None:
         return _native_draw(library, s, e, params, u)
+    # numpy's form of kiln_pick (where the native library was not built): the same operations in the same order
     ids: np.ndarray | None  # the tokens still in (sorted), or None: all of them
     wider = None  # where the tokens in are not all that have a probability: a look at more of the row
     if params.top_k and params.top_k < vocab:
@@ -139,17 +137,10 @@ def _likely(e: np.ndarray, total: float, share: float) -> tuple[np.ndarray, np.n
     floor a little under that share (a margin far above a rounding), so the set never splits tokens
     of equal probability and holds every token a cut at ``share`` of the best keeps."""
     floor = share / total * (1 - 1e-9)  # the best token's exponential is exp(0) = 1
-    bound = floor * total * (1 - 1e-9)
-    library = sampling_library()
-    if library is None:
-        near = np.flatnonzero(e >= bound)
-        probs = e[near] / total
-        keep = probs >= floor
-        return near[keep], probs[keep]
-    ids, probs = _buffers("likely", e.shape[0], np.int64), _buffers("likely probs", e.shape[0], np.float64)
-    count = library.kiln_likely(e.ctypes.data_as(_F64), e.shape[0], total, bound, floor, ids.ctypes.data_as(_I64),
-                                probs.ctypes.data_as(_F64))
-    return ids[:count], probs[:count]
+    near = np.flatnonzero(e >= floor * total * (1 - 1e-9))
+    probs = e[near] / total
+    keep = probs >= floor
+    return near[keep], probs[keep]
 
 
 _local = threading.local()
@@ -166,8 +157,8 @@ def _buffers(name: str, size: int, dtype: type) -> np.ndarray:
 
 
 def _pointer(name: str, size: int, dtype: type) -> Any:
-    """The ctypes pointer to ``_buffers(name, size, dtype)``, made once with its buffer (a pointer a
-    call costs a microsecond, and a row makes a dozen native calls)."""
+    """The ctypes pointer to ``_buffers(name, size, dtype)``, made once with its buffer (one made
+    per call costs a microsecond, a few times a row)."""
     return _kept(name, size, dtype)[1]
 
 
@@ -221,17 +212,9 @@ def _top_p(ids: np.ndarray, probs: np.ndarray, top_p: float,
 
 def _nucleus_order(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, int]:
     """(``argsort(-probs, kind="stable")``, how many of them reach top_p: the first cumulative sum
-    not below it, plus one; ``len + 1`` where none does)."""
-    library = sampling_library()
-    if library is None:
-        order = np.argsort(-probs, kind="stable")
-        return order, int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
-    probs = np.ascontiguousarray(probs, dtype=np.float64)
-    n = probs.shape[0]
-    order, scratch = _buffers("order", n, np.int64), _buffers("radix", 3 * n, np.uint64)
-    keep = library.kiln_top_p(probs.ctypes.data_as(_F64), n, top_p, order.ctypes.data_as(_I64),
-                              scratch.ctypes.data_as(_U64))
-    return order, int(keep)
+    not below it, plus one; ``len + 1`` where none does). ``kiln_top_p``'s numpy form."""
+    order = np.argsort(-probs, kind="stable")
+    return order, int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
 
 
 def _in_order(chosen: np.ndarray, n: int) -> np.ndarray:
@@ -266,16 +249,10 @@ def sparse_sum(ids: np.ndarray | None, values: np.ndarray, length: int) -> float
 
 def cumulative_pick(probs: np.ndarray, u: float) -> tuple[int, float]:
     """(``searchsorted(cumsum(probs), u * total, side="right")``, total), total being the cumulative
-    sum's last value, with numpy's sequential additions."""
-    library = sampling_library()
-    probs = np.ascontiguousarray(probs, dtype=np.float64)
-    if library is None:
-        cumulative = np.cumsum(probs)
-        total = float(cumulative[-1])
-        return int(np.searchsorted(cumulative, u * total, side="right")), total
-    total_out = ctypes.c_double()
-    index = library.kiln_cumulative_pick(probs.ctypes.data_as(_F64), probs.shape[0], u, ctypes.byref(total_out))
-    return int(index), total_out.value
+    sum's last value: ``kiln_cumulative_pick``'s numpy form."""
+    cumulative = np.cumsum(probs)
+    total = float(cumulative[-1])
+    return int(np.searchsorted(cumulative, u * total, side="right")), total
 
 
 def reference_draw(scores: np.ndarray, params: SamplingParams, u: float) -> int:

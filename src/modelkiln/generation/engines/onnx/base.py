@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,6 @@ import numpy as np
 from ....errors import InvalidInputError, KilnError
 from ...plan import Chunk, EngineCapabilities, Sampled, SeqId, SeqStart, StepPlan, StepResult, begin_step
 from ...sampling import TokenChooser, token_logprobs, uniforms
-
 
 
 class HostEngine:
@@ -212,9 +210,10 @@ class HostEngine:
             if not forced:
                 del self._forced[seq]
             return
-        if isinstance(pick, Exception) or pick is None:
-            result.errors[seq] = pick or KilnError("no token was chosen")
+        if isinstance(pick, Exception):
+            result.errors[seq] = pick
             return
+        assert pick is not None  # only a forced row has no pick, and it was fed above
         params = self._choosers[seq].params
         sampled = Sampled(seq, pick, logits=logits.copy() if self.keep_logits else None)
         if params.logprobs is not None:
