@@ -1,0 +1,210 @@
+"""The host's time per torch-engine step, by phase, with a decoder whose forward does nothing: what a
+GPU would wait on the host for, measured on the CPU.
+
+The engine core runs as ``kiln serve`` runs it (``EngineCore`` over ``TorchEngine``, decode steps
+through ``DecodeGraphs``: eager replays of the captured buckets here, CUDA graphs on a GPU), with a
+tiny random Llama whose ``forward`` is replaced by one that returns preallocated logits (a few
+random rows, taken in turn, so the tokens vary). The tokenizer is SmolLM2's (49,152 tokens), so
+detokenization costs what it does on a real vocabulary; the logits are only ``--vocab`` wide
+(default 128), because the sampler's tensor work over [rows, vocab] runs on this CPU and would be
+counted as host time, where on a GPU it is the device's (asynchronous) work: what is left of it
+here is the host's cost of dispatching each operation, as a GPU's launches are.
+
+Phases (exclusive time, each a median over the steps): ``plan`` the core's scheduling (drop,
+admit, plan, masks; everything outside the other phases), ``inputs`` packing the step's token ids,
+positions and slots for the device, ``forward`` the replaced forward (~0), ``sampling`` the
+engine's choice of tokens and its bookkeeping (the sampler's calls, the copy of the tokens to the
+host), ``update`` the engine's and the core's state after a step, ``delivery`` turning the tokens
+into what the clients get (detokenization, stop strings, result objects). ``total`` is a step's
+wall time in a run without the phase timers (they cost ~1 us a call).
+
+    python benchmarks/generation/host_step.py [--tokenizer /work/art/smollm2] [--rows 1 256]
+
+Budgets: 0.25 ms a step at 1 row, 1.0 ms at 256 rows."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+
+from modelkiln.generation import core as core_module  # noqa: E402
+from modelkiln.generation.core import EngineCore, Request, greedy  # noqa: E402
+from modelkiln.generation.engines.torch.engine import DecodeGraphs, TorchEngine, open_torch_engine  # noqa: E402
+from modelkiln.generation.plan import EngineOptions, ModelShape  # noqa: E402
+from modelkiln.generation.sampling import SamplingParams  # noqa: E402
+from modelkiln.machine import cpu_description  # noqa: E402
+
+PHASES = ("plan", "inputs", "forward", "sampling", "update", "delivery")
+BUDGET_MS = {1: 0.25, 256: 1.0}
+CONTEXT = 1024
+ANSWER = 900  # tokens asked for: no answer ends while a case runs (~420 steps), none passes the context
+
+
+def tiny_llama(folder: Path, vocab: int) -> Path:
+    """A random 2-layer Llama with ``vocab`` tokens, its torch-fp32 weights beside its config."""
+    import transformers as tf
+
+    from modelkiln.convert.generation.torch_weights import save_weights
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=CONTEXT)).eval()
+    model.config.save_pretrained(folder)
+    save_weights(model, folder / "model.torch-fp32.safetensors", "fp32")
+    return folder / "model.torch-fp32.safetensors"
+
+
+def engine_with_idle_forward(weights: Path, rows: int, vocab: int) -> TorchEngine:
+    engine = open_torch_engine(weights, ModelShape(4, CONTEXT), EngineOptions(threads=1, max_rows=rows))
+    logits = [torch.randn(max(rows, 64), vocab) * 4 for _ in range(8)]
+    turn = iter(range(1 << 62))
+
+    def forward(step, cache) -> torch.Tensor:
+        wanted = step.select.shape[0] if step.select is not None else step.ids.shape[0]
+        return logits[next(turn) % len(logits)][:wanted]
+
+    engine.decoder.forward = forward  # type: ignore[method-assign]
+    engine.graphs = DecodeGraphs(engine)  # as on CUDA: decode steps replay captured buckets
+    engine.graphs.capture()
+    return engine
+
+
+class PhaseTimer:
+    """Exclusive time per phase: a phase entered inside another stops the outer one's clock."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack = ["plan"]
+        self._mark = time.perf_counter()
+
+    def enter(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[self._stack[-1]] += now - self._mark
+        self._stack.append(phase)
+        self._mark = now
+
+    def leave(self) -> None:
+        now = time.perf_counter()
+        self.seconds[self._stack.pop()] += now - self._mark
+        self._mark = now
+
+    def restart(self) -> None:
+        self.seconds.clear()
+        self._stack = ["plan"]
+        self._mark = time.perf_counter()
+
+    def stop(self) -> None:
+        self.leave()  # the outermost phase
+
+
+@contextlib.contextmanager
+def timed_phases(timer: PhaseTimer, targets: list[tuple[object, str, str]]) -> Iterator[None]:
+    """Wrap each (owner, attribute, phase) for the duration."""
+    saved = []
+    for owner, name, phase in targets:
+        original = getattr(owner, name)
+        saved.append((owner, name, original))
+        setattr(owner, name, _wrapped(original, phase, timer))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def _wrapped(function: Callable, phase: str, timer: PhaseTimer) -> Callable:
+    def call(*args, **kwargs):
+        timer.enter(phase)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            timer.leave()
+    return call
+
+
+def phase_targets(engine: TorchEngine) -> list[tuple[object, str, str]]:
+    """What each phase times. Delivery is the core's turning of a step's tokens into outputs."""
+    targets: list[tuple[object, str, str]] = [
+        (engine, "execute", "update"), (engine, "_run", "inputs"), (engine.decoder, "forward", "forward"),
+        (engine, "_choose", "sampling"), (core_module.EngineCore, "_update", "update"),
+    ]
+    if engine.graphs is not None:
+        targets.append((engine.graphs, "run", "inputs"))
+    targets.append((core_module.SequenceState, "accept", "delivery"))
+    return targets
+
+
+def run_case(engine: TorchEngine, tokenizer: Tokenizer, rows: int, sampled: bool, steps: int) -> dict[str, float]:
+    core = EngineCore(engine, tokenizer, max_running=rows)
+    for i in range(rows):
+        params = (SamplingParams(max_new_tokens=ANSWER, temperature=0.7, top_p=0.95, seed=i, ignore_eos=True)
+                  if sampled else greedy(ANSWER))
+        core.add_request(Request(i, [10 + i % 50, 20, 30, 40], params))
+    while core.decoding < rows:
+        core.step()
+    for _ in range(10):  # warm
+        core.step()
+    took = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        core.step()
+        took.append(time.perf_counter() - started)
+    timer = PhaseTimer()
+    per_phase: dict[str, list[float]] = defaultdict(list)
+    with timed_phases(timer, phase_targets(engine)):
+        for _ in range(steps):
+            timer.restart()
+            core.step()
+            timer.stop()
+            for phase in PHASES:
+                per_phase[phase].append(timer.seconds.get(phase, 0.0))
+    for i in range(rows):
+        core.abort(i)
+    while core.has_work():
+        core.step()
+    result = {phase: statistics.median(per_phase[phase]) * 1e3 for phase in PHASES}
+    result["total"] = statistics.median(took) * 1e3
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", default="/work/art/smollm2", help="an artifact folder with tokenizer.json")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 256])
+    parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tokenizer = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
+    cpu = cpu_description()
+    print(f"CPU: {cpu['cpu']} ({cpu['isa']}, {cpu['cores']} cores); torch {torch.__version__}, 1 thread")
+    print(f"tokenizer: {args.tokenizer} ({tokenizer.get_vocab_size()} tokens); logits {args.vocab} wide; "
+          f"median of {args.steps} decode steps; ms a step")
+    print(f"{'rows':>5} {'sampling':<8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'total':>9} {'budget':>7}")
+    with tempfile.TemporaryDirectory() as folder:
+        weights = tiny_llama(Path(folder), args.vocab)
+        for rows in args.rows:
+            engine = engine_with_idle_forward(weights, rows, args.vocab)
+            for sampled in (False, True):
+                got = run_case(engine, tokenizer, rows, sampled, args.steps)
+                budget = BUDGET_MS.get(rows)
+                print(f"{rows:>5} {'top_p' if sampled else 'greedy':<8} "
+                      + " ".join(f"{got[p]:>9.3f}" for p in PHASES) + f" {got['total']:>9.3f} "
+                      + (f"{budget:>7.2f}" if budget else f"{'':>7}"), flush=True)
+
+
+if __name__ == "__main__":
+    main()
