@@ -78,10 +78,10 @@ def _declare_sampling(library: ctypes.CDLL) -> ctypes.CDLL:
     library.kiln_cumulative_pick.restype = ctypes.c_int64
     library.kiln_top_k.argtypes = [f64, ctypes.c_int64, ctypes.c_int64, f64, i64]
     library.kiln_top_k.restype = ctypes.c_int64
-    library.kiln_top_p.argtypes = [f64, ctypes.c_int64, ctypes.c_double, i64, u64]
+    library.kiln_top_p.argtypes = [f64, ctypes.c_int64, ctypes.c_double, ctypes.POINTER(ctypes.c_uint8), u64]
     library.kiln_top_p.restype = ctypes.c_int64
     library.kiln_pick.argtypes = [i64, f64, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_double,
-                                  ctypes.c_double, f64, ctypes.c_double, i64, f64, i64, u64, ctypes.POINTER(ctypes.c_uint8)]
+                                  ctypes.c_double, f64, ctypes.c_double, i64, f64, u64, ctypes.POINTER(ctypes.c_uint8)]
     library.kiln_pick.restype = ctypes.c_int64
     library.kiln_scale.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.c_double, ctypes.c_double, f64]
     library.kiln_scale.restype = None

@@ -15,7 +15,8 @@
 
    - kiln_top_k: top-k's threshold and the tokens at or above it, in one pass with a heap of k;
    - kiln_top_p: top-p's cut, numpy's ``argsort(-p, kind="stable")`` then the first cumulative sum of
-     the sorted probabilities that reaches top_p, by a radix sort (a stable sort, so ties keep token
+     the sorted probabilities that reaches top_p, by a radix sort of the probabilities' bits alone
+     (the sums need the values in order, not which token holds each; ties are then taken in token
      order): a flat row's nucleus holds most of the vocabulary, which numpy's merge sort takes ~10 ms
      to order at 128k tokens;
    - kiln_scale: the row's ``(float64(logits) - best) / temperature`` in one pass instead of numpy's
@@ -113,7 +114,7 @@ static double pairwise(const int64_t *ids, const double *values, int64_t first, 
         int64_t whole = n - (n % 8);
         int64_t k = first;
         for (; k < last && ids[k] - lo < whole; k++) {
-            int64_t j = (ids[k] - lo) % 8;
+            int64_t j = (ids[k] - lo) & 7; /* ids[k] >= lo */
             r[j] += values[k];
         }
         double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
@@ -124,9 +125,14 @@ static double pairwise(const int64_t *ids, const double *values, int64_t first, 
     }
     int64_t n2 = n / 2;
     n2 -= n2 % 8;
-    int64_t split = first;
-    while (split < last && ids[split] < lo + n2) {
-        split++;
+    int64_t split = first, above = last; /* the first id at or past lo + n2 (ids are sorted) */
+    while (split < above) {
+        int64_t mid = split + (above - split) / 2;
+        if (ids[mid] < lo + n2) {
+            split = mid + 1;
+        } else {
+            above = mid;
+        }
     }
     return pairwise(ids, values, first, split, lo, n2) + pairwise(ids, values, split, last, lo + n2, n - n2);
 }
@@ -220,56 +226,133 @@ static int64_t kiln_likely(const double *e, int64_t n, double total, double shar
 
 /* ---- top-p's cut ---------------------------------------------------------------------------------- */
 
-#define RADIX_BITS 11
-#define RADIX_SIZE (1 << RADIX_BITS)
+#define SHORT_RUN 32   /* runs of keys this short or shorter are put in order by insertion */
+#define RADIX_PASSES 3 /* of 8 bits each */
 
-/* ``order`` receives 0..n-1 sorted by probability, largest first, ties by position (numpy's stable
-   argsort of -p); ``scratch`` holds 3n 64-bit words. Returns how many of them top-p keeps: the
-   position of the first cumulative sum (sequential, in that order) not below top_p, plus one; n + 1
-   where no sum reaches it. Probabilities are >= 0, so their bits order as the values do. */
-KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, int64_t *order, uint64_t *scratch) {
-    uint64_t *keys = scratch, *keys_out = scratch + n;
-    int64_t *order_out = (int64_t *)(scratch + 2 * n);
-    for (int64_t i = 0; i < n; i++) {
-        union { double d; uint64_t u; } v = {p[i]};
-        keys[i] = ~v.u; /* descending by value */
-        order[i] = i;
+/* ``keys`` [n] in ascending order, using ``spare`` [n] (the result is written back into ``keys``).
+   The keys of a cut are only compared, never told apart, so the sort need not be stable. Two radix
+   passes (8 bits each) order the keys by their 16 leading bits below the bits every key shares
+   (a row's probabilities span a few powers of two: the exponent and the mantissa's first bits), then
+   each run of keys equal in those bits is ordered the same way, or by insertion where short: about
+   two passes over the keys for any row, none of them n^2. */
+static void sort_keys(uint64_t *keys, uint64_t *spare, int64_t n) {
+    if (n <= SHORT_RUN) {
+        for (int64_t i = 1; i < n; i++) {
+            uint64_t k = keys[i];
+            int64_t j = i;
+            while (j > 0 && keys[j - 1] > k) {
+                keys[j] = keys[j - 1];
+                j--;
+            }
+            keys[j] = k;
+        }
+        return;
     }
-    int64_t counts[RADIX_SIZE]; /* 16 kB on the stack: callers in several threads share nothing */
-    for (int shift = 0; shift < 64; shift += RADIX_BITS) {
-        for (int64_t b = 0; b < RADIX_SIZE; b++) {
-            counts[b] = 0;
+    uint64_t least = keys[0], most = keys[0];
+    for (int64_t i = 1; i < n; i++) {
+        least = keys[i] < least ? keys[i] : least;
+        most = keys[i] > most ? keys[i] : most;
+    }
+    if (least == most) {
+        return;
+    }
+    int span = 64 - __builtin_clzll(most - least); /* bits of the largest difference */
+    int shift = span > 8 * RADIX_PASSES ? span - 8 * RADIX_PASSES : 0;
+    uint32_t counts[RADIX_PASSES][256] = {{0}};
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t d = (keys[i] - least) >> shift;
+        for (int pass = 0; pass < RADIX_PASSES; pass++) {
+            counts[pass][(d >> (8 * pass)) & 0xff]++;
         }
-        for (int64_t i = 0; i < n; i++) {
-            counts[(keys[i] >> shift) & (RADIX_SIZE - 1)]++;
-        }
-        if (n == 0 || counts[(keys[0] >> shift) & (RADIX_SIZE - 1)] == n) {
+    }
+    uint64_t *from = keys, *to = spare;
+    for (int pass = 0; pass < RADIX_PASSES; pass++) {
+        int digit = shift + 8 * pass;
+        uint32_t *count = counts[pass];
+        if (count[((keys[0] - least) >> digit) & 0xff] == (uint32_t)n) {
             continue; /* every key has this digit: the pass would move nothing */
         }
-        int64_t start = 0;
-        for (int64_t b = 0; b < RADIX_SIZE; b++) {
-            int64_t c = counts[b];
-            counts[b] = start;
+        uint32_t start = 0;
+        for (int b = 0; b < 256; b++) {
+            uint32_t c = count[b];
+            count[b] = start;
             start += c;
         }
-        for (int64_t i = 0; i < n; i++) { /* in order: a stable pass */
-            int64_t at = counts[(keys[i] >> shift) & (RADIX_SIZE - 1)]++;
-            keys_out[at] = keys[i];
-            order_out[at] = order[i];
+        for (int64_t i = 0; i < n; i++) { /* in order: a stable pass, which the next pass needs */
+            uint64_t k = from[i];
+            to[count[((k - least) >> digit) & 0xff]++] = k;
         }
+        uint64_t *t = from;
+        from = to;
+        to = t;
+    }
+    if (from != keys) {
         for (int64_t i = 0; i < n; i++) {
-            keys[i] = keys_out[i];
-            order[i] = order_out[i];
+            keys[i] = from[i];
         }
     }
-    double sum = 0.0;
+    if (shift == 0) {
+        return; /* the 16 bits were all the bits that differ */
+    }
+    for (int64_t run = 0; run < n;) {
+        uint64_t lead = (keys[run] - least) >> shift;
+        int64_t end = run + 1;
+        while (end < n && (keys[end] - least) >> shift == lead) {
+            end++;
+        }
+        if (end - run > 1) {
+            sort_keys(keys + run, spare + run, end - run);
+        }
+        run = end;
+    }
+}
+
+static double key_value(uint64_t key) {
+    union { uint64_t u; double d; } v = {~key};
+    return v.d;
+}
+
+/* Top-p's cut of the probabilities p [n] (>= 0, so their bits order as their values do): the rule
+   sorts them, largest first and ties by position (numpy's stable argsort of -p), and keeps up to the
+   first cumulative sum (sequential, in that order) not below top_p. Returns how many it keeps, with
+   ``marks[i]`` = 1 for each kept token and 0 for the others; n + 1 where no sum reaches top_p (marks
+   then untouched). Only the sorted values are needed for the sums, not which token holds each: the
+   kept tokens are then those above the last kept value, and the first of those equal to it in
+   position order. ``scratch`` holds 2n 64-bit words. */
+KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, unsigned char *marks, uint64_t *scratch) {
+    if (n == 0) {
+        return 1;
+    }
+    uint64_t *keys = scratch;
     for (int64_t i = 0; i < n; i++) {
-        sum += p[order[i]];
+        union { double d; uint64_t u; } v = {p[i]};
+        keys[i] = ~v.u; /* ascending keys: descending values */
+    }
+    sort_keys(keys, scratch + n, n);
+    double sum = 0.0;
+    int64_t last = -1;
+    for (int64_t i = 0; i < n; i++) {
+        sum += key_value(keys[i]);
         if (sum >= top_p) {
-            return i + 1;
+            last = i;
+            break;
         }
     }
-    return n + 1;
+    if (last < 0) {
+        return n + 1;
+    }
+    int64_t above = last; /* the kept values above the last one */
+    while (above > 0 && keys[above - 1] == keys[last]) {
+        above--;
+    }
+    double threshold = key_value(keys[last]);
+    int64_t equal = last + 1 - above; /* the tokens of the last value that are in: the first ones */
+    for (int64_t i = 0; i < n; i++) {
+        int tie = p[i] == threshold && equal > 0;
+        equal -= tie;
+        marks[i] = (unsigned char)((p[i] > threshold) | tie);
+    }
+    return last + 1;
 }
 
 /* ---- after the probabilities: the cuts and the draw, in one call --------------------------------- */
@@ -301,12 +384,12 @@ static void renormalise(const int64_t *ids, double *probs, int64_t m, int64_t vo
    ``values`` the whole row's; ``total`` the exponentials' sum as numpy took it. Top-p orders the
    tokens at least ``shares[0]`` of the best's probability, then ``shares[1]``, then all, until its
    nucleus is inside; min-p; each cut renormalised; the inverse transform of ``u``. The work
-   buffers hold n items (``radix`` 3n, ``marks`` n bytes). Returns the token, or -1 where the
+   buffers hold n items (``radix`` 2n, ``marks`` n bytes). Returns the token, or -1 where the
    settings give no probabilities. */
 KILN_VECTOR_CLONES
 KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int64_t n, int64_t vocab, double total,
                               double top_p, double min_p, const double *shares, double u, int64_t *ids, double *probs,
-                              int64_t *order, uint64_t *radix, unsigned char *marks) {
+                              uint64_t *radix, unsigned char *marks) {
     int cut = top_p < 1.0 || min_p > 0.0;
     int64_t m;
     int complete; /* every token with a probability is in */
@@ -338,16 +421,12 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
     }
     if (top_p < 1.0) {
         for (;;) {
-            int64_t keep = kiln_top_p(probs, m, top_p, order, radix);
+            int64_t keep = kiln_top_p(probs, m, top_p, marks, radix);
             if (keep <= m || complete) {
-                if (keep > m) {
-                    keep = m;
-                }
-                for (int64_t i = 0; i < m; i++) {
-                    marks[i] = 0;
-                }
-                for (int64_t i = 0; i < keep; i++) {
-                    marks[order[i]] = 1;
+                if (keep > m) { /* no sum reaches top_p: every token is in */
+                    for (int64_t i = 0; i < m; i++) {
+                        marks[i] = 1;
+                    }
                 }
                 m = compact(ids, probs, m, marks);
                 break;

@@ -101,23 +101,23 @@ def native_cumulative_pick(probs: np.ndarray, u: float) -> tuple[int, float]:
     return int(index), total.value
 
 
-def native_nucleus_order(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, int]:
-    """``kiln_top_p`` (top-p's sort inside ``kiln_pick``), called alone."""
-    order, scratch = np.empty(probs.shape[0], dtype=np.int64), np.empty(3 * probs.shape[0], dtype=np.uint64)
+def native_nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, int]:
+    """``kiln_top_p`` (top-p's cut inside ``kiln_pick``), called alone."""
+    marks, scratch = np.zeros(probs.shape[0], dtype=np.uint8), np.empty(2 * probs.shape[0], dtype=np.uint64)
     keep = sampling_library().kiln_top_p(probs.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), probs.shape[0], top_p,
-                                         order.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
+                                         marks.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                          scratch.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)))
-    return order, int(keep)
+    return marks.astype(bool), int(keep)
 
 
 @pytest.fixture(params=["native", "numpy"])
 def forms(request):
     """The native functions ``kiln_pick`` is made of, and their numpy forms (the path without the library)."""
     if request.param == "numpy":
-        return cumulative_pick, selection._nucleus_order
+        return cumulative_pick, selection._nucleus
     if sampling_library() is None:
         pytest.skip("the native sampling library was not built here")
-    return native_cumulative_pick, native_nucleus_order
+    return native_cumulative_pick, native_nucleus
 
 
 def test_the_cumulative_pick_is_numpys_searchsorted(forms):
@@ -157,9 +157,10 @@ def test_min_p_is_checked():
             SamplingParams(min_p=bad)
 
 
-def test_the_nucleus_order_is_numpys_stable_argsort(forms):
-    """Top-p's sort: largest first, ties in token order, and where the cumulative sum reaches top_p."""
-    _, nucleus_order = forms
+def test_the_nucleus_is_the_stable_argsorts_first_tokens(forms):
+    """Top-p's cut: the tokens numpy's stable argsort puts first (largest first, ties in token order),
+    up to where their cumulative sum reaches top_p, and how many."""
+    _, nucleus = forms
     rng = np.random.default_rng(6)
     for n in (1, 2, 31, 33, 1000, 70_000):
         probs = np.exp(rng.standard_normal(n) * rng.choice([0.1, 3.0]))
@@ -167,7 +168,26 @@ def test_the_nucleus_order_is_numpys_stable_argsort(forms):
         probs[rng.random(n) < 0.05] = 0.0
         probs /= probs.sum()
         for top_p in (1e-9, 0.5, 0.95, 1.0, 2.0):
-            order, keep = nucleus_order(probs, top_p)
+            kept, keep = nucleus(probs, top_p)
             expected = np.argsort(-probs, kind="stable")
             assert keep == int(np.searchsorted(np.cumsum(probs[expected]), top_p)) + 1, (n, top_p)
-            assert np.array_equal(order[:keep], expected[:keep])
+            if keep <= n:
+                assert np.array_equal(np.flatnonzero(kept), np.sort(expected[:keep])), (n, top_p)
+
+
+def test_the_nucleus_of_nearly_equal_probabilities(forms):
+    """Rows whose probabilities differ in their last bits only (the sort's worst case: every key in
+    one run of its leading bits), and rows of three values (long ties)."""
+    _, nucleus = forms
+    rng = np.random.default_rng(7)
+    n = 50_000
+    base = np.full(n, 1.0 / n)
+    rows = [base * (1 + rng.integers(-50, 50, n) * np.finfo(np.float64).eps),
+            base * (1 + rng.standard_normal(n) * 1e-12),
+            rng.choice([1e-5, 2e-5, 3e-5], n)]
+    for probs in rows:
+        for top_p in (0.3, 0.95):
+            kept, keep = nucleus(probs, top_p)
+            expected = np.argsort(-probs, kind="stable")
+            assert keep == int(np.searchsorted(np.cumsum(probs[expected]), top_p)) + 1
+            assert np.array_equal(np.flatnonzero(kept), np.sort(expected[:keep]))

@@ -108,8 +108,8 @@ def _native_draw(library: ctypes.CDLL, s: np.ndarray, e: np.ndarray, params: Sam
         support.ctypes.data_as(_I64) if support is not None else None,
         values.ctypes.data_as(_F64) if support is not None else _pointer("exponentials", vocab, np.float64), n, vocab,
         total, params.top_p, params.min_p, _SHARES_POINTER, u,
-        _pointer("pick ids", n, np.int64), _pointer("pick probs", n, np.float64), _pointer("order", n, np.int64),
-        _pointer("radix", 3 * n, np.uint64), _pointer("marks", n, np.uint8))
+        _pointer("pick ids", n, np.int64), _pointer("pick probs", n, np.float64),
+        _pointer("radix", 2 * n, np.uint64), _pointer("marks", n, np.uint8))
     if token < 0:
         raise InvalidInputError(f"the sampling settings give no probabilities (temperature {params.temperature})")
     return int(token)
@@ -203,27 +203,23 @@ def _top_p(ids: np.ndarray, probs: np.ndarray, top_p: float,
     tokens down to a lower share of the best (None: the tokens in are all that have a probability)."""
     shares = [*_SHARES[1:].tolist(), 0.0]
     while True:
-        order, keep = _nucleus_order(probs, top_p)
-        if keep <= order.shape[0] or wider is None or not shares:
-            chosen = _in_order(order[:keep], order.shape[0])  # back to vocabulary order
+        kept, keep = _nucleus(probs, top_p)
+        if keep <= probs.shape[0] or wider is None or not shares:
+            chosen = np.flatnonzero(kept) if keep <= probs.shape[0] else np.arange(probs.shape[0])
             return ids[chosen], probs[chosen]
         ids, probs = wider(shares.pop(0))
 
 
-def _nucleus_order(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, int]:
-    """(``argsort(-probs, kind="stable")``, how many of them reach top_p: the first cumulative sum
-    not below it, plus one; ``len + 1`` where none does). ``kiln_top_p``'s numpy form."""
+def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, int]:
+    """(which tokens top-p keeps, how many): the reference sorts them (``argsort(-probs,
+    kind="stable")``) and keeps up to the first cumulative sum not below top_p; ``len + 1`` tokens
+    where none reaches it (the mask then keeps none). ``kiln_top_p``'s numpy form."""
     order = np.argsort(-probs, kind="stable")
-    return order, int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
-
-
-def _in_order(chosen: np.ndarray, n: int) -> np.ndarray:
-    """``np.sort(chosen)`` (distinct positions below n): a pass over a mask where there are many."""
-    if chosen.shape[0] < 4096:
-        return np.sort(chosen)
-    mask = np.zeros(n, dtype=bool)
-    mask[chosen] = True
-    return np.flatnonzero(mask)
+    keep = int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
+    kept = np.zeros(probs.shape[0], dtype=bool)
+    if keep <= probs.shape[0]:
+        kept[order[:keep]] = True
+    return kept, keep
 
 
 def _min_p(ids: np.ndarray, probs: np.ndarray, min_p: float) -> tuple[np.ndarray, np.ndarray]:
