@@ -205,21 +205,17 @@ KILN_EXPORT int64_t kiln_top_k(const double *s, int64_t n, int64_t k, double *he
 
 /* The positions i whose probability e[i] / total (rounded as numpy's division of the row) is at
    least a floor a little under ``share`` of the best's, into ``ids`` with those probabilities into
-   ``probs``; returns their number. selection._likely's numpy form computes the same floor, and the
-   division is taken only where e[i] reaches a bound a little under floor * total. */
+   ``probs``; returns their number. selection._likely's numpy form computes the same floor and the
+   same bound a little under floor * total that e[i] must reach. */
 static int64_t kiln_likely(const double *e, int64_t n, double total, double share, int64_t *ids, double *probs) {
     double floor = share / total * (1 - 1e-9); /* the best token's exponential is exp(0) = 1 */
     double near = floor * total * (1 - 1e-9);
     int64_t k = 0;
-    for (int64_t i = 0; i < n; i++) {
-        if (e[i] >= near) {
-            double p = e[i] / total;
-            if (p >= floor) {
-                ids[k] = i;
-                probs[k] = p;
-                k++;
-            }
-        }
+    for (int64_t i = 0; i < n; i++) { /* written for every token, kept by the count: no branch to mispredict */
+        double p = e[i] / total;
+        ids[k] = i;
+        probs[k] = p;
+        k += (e[i] >= near) & (p >= floor);
     }
     return k;
 }
@@ -362,12 +358,10 @@ KILN_EXPORT int64_t kiln_cumulative_pick(const double *p, int64_t count, double 
 /* The tokens in (ids, probs) compacted to those marked, in order. */
 static int64_t compact(int64_t *ids, double *probs, int64_t m, const unsigned char *marked) {
     int64_t k = 0;
-    for (int64_t i = 0; i < m; i++) {
-        if (marked[i]) {
-            ids[k] = ids[i];
-            probs[k] = probs[i];
-            k++;
-        }
+    for (int64_t i = 0; i < m; i++) { /* k <= i: each move reads before it writes */
+        ids[k] = ids[i];
+        probs[k] = probs[i];
+        k += marked[i];
     }
     return k;
 }
