@@ -5,12 +5,14 @@ sequence of tokens, so every linear layer runs once per layer for the whole step
 The weights are a torch variant's file (``model.torch-<precision>.safetensors``: transformers' own
 names, in the variant's precision) and the artifact's ``config.json``; transformers' module for the
 same model is the reference the tests and the gate compare with. Query/key/value and gate/up are
-concatenated at load, so a layer is four matrix products. Each token's key and value are written
-into the engine's cache (``KVCache``) at its sequence's slot and position before attention reads it."""
+concatenated at load, so a layer is four matrix products and five of the engine's own kernels
+(``kernels/``): RMSNorm (with the residual added), the rotary embedding with each token's key and value
+written into the engine's cache (``KVCache``) at its sequence's slot and position, attention over that
+cache read in place, RMSNorm again and SiLU·up."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ....errors import ArtifactError, UnsupportedArchitectureError
+from . import kernels as fused
 from .ops import Kernels
 
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -95,17 +98,13 @@ class _Layer:
 
 @dataclass
 class StepTokens:
-    """One step's tokens, packed: the first ``decode_rows`` are decode rows (one token per
-    sequence), then each chunk's tokens. ``width``: the key positions decode rows attend over
-    (padded; positions past a row's length are masked). ``chunks``: (offset, tokens, slot, start)
-    per prompt chunk. ``select``: the token indices whose logits are wanted (None: all)."""
+    """One step's tokens, packed: decode rows (one token per sequence) and prompt chunks alike, each
+    token with its sequence's slot and its position. ``select``: the token indices whose logits are
+    wanted (None: all)."""
 
     ids: torch.Tensor  # [tokens] int64
     positions: torch.Tensor  # [tokens] int64
     slots: torch.Tensor  # [tokens] int64
-    decode_rows: int
-    width: int
-    chunks: list[tuple[int, int, int, int]] = field(default_factory=list)
     select: torch.Tensor | None = None
 
 
@@ -131,8 +130,10 @@ class TorchDecoder:
         lm_head = tensors.pop("lm_head.weight", None)
         self.lm_head = self.embed if lm_head is None else lm_head.to(dtype)
         self.cos, self.sin = _rotary_tables(config, max_length, device, dtype)
-        first = self.layers[0]
-        kernels.calibrate([first.qkv, first.out, first.gate_up, first.down, self.lm_head])
+        products = [(self.lm_head, None)] + [product for layer in self.layers for product in (
+            (layer.qkv, layer.qkv_bias), (layer.out, layer.out_bias), (layer.gate_up, layer.gate_up_bias),
+            (layer.down, layer.down_bias))]
+        kernels.calibrate(list({_shape(w, b): (w, b) for w, b in products}.values()))
 
     def _take(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         if name not in tensors:
@@ -165,45 +166,32 @@ class TorchDecoder:
         """Logits (fp32) [selected tokens, vocab]; writes every token's key and value into ``cache``."""
         c, k = self.config, self.kernels
         tokens = step.ids.shape[0]
-        q_width, kv_width = c.heads * c.head_dim, c.kv_heads * c.head_dim
-        cos = self.cos[step.positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        sin = self.sin[step.positions].unsqueeze(1)
-        n = step.decode_rows
-        decode_lengths = step.positions[:n] + 1
-        decode_slots = step.slots[:n]
-        h = F.embedding(step.ids, self.embed)
-        for i, layer in enumerate(self.layers):
-            x = k.rms_norm(h, layer.input_norm, c.eps)
-            qkv = k.linear(x, layer.qkv, layer.qkv_bias)
-            q = _rotate(qkv[:, :q_width].view(tokens, c.heads, c.head_dim), cos, sin)
-            key = _rotate(qkv[:, q_width:q_width + kv_width].view(tokens, c.kv_heads, c.head_dim), cos, sin)
-            value = qkv[:, q_width + kv_width:].view(tokens, c.kv_heads, c.head_dim)
+        ids, positions, slots = step.ids, step.positions, step.slots
+        rows = k.rows(tokens)
+        if rows > tokens:  # padding rows, so that no product pads: token 0 at position 0 with no slot (-1)
+            padding = (0, rows - tokens)
+            ids, positions, slots = F.pad(ids, padding), F.pad(positions, padding), F.pad(slots, padding, value=-1)
+        h = F.embedding(ids, self.embed)
+        x = fused.rms_norm(h, self.layers[0].input_norm, c.eps)
+        # each layer ends with its MLP's output added to the residual stream and the next norm (the
+        # next layer's, the final one after the last)
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             keys, values = cache.layer(i)  # [slots, kv_heads, max_length, head_dim] each
-            keys[step.slots, :, step.positions] = key
-            values[step.slots, :, step.positions] = value
-            attended = torch.empty(tokens, c.heads, c.head_dim, dtype=h.dtype, device=h.device)
-            if n:
-                gathered_k = keys[:, :, :step.width].index_select(0, decode_slots)
-                gathered_v = values[:, :, :step.width].index_select(0, decode_slots)
-                attended[:n] = k.decode_attention(q[:n], gathered_k, gathered_v, decode_lengths, layer.window)
-            for offset, count, slot, start in step.chunks:
-                end = start + count
-                attended[offset:offset + count] = k.chunk_attention(
-                    q[offset:offset + count], keys[slot, :, :end], values[slot, :, :end], start, layer.window)
-            h = h + k.linear(attended.view(tokens, q_width), layer.out, layer.out_bias)
-            x = k.rms_norm(h, layer.post_norm, c.eps)
-            gate, up = k.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + k.linear(F.silu(gate) * up, layer.down, layer.down_bias)
-        if step.select is not None:
-            h = h.index_select(0, step.select)
-        return k.linear(k.rms_norm(h, self.norm, c.eps), self.lm_head).float()
+            q = fused.rotary_kv_write(k.linear(x, layer.qkv, layer.qkv_bias), self.cos, self.sin, positions, slots,
+                                      keys, values)
+            attended = fused.attention(q, keys, values, positions, slots, layer.window)
+            h, x = fused.add_rms_norm(k.linear(attended.view(rows, -1), layer.out, layer.out_bias), h,
+                                      layer.post_norm, c.eps)
+            mlp = k.linear(fused.silu_mul(k.linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+            h, x = fused.add_rms_norm(mlp, h, next_norm, c.eps)
+        x = x[:tokens] if step.select is None else x.index_select(0, step.select)
+        return k.linear(x, self.lm_head).float()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding as transformers applies it (``rotate_half``)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _shape(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, ...]:
+    """What decides a product's path in the library: the weight's shape and dtype, and whether it has a bias."""
+    return tuple(weight.shape), weight.dtype, bias is not None
 
 
 def _rotary_tables(config: Any, length: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

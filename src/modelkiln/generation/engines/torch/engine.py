@@ -3,8 +3,8 @@ KV cache preallocated there, tokens chosen there (``sampling/device.py``), behin
 (``plan.Engine``).
 
 - **One call per step** (``mixed_steps``): the decode rows and the prompt chunks of a plan are packed
-  into one sequence of tokens, so each linear layer runs once for all of them; attention runs for
-  the decode rows together and for each chunk on its own sequence's cache.
+  into one sequence of tokens, so each layer's kernels run once for all of them; attention reads each
+  token's own sequence's cache in place.
 - **The KV cache** is one tensor [layers, 2, slots, kv_heads, max_length, head_dim]. A sequence takes
   a free slot when it starts and gives it back when it leaves: no other row is copied. On the CPU the
   tensor lies in reserved, lazily committed memory (a slot holds in RAM what its sequence wrote, and
@@ -12,11 +12,13 @@ KV cache preallocated there, tokens chosen there (``sampling/device.py``), behin
   the serving graph's engine; on CUDA it is allocated at load from the device's free memory, and the
   budget is slots × ``max_length``.
 - **CUDA graphs** (CUDA only): a decode-only step replays a graph captured at ``warm_up`` for its
-  batch size and key width, each rounded up to a bucket (batch 1, 2, 4, ... ``max_rows``; width 128,
-  256, ... ``max_length``); padding rows write into a spare slot. Steps with prompt chunks run eagerly.
-- **Batch invariance** (``EngineOptions.batch_invariant``, on by default): the kernels of
-  ``engines/torch/ops.py`` give a row the same bits whatever else is in the step, so an answer does not
-  depend on the load. With it off, PyTorch's kernels run as they come (faster on the CPU).
+  batch size rounded up to a bucket (1, 2, 4, ... ``max_rows``), whatever its rows' lengths (attention
+  reads each row's positions from the device); padding rows write into a spare slot. Steps with
+  prompt chunks run eagerly.
+- **Batch invariance** (``EngineOptions.batch_invariant``, on by default): the matrix products of
+  ``engines/torch/ops.py`` and the kernels of ``engines/torch/kernels/`` give a row the same bits
+  whatever else is in the step, so an answer does not depend on the load. With it off, PyTorch's
+  matrix products run as they come (faster on the CPU).
 
 No prefix cache: ``cached_prefix`` answers 0."""
 
@@ -37,7 +39,7 @@ from ...plan import (Chunk, EngineCapabilities, EngineOptions, ModelShape, Sampl
                      begin_step)
 from ...sampling import SamplingParams
 from .decoder import StepTokens, TorchDecoder, load_config
-from .ops import SPLIT, Kernels, padded_width
+from .ops import Kernels
 from ...sampling.device import DeviceSampler, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ GPU_HEADROOM = 2 << 30  # bytes kept free for activations, graphs and sampling
 # 256 streams and a 512-token prompt's first token waited on one such step per 128 prompt tokens
 # (docs/gpu.md). vLLM takes 2048-8192 prompt tokens a step.
 GPU_PREFILL_CHUNK = 2048
+LENGTH_STEP = 128  # a slot's positions are a multiple of this
 
 
 class KVCache:
@@ -236,15 +239,12 @@ class TorchEngine:
         assert len(ids) == len(states)
         positions = [s.length for s in states]
         slots = [s.slot for s in states]
-        longest = max(positions, default=0) + 1
         rows = {seq: (i, 1) for i, seq in enumerate(decode)}
-        if not chunks and self.graphs is not None and self.graphs.covers(len(decode), longest):
-            return self.graphs.run(ids, positions, slots, longest), rows
+        if not chunks and self.graphs is not None and self.graphs.covers(len(decode)):
+            return self.graphs.run(ids, positions, slots), rows
         select = list(range(len(decode)))
-        packed = []
         for chunk in chunks:
             offset, count = len(ids), len(chunk.token_ids)
-            packed.append((offset, count, self._sequences[chunk.seq].slot, chunk.start))
             ids += chunk.token_ids
             positions += range(chunk.start, chunk.start + count)
             slots += [self._sequences[chunk.seq].slot] * count
@@ -258,8 +258,7 @@ class TorchEngine:
                 rows[chunk.seq] = (len(select), 0)
         host = torch.tensor([ids, positions, slots], dtype=torch.long)
         tokens = host.to(self.device, non_blocking=True)
-        step = StepTokens(tokens[0], tokens[1], tokens[2], decode_rows=len(decode),
-                          width=padded_width(longest) if decode else 0, chunks=packed,
+        step = StepTokens(tokens[0], tokens[1], tokens[2],
                           select=torch.tensor(select, dtype=torch.long).to(self.device))
         with torch.inference_mode():
             logits = self.decoder.forward(step, self.cache)
@@ -302,7 +301,7 @@ class TorchEngine:
 
 
 class DecodeGraphs:
-    """The decode-only forward pass per (batch bucket, key-width bucket), captured by ``capture``:
+    """The decode-only forward pass per batch bucket, captured by ``capture``:
     on CUDA a CUDA graph each, all in one memory pool; on the CPU the same forward on the same
     static buffers, run eagerly (what the tests exercise: the bucketing and padding rows). Inputs
     are copied into static buffers before a replay; rows past the real ones are padding (token 0
@@ -311,34 +310,30 @@ class DecodeGraphs:
     def __init__(self, engine: TorchEngine):
         self.engine = engine
         self.batches = _buckets(1, engine.max_rows)
-        self.widths = _buckets(SPLIT, engine.max_length)
         self.inputs = torch.zeros(3, self.batches[-1], dtype=torch.long, device=engine.device)  # ids, positions, slots
-        self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self.replays: dict[int, Callable[[], torch.Tensor]] = {}
 
-    def covers(self, rows: int, longest: int) -> bool:
-        return bool(self.replays) and rows <= self.batches[-1] and longest <= self.widths[-1]
+    def covers(self, rows: int) -> bool:
+        return bool(self.replays) and rows <= self.batches[-1]
 
     def capture(self) -> None:
         self.inputs[2].fill_(self.engine.spare_slot)
         pool = torch.cuda.graph_pool_handle() if self.engine.device.type == "cuda" else None
-        for width in reversed(self.widths):  # the largest first: the pool is sized by it
-            for rows in reversed(self.batches):
-                step = StepTokens(self.inputs[0, :rows], self.inputs[1, :rows], self.inputs[2, :rows],
-                                  decode_rows=rows, width=width)
-                self.replays[(rows, width)] = self._cuda_graph(step, pool) if pool is not None else self._eager(step)
-        log.info("captured %d decode steps (batch %s, key width %s)", len(self.replays), self.batches, self.widths)
+        for rows in reversed(self.batches):  # the largest first: the pool is sized by it
+            step = StepTokens(self.inputs[0, :rows], self.inputs[1, :rows], self.inputs[2, :rows])
+            self.replays[rows] = self._cuda_graph(step, pool) if pool is not None else self._eager(step)
+        log.info("captured %d decode steps (batch %s)", len(self.replays), self.batches)
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], longest: int) -> torch.Tensor:
+    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         rows = len(ids)
         bucket = next(b for b in self.batches if b >= rows)
-        width = next(w for w in self.widths if w >= longest)
         pad = bucket - rows
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.engine.spare_slot] * pad],
                             dtype=torch.long)
         if self.engine.device.type == "cuda":  # pragma: no cover - CUDA
             host = host.pin_memory()
         self.inputs[:, :bucket].copy_(host, non_blocking=True)
-        return self.replays[(bucket, width)]()[:rows]
+        return self.replays[bucket]()[:rows]
 
     def _eager(self, step: StepTokens) -> Callable[[], torch.Tensor]:
         def replay() -> torch.Tensor:
@@ -384,13 +379,13 @@ def open_torch_engine(path: Path, shape: ModelShape, options: EngineOptions) -> 
     config = load_config(path.parent)
     context = shape.max_context or int(getattr(config, "max_position_embeddings", 0) or 4096)
     kernels = Kernels(device, invariant=options.batch_invariant)
-    length = -(-context // SPLIT) * SPLIT  # CPU: address space only
+    length = -(-context // LENGTH_STEP) * LENGTH_STEP  # CPU: address space only
     decoder = TorchDecoder(path, config, device, kernels, length)
     c = decoder.config
     if device.type == "cuda":  # pragma: no cover - needs a CUDA device
         length = min(length, _gpu_length(device, options.max_rows + 1, c.kv_bytes_per_token * decoder.dtype.itemsize))
         if options.kv_tokens:  # the budget is slots × length here: allocate no more than it
-            length = min(length, max(SPLIT, -(-options.kv_tokens // options.max_rows // SPLIT) * SPLIT))
+            length = min(length, max(LENGTH_STEP, -(-options.kv_tokens // options.max_rows // LENGTH_STEP) * LENGTH_STEP))
         decoder.cos, decoder.sin = decoder.cos[:length], decoder.sin[:length]
     cache = KVCache(c.layers, options.max_rows + 1, c.kv_heads, length, c.head_dim, decoder.dtype, device)
     return TorchEngine(decoder, cache, options.max_rows, min(context, length), keep_logits=options.keep_logits)
@@ -409,9 +404,9 @@ def _gpu_length(device: torch.device, slots: int, bytes_per_token: int) -> int: 
     """Positions per slot that the device's free memory holds, after the weights and a headroom."""
     free, _ = torch.cuda.mem_get_info(device)
     budget = max(0, free - GPU_HEADROOM) * GPU_MEMORY_SHARE
-    length = int(budget // (slots * bytes_per_token)) // SPLIT * SPLIT
-    if length < SPLIT:
-        raise KilnError(f"the GPU's free memory ({free / 2**30:.1f} GiB) holds less than {SPLIT} tokens for each of "
+    length = int(budget // (slots * bytes_per_token)) // LENGTH_STEP * LENGTH_STEP
+    if length < LENGTH_STEP:
+        raise KilnError(f"the GPU's free memory ({free / 2**30:.1f} GiB) holds less than {LENGTH_STEP} tokens for each of "
                         f"{slots - 1} sequences: ask for fewer rows (--max-batch-size)")
     return length
 
