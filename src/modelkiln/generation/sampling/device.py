@@ -3,10 +3,17 @@
 and presence penalties, the grammar's bitmask, then temperature, top-k, top-p and min-p, and the inverse
 transform of one uniform per token in vocabulary order, in float64.
 
-The uniform is ``sampling.uniform(seed, position)``, computed on the host (one per sampled row), so a
-request draws what it would on any engine and a resumed one what its first run would have. The
-state the penalties need (tokens seen, how often each was generated, the bias) stays on the device,
-one row per slot; a row whose settings do not ask for it adds exact zeros."""
+The uniforms are ``sampling.uniforms(seeds, positions)``, computed on the host for every sampled row
+of the step in one call, so a request draws what it would on any engine and a resumed one what its
+first run would have. The state the penalties need (tokens seen, how often each was generated, the
+bias) stays on the device, one row per slot, and is updated there; a row whose settings do not ask
+for it adds exact zeros.
+
+A step waits on the device once: the chosen tokens come back with one status word per row (its
+settings gave no probabilities, its grammar allows no token, its best score overflowed) in one copy
+(``engines/torch/transfers.py``). Only rows that need more on the host wait again: those asking for
+log-probabilities, and a row whose best score overflowed (TokenChooser's uniform choice among the
+tokens at the top, made on the host)."""
 
 from __future__ import annotations
 
@@ -17,9 +24,15 @@ import numpy as np
 import torch
 
 from ...errors import InvalidInputError
+from ..engines.torch.transfers import to_device, to_host
 from ..structured_output import bitmask
-from .draws import uniform
+from .draws import uniform, uniforms
 from .params import SamplingParams
+
+# A row's status word after a choice, bit by bit
+NO_PROBABILITIES = 1  # its settings gave no probabilities (an error of its own)
+NOTHING_ALLOWED = 2  # its grammar allows no token here (an error of its own)
+OVERFLOWED = 4  # its best score is not finite: the token is chosen on the host (_fallback_row)
 
 
 @dataclass
@@ -53,11 +66,11 @@ class DeviceSampler:
         self.counts[slot] = 0.0
         if params.repetition_penalty != 1.0:
             ids = [t for t in set(prompt_ids) | set(generated) if 0 <= t < self.vocab]
-            self.seen[slot, torch.tensor(ids, dtype=torch.long, device=self.device)] = True
+            self.seen[slot, to_device(ids, torch.long, self.device)] = True
         if generated:
             counts = np.bincount(np.asarray([t for t in generated if 0 <= t < self.vocab], dtype=np.int64),
                                  minlength=self.vocab)
-            self.counts[slot] = torch.from_numpy(counts.astype(np.float32)).to(self.device)
+            self.counts[slot] = to_device(counts.astype(np.float32), torch.float32, self.device)
         if slot in self._biased:
             self.bias[slot] = 0.0
             self._biased.discard(slot)
@@ -66,7 +79,7 @@ class DeviceSampler:
             for token, value in params.logit_bias:  # as numpy's ``scores[ids] += bias``: the last of a repeated id counts
                 if 0 <= token < self.vocab:
                     bias[token] = value
-            self.bias[slot] = torch.from_numpy(bias).to(self.device)
+            self.bias[slot] = to_device(bias, torch.float32, self.device)
             self._biased.add(slot)
 
     def leave(self, slot: int) -> None:
@@ -82,44 +95,62 @@ class DeviceSampler:
         rows = len(slots)
         states = [self._slots[s] for s in slots]
         params = [s.params for s in states]
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        scores = self._processed(logits, index, params, masks)
-        tokens = scores.argmax(dim=-1)
-        errors: dict[int, Exception] = {}
+        index = to_device(slots, torch.long, self.device)
+        allowed = self._mask_rows(masks) if any(m is not None for m in masks) else None
+        scores = self._processed(logits, index, params, allowed)
         sampled = [r for r, p in enumerate(params) if not p.greedy]
-        if sampled:
-            draws = torch.tensor([uniform(states[r].seed, states[r].position) for r in sampled], dtype=torch.float64,
-                                 device=self.device)
-            chosen, failed = self._draw(scores[sampled], [params[r] for r in sampled], draws)
-            tokens[sampled] = chosen
-            for r in failed:
-                errors[sampled[r]] = InvalidInputError(
-                    f"the sampling settings give no probabilities (temperature {params[sampled[r]].temperature})")
-        allowed = self._allowed(masks, tokens)
-        host = tokens.tolist()
+        if len(sampled) == rows:
+            tokens, status = self._draw(scores, params, self._uniforms(states))
+        else:
+            tokens = scores.argmax(dim=-1)
+            status = torch.zeros_like(tokens)
+            if sampled:
+                picked = to_device(sampled, torch.long, self.device)
+                chosen, flags = self._draw(scores.index_select(0, picked), [params[r] for r in sampled],
+                                           self._uniforms([states[r] for r in sampled]))
+                tokens.index_copy_(0, picked, chosen)
+                status.index_copy_(0, picked, flags)
         if allowed is not None:
-            for r, ok in enumerate(allowed.tolist()):
-                if not ok and r not in errors:
-                    errors[r] = InvalidInputError("the grammar allows no token here")
-        if sampled:
-            self._fallback_rows(scores, host, sampled, states, errors)
-        kept = [r for r in range(rows) if r not in errors]
-        if kept:
-            kept_index = torch.tensor(kept, device=self.device)
-            chosen_tokens = tokens[kept_index]
-            self.seen[index[kept_index], chosen_tokens] = True
-            self.counts[index[kept_index], chosen_tokens] += 1.0
-        for r in kept:
-            states[r].position += 1
-        asking = [r for r in kept if params[r].logprobs is not None]
+            status |= torch.where(allowed.gather(1, tokens[:, None])[:, 0], 0, NOTHING_ALLOWED)
+        kept = (status & (NO_PROBABILITIES | NOTHING_ALLOWED)) == 0
+        self._count(index, tokens, kept, params)
+        host_tokens, host_status = to_host(torch.stack([tokens, status])).tolist()  # the step's one wait
+        errors: dict[int, Exception] = {}
+        for r, flags in enumerate(host_status):
+            if flags & NO_PROBABILITIES:
+                errors[r] = InvalidInputError(
+                    f"the sampling settings give no probabilities (temperature {params[r].temperature})")
+            elif flags & NOTHING_ALLOWED:
+                errors[r] = InvalidInputError("the grammar allows no token here")
+            elif flags & OVERFLOWED:
+                host_tokens[r] = self._fallback_row(scores[r], states[r])
+        for r, state in enumerate(states):
+            if r not in errors:
+                state.position += 1
+        asking = [r for r in range(rows) if r not in errors and params[r].logprobs is not None]
         logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}
-        if asking:
-            found = token_logprobs(logits[asking], [host[r] for r in asking], [params[r].logprobs or 0 for r in asking])
+        if asking:  # waits on the device again: these rows' log-probabilities come to the host
+            found = token_logprobs(logits.index_select(0, to_device(asking, torch.long, self.device)),
+                                   [host_tokens[r] for r in asking], [params[r].logprobs or 0 for r in asking])
             logprobs = dict(zip(asking, found))
-        return Choice(host, errors, logprobs)
+        return Choice(host_tokens, errors, logprobs)
+
+    def _uniforms(self, states: list[_Slot]) -> torch.Tensor:
+        """The draws of these rows' next tokens, all in one call (``sampling.uniforms``)."""
+        return to_device(uniforms([s.seed for s in states], [s.position for s in states]), torch.float64, self.device)
+
+    def _count(self, index: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor,
+               params: list[SamplingParams]) -> None:
+        """Record the tokens of the ``kept`` rows as seen and generated, on the device (a row not kept
+        writes back what it had). Only the settings that read them need them: a slot's state is
+        reset when a sequence takes it, and its settings do not change."""
+        if any(p.repetition_penalty != 1.0 for p in params):
+            self.seen[index, tokens] |= kept
+        if any(p.frequency_penalty or p.presence_penalty for p in params):
+            self.counts[index, tokens] += kept.float()
 
     def _processed(self, logits: torch.Tensor, index: torch.Tensor, params: list[SamplingParams],
-                   masks: Sequence[np.ndarray | None]) -> torch.Tensor:
+                   allowed: torch.Tensor | None) -> torch.Tensor:
         """Logit bias, penalties and the grammar's mask, in TokenChooser's order (fp32)."""
         scores = logits
         if any(p.logit_bias for p in params):
@@ -133,8 +164,8 @@ class DeviceSampler:
             frequency = _column([p.frequency_penalty for p in params], torch.float32, self.device)
             presence = _column([p.presence_penalty for p in params], torch.float32, self.device)
             scores = scores - (counts * frequency + (counts > 0).float() * presence)
-        if any(m is not None for m in masks):
-            scores = scores.masked_fill(~self._mask_rows(masks), float("-inf"))
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
         return scores
 
     def _mask_rows(self, masks: Sequence[np.ndarray | None]) -> torch.Tensor:
@@ -146,18 +177,13 @@ class DeviceSampler:
                 packed[r] = 0
                 packed[r, :min(words, mask.shape[-1])] = mask[:words]
         shifts = torch.arange(32, device=self.device, dtype=torch.int32)
-        bits = torch.from_numpy(packed).to(self.device).unsqueeze(-1) >> shifts
+        bits = to_device(packed, torch.int32, self.device).unsqueeze(-1) >> shifts
         return (bits & 1).bool().view(len(masks), words * 32)[:, :self.vocab]
 
-    def _allowed(self, masks: Sequence[np.ndarray | None], tokens: torch.Tensor) -> torch.Tensor | None:
-        if all(m is None for m in masks):
-            return None
-        return self._mask_rows(masks).gather(1, tokens[:, None])[:, 0]
-
     def _draw(self, scores: torch.Tensor, params: list[SamplingParams],
-              draws: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """TokenChooser._draw for several rows: (tokens, rows whose settings gave no probabilities).
-        Rows whose best score is not finite are left to ``_fallback_rows``."""
+              draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """TokenChooser._draw for several rows: (tokens, status words: NO_PROBABILITIES where the
+        settings gave none, OVERFLOWED where the best score is not finite, left to ``_fallback_row``)."""
         scores = scores.double()
         best = scores.max(dim=-1, keepdim=True).values
         finite = torch.isfinite(best)
@@ -165,7 +191,7 @@ class DeviceSampler:
         scores = torch.where(finite, (scores - best) / temperature, scores)
         top_k = [p.top_k if p.top_k and p.top_k < self.vocab else 0 for p in params]
         if any(top_k):
-            k = torch.tensor(top_k, device=self.device)
+            k = to_device(top_k, torch.long, self.device)
             ordered = scores.sort(dim=-1, descending=True).values
             kth = ordered.gather(1, (k - 1).clamp(min=0)[:, None])
             scores = torch.where((k[:, None] > 0) & (scores < kth), float("-inf"), scores)
@@ -186,20 +212,15 @@ class DeviceSampler:
         total = cumulative[:, -1:]
         targets = (draws[:, None] * total).contiguous()
         tokens = torch.searchsorted(cumulative, targets, right=True)[:, 0].clamp(max=self.vocab - 1)
-        failed = (~(total[:, 0] > 0) & finite[:, 0]).nonzero().flatten().tolist()
-        return tokens, failed
+        failed = ~(total[:, 0] > 0) & finite[:, 0]
+        return tokens, torch.where(failed, NO_PROBABILITIES, 0) | torch.where(finite[:, 0], 0, OVERFLOWED)
 
-    def _fallback_rows(self, scores: torch.Tensor, tokens: list[int], sampled: list[int], states: list[_Slot],
-                       errors: dict[int, Exception]) -> None:
-        """Rows whose best score overflowed: a uniform choice among the tokens at the top (TokenChooser's rule)."""
-        best = scores[sampled].max(dim=-1).values
-        for i, value in enumerate(best.tolist()):
-            r = sampled[i]
-            if np.isfinite(value) or r in errors:
-                continue
-            top = (scores[r] == value).nonzero().flatten().tolist()
-            u = uniform(states[r].seed, states[r].position)
-            tokens[r] = int(top[min(int(u * len(top)), len(top) - 1)])
+    def _fallback_row(self, scores: torch.Tensor, state: _Slot) -> int:
+        """A row whose best score overflowed: a uniform choice among the tokens at the top
+        (TokenChooser's rule), on the host (a wait of its own: such rows are rare)."""
+        top = np.flatnonzero(to_host(scores == scores.max()))
+        u = uniform(state.seed, state.position)
+        return int(top[min(int(u * len(top)), len(top) - 1)])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
@@ -207,15 +228,15 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
     """``sampling.token_logprobs`` for several rows: the model's log-probability of each row's token
     and its ``top`` most likely tokens with theirs (most likely first, ties by token id), in float64."""
     logprobs = torch.log_softmax(logits.double(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None])[:, 0].tolist()
+    chosen = to_host(logprobs.gather(1, to_device(tokens, torch.long, logits.device)[:, None])[:, 0]).tolist()
     most = max(tops, default=0)
     best_values, best_ids = ([], [])
     if most:
         values, ids = logprobs.sort(dim=-1, descending=True, stable=True)
-        best_values, best_ids = values[:, :most].tolist(), ids[:, :most].tolist()
+        best_values, best_ids = to_host(values[:, :most]).tolist(), to_host(ids[:, :most]).tolist()
     return [(chosen[r], [(int(best_ids[r][j]), float(best_values[r][j])) for j in range(top)])
             for r, top in enumerate(tops)]
 
 
 def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)[:, None]
+    return to_device(values, dtype, device)[:, None]

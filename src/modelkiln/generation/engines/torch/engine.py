@@ -40,6 +40,7 @@ from ...plan import (Chunk, EngineCapabilities, EngineOptions, ModelShape, Sampl
 from ...sampling import SamplingParams
 from .decoder import StepTokens, TorchDecoder, load_config
 from .ops import Kernels
+from .transfers import to_device, to_host
 from ...sampling.device import DeviceSampler, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -256,17 +257,16 @@ class TorchEngine:
                 select.append(offset + count - 1)
             else:
                 rows[chunk.seq] = (len(select), 0)
-        host = torch.tensor([ids, positions, slots], dtype=torch.long)
-        tokens = host.to(self.device, non_blocking=True)
-        step = StepTokens(tokens[0], tokens[1], tokens[2],
-                          select=torch.tensor(select, dtype=torch.long).to(self.device))
+        tokens = to_device(np.array([ids, positions, slots], dtype=np.int64), torch.long, self.device)
+        step = StepTokens(tokens[0], tokens[1], tokens[2], select=to_device(select, torch.long, self.device))
         with torch.inference_mode():
             logits = self.decoder.forward(step, self.cache)
         return logits, rows
 
     def _prompt_outputs(self, chunk: Chunk, logits: torch.Tensor, result: StepResult) -> None:
+        """A scored chunk's logits or log-probabilities: each a wait on the device of its own."""
         if chunk.keep_logits:
-            result.prompt_logits[chunk.seq] = logits.cpu().numpy()
+            result.prompt_logits[chunk.seq] = to_host(logits)
         if chunk.targets is not None:
             top = self.sampler.params(self._sequences[chunk.seq].slot).prompt_logprobs or 0
             targets = list(chunk.targets) + [0] * (len(chunk.token_ids) - len(chunk.targets))
@@ -283,11 +283,11 @@ class TorchEngine:
         choosing = [(seq, row) for seq, row in choosing if seq not in fed]
         if not choosing:
             return
-        rows = torch.tensor([row for _, row in choosing], device=self.device)
+        rows = to_device([row for _, row in choosing], torch.long, self.device)
         chosen_logits = logits.index_select(0, rows)
         slots = [self._sequences[seq].slot for seq, _ in choosing]
         choice = self.sampler.choose(slots, chosen_logits, [masks.get(seq) for seq, _ in choosing])
-        kept_logits = chosen_logits.cpu().numpy() if self.keep_logits else None
+        kept_logits = to_host(chosen_logits) if self.keep_logits else None  # the gate's: a wait of its own
         for r, (seq, _) in enumerate(choosing):
             if r in choice.errors:
                 result.errors[seq] = choice.errors[r]
