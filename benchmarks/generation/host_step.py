@@ -143,7 +143,7 @@ def phase_targets(engine: TorchEngine) -> list[tuple[object, str, str]]:
     ]
     if engine.graphs is not None:
         targets.append((engine.graphs, "run", "inputs"))
-    targets.append((core_module.SequenceState, "accept", "delivery"))
+    targets.append((core_module.EngineCore, "_deliver", "delivery"))
     return targets
 
 

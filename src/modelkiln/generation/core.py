@@ -39,7 +39,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..errors import InvalidInputError, KilnError, OverloadedError, RequestTimeoutError
-from .plan import DEFAULT_MAX_RUNNING, Chunk, Engine, SeqStart, StepPlan, StepResult
+from .plan import DEFAULT_MAX_RUNNING, Chunk, Engine, Sampled, SeqStart, StepPlan, StepResult
 from .sampling import SamplingParams
 from .sequence import Delta, SequenceState
 
@@ -80,7 +80,7 @@ class Request:
     prompt_logits: list = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class Output:
     """What one step produced for one request: a token (``delta``; the last one has a
     ``finish_reason``) or an ``error`` that ends it. ``logits``: the row the token was chosen
@@ -370,7 +370,13 @@ class EngineCore:
             if chunk.last:
                 self._prefilling.remove(request)
                 self._running[chunk.seq] = request
-        for sampled in result.sampled:
+        self._deliver(result.sampled, by_id, outputs)
+
+    def _deliver(self, chosen: list[Sampled], by_id: dict[Hashable, Request], outputs: list[Output]) -> None:
+        """The step's tokens as the clients get them: each request's text, finish and output. One
+        clock reading for the step: its tokens came out together."""
+        now = time.monotonic()
+        for sampled in chosen:
             request = by_id[sampled.seq]
             assert request.state is not None
             try:
@@ -382,8 +388,7 @@ class EngineCore:
             delta.logprob, delta.top_logprobs = sampled.logprob, sampled.top_logprobs
             if request.params.prompt_logprobs is not None and request.first_token_at == 0.0:
                 delta.prompt_logprobs = [None, *request.prompt_logprobs]
-            now = time.monotonic()
-            self.hooks.token(request, now)
+            self.hooks.token(request, now)  # before the times change: it tells the first token by them
             if request.first_token_at == 0.0:
                 request.first_token_at = now
             request.last_token_at = now

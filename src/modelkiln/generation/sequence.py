@@ -36,7 +36,7 @@ CLOSING_MARGIN = 8
 CLOSING_HORIZON = 64
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """What one accepted token adds to the answer."""
 
@@ -60,13 +60,17 @@ class SequenceState:
     max_context: int | None = None
     resumed: Sequence[int] = ()  # answer tokens already sent by an earlier run of this request
     generated_ids: list[int] = field(default_factory=list)
-    text: str = ""  # everything emitted so far
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        self._texts: list[str] = []  # what each token emitted (joined when asked: adding to a string copies it)
         self._stops = StopStringMatcher(self.params.stop)
         self._stop_ids = (frozenset() if self.params.ignore_eos else self.eos_ids) | frozenset(self.params.stop_token_ids)
+        # the answer's length at most: max_new_tokens, and what the model's context leaves
+        self._longest = self.params.max_new_tokens
+        if self.max_context:
+            self._longest = min(self._longest, self.max_context - len(self.prompt_ids))
         self.matcher: Any = self.params.constraint.matcher() if self.params.constraint is not None else None
         self._mask: np.ndarray | None = None  # the last mask handed to the engine
         # The closing path from the current state, once computed (None: not computed or none found).
@@ -87,16 +91,18 @@ class SequenceState:
             self.accept(token)
 
     @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._texts)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @property
     def tokens_left(self) -> int:
         """Tokens the answer may still take (max_new_tokens, and the model's context)."""
-        left = self.params.max_new_tokens - len(self.generated_ids)
-        if self.max_context:
-            left = min(left, self.max_context - len(self.prompt_ids) - len(self.generated_ids))
-        return left
+        return self._longest - len(self.generated_ids)
 
     def bitmask(self) -> np.ndarray | None:
         """The grammar's mask for the next token (None without a grammar): near the end of the
@@ -150,10 +156,10 @@ class SequenceState:
         if self._stops.stopped or (self.matcher is not None and self.matcher.is_terminated()):
             text += self._stops.feed(self._detok.flush())
             return self._finish(token_id, STOP, text)
-        if self.tokens_left <= 0:
+        if len(self.generated_ids) >= self._longest:
             text += self._stops.feed(self._detok.flush())
             return self._finish(token_id, STOP if self._stops.stopped else LENGTH, text)
-        self.text += text
+        self._texts.append(text)
         return Delta(token_id, text)
 
     def _refused(self, token_id: int) -> KilnError:
@@ -169,6 +175,6 @@ class SequenceState:
 
     def _finish(self, token_id: int, reason: str, text: str) -> Delta:
         text += self._stops.flush()  # nothing more can complete a stop string
-        self.text += text
+        self._texts.append(text)
         self.finish_reason = reason
         return Delta(token_id, text, reason)
