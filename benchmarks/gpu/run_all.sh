@@ -45,6 +45,6 @@ step engines "${ENGINES_S:-300}" "$py" benchmarks/gpu/torch_engines.py --device 
     --rounds "${ROUNDS:-2}" ${ENGINES_ARGS:-} --out "$out/gpu-torch-engines.json"
 # 4. where a step's time goes (host or device), decode at 1 and 64 rows and a 2048-token prompt
 step profile "${PROFILE_S:-90}" "$py" benchmarks/gpu/profile_steps.py --artifact "$work/decoder-cuda" --device "$device"
-# 5. the CPU tests of the torch engines, under this machine's torch
-step tests "${TESTS_S:-120}" "$py" -m pytest -q -x -p no:cacheprovider tests/generation/engines/test_torch_engine.py tests/serve/test_torch_serving.py
+# 5. the torch engines' tests under this machine's torch (the kernels' tests compare the Triton kernels on CUDA too)
+step tests "${TESTS_S:-120}" "$py" -m pytest -q -x -p no:cacheprovider tests/generation/engines/test_torch_engine.py tests/generation/engines/torch tests/serve/test_torch_serving.py
 rm -rf "$work"
