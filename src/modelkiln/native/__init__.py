@@ -1,8 +1,10 @@
-"""Native onnxruntime operators over a GGUF file's K-quant blocks (``gguf_ops.c``).
+"""Native onnxruntime operators over a GGUF file's K-quant blocks (``gguf_ops.c``), and kiln's attention
+(``attention.c``).
 
 ``GgufMatMul`` multiplies by Q4_K and Q6_K weights stored as the file stores them (4.5 and 6.56
 bits a weight, where MatMulNBits needs 6 and 10 for the same values exactly); ``GgufGather``
-dequantizes embedding rows bit for bit as gguf-py does. The library is built at install time
+dequantizes embedding rows bit for bit as gguf-py does; ``KilnAttention`` attends packed tokens of
+any number of sequences over a KV cache, each position reduced as a decode step reduces it. The library is built at install time
 (setup.py) and registered with every onnxruntime session (``runtime/onnx.session_options``); a
 graph holds these operators only when the library was there when it was converted."""
 

@@ -560,6 +560,8 @@ void kiln_gguf_use_avx512(int on) {
     tile_rows[4] = vnni ? tile_rows_512_4 : tile_rows_256_4;
 }
 
+extern const OrtCustomOp KILN_ATTENTION;  /* attention.c: the library's other operator */
+
 __attribute__((visibility("default")))
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     const OrtApi *api = base->GetApi(KILN_ORT_API_VERSION);
@@ -570,6 +572,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     if (status) return status;
     if ((status = ((CustomOpDomainAddFn)kiln_ort_fn(api, SLOT_CustomOpDomain_Add))(domain, &MATMUL))) return status;
     if ((status = ((CustomOpDomainAddFn)kiln_ort_fn(api, SLOT_CustomOpDomain_Add))(domain, &GATHER))) return status;
+    if ((status = ((CustomOpDomainAddFn)kiln_ort_fn(api, SLOT_CustomOpDomain_Add))(domain, &KILN_ATTENTION))) return status;
     return ((AddCustomOpDomainFn)kiln_ort_fn(api, SLOT_AddCustomOpDomain))(options, domain);
 }
 
