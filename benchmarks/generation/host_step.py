@@ -16,7 +16,10 @@ positions and slots for the device, ``forward`` the replaced forward (~0), ``sam
 engine's choice of tokens and its bookkeeping (the sampler's calls, the copy of the tokens to the
 host), ``update`` the engine's and the core's state after a step, ``delivery`` turning the tokens
 into what the clients get (detokenization, stop strings, result objects). ``total`` is a step's
-wall time in a run without the phase timers (they cost ~1 us a call).
+wall time in a run without the phase timers (they cost ~1 us a call). ``ops`` and ``ops ms``: the
+tensor operations a step runs (each a kernel launch on a GPU) and the time spent inside them here,
+measured in a third run (a TorchDispatchMode): that time includes what the CPU computes for them
+(the sampler's sort over [rows, vocab] at 256 sampled rows), which on a GPU is the device's work.
 
     python benchmarks/generation/host_step.py [--tokenizer /work/art/smollm2] [--rows 1 256]
 
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
@@ -49,7 +53,7 @@ from modelkiln.machine import cpu_description  # noqa: E402
 PHASES = ("plan", "inputs", "forward", "sampling", "update", "delivery")
 BUDGET_MS = {1: 0.25, 256: 1.0}
 CONTEXT = 1024
-ANSWER = 900  # tokens asked for: no answer ends while a case runs (~420 steps), none passes the context
+ANSWER = 900  # tokens asked for: no answer ends while a case runs (~470 steps), none passes the context
 
 
 def tiny_llama(folder: Path, vocab: int) -> Path:
@@ -143,8 +147,27 @@ def phase_targets(engine: TorchEngine) -> list[tuple[object, str, str]]:
     ]
     if engine.graphs is not None:
         targets.append((engine.graphs, "run", "inputs"))
-    targets.append((core_module.EngineCore, "_deliver", "delivery"))
+    if hasattr(core_module.EngineCore, "_deliver"):
+        targets.append((core_module.EngineCore, "_deliver", "delivery"))
+    else:  # the core before c35cb7d delivered inside _update, a SequenceState.accept a row
+        targets.append((core_module.SequenceState, "accept", "delivery"))
     return targets
+
+
+class OpTimer(TorchDispatchMode):
+    """Counts the tensor operations run and the time spent inside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count, self.seconds = 0, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        started = time.perf_counter()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.count += 1
 
 
 def run_case(engine: TorchEngine, tokenizer: Tokenizer, rows: int, sampled: bool, steps: int) -> dict[str, float]:
@@ -171,12 +194,19 @@ def run_case(engine: TorchEngine, tokenizer: Tokenizer, rows: int, sampled: bool
             timer.stop()
             for phase in PHASES:
                 per_phase[phase].append(timer.seconds.get(phase, 0.0))
+    ops, op_seconds = [], []
+    for _ in range(steps // 4):
+        with OpTimer() as timer_ops:
+            core.step()
+        ops.append(timer_ops.count)
+        op_seconds.append(timer_ops.seconds)
     for i in range(rows):
         core.abort(i)
     while core.has_work():
         core.step()
     result = {phase: statistics.median(per_phase[phase]) * 1e3 for phase in PHASES}
     result["total"] = statistics.median(took) * 1e3
+    result["ops"], result["ops ms"] = statistics.median(ops), statistics.median(op_seconds) * 1e3
     return result
 
 
@@ -193,7 +223,8 @@ def main() -> None:
     print(f"CPU: {cpu['cpu']} ({cpu['isa']}, {cpu['cores']} cores); torch {torch.__version__}, 1 thread")
     print(f"tokenizer: {args.tokenizer} ({tokenizer.get_vocab_size()} tokens); logits {args.vocab} wide; "
           f"median of {args.steps} decode steps; ms a step")
-    print(f"{'rows':>5} {'sampling':<8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'total':>9} {'budget':>7}")
+    print(f"{'rows':>5} {'sampling':<8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'total':>9} {'budget':>7}"
+          f" {'ops':>5} {'ops ms':>7}")
     with tempfile.TemporaryDirectory() as folder:
         weights = tiny_llama(Path(folder), args.vocab)
         for rows in args.rows:
@@ -203,7 +234,8 @@ def main() -> None:
                 budget = BUDGET_MS.get(rows)
                 print(f"{rows:>5} {'top_p' if sampled else 'greedy':<8} "
                       + " ".join(f"{got[p]:>9.3f}" for p in PHASES) + f" {got['total']:>9.3f} "
-                      + (f"{budget:>7.2f}" if budget else f"{'':>7}"), flush=True)
+                      + (f"{budget:>7.2f}" if budget else f"{'':>7}") + f" {got['ops']:>5.0f} {got['ops ms']:>7.3f}",
+                      flush=True)
 
 
 if __name__ == "__main__":
