@@ -9,7 +9,8 @@ Per layer:
     h   = SkipSimplifiedLayerNormalization(a · W_o, residual)
     gu  = MatMul(h, W_gate_up); out = (silu(gate) * up) · W_down          (gate and up projections fused)
 
-and after the last layer the final norm, then ``lm_head`` for the positions asked for only
+(or, built with ``kiln_attention``, kiln's own ``KilnAttention`` in its place: see below), and
+after the last layer the final norm, then ``lm_head`` for the positions asked for only
 (``logit_positions``, indices into the call's tokens flattened row by row: each row's last one for
 a prefill, every one for a perplexity, one per row for a decode step).
 
@@ -20,6 +21,13 @@ logits do not depend on its batch; and its KV cache is one preallocated buffer p
 [rows, kv_heads, capacity, head_dim] that the op writes in place when the same buffer is bound as
 past and present (``past_present_share_buffer``): no copy of the cache per step, joining a
 sequence is writing its rows, leaving is forgetting them (``generation/engines/onnx/kv_cache.py``).
+
+``kiln_attention`` (the GGUF variant where kiln's native operators are built): ``KilnAttention``
+(native/attention.c) instead of GroupQueryAttention, fed each token's cache row and position
+(``cache_rows``, ``positions``) instead of per-row lengths. It reduces every position in the order a
+decode step does, so a position's logits are the same bits in a decode step, in a prompt chunk of
+any length, or among other rows, and rows of several tokens with a past can share one call;
+GroupQueryAttention's prompt path sums in another order than its one-query path.
 
 The graph's inputs and outputs are named in ``generation/engines/onnx/graph_io.py``. Weights come from a
 ``DecoderWeights``: a transformers model's (``TorchDecoderWeights``, fp32) or a GGUF file's, read
@@ -37,6 +45,7 @@ import numpy as np
 
 from ...errors import UnsupportedArchitectureError
 from ...generation.engines.onnx import graph_io as io
+from ...native import DOMAIN as NATIVE_DOMAIN
 from ..external_data import TensorFile
 from .linear_weights import MS_DOMAIN, GraphBuilder, Matrix
 
@@ -170,10 +179,11 @@ class GraphSummary:
 
 
 def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False, accuracy_level: int = 0,
-                        native: bool = False) -> GraphSummary:
+                        native: bool = False, kiln_attention: bool = False) -> GraphSummary:
     """Write the serving graph to ``path``, its weights to ``path.data`` as each is made. ``pack``:
     GGUF tensors stay in their own blocks where they have an exact MatMulNBits form; ``native``:
-    Q4_K and Q6_K stay exactly as the file stores them, for kiln's native operators."""
+    Q4_K and Q6_K stay exactly as the file stores them, for kiln's native operators;
+    ``kiln_attention``: attention is kiln's native ``KilnAttention`` (module docstring)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -181,14 +191,18 @@ def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False,
     tensors = TensorFile(path)
     try:
         g = GraphBuilder(tensors, pack=pack, accuracy_level=accuracy_level, native=native)
-        _write_nodes(g, weights, spec)
+        _write_nodes(g, weights, spec, kiln_attention)
     finally:
         tensors.close()
     past_shape: list[str | int] = ["batch", spec.kv_heads, "capacity", spec.head_dim]
-    inputs = [helper.make_tensor_value_info(io.INPUT_IDS, TensorProto.INT64, ["batch", "sequence"]),
-              helper.make_tensor_value_info(io.SEQLENS_K, TensorProto.INT32, ["batch"]),
-              helper.make_tensor_value_info(io.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, []),
-              helper.make_tensor_value_info(io.LOGIT_POSITIONS, TensorProto.INT64, ["positions"])]
+    inputs = [helper.make_tensor_value_info(io.INPUT_IDS, TensorProto.INT64, ["batch", "sequence"])]
+    if kiln_attention:
+        inputs += [helper.make_tensor_value_info(io.CACHE_ROWS, TensorProto.INT64, ["batch", "sequence"]),
+                   helper.make_tensor_value_info(io.POSITIONS, TensorProto.INT64, ["batch", "sequence"])]
+    else:
+        inputs += [helper.make_tensor_value_info(io.SEQLENS_K, TensorProto.INT32, ["batch"]),
+                   helper.make_tensor_value_info(io.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, [])]
+    inputs.append(helper.make_tensor_value_info(io.LOGIT_POSITIONS, TensorProto.INT64, ["positions"]))
     outputs = [helper.make_tensor_value_info(io.LOGITS, TensorProto.FLOAT, ["positions", spec.vocab])]
     for i in range(spec.layers):
         for name in (io.past_key_name(i), io.past_value_name(i)):
@@ -196,8 +210,6 @@ def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False,
         for name in (io.present_key_name(i), io.present_value_name(i)):
             outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, past_shape))
     graph = helper.make_graph(g.nodes, "kiln_serving_decoder", inputs, outputs, g.initializers)
-    from ...native import DOMAIN as NATIVE_DOMAIN
-
     domains = [MS_DOMAIN] + ([NATIVE_DOMAIN] if any(n.domain == NATIVE_DOMAIN for n in g.nodes) else [])
     onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", SERVING_GRAPH_OPSET)]
                                    + [helper.make_opsetid(d, 1) for d in domains])
@@ -215,7 +227,7 @@ def _values(weights: DecoderWeights, key: str) -> np.ndarray:
     return values
 
 
-def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec) -> None:
+def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec, kiln_attention: bool) -> None:
     cos, sin = weights.rotary(spec.max_positions)
     g.constant("rotary.cos", cos)
     g.constant("rotary.sin", sin)
@@ -230,12 +242,22 @@ def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec) ->
         biases = [_values(weights, f"layers.{i}.{r}_bias") for r in "qkv"] if spec.qkv_bias else None
         qkv = g.linear(h, f"layers.{i}.qkv", [w("q"), w("k"), w("v")], biases, parts=["q", "k", "v"])
         q, k, v = qkv if len(qkv) == 3 else (qkv[0], "", "")  # one packed input, or three
-        attended = g.node("GroupQueryAttention",
-                          [q, k, v, io.past_key_name(i), io.past_value_name(i), io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH,
-                           "rotary.cos", "rotary.sin"],
-                          f"layers.{i}.attention", outputs=[f"layers.{i}.attention", io.present_key_name(i), io.present_value_name(i)],
-                          domain=MS_DOMAIN, num_heads=spec.heads, kv_num_heads=spec.kv_heads, do_rotary=1,
-                          rotary_interleaved=0, scale=float(spec.head_dim ** -0.5))
+        outputs = [f"layers.{i}.attention", io.present_key_name(i), io.present_value_name(i)]
+        if kiln_attention:
+            if len(qkv) == 1:  # KilnAttention takes q, k and v apart
+                q, k, v = g.split(qkv[0], [spec.heads * spec.head_dim] + [spec.kv_heads * spec.head_dim] * 2,
+                                  f"layers.{i}.qkv")
+            attended = g.node("KilnAttention", [q, k, v, io.past_key_name(i), io.past_value_name(i), io.CACHE_ROWS,
+                                                io.POSITIONS, "rotary.cos", "rotary.sin"],
+                              f"layers.{i}.attention", outputs=outputs, domain=NATIVE_DOMAIN, num_heads=spec.heads,
+                              kv_num_heads=spec.kv_heads)
+        else:
+            attended = g.node("GroupQueryAttention",
+                              [q, k, v, io.past_key_name(i), io.past_value_name(i), io.SEQLENS_K,
+                               io.TOTAL_SEQUENCE_LENGTH, "rotary.cos", "rotary.sin"],
+                              f"layers.{i}.attention", outputs=outputs, domain=MS_DOMAIN, num_heads=spec.heads,
+                              kv_num_heads=spec.kv_heads, do_rotary=1, rotary_interleaved=0,
+                              scale=float(spec.head_dim ** -0.5))
         out = g.linear(attended, f"layers.{i}.o_proj", [w("o")])[0]
         post_norm = _values(weights, f"layers.{i}.post_attention_norm")
         h, residual = g.skip_norm(out, residual, post_norm, spec.rms_eps, f"layers.{i}.post_attention_norm")

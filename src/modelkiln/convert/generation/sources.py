@@ -97,7 +97,10 @@ class GgufSource:
 
     def write_packed(self, path: Path, fp32_path: Path | None, accuracy_level: int, native: bool = False) -> dict[str, Any]:
         try:
-            return build_serving_graph(self.decoder, path, pack=True, accuracy_level=accuracy_level, native=native).gguf_types
+            # kiln's native attention comes with its native matmuls: a graph that needs the library for
+            # one needs it for the other, and older artifacts keep GroupQueryAttention
+            return build_serving_graph(self.decoder, path, pack=True, accuracy_level=accuracy_level, native=native,
+                                       kiln_attention=native).gguf_types
         finally:
             self.decoder.release_pages()
 

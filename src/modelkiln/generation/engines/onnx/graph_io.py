@@ -14,6 +14,10 @@ ATTENTION_MASK, POSITION_IDS = "attention_mask", "position_ids"
 # the serving graph
 SEQLENS_K = "seqlens_k"  # int32 [batch]: each row's total length after this call, minus one
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"  # int32 scalar: the longest row's total length
+# the serving graph built with KilnAttention (native/attention.c) takes, instead of the two above,
+# each token's place: int64 [batch, sequence] each, aligned with input_ids
+CACHE_ROWS = "cache_rows"  # the row of the bound KV cache its sequence owns
+POSITIONS = "positions"  # its position in that row (-1: padding, computed as nothing)
 LOGIT_POSITIONS = "logit_positions"  # int64 [positions]: which tokens get logits, as indices into the
 # call's [batch × sequence] tokens flattened row by row (the serving graph's logits are [positions, vocab])
 

@@ -10,7 +10,12 @@ Why a sequence's answer does not depend on its batch
     M % 128 == 1) differently from the same row among others. ``load`` asks the decode graph
     itself whether a lone row decodes bit-identically to the same row among others on this
     machine; where it does not, the step gets a ghost row (a throw-away row with no past) whenever
-    the batch would make such a tile."""
+    the batch would make such a tile.
+
+    A graph built with KilnAttention (``io.POSITIONS`` among its inputs: GGUF variants with kiln's
+    native operators) goes further: a position's attention is reduced the same way in a prompt
+    chunk as in a decode step, so no chunk needs GroupQueryAttention's throw-away extra token, and
+    the engine feeds each token's cache row and position instead of per-row lengths."""
 
 from __future__ import annotations
 
@@ -43,7 +48,10 @@ class ServingEngine(HostEngine):
                  prefix_cache_tokens: int = 0, keep_logits: bool = False):
         super().__init__()
         inputs = {i.name: i for i in session.get_inputs()}
-        for required in (io.INPUT_IDS, io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH, io.LOGIT_POSITIONS, io.past_key_name(0)):
+        # KilnAttention's graph takes each token's row and position; GroupQueryAttention's per-row lengths
+        self.kiln_attention = io.POSITIONS in inputs
+        places = (io.CACHE_ROWS, io.POSITIONS) if self.kiln_attention else (io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH)
+        for required in (io.INPUT_IDS, *places, io.LOGIT_POSITIONS, io.past_key_name(0)):
             if required not in inputs:
                 raise KilnError(f"not a serving decoder graph (no input '{required}')")
         self.session = session
@@ -53,8 +61,9 @@ class ServingEngine(HostEngine):
         length = int(max_length or max_context or 4096)
         self.shape = CacheShape(self.layers, int(kv_heads), int(head_dim), length)
         # rows × heads units share the threads of GroupQueryAttention; with fewer units than threads a
-        # newer onnxruntime splits one row's keys across threads (another summation order): keep enough rows
-        self.min_rows = -(-threads // heads)
+        # newer onnxruntime splits one row's keys across threads (another summation order): keep enough
+        # rows. KilnAttention never splits a query's keys.
+        self.min_rows = 1 if self.kiln_attention else -(-threads // heads)
         self.max_rows = max_rows
         self.running = RowRegion(self.shape, max_rows + self.min_rows + 1)  # room for ghost rows
         # as many staging rows as decode rows: a burst of new prompts prefills in one call (address space only)
@@ -147,7 +156,8 @@ class ServingEngine(HostEngine):
         self._check_length(total)
         ids = list(token_ids)
         lone_tile = self.ghost_rows and n % TILE_ROWS == 1
-        if (lone_tile or (n == 1 and staged.length > 0)) and total < self.shape.max_length:
+        gqa_one_query = not self.kiln_attention and n == 1 and staged.length > 0
+        if (lone_tile or gqa_one_query) and total < self.shape.max_length:
             # One more token after the chunk (causal: it changes nothing before it; its key and value
             # are overwritten by the next real token) where the chunk alone would take another
             # kernel path than the same tokens inside a longer chunk: a lone row in a 128-row
@@ -157,9 +167,8 @@ class ServingEngine(HostEngine):
             ids.append(ids[-1])
         binding = self._binding_of(self.staging.views(staged.row, staged.row + 1))
         positions = np.arange(n, dtype=np.int64) if all_logits else np.asarray([n - 1], dtype=np.int64)
-        computed = staged.length + len(ids)
-        logits = self._run(binding, np.asarray([ids], dtype=np.int64), np.asarray([computed - 1], dtype=np.int32),
-                           computed, positions)
+        logits = self._run(binding, np.asarray([ids], dtype=np.int64), np.asarray([staged.length]),
+                           np.asarray([len(ids)]), positions)
         staged.length = total
         return logits if all_logits else logits[-1]
 
@@ -185,7 +194,7 @@ class ServingEngine(HostEngine):
             ids[row, :len(tokens)] = tokens
         positions = np.asarray([row * width + length - 1 for row, length in enumerate(lengths)], dtype=np.int64)
         binding = self._binding_of(self.staging.views(first, first + len(prompts)))
-        logits = self._run(binding, ids, np.asarray(lengths, dtype=np.int32) - 1, width, positions)
+        logits = self._run(binding, ids, np.zeros(len(prompts), dtype=np.int64), np.asarray(lengths), positions)
         for row, ((seq_id, _), length) in enumerate(zip(prompts, lengths)):
             self._staged[seq_id] = _Staged(first + row, length)
         return list(logits)
@@ -237,10 +246,10 @@ class ServingEngine(HostEngine):
         bound = self._rows_to_bind(n)
         ids = np.empty((bound, 1), dtype=np.int64)
         ids[:n, 0] = [next_tokens[s] for s in self.rows]
-        seqlens = np.zeros(bound, dtype=np.int32)  # ghost rows: no past, their one token at position 0
-        seqlens[:n] = self._lengths
+        past = np.zeros(bound, dtype=np.int64)  # ghost rows: no past, their one token at position 0
+        past[:n] = self._lengths
         ids[n:, 0] = ids[0, 0]
-        logits = self._run(self._decode_binding(bound), ids, seqlens, int(seqlens.max()) + 1,
+        logits = self._run(self._decode_binding(bound), ids, past, np.ones(bound, dtype=np.int64),
                            self._row_positions[:bound])
         self._lengths += 1
         return logits[:n]
@@ -295,13 +304,24 @@ class ServingEngine(HostEngine):
             binding.bind_ortvalue_output(present, value)
         return binding
 
-    def _run(self, binding: ort.IOBinding, ids: np.ndarray, seqlens: np.ndarray, total: int,
+    def _run(self, binding: ort.IOBinding, ids: np.ndarray, past: np.ndarray, new: np.ndarray,
              positions: np.ndarray) -> np.ndarray:
+        """Run ``ids`` [rows, width]: row r of the bound cache holds ``past[r]`` tokens and gets
+        ``new[r]`` more (the rest of its width is padding); logits at ``positions``."""
         # bind_cpu_input keeps a pointer, not the array: every array bound must outlive the run
-        total_length = np.asarray(total, dtype=np.int32)
         binding.bind_cpu_input(io.INPUT_IDS, ids)
-        binding.bind_cpu_input(io.SEQLENS_K, seqlens)
-        binding.bind_cpu_input(io.TOTAL_SEQUENCE_LENGTH, total_length)
+        if self.kiln_attention:
+            width = ids.shape[1]
+            offsets = np.arange(width, dtype=np.int64)
+            places = np.where(offsets < new[:, None], past[:, None] + offsets, -1)
+            rows = np.repeat(np.arange(len(ids), dtype=np.int64)[:, None], width, axis=1)
+            binding.bind_cpu_input(io.CACHE_ROWS, rows)
+            binding.bind_cpu_input(io.POSITIONS, places)
+        else:  # GroupQueryAttention: each row's length after the call, less one, and the longest
+            seqlens = (past + new - 1).astype(np.int32)
+            total_length = np.asarray(int(past.max()) + ids.shape[1], dtype=np.int32)
+            binding.bind_cpu_input(io.SEQLENS_K, seqlens)
+            binding.bind_cpu_input(io.TOTAL_SEQUENCE_LENGTH, total_length)
         binding.bind_cpu_input(io.LOGIT_POSITIONS, positions)
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()
@@ -320,7 +340,8 @@ class ServingEngine(HostEngine):
     def _probe(self, tokens: np.ndarray) -> np.ndarray:
         rows = len(tokens)
         binding = self._decode_binding(rows)
-        logits = self._run(binding, tokens[:, None], np.zeros(rows, dtype=np.int32), 1, self._row_positions[:rows])
+        logits = self._run(binding, tokens[:, None], np.zeros(rows, dtype=np.int64), np.ones(rows, dtype=np.int64),
+                           self._row_positions[:rows])
         for row in range(rows):
             self.running.release(row)
         return logits.copy()
