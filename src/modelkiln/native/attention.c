@@ -53,6 +53,7 @@ typedef struct {
     const int64_t *cache_rows, *positions;
     float *key_cache, *value_cache, *rotated_q, *out;
     attention_unit *units;
+    size_t unit_count;
 } attention_job;
 
 /* ---- the arithmetic, in two forms ---------------------------------------------------------------- */
@@ -142,7 +143,7 @@ static void transpose16_512(const float *keys, int valid, int head_dim, float *k
 typedef struct { __m256 lo, hi; } v16_256;
 #define V16 v16_256
 #define NAME(x) x##_256
-#define SCORE_QUERIES 4  /* two registers a query: eight chains fill the sixteen registers with the keys */
+#define SCORE_QUERIES 2  /* sixteen registers: a query's two chains take four, the keys four */
 #define BOTH(op, a, b) ((v16_256){op((a).lo, (b).lo), op((a).hi, (b).hi)})
 static inline v16_256 v_zero(void) { return (v16_256){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline v16_256 v_set(float f) { return (v16_256){_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
@@ -258,10 +259,11 @@ static void write_token(void *data, size_t index) {
     }
 }
 
-/* Phase 2, a unit. */
+/* Phase 2, a unit: the last first (a unit's cost grows with its positions; onnxruntime hands the
+ * next index to whichever thread is free, so the long ones start first and the short ones fill in). */
 static void attend(void *data, size_t index) {
     const attention_job *job = data;
-    attend_unit(&job->units[index], job);
+    attend_unit(&job->units[job->unit_count - 1 - index], job);
 }
 
 /* Runs of tokens of one row, MAX_TILE_TOKENS at most (and MAX_QUERIES queries), times key/value heads. */
@@ -299,7 +301,7 @@ static int run(attention_job *job, const OrtApi *api, const OrtKernelContext *co
     } else {
         for (int64_t t = 0; t < job->tokens; t++) write_token(job, (size_t)t);
     }
-    const size_t units = make_units(job);
+    const size_t units = job->unit_count = make_units(job);
     if (parallel && units > 1) {
         OrtStatus *status = parallel(context, attend, units, 0, job);
         if (status) ((ReleaseStatusFn)kiln_ort_fn(api, SLOT_ReleaseStatus))(status);

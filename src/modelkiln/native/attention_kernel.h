@@ -31,44 +31,76 @@ static inline V16 NAME(exp)(V16 x) {
     return v_zero_below(x, -87.0f, v_mul(y, v_pow2(n)));
 }
 
-/* Scores of one key block for up to SCORE_QUERIES queries (lanes = the block's keys): for each
- * query, d = 0..D-1 in order, s = fma(q[d], kt[d], s). One chain per query; several queries
- * side by side only so the chains overlap in time. */
-static inline void NAME(scores)(const float *const *q, int count, const float *kt, int head_dim, V16 *s) {
-    V16 acc[SCORE_QUERIES];
-    for (int r = 0; r < SCORE_QUERIES; r++) acc[r] = v_zero();
-    for (int d = 0; d < head_dim; d++) {
-        const V16 k = v_load(kt + 16 * d);
-        for (int r = 0; r < SCORE_QUERIES; r++)
-            if (r < count) acc[r] = v_fma(v_set(q[r][d]), k, acc[r]);
+/* One key block for ``count`` queries (a constant once inlined: their sums stay in registers).
+ *
+ * Scores, lanes = the block's keys: for each query two chains over d (the first and the second
+ * half of the head, each in order, one FMA a step), added at the end; two chains so that even a
+ * lone query's FMAs overlap. Then each query's online softmax step: its running maximum m, the old
+ * sums scaled by exp(m − new max) where the maximum grew, the weights exp(s − max) added lane by
+ * lane into its sixteen partial sums, and its weighted values: key by key in position order, one
+ * FMA each, over keys [0, valid) of the block only (later slots may hold a chunk's later tokens,
+ * or nothing). ``state`` of a query: m (padded to 16 floats), lsum[16], acc[head_dim]. */
+static inline __attribute__((always_inline)) void NAME(block)(const int count, const float *const *q, const int *valid,
+                                                               float *const *state, const float *kt, const float *v,
+                                                               int head_dim) {
+    V16 lo[SCORE_QUERIES], hi[SCORE_QUERIES];
+    for (int r = 0; r < count; r++) lo[r] = hi[r] = v_zero();
+    const int half = head_dim / 2;
+    for (int d = 0; d < half; d++) {
+        const V16 k0 = v_load(kt + 16 * d), k1 = v_load(kt + 16 * (d + half));
+        for (int r = 0; r < count; r++) {
+            lo[r] = v_fma(v_set(q[r][d]), k0, lo[r]);
+            hi[r] = v_fma(v_set(q[r][d + half]), k1, hi[r]);
+        }
     }
-    for (int r = 0; r < count; r++) s[r] = acc[r];
+    float weights[SCORE_QUERIES][16] __attribute__((aligned(64)));
+    int fewest = 16, most = 0;
+    for (int r = 0; r < count; r++) {
+        float *m = state[r], *lsum = state[r] + 16, *acc = state[r] + 32;
+        const V16 s = v_valid(v_add(lo[r], hi[r]), valid[r]);
+        const float block_max = v_hmax(s);
+        const float m_new = *m > block_max ? *m : block_max;
+        const V16 p = NAME(exp)(v_sub(s, v_set(m_new)));
+        v_store(weights[r], p);
+        if (m_new != *m) {  /* 0 for the first block (m = -inf): nothing to keep */
+            float alpha[16];
+            v_store(alpha, NAME(exp)(v_set(*m - m_new)));
+            const V16 a = v_set(alpha[0]);
+            v_store(lsum, v_fma(v_load(lsum), a, p));
+            for (int d = 0; d < head_dim; d += 16) v_store(acc + d, v_mul(v_load(acc + d), a));
+        } else {
+            v_store(lsum, v_add(v_load(lsum), p));
+        }
+        *m = m_new;
+        fewest = valid[r] < fewest ? valid[r] : fewest;
+        most = valid[r] > most ? valid[r] : most;
+    }
+    for (int d = 0; d < head_dim; d += 16) {
+        V16 acc[SCORE_QUERIES];
+        for (int r = 0; r < count; r++) acc[r] = v_load(state[r] + 32 + d);
+        for (int j = 0; j < fewest; j++) {
+            const V16 vj = v_load(v + (size_t)j * head_dim + d);
+            for (int r = 0; r < count; r++) acc[r] = v_fma(v_set(weights[r][j]), vj, acc[r]);
+        }
+        for (int j = fewest; j < most; j++) {
+            const V16 vj = v_load(v + (size_t)j * head_dim + d);
+            for (int r = 0; r < count; r++)
+                if (j < valid[r]) acc[r] = v_fma(v_set(weights[r][j]), vj, acc[r]);
+        }
+        for (int r = 0; r < count; r++) v_store(state[r] + 32 + d, acc[r]);
+    }
 }
 
-/* One query's online softmax over one block: m its running maximum, lsum its sixteen running
- * partial sums (summed in a fixed order at the end), acc its weighted values (head_dim floats).
- * The block's keys are [0, valid), values at v (position-major, head_dim apart). */
-static inline void NAME(absorb)(V16 s, int valid, const float *v, int head_dim, float *m, float *lsum, float *acc) {
-    s = v_valid(s, valid);
-    const float block_max = v_hmax(s);
-    const float m_new = *m > block_max ? *m : block_max;
-    const V16 p = NAME(exp)(v_sub(s, v_set(m_new)));
-    float weights[16];
-    v_store(weights, p);
-    if (m_new != *m) {  /* the old sums shrink by exp(m - m_new): 0 for the first block (m = -inf) */
-        float alpha[16];
-        v_store(alpha, NAME(exp)(v_set(*m - m_new)));
-        const V16 a = v_set(alpha[0]);
-        v_store(lsum, v_fma(v_load(lsum), a, p));
-        for (int d = 0; d < head_dim; d += 16) v_store(acc + d, v_mul(v_load(acc + d), a));
-    } else {
-        v_store(lsum, v_fma(v_load(lsum), v_set(1.0f), p));
-    }
-    *m = m_new;
-    for (int d = 0; d < head_dim; d += 16) {
-        V16 sum = v_load(acc + d);
-        for (int j = 0; j < valid; j++) sum = v_fma(v_set(weights[j]), v_load(v + (size_t)j * head_dim + d), sum);
-        v_store(acc + d, sum);
+static void NAME(blocks)(int count, const float *const *q, const int *valid, float *const *state, const float *kt,
+                         const float *v, int head_dim) {
+    switch (count) {  /* each its own inlined copy, its queries' sums in registers */
+#define CASE(n) case n: NAME(block)(n, q, valid, state, kt, v, head_dim); break;
+        CASE(1) CASE(2)
+#if SCORE_QUERIES > 2
+        CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#endif
+#undef CASE
+        default: break;
     }
 }
 
@@ -103,22 +135,20 @@ static void NAME(unit)(const attention_unit *u, const attention_job *job) {
     }
     for (int64_t start = 0; start <= last; start += 16) {
         transpose16(keys + (size_t)start * head_dim, last - start + 1 < 16 ? (int)(last - start + 1) : 16, head_dim, kt);
-        int ready[MAX_QUERIES], n = 0;  /* the queries whose keys reach this block */
-        for (int q = 0; q < queries; q++)
-            if (position_of[q] >= start) ready[n++] = q;
-        for (int i = 0; i < n; i += SCORE_QUERIES) {
-            const int count = n - i < SCORE_QUERIES ? n - i : SCORE_QUERIES;
-            const float *qs[SCORE_QUERIES];
-            V16 s[SCORE_QUERIES];
-            for (int r = 0; r < count; r++) qs[r] = q_of[ready[i + r]];
-            NAME(scores)(qs, count, kt, head_dim, s);
-            for (int r = 0; r < count; r++) {
-                const int q = ready[i + r];
-                const int valid = position_of[q] - start + 1 < 16 ? (int)(position_of[q] - start + 1) : 16;
-                float *st = state + (size_t)q * stride;
-                NAME(absorb)(s[r], valid, values + (size_t)start * head_dim, head_dim, st, st + 16, st + 32);
+        const float *qs[SCORE_QUERIES];
+        float *states[SCORE_QUERIES];
+        int valid[SCORE_QUERIES], count = 0;
+        for (int q = 0; q < queries; q++) {
+            if (position_of[q] < start) continue;  /* its keys end before this block */
+            qs[count] = q_of[q];
+            states[count] = state + (size_t)q * stride;
+            valid[count++] = position_of[q] - start + 1 < 16 ? (int)(position_of[q] - start + 1) : 16;
+            if (count == SCORE_QUERIES) {
+                NAME(blocks)(count, qs, valid, states, kt, values + (size_t)start * head_dim, head_dim);
+                count = 0;
             }
         }
+        if (count) NAME(blocks)(count, qs, valid, states, kt, values + (size_t)start * head_dim, head_dim);
     }
     for (int q = 0; q < queries; q++) {
         const int64_t token = u->first + q / group, head = (int64_t)u->kv_head * group + q % group;
