@@ -20,7 +20,8 @@
  *
  * How: first every token's rotated key and value are written into its row at its position (and
  * its query rotated and scaled, q·1/√D); then each query reads its row's keys 0..position in
- * blocks of 16 from position 0: sixteen scores (lanes = keys; over d in order, one FMA each), an
+ * blocks of 16 from position 0: sixteen scores (lanes = keys; two FMA chains, each over one half of
+ * the head in order, then added), an
  * online softmax (the block's maximum, the old sums scaled by exp(old − new max), the weights
  * exp(s − max) added to sixteen running partial sums and, key by key in position order, into the
  * weighted values), and at the end the values over the sum of the sixteen partials in lane order.
