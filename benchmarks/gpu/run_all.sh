@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The GPU run that docs/gpu.md describes, as one command on a machine with a CUDA GPU:
+# The GPU run that docs/gpu.md describes, on a machine with a CUDA GPU, in two commands of at most 8 minutes
+# each (a lent GPU's calls are limited to 10), or in one:
 #
-#   bash benchmarks/gpu/run_all.sh OUT [ENCODER_FOLDER DECODER_FOLDER]
+#   PART=1 bash benchmarks/gpu/run_all.sh OUT [ENCODER_FOLDER DECODER_FOLDER]   # tests, conversion, invariance, profile
+#   PART=2 bash benchmarks/gpu/run_all.sh OUT [ENCODER_FOLDER DECODER_FOLDER]   # speed against PyTorch, kiln serve
+#   bash benchmarks/gpu/run_all.sh OUT [...]                                    # both
 #
 # OUT receives each step's output. The model folders default to all-MiniLM-L6-v2 and SmolLM2-135M-Instruct
 # when installed; a folder with a configuration and tokenizer but no weights is run with random weights
@@ -12,6 +15,7 @@
 set -u
 out=${1:?usage: run_all.sh OUT [ENCODER_FOLDER DECODER_FOLDER]}
 py=${PYTHON:-python3}
+part=${PART:-all}
 device=${DEVICE:-cuda}
 tiny=(${TINY:-})
 mkdir -p "$out"
@@ -19,8 +23,9 @@ work=$(mktemp -d)
 models=()
 [ $# -ge 3 ] && models=(--encoder "$2" --decoder "$3")
 
-step() {  # step NAME LIMIT COMMAND...: run with a time limit, output to OUT/NAME.txt, say how it ended
-    local name=$1 limit=$2; shift 2
+step() {  # step PART NAME LIMIT COMMAND...: in that part, with a time limit, output to OUT/NAME.txt, say how it ended
+    [ "$part" = all ] || [ "$part" = "$1" ] || return 0
+    local name=$2 limit=$3; shift 3
     local started=$SECONDS
     # SIGABRT at the limit: Python's fault handler then prints where each thread was
     PYTHONFAULTHANDLER=1 timeout -s ABRT -k 5 "$limit" "$@" >"$out/$name.txt" 2>&1
@@ -31,20 +36,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"
 "$py" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)' >>"$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
 
-step models "${MODELS_S:-120}" "$py" benchmarks/gpu/torch_engines.py "${models[@]}" "${tiny[@]}" --models-only "$work"
+step "$part" models "${MODELS_S:-60}" "$py" benchmarks/gpu/torch_engines.py "${models[@]}" "${tiny[@]}" --models-only "$work"
 decoder=$(tail -n 1 "$out/models.txt" | cut -d: -f1)  # its last line: "FOLDER: what it holds"
 
-# 1. conversion on the GPU: the gate checks greedy tokens against PyTorch and alone = batched, per precision
-step convert "${CONVERT_S:-150}" "$py" -m modelkiln convert "$decoder" --task text-generation --engine torch \
+# 1. the torch engines' tests under this machine's torch (the kernels' tests compare the Triton kernels on CUDA too)
+step 1 tests "${TESTS_S:-100}" "$py" -m pytest -q -x -p no:cacheprovider tests/generation/engines/test_torch_engine.py tests/generation/engines/torch tests/serve/test_torch_serving.py
+# 2. conversion on the GPU: the gate checks greedy tokens against PyTorch and alone = batched, per precision
+step 1 convert "${CONVERT_S:-120}" "$py" -m modelkiln convert "$decoder" --task text-generation --engine torch \
     --device "$device" --precision fp32,bf16 --out "$work/decoder-cuda"
-# 2. batch invariance bit for bit: cuBLAS and SDPA alone, then the engine with the invariant kernels on and off
-step batch-invariance "${INVARIANCE_S:-150}" "$py" experiments/torch_batch_invariance/measure.py \
+# 3. batch invariance bit for bit: cuBLAS alone, then the engine with the invariant kernels on and off
+step 1 batch-invariance "${INVARIANCE_S:-100}" "$py" experiments/torch_batch_invariance/measure.py \
     --artifact "$work/decoder-cuda" --device "$device" ${INVARIANCE_ARGS:---rows 16 --batches 1,16,64}
-# 3. speed against eager and compiled PyTorch, and kiln serve over HTTP
-step engines "${ENGINES_S:-300}" "$py" benchmarks/gpu/torch_engines.py --device "$device" "${tiny[@]}" "${models[@]}" \
-    --rounds "${ROUNDS:-2}" ${ENGINES_ARGS:-} --out "$out/gpu-torch-engines.json"
 # 4. where a step's time goes (host or device), decode at 1 and 64 rows and a 2048-token prompt
-step profile "${PROFILE_S:-90}" "$py" benchmarks/gpu/profile_steps.py --artifact "$work/decoder-cuda" --device "$device"
-# 5. the torch engines' tests under this machine's torch (the kernels' tests compare the Triton kernels on CUDA too)
-step tests "${TESTS_S:-120}" "$py" -m pytest -q -x -p no:cacheprovider tests/generation/engines/test_torch_engine.py tests/generation/engines/torch tests/serve/test_torch_serving.py
+step 1 profile "${PROFILE_S:-80}" "$py" benchmarks/gpu/profile_steps.py --artifact "$work/decoder-cuda" --device "$device"
+# 5. speed against eager and compiled PyTorch, and kiln serve over HTTP
+step 2 engines "${ENGINES_S:-400}" "$py" benchmarks/gpu/torch_engines.py --device "$device" "${tiny[@]}" "${models[@]}" \
+    --rounds "${ROUNDS:-2}" ${ENGINES_ARGS:-} --out "$out/gpu-torch-engines.json"
 rm -rf "$work"
