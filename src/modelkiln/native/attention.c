@@ -319,24 +319,6 @@ typedef struct {
     int64_t heads, kv_heads;
 } kernel;
 
-#define CHECK(call)                                                                   \
-    do {                                                                              \
-        OrtStatus *status_ = (call);                                                  \
-        if (status_) {                                                                \
-            ((ReleaseStatusFn)kiln_ort_fn(api, SLOT_ReleaseStatus))(status_);         \
-            return;                                                                   \
-        }                                                                             \
-    } while (0)
-
-static int shape_of(const OrtApi *api, const OrtValue *value, int64_t dims[8], size_t *rank) {
-    OrtTensorTypeAndShapeInfo *info;
-    if (((GetTensorTypeAndShapeFn)kiln_ort_fn(api, SLOT_GetTensorTypeAndShape))(value, &info)) return 0;
-    int ok = !((GetDimensionsCountFn)kiln_ort_fn(api, SLOT_GetDimensionsCount))(info, rank) && *rank <= 8 &&
-             !((GetDimensionsFn)kiln_ort_fn(api, SLOT_GetDimensions))(info, dims, *rank);
-    ((ReleaseTensorTypeAndShapeInfoFn)kiln_ort_fn(api, SLOT_ReleaseTensorTypeAndShapeInfo))(info);
-    return ok;
-}
-
 static int64_t elements(const int64_t *dims, size_t rank) {
     int64_t n = 1;
     for (size_t i = 0; i < rank; i++) n *= dims[i];

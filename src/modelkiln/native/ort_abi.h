@@ -87,4 +87,24 @@ typedef void (*ReleaseTensorTypeAndShapeInfoFn)(OrtTensorTypeAndShapeInfo *info)
 typedef OrtStatus *(*KernelContextParallelForFn)(const OrtKernelContext *context, void (*fn)(void *, size_t),
                                                  size_t total, size_t num_batch, void *user_data);
 
+/* What both operator files need of a kernel's compute: a failed call releases its status and returns
+   (a custom op's compute of this interface version cannot report it), and a tensor's shape. */
+#define CHECK(call)                                                                   \
+    do {                                                                              \
+        OrtStatus *status_ = (call);                                                  \
+        if (status_) {                                                                \
+            ((ReleaseStatusFn)kiln_ort_fn(api, SLOT_ReleaseStatus))(status_);         \
+            return;                                                                   \
+        }                                                                             \
+    } while (0)
+
+static inline int shape_of(const OrtApi *api, const OrtValue *value, int64_t dims[8], size_t *rank) {
+    OrtTensorTypeAndShapeInfo *info;
+    if (((GetTensorTypeAndShapeFn)kiln_ort_fn(api, SLOT_GetTensorTypeAndShape))(value, &info)) return 0;
+    int ok = !((GetDimensionsCountFn)kiln_ort_fn(api, SLOT_GetDimensionsCount))(info, rank) && *rank <= 8 &&
+             !((GetDimensionsFn)kiln_ort_fn(api, SLOT_GetDimensions))(info, dims, *rank);
+    ((ReleaseTensorTypeAndShapeInfoFn)kiln_ort_fn(api, SLOT_ReleaseTensorTypeAndShapeInfo))(info);
+    return ok;
+}
+
 #endif
