@@ -259,6 +259,20 @@ def tiny_generation_artifact(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_kiln_attention_graph(tiny_generation_artifact, tmp_path_factory) -> Path:
+    """The tiny Llama's serving graph built with KilnAttention (fp32 weights): run it with
+    ``TextGenerationModel(tiny_generation_artifact).engine_for_file``."""
+    import transformers
+
+    from modelkiln.convert.generation.serving_graph import TorchDecoderWeights, build_serving_graph
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_generation_artifact.parent / "hf"))
+    path = tmp_path_factory.mktemp("kiln-attention") / "model.onnx"
+    build_serving_graph(TorchDecoderWeights(model), path, kiln_attention=True)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_torch_artifact(tmp_path_factory) -> Path:
     """The tiny Llama converted by `kiln convert --task text-generation --engine torch` (torch-fp32,
     on the CPU), shared by the torch engine's tests and the CLI tests."""

@@ -54,12 +54,16 @@ class Request:
     """One generation request. ``reserve``: the KV tokens it may reach (prompt + max new tokens,
     within the context); ``deadline``: ``time.monotonic()`` after which it ends with a timeout.
     ``resume_ids``: answer tokens an earlier run of this request already sent (a stream moved to
-    another replica): after the prompt, the engine feeds them through decode steps, one a step,
-    instead of choosing (the earlier run computed them so; a prefill of them gives other numbers, on
-    SmolLM2's int4 variant 0.5 to 0.9 in the logits: other tokens), they count toward
-    ``max_new_tokens`` and the penalties, and the random draws go on from their positions, so the
-    rest of the answer is what the earlier run would have produced, bit for bit. ``seed``: the one the draws use (the request's, or one
-    chosen at ``add_request``: reported, so a client can resume a sampled answer too).
+    another replica). Where the engine computes a position the same bits in a prompt chunk as in a
+    decode step (``prefill_is_decode``: KilnAttention's serving graph), they are prefilled in chunks
+    after the prompt, all but the last, which is the next decode step's input; elsewhere the engine
+    feeds them through decode steps, one a step, instead of choosing (the earlier run computed them
+    so; GroupQueryAttention's prefill of them gives other numbers, on SmolLM2's int4 variant 0.5 to
+    0.9 in the logits: other tokens). Either way they count toward ``max_new_tokens`` and the
+    penalties, and the random draws go on from their positions, so the rest of the answer is what
+    the earlier run would have produced, bit for bit. ``seed``: the one the draws use (the
+    request's, or one chosen at ``add_request``: reported, so a client can resume a sampled answer
+    too).
     ``score``: keep every prompt position's logits (``Output.request.prompt_logits``)."""
 
     request_id: Hashable
@@ -73,7 +77,8 @@ class Request:
     score: bool = False
     # the core's bookkeeping
     state: SequenceState | None = None
-    prefilled: int = 0  # prompt tokens in the engine's cache so far
+    prefilled: int = 0  # tokens of ``prefill_ids`` in the engine's cache so far
+    prefill_ids: list[int] = field(default_factory=list)  # the prompt, and the resumed tokens prefilled after it
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     prompt_logprobs: list = field(default_factory=list)
@@ -292,13 +297,18 @@ class EngineCore:
             restore = self.engine.cached_prefix(prompt) if cached else 0
             self.hooks.prefix(request, restore)
             request.prefilled = restore
+            # a resumed request's sent tokens, all but the last, prefilled in chunks after its prompt
+            # (not for scored prompts: their positions' outputs are the prompt's alone)
+            chunked_resume = bool(request.resume_ids) and self.engine.capabilities.prefill_is_decode \
+                and not _scored(request)
+            request.prefill_ids = prompt + request.resume_ids[:-1] if chunked_resume else prompt
             assert request.seed is not None  # add_request chose it
-            plan.starts.append(SeqStart(request.request_id, prompt, request.params, request.seed,
-                                        restore=restore, generated=list(request.resume_ids)))
+            plan.starts.append(SeqStart(request.request_id, prompt, request.params, request.seed, restore=restore,
+                                        generated=list(request.resume_ids), prefill_generated=chunked_resume))
             self._prefilling.append(request)
         budget = self.prefill_chunk
         for request in self._prefilling:
-            prompt = request.prompt_ids
+            prompt = request.prefill_ids
             end = self._chunk_end(request)
             n = end - request.prefilled
             if n > budget and budget < self.prefill_chunk:
@@ -316,7 +326,7 @@ class EngineCore:
 
     def _chunk_end(self, request: Request) -> int:
         """Chunks end at fixed positions (multiples of ``prefill_chunk``), whatever the load."""
-        prompt = len(request.prompt_ids)
+        prompt = len(request.prefill_ids)
         return min(prompt, (request.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
 
     # -- executing and updating ----------------------------------------------------------------------------

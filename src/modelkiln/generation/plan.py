@@ -29,7 +29,9 @@ class SeqStart:
     resumed request had already produced: after the prompt, the engine feeds them through decode
     steps instead of choosing (reporting nothing for them), as the first run computed them, and
     chooses from the step after the last; the sampling counters (penalties, the random draw's
-    position) start after them."""
+    position) start after them. ``prefill_generated`` (only for an engine whose capabilities say
+    ``prefill_is_decode``): the core's chunks carry the prompt and every generated token but the
+    last, so the engine feeds only the last one, as the next decode step's input."""
 
     seq: SeqId
     prompt_ids: list[int]
@@ -37,6 +39,7 @@ class SeqStart:
     seed: int
     restore: int = 0
     generated: list[int] = field(default_factory=list)
+    prefill_generated: bool = False
 
 
 @dataclass
@@ -103,13 +106,17 @@ class EngineCapabilities:
     ``prefix_cache``: ``cached_prefix`` can answer more than 0; ``max_rows``: sequences decoding
     together at most; ``device``: where it computes ("cpu", "cuda"); ``prefill_chunk``: the prompt
     tokens per step it is built for, when not the core's default (a GPU step costs about the same
-    for 128 tokens as for thousands)."""
+    for 128 tokens as for thousands); ``prefill_is_decode``: a position's logits are the same bits
+    whether it is computed in a decode step or in a prompt chunk of any length (the serving graph
+    with KilnAttention), so a resumed request's sent tokens may be prefilled in chunks
+    (``SeqStart.prefill_generated``)."""
 
     device: str = "cpu"
     max_rows: int = DEFAULT_MAX_RUNNING
     mixed_steps: bool = False
     prefix_cache: bool = False
     prefill_chunk: int | None = None
+    prefill_is_decode: bool = False
 
 
 @dataclass(frozen=True)

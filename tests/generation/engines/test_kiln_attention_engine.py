@@ -24,15 +24,8 @@ def tiny(tiny_generation_artifact):
 
 
 @pytest.fixture(scope="module")
-def kiln_graph(tiny_generation_artifact, tmp_path_factory):
-    import transformers
-
-    from modelkiln.convert.generation.serving_graph import TorchDecoderWeights, build_serving_graph
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_generation_artifact.parent / "hf"))
-    path = tmp_path_factory.mktemp("kiln-attention") / "model.onnx"
-    build_serving_graph(TorchDecoderWeights(model), path, kiln_attention=True)
-    return path
+def kiln_graph(tiny_kiln_attention_graph):
+    return tiny_kiln_attention_graph
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ leave) and choosing tokens from the logits on the host, one ``TokenChooser`` per
 
 The engine, not the core, keeps each sequence's chooser and the token it chose last (the next
 decode step's input), as a GPU engine keeps them on its device; the core sees token ids only. A
-resumed sequence's tokens (``SeqStart.generated``) take the chooser's place until they are all fed."""
+resumed sequence's tokens (``SeqStart.generated``) take the chooser's place until they are all fed
+(only the last one when the core prefilled the others: ``SeqStart.prefill_generated``)."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ class HostEngine:
                 continue
             chunk = chunks.pop(0)
             if not chunk.token_ids:  # the whole prompt came from the prefix cache, with its last logits
-                self._chunk_done(chunk, self._stored.pop(chunk.seq), to_choose)
+                self._chunk_done(chunk, self._stored[chunk.seq], to_choose)
                 continue
             wants_all = chunk.keep_logits or chunk.targets is not None
             logits = self.prefill(chunk.seq, chunk.token_ids, all_logits=wants_all)
@@ -153,8 +154,9 @@ class HostEngine:
     def _start(self, start: SeqStart) -> None:
         self._choosers[start.seq] = TokenChooser(start.params, start.seed, start.prompt_ids, start.generated)
         if start.generated:
-            self._forced[start.seq] = deque(start.generated)
-        self._prompts[start.seq] = start.prompt_ids
+            self._forced[start.seq] = deque(start.generated[-1:] if start.prefill_generated else start.generated)
+        if not start.prefill_generated:  # else its last chunk's logits are not the prompt's: nothing to cache
+            self._prompts[start.seq] = start.prompt_ids
         if start.restore:
             stored = self.restore_prefix(start.seq, start.prompt_ids, start.restore)
             if stored is not None:
@@ -173,6 +175,7 @@ class HostEngine:
     def _chunk_done(self, chunk: Chunk, last_logits: np.ndarray, to_choose: list) -> None:
         if not chunk.last:
             return
+        self._stored.pop(chunk.seq, None)  # a resumed sequence's chunks may go on after a whole restored prompt
         prompt = self._prompts.pop(chunk.seq, None)
         if prompt is not None and chunk.token_ids:
             self.remember_prefix(chunk.seq, prompt, last_logits)

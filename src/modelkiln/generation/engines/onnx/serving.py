@@ -64,6 +64,7 @@ class ServingEngine(HostEngine):
         # newer onnxruntime splits one row's keys across threads (another summation order): keep enough
         # rows. KilnAttention never splits a query's keys.
         self.min_rows = 1 if self.kiln_attention else -(-threads // heads)
+        self.picking_threads = threads
         self.max_rows = max_rows
         self.running = RowRegion(self.shape, max_rows + self.min_rows + 1)  # room for ghost rows
         # as many staging rows as decode rows: a burst of new prompts prefills in one call (address space only)
@@ -111,7 +112,8 @@ class ServingEngine(HostEngine):
     def use_prefix_cache(self, tokens: int) -> None:
         """Keep at most ``tokens`` tokens of prompt prefixes (0: none); what was cached is dropped."""
         self.prefixes = PrefixCache(tokens) if tokens > 0 else None
-        self.capabilities = EngineCapabilities("cpu", self.max_rows, mixed_steps=False, prefix_cache=tokens > 0)
+        self.capabilities = EngineCapabilities("cpu", self.max_rows, mixed_steps=False, prefix_cache=tokens > 0,
+                                               prefill_is_decode=self.kiln_attention)
 
     def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
         """How many of the prompt's tokens the prefix cache holds (counted in its hit statistics)."""
