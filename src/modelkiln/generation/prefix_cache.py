@@ -26,14 +26,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import Any
 
 # Small blocks reuse more of a prompt (only whole blocks are reused): a chat template's system prompt is
 # often 20-30 tokens. A block costs one dictionary entry and one copy in and out.
 BLOCK_TOKENS = 8
 MAX_WHOLE = 32  # whole prompts kept with their last logits (151,936 floats each for Qwen2.5's vocabulary)
-ReadKv = Callable[[int, int], np.ndarray]  # (start, stop) -> a copy of those positions' KV
+# A block's KV and a prompt's last logits are the engine's arrays: numpy on the host engines, torch
+# tensors on the torch engine's device (kept there: a restore is a copy on the device).
+Array = Any
+ReadKv = Callable[[int, int], Array]  # (start, stop) -> a copy of those positions' KV
 
 
 @dataclass
@@ -41,7 +43,7 @@ class _Block:
     key: int
     parent: int | None
     tokens: tuple[int, ...]
-    kv: np.ndarray  # [layer key/value, kv_heads, BLOCK_TOKENS, head_dim]
+    kv: Array  # [layer key/value, kv_heads, BLOCK_TOKENS, head_dim]
     children: set[int] = field(default_factory=set)
 
 
@@ -50,8 +52,8 @@ class Whole:
     """A whole prompt: the KV of its positions after the last full block, its last position's logits."""
 
     tokens: tuple[int, ...]
-    tail_kv: np.ndarray  # [layer key/value, kv_heads, len(tokens) % block, head_dim]
-    logits: np.ndarray
+    tail_kv: Array  # [layer key/value, kv_heads, len(tokens) % block, head_dim]
+    logits: Array
 
 
 class PrefixCache:
@@ -104,7 +106,7 @@ class PrefixCache:
         blocks, whole = self.lookup(token_ids)
         return len(token_ids) if whole is not None else len(blocks) * self.block_tokens
 
-    def insert(self, token_ids: Sequence[int], read_kv: ReadKv, last_logits: np.ndarray | None = None) -> int:
+    def insert(self, token_ids: Sequence[int], read_kv: ReadKv, last_logits: Array | None = None) -> int:
         """Cache every full block of ``token_ids`` not cached yet; ``read_kv(start, stop)`` returns
         a copy of those positions' KV. With ``last_logits`` (and room), the whole prompt too.
         Returns the tokens added."""
@@ -112,7 +114,7 @@ class PrefixCache:
         fits = len(token_ids) <= self.max_tokens
         if last_logits is not None and fits and tuple(token_ids) not in self._wholes:
             tail = len(token_ids) // self.block_tokens * self.block_tokens
-            self._wholes[tuple(token_ids)] = Whole(tuple(token_ids), read_kv(tail, len(token_ids)), last_logits.copy())
+            self._wholes[tuple(token_ids)] = Whole(tuple(token_ids), read_kv(tail, len(token_ids)), _copy(last_logits))
             added += len(token_ids) - tail
             while len(self._wholes) > MAX_WHOLE:
                 self._wholes.popitem(last=False)
@@ -157,3 +159,8 @@ class PrefixCache:
     def clear(self) -> None:
         self._blocks.clear()
         self._wholes.clear()
+
+
+def _copy(array: Array) -> Array:
+    """A copy the cache owns (the engine reuses its buffers): numpy's ``copy`` or torch's ``clone``."""
+    return array.clone() if hasattr(array, "clone") else array.copy()

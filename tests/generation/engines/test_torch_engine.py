@@ -292,6 +292,36 @@ def test_a_prompt_too_long_for_the_rows_fails_alone(tiny_torch_artifact):
     assert engine.cache_tokens == 0 and len(engine._free) == 4
 
 
+def test_prompts_seen_before_come_from_the_prefix_cache_and_change_no_bit(tiny_torch_artifact):
+    """A prompt that starts with a cached one is prefilled after the cached blocks; one seen whole
+    computes nothing for its first token (its last logits were kept); every answer and every
+    token's logits are the bits a cold engine gives, greedy and sampled."""
+    model = TextGenerationModel(tiny_torch_artifact)
+
+    def open_core(prefix_tokens: int) -> EngineCore:
+        return model.core(None, CoreOptions(threads=1, max_running=4, prefill_chunk=8, keep_logits=True,
+                                            prefix_cache_tokens=prefix_tokens))
+
+    cold, warm = open_core(0), open_core(4096)
+    assert warm.engine.capabilities.prefix_cache and not cold.engine.capabilities.prefix_cache
+    computed: list[int] = []  # the tokens each forward pass of the warm engine computes
+    forward = warm.engine.decoder.forward
+    warm.engine.decoder.forward = lambda step, cache: computed.append(step.ids.shape[0]) or forward(step, cache)
+    prompt = PROMPTS[2][:20]
+    longer = prompt + PROMPTS[0][:5]
+    sampled = SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    for ids, params, cached, prompt_computed in [(prompt, greedy(6), 0, 20), (prompt, greedy(6), 20, 0),
+                                                 (prompt, sampled, 20, 0), (longer, sampled, 16, 9)]:
+        assert warm.engine.cached_prefix(ids) == cached
+        computed.clear()
+        expected = complete(cold, [Request("r", ids, params)])[0]
+        answer = complete(warm, [Request("r", ids, params)])[0]
+        assert answer.token_ids == expected.token_ids
+        assert all(np.array_equal(a, b) for a, b in zip(answer.logits, expected.logits))
+        assert sum(computed) == prompt_computed + len(answer.token_ids) - 1  # then one token a decode step
+    assert warm.engine.prefix_tokens > 0 and warm.engine.evict_prefixes(10**6) > 0 and warm.engine.prefix_tokens == 0
+
+
 def test_capabilities_and_kv_accounting(tiny_torch_artifact):
     model = TextGenerationModel(tiny_torch_artifact)
     engine = model.engine(None, EngineOptions(threads=1, max_rows=3))

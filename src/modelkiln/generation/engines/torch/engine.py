@@ -20,13 +20,17 @@ KV cache preallocated there, tokens chosen there (``sampling/device.py``), behin
   whatever else is in the step, so an answer does not depend on the load. With it off, PyTorch's
   matrix products run as they come (faster on the CPU).
 
-No prefix cache: ``cached_prefix`` answers 0."""
+- **The prefix cache** (``prefix_cache.PrefixCache``, as the serving graph's engine keeps it): prompt
+  prefixes' KV in blocks copied out of a slot on the device, copied into a new sequence's slot when its
+  prompt starts with them; a prompt seen whole keeps its last position's logits on the device, so its
+  first token costs no forward pass. Attention and the products give a position the same bits
+  however its prompt was computed, so a restored prefix changes no answer."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,7 @@ import torch
 
 from ....errors import InvalidInputError, KilnError
 from ..memory import give_back, host_kv_capacity, reserve
+from ...prefix_cache import PrefixCache
 from ...plan import (Chunk, EngineCapabilities, EngineOptions, ModelShape, Sampled, SeqId, SeqStart, StepPlan, StepResult,
                      begin_step)
 from ...sampling import SamplingParams
@@ -74,6 +79,17 @@ class KVCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[i, 0], self.data[i, 1]
 
+    def read(self, slot: int, start: int, stop: int) -> torch.Tensor:
+        """A copy of a slot's positions [start, stop): [layers · 2, kv_heads, stop - start, head_dim]
+        (the prefix cache's block layout: positions on axis 2)."""
+        layers, two, _, kv_heads, _, head_dim = self.shape
+        return self.data[:, :, slot, :, start:stop].reshape(layers * two, kv_heads, stop - start, head_dim).clone()
+
+    def write(self, slot: int, start: int, kv: torch.Tensor) -> None:
+        """``read``'s copy back, into a slot from position ``start``."""
+        layers, two, _, kv_heads, _, head_dim = self.shape
+        self.data[:, :, slot, :, start:start + kv.shape[2]] = kv.view(layers, two, kv_heads, kv.shape[2], head_dim)
+
     def release(self, slot: int) -> None:
         """Give a slot's pages back (CPU); on CUDA the memory stays the cache's."""
         if self._memory is None:
@@ -89,6 +105,8 @@ class _Sequence:
     length: int = 0  # tokens in its cache
     next_token: int | None = None  # what its next decode step feeds (once its prompt is in)
     forced: list[int] = field(default_factory=list)  # a resumed answer's tokens, fed instead of chosen
+    prompt: list[int] | None = None  # until its prompt is in the cache: the prefix cache keeps it
+    stored_logits: torch.Tensor | None = None  # a whole prompt restored from the prefix cache: its last logits
 
 
 class TorchEngine:
@@ -109,6 +127,7 @@ class TorchEngine:
         # decode graphs: on CUDA by default; on the CPU only when asked (eager replays of the same buckets)
         use_graphs = self.device.type == "cuda" if decode_graphs is None else decode_graphs
         self.graphs = DecodeGraphs(self) if use_graphs else None
+        self.prefixes: PrefixCache | None = None
 
     # -- queries -----------------------------------------------------------------------------------
     def __contains__(self, seq: SeqId) -> bool:
@@ -120,7 +139,7 @@ class TorchEngine:
 
     @property
     def prefix_tokens(self) -> int:
-        return 0
+        return self.prefixes.tokens if self.prefixes else 0
 
     def kv_tokens_needed(self, reserves: Sequence[int]) -> int:
         """On the CPU each sequence holds its own length; on CUDA each holds a whole slot (a
@@ -135,26 +154,56 @@ class TorchEngine:
                                     self.max_rows * self.max_length)
         return self.max_rows * self.max_length
 
-    # -- no prefix cache ---------------------------------------------------------------------------------
+    # -- the prefix cache --------------------------------------------------------------------------------
     def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
-        return 0
+        """How many of the prompt's tokens the prefix cache holds (counted in its hit statistics)."""
+        return self.prefixes.cached_tokens(prompt_ids) if self.prefixes else 0
 
     def use_prefix_cache(self, tokens: int) -> None:
-        """This engine keeps no prefixes, whatever is asked."""
+        """Keep at most ``tokens`` tokens of prompt prefixes (0: none); what was cached is dropped."""
+        self.prefixes = PrefixCache(tokens) if tokens > 0 else None
+        self.capabilities = replace(self.capabilities, prefix_cache=tokens > 0)
 
     def evict_prefixes(self, tokens: int) -> int:
-        return 0
+        return self.prefixes.evict(tokens) if self.prefixes else 0
+
+    def _restore(self, state: _Sequence, prompt_ids: Sequence[int], tokens: int) -> None:
+        """A new sequence's first ``tokens`` prompt positions copied from the prefix cache into its
+        slot (what ``cached_prefix`` said), with the stored last logits when that is the whole prompt."""
+        if self.prefixes is None:
+            raise KilnError("this engine keeps no prefix cache")
+        blocks, whole = self.prefixes.lookup(prompt_ids, count=False)
+        size = self.prefixes.block_tokens
+        restored = len(prompt_ids) if whole is not None else len(blocks) * size
+        if restored != tokens:
+            raise KilnError(f"the prefix cache holds {restored} tokens of this prompt, not the {tokens} planned")
+        for b, block in enumerate(blocks):
+            self.cache.write(state.slot, b * size, block.kv)
+        if whole is not None:
+            self.cache.write(state.slot, len(blocks) * size, whole.tail_kv)
+            state.stored_logits = whole.logits
+        state.length = restored
+
+    def _remember(self, state: _Sequence, last_logits: torch.Tensor) -> None:
+        """A prompt now all in its slot: its prefix kept for the prompts that follow."""
+        prompt, state.prompt = state.prompt, None
+        if self.prefixes is not None and prompt is not None and state.length >= len(prompt):
+            slot = state.slot
+            # the last logits are the prompt's only where nothing was prefilled after it (a resumed answer's tokens)
+            whole = last_logits if state.length == len(prompt) else None
+            self.prefixes.insert(prompt, lambda start, stop: self.cache.read(slot, start, stop), whole)
 
     # -- the seam ------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         result = begin_step(plan, self._leave, self._start)
-        chunks = []
+        chunks: list[Chunk] = []
+        restored: list[Chunk] = []  # whole prompts from the prefix cache: their first token to choose
         for chunk in plan.chunks:
             if chunk.seq in result.errors:
                 continue
             try:
                 self._check_chunk(chunk)
-                chunks.append(chunk)
+                (chunks if chunk.token_ids else restored).append(chunk)
             except KilnError as exc:
                 result.errors[chunk.seq] = exc
         decode = list(plan.decode)
@@ -164,17 +213,31 @@ class TorchEngine:
                 raise KilnError(f"the plan decodes {seq!r}, which is not running in the engine")
             if state.length + 1 > self.max_length:
                 raise InvalidInputError(f"{state.length + 1} tokens exceed the engine's {self.max_length}-token rows")
-        if not decode and not chunks:
+        if not decode and not chunks and not restored:
             return result
-        logits, rows = self._run(decode, chunks)
+        if decode or chunks:
+            logits, rows = self._run(decode, chunks)
+        else:
+            logits, rows = torch.empty(0, self.decoder.config.vocab, device=self.device), {}
         choosing: list[tuple[SeqId, int]] = [(seq, rows[seq][0]) for seq in decode]
         for chunk in chunks:
             first, count = rows[chunk.seq]
             if chunk.targets is not None or chunk.keep_logits:
                 self._prompt_outputs(chunk, logits[first:first + count], result)
-            self._sequences[chunk.seq].length = chunk.start + len(chunk.token_ids)
+            state = self._sequences[chunk.seq]
+            state.length = chunk.start + len(chunk.token_ids)
             if chunk.last:
                 choosing.append((chunk.seq, first + count - 1))
+                self._remember(state, logits[first + count - 1])
+        if restored:  # their stored logits as rows after the forward pass's
+            stored: list[torch.Tensor] = []
+            for chunk in restored:
+                state = self._sequences[chunk.seq]
+                assert state.stored_logits is not None  # _check_chunk let it in for them
+                stored.append(state.stored_logits)
+                state.stored_logits = None
+                choosing.append((chunk.seq, logits.shape[0] + len(stored) - 1))
+            logits = torch.cat([logits, torch.stack(stored)])
         for seq in decode:
             self._sequences[seq].length += 1
         if choosing:
@@ -197,8 +260,6 @@ class TorchEngine:
     def _start(self, start: SeqStart) -> None:
         if start.seq in self._sequences:
             raise InvalidInputError(f"sequence {start.seq!r} is already in the engine")
-        if start.restore:
-            raise KilnError("this engine has no prefix cache")
         if len(start.prompt_ids) > self.max_context:
             raise InvalidInputError(f"{len(start.prompt_ids)} prompt tokens exceed the engine's context of "
                                     f"{self.max_context} tokens")
@@ -210,13 +271,22 @@ class TorchEngine:
         except Exception:
             self._free.insert(0, slot)
             raise
-        self._sequences[start.seq] = _Sequence(slot, forced=list(reversed(start.generated)))
+        state = _Sequence(slot, forced=list(reversed(start.generated)), prompt=list(start.prompt_ids))
+        if start.restore:
+            try:
+                self._restore(state, start.prompt_ids, start.restore)
+            except Exception:
+                self.sampler.leave(slot)
+                self._free.insert(0, slot)
+                raise
+        self._sequences[start.seq] = state
 
     def _check_chunk(self, chunk: Chunk) -> None:
         state = self._sequences.get(chunk.seq)
         if state is None:
             raise KilnError(f"a prompt chunk for {chunk.seq!r}, which the engine was not told about")
-        if chunk.start != state.length or not chunk.token_ids:
+        whole = not chunk.token_ids and chunk.last and state.stored_logits is not None  # restored from the prefix cache
+        if chunk.start != state.length or not (chunk.token_ids or whole):
             raise KilnError(f"a prompt chunk of {chunk.seq!r} at {chunk.start} with {len(chunk.token_ids)} tokens; "
                             f"its cache holds {state.length}")
         if chunk.start + len(chunk.token_ids) > self.max_length:
