@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from helpers import kiln
-from modelkiln.machine import cpu_description, vector_extensions
+from modelkiln.machine import cpu_description, cpu_flags, matrix_engine, native_bf16, vector_extensions
 from modelkiln.manifest import Manifest
 
 
@@ -19,6 +19,17 @@ def test_vector_extensions_of_the_project_machines():
     assert vector_extensions(epyc) == "AVX2 FMA"
     assert vector_extensions(set("fp asimd sve".split())) == "NEON SVE"
     assert vector_extensions(set()) == ""
+
+
+def test_the_matrix_engine_of_each_precision():
+    xeon = set("avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8".split())
+    epyc_zen5 = set("avx2 fma avx512f avx512_vnni avx_vnni avx512_bf16".split())
+    epyc_zen3 = set("avx2 fma".split())
+    assert [matrix_engine(p, "cpu", xeon) for p in ("bf16", "int8", "fp32")] == ["AMX", "VNNI", "AVX-512"]
+    assert [matrix_engine(p, "cpu", epyc_zen5) for p in ("bf16", "int8", "fp32")] == ["AVX-512 BF16", "VNNI", "AVX-512"]
+    assert [matrix_engine(p, "cpu", epyc_zen3) for p in ("int8", "fp32")] == ["AVX2", "AVX2"]
+    assert native_bf16(epyc_zen3) is None and matrix_engine("bf16", "cpu", epyc_zen3).startswith("emulated")
+    assert matrix_engine("fp16", "cuda", epyc_zen3) == "GPU"
 
 
 def test_this_machine_is_described():
@@ -46,5 +57,7 @@ def test_bench_names_the_cpu_and_its_extensions(zoo, tmp_path):
     machine = cpu_description()
     header = f"{machine['cpu']} ({machine['isa']})" if machine["isa"] else machine["cpu"]
     assert f"— {header}, 1 threads" in " ".join(res.stdout.split())  # the title may wrap
-    recorded = json.loads((tmp_path / "bench.json").read_text())["machine"]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    recorded = data["machine"]
     assert {key: recorded[key] for key in machine} == machine and recorded["threads"] == 1
+    assert {c["matrix_engine"] for c in data["cells"]} == {matrix_engine("fp32", "cpu", cpu_flags())}

@@ -14,6 +14,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "convert": ("torch", "transformers", "onnx", "onnxscript"),
     "serve": ("fastapi", "uvicorn", "prometheus_client", "orjson"),
     "loadtest": ("prometheus_client", "matplotlib"),
+    "openvino": ("openvino",),
 }
 
 

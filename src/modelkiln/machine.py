@@ -51,6 +51,35 @@ def vector_extensions(flags: set[str]) -> str:
     return " ".join(name for name, any_of in VECTOR_EXTENSIONS if flags.intersection(any_of))
 
 
+def native_bf16(flags: set[str]) -> str | None:
+    """The unit that multiplies bf16 matrices natively on this CPU: "AMX" (Sapphire Rapids and later
+    Xeons: ``amx_bf16``), "AVX-512 BF16" (Zen 4/5 EPYCs, Cooper Lake: ``avx512_bf16``), or None,
+    where bf16 is only emulated in fp32 (slower than fp32 itself, so no bf16 variant is offered)."""
+    if "amx_bf16" in flags:
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX-512 BF16"
+    return None
+
+
+def matrix_engine(precision: str, device: str, flags: set[str]) -> str:
+    """The unit a variant's matrix products run on here, named in `kiln bench`'s rows and `kiln
+    convert`'s table: bf16 on AMX or AVX-512 BF16 (``native_bf16``); int8 (kiln's per-row int8 in
+    onnxruntime) on VNNI's int8 dot products (not AMX: onnxruntime's AMX kernel takes uint8
+    activations, kiln's are int8); fp32 (and the rest) on the widest vector unit."""
+    if device != "cpu":
+        return "GPU"
+    if precision == "bf16":
+        return native_bf16(flags) or "emulated (no bf16 unit)"
+    if precision == "int8" and flags.intersection(("avx512_vnni", "avx_vnni")):
+        return "VNNI"
+    if "avx512f" in flags:
+        return "AVX-512"
+    if "avx2" in flags:
+        return "AVX2"
+    return "NEON" if "asimd" in flags else "scalar"
+
+
 def cpu_description() -> dict[str, Any]:
     """The one description of this machine's CPU that bench headers and manifests carry; ``cores``
     is what this process may use (``cpus.available_cpus``: a pinned or quota-limited process runs

@@ -43,7 +43,7 @@ class Variant:
     latency_shape: list[int] | None = None  # [batch, seq] the latency was measured at
     details: dict[str, Any] = field(default_factory=dict)
     # what runs it (generation/engines/registry.py's registry: onnx-serving, onnx-export, torch; runtime's for
-    # encoders: onnx, torch); None in artifacts written before it was recorded (read from the file)
+    # encoders: onnx, torch, openvino); None in artifacts written before it was recorded (read from the file)
     engine: str | None = None
 
 

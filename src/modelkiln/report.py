@@ -12,12 +12,13 @@ from .manifest import Manifest
 
 def print_variants(console: Console, manifest: Manifest) -> None:
     table = Table(title=f"{escape(manifest.name)}: {manifest.task}, inputs {_inputs(manifest.input_names)}", title_justify="left")
-    for col in ("variant", "device", "kept", "max |Δ|", "min cos", "mean cos", "agreement", "batch cos", "ms (b1)", "note"):
-        table.add_column(col, justify="left" if col in ("variant", "note", "device") else "right")
+    for col in ("variant", "device", "matrix engine", "kept", "max |Δ|", "min cos", "mean cos", "agreement", "batch cos",
+                "ms (b1)", "note"):
+        table.add_column(col, justify="left" if col in ("variant", "note", "device", "matrix engine") else "right")
     for v in manifest.variants:
         val = v.validation
         table.add_row(
-            escape(v.name), v.device, "[green]yes[/]" if v.kept else "[red]no[/]",
+            escape(v.name), v.device, escape(v.details.get("matrix_engine", "—")), "[green]yes[/]" if v.kept else "[red]no[/]",
             f"{val.max_abs_diff:.1e}" if val else "—",
             f"{val.min_cosine:.5f}" if val else "—",
             f"{val.mean_cosine:.5f}" if val else "—",

@@ -17,9 +17,9 @@ from .stability import timing_warnings
 def print_table(console: Console, result: BenchResult) -> None:
     table = Table(title=escape(f"{result.model} ({result.task}) — {machine_title(result.machine)}"), title_justify="left")
     has_reference = any(c.speedup for c in result.cells)
-    columns = ["batch", "seq", "backend", "mean", "sd", "min", "max", "median", "p95", "p99", "seq/s", "tokens/s"]
+    columns = ["batch", "seq", "backend", "matrix engine", "mean", "sd", "min", "max", "median", "p95", "p99", "seq/s", "tokens/s"]
     for col in columns + (["speed-up"] if has_reference else []):
-        table.add_column(col, justify="left" if col == "backend" else "right")
+        table.add_column(col, justify="left" if col in ("backend", "matrix engine") else "right")
     cells = sorted(result.cells, key=lambda c: (c.batch, c.seq))
     previous = None
     for c in cells:
@@ -27,7 +27,7 @@ def print_table(console: Console, result: BenchResult) -> None:
             table.add_section()
         previous = (c.batch, c.seq)
         s = c.stats
-        row = [str(c.batch), str(c.seq), escape(c.backend), *(f"{v:.2f}" for v in (s.mean, s.sd, s.min, s.max, s.median, s.p95, s.p99)),
+        row = [str(c.batch), str(c.seq), escape(c.backend), escape(c.matrix_engine), *(f"{v:.2f}" for v in (s.mean, s.sd, s.min, s.max, s.median, s.p95, s.p99)),
                f"{c.sequences_per_s:,.0f}", f"{c.tokens_per_s:,.0f}"]
         table.add_row(*row, *([f"{c.speedup:.2f}×" if c.speedup else "—"] if has_reference else []))
     console.print(table)
@@ -52,7 +52,7 @@ def to_dict(result: BenchResult) -> dict:
         "skipped": result.skipped,
         "timing_warnings": timing_warnings(result.cells),
         "cells": [
-            {"backend": c.backend, "device": c.device, "batch": c.batch, "seq": c.seq, **asdict(c.stats),
+            {"backend": c.backend, "matrix_engine": c.matrix_engine, "device": c.device, "batch": c.batch, "seq": c.seq, **asdict(c.stats),
              "sequences_per_s": c.sequences_per_s, "tokens_per_s": c.tokens_per_s, "speedup": c.speedup}
             for c in result.cells
         ],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+from importlib import metadata
 from functools import partial
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -19,12 +20,12 @@ from tokenizers import Tokenizer
 
 from ..cpus import available_cpus
 from ..errors import KilnError
-from ..machine import cpu_description
+from ..machine import cpu_description, cpu_flags, matrix_engine
 from ..manifest import Manifest
 from ..runtime.engine import Engine, Runner
 from ..runtime.onnx import cuda_available
 from ..runtime.pipeline import load_variant
-from ..runtime.registry import TORCH
+from ..runtime.registry import BACKEND_LABELS, TORCH, engine_kind
 from .isolation import DEFAULT_TIMEOUT_S, ChildFailed, run_in_child
 from ..timing import Stats, measure
 
@@ -52,6 +53,7 @@ class Cell:
     seq: int
     stats: Stats
     speedup: float | None = None  # PyTorch fp32 median / this median, same batch and seq
+    matrix_engine: str = ""  # the unit its matrix products ran on (machine.matrix_engine): "AMX", "VNNI"...
 
     @property
     def sequences_per_s(self) -> float:
@@ -76,14 +78,18 @@ def machine_info(threads: int | None) -> dict[str, Any]:
     """The CPU (model, vector extensions, cores) and the runtime a bench ran with."""
     import onnxruntime
 
-    return {**cpu_description(), "threads": threads or available_cpus().count, "onnxruntime": onnxruntime.__version__,
+    info = {**cpu_description(), "threads": threads or available_cpus().count, "onnxruntime": onnxruntime.__version__,
             "python": platform.python_version()}
+    with contextlib.suppress(metadata.PackageNotFoundError):  # the openvino extra
+        info["openvino"] = metadata.version("openvino")
+    return info
 
 
 def machine_title(machine: dict[str, Any]) -> str:
     """The machine part of a bench table's title: "Intel(R) Xeon(R) … (AVX2 FMA AVX-512 VNNI AMX), 2 threads, …"."""
     isa = f" ({machine['isa']})" if machine.get("isa") else ""
-    return f"{machine['cpu']}{isa}, {machine['threads']} threads, onnxruntime {machine['onnxruntime']}"
+    openvino = f", openvino {machine['openvino']}" if machine.get("openvino") else ""
+    return f"{machine['cpu']}{isa}, {machine['threads']} threads, onnxruntime {machine['onnxruntime']}{openvino}"
 
 
 def real_token_ids(folder: Path, manifest: Manifest, length: int) -> list[int]:
@@ -121,24 +127,26 @@ def make_feeds(folder: Path, manifest: Manifest, batch: int, seq: int) -> dict[s
 
 
 def _reference_rows(cfg: BenchConfig) -> Iterator[tuple[str, str, bool]]:
-    """(label, device, half) of every PyTorch row to run."""
+    """(label, device, half) of every PyTorch row to run (fp32 on the CPU, fp16 on CUDA)."""
     if cfg.reference:
         yield "pytorch fp32", "cpu", False
         if _torch_cuda():
             yield "pytorch fp16", "cuda", True
 
 
-def _own_engines(folder: Path, manifest: Manifest, cfg: BenchConfig, skipped: list[str]) -> Iterator[tuple[str, str, Callable[[], Engine]]]:
-    """(backend label, device, engine factory) for every variant of the artifact to run."""
+def _own_engines(folder: Path, manifest: Manifest, cfg: BenchConfig,
+                 skipped: list[str]) -> Iterator[tuple[str, str, str, Callable[[], Engine]]]:
+    """(backend label, device, precision, engine factory) for every variant of the artifact to run."""
     for v in manifest.kept_variants():
         if cfg.variants and v.name not in cfg.variants:
             continue
-        label = "torch" if v.engine == TORCH else "onnxruntime"
-        if v.device == "cuda" and not (_torch_cuda() if v.engine == TORCH else cuda_available()):
+        kind = engine_kind(v)
+        label = BACKEND_LABELS[kind]
+        if v.device == "cuda" and not (_torch_cuda() if kind == TORCH else cuda_available()):
             skipped.append(f"{label} {v.name}: no CUDA device")
             continue
         assert v.file is not None
-        yield (f"{label} {v.name}", v.device, partial(load_variant, folder, manifest, v, cfg.threads))
+        yield (f"{label} {v.name}", v.device, v.precision, partial(load_variant, folder, manifest, v, cfg.threads))
 
 
 def measure_engine(engine: Runner, label: str, feeds: dict[tuple[int, int], dict[str, np.ndarray]], cfg: BenchConfig,
@@ -198,12 +206,17 @@ def run_bench(target: str, cfg: BenchConfig, steps: Steps) -> BenchResult:
     cells: list[Cell] = []
     feeds = {(b, s): make_feeds(folder, manifest, b, s) for b in cfg.batches for s in cfg.seqs if s <= max_positions}
     skipped += [f"seq {s}: longer than the model's {max_positions} positions" for s in cfg.seqs if s > max_positions]
+    flags = cpu_flags()
     for label, device, half in _reference_rows(cfg):
-        cells += _run_reference(label, device, half, folder, list(feeds), cfg, steps, skipped)
-    for label, device, factory in _own_engines(folder, manifest, cfg, skipped):
+        for cell in _run_reference(label, device, half, folder, list(feeds), cfg, steps, skipped):
+            cell.matrix_engine = matrix_engine("fp16" if half else "fp32", device, flags)
+            cells.append(cell)
+    for label, device, precision, factory in _own_engines(folder, manifest, cfg, skipped):
         with steps(f"Loading {label}"):
             engine = factory()
-        cells += [Cell(label, device, b, s, stats) for (b, s), stats in measure_engine(engine, label, feeds, cfg, steps).items()]
+        unit = matrix_engine(precision, device, flags)
+        cells += [Cell(label, device, b, s, stats, matrix_engine=unit)
+                  for (b, s), stats in measure_engine(engine, label, feeds, cfg, steps).items()]
         del engine  # free it before the next backend loads
     baseline = {(c.batch, c.seq): c.stats.median for c in cells if c.backend == "pytorch fp32"}
     for c in cells:

@@ -17,17 +17,19 @@ from tokenizers import Tokenizer
 from ..atomic import atomic_folder, check_output
 from ..timing import measure_interleaved
 from ..errors import ConversionError, ValidationFailedError
-from ..machine import cpu_description
+from ..extras import has_extra, install_hint
+from ..machine import cpu_description, cpu_flags, matrix_engine, native_bf16
 from ..manifest import Manifest, TokenizerSpec, Variant
 from ..runtime.onnx import cuda_available
-from ..runtime.registry import ONNX, TORCH, open_encoder
+from ..runtime.registry import ONNX, OPENVINO, TORCH, open_encoder
 from ..runtime.tokenizer import TextEncoder
 from ..samples import SAMPLE_TEXTS
 from ..tasks import Task, TextInput, make_task, task_class
 from .generation import pipeline as generation
 from . import source as src
 from . import variants as build
-from .artifact import ONNX_ENGINE, TORCH_ENGINE, default_precisions, remove_variant_file, versions
+from .artifact import (ONNX_ENGINE, OPENVINO_PRECISIONS, TORCH_ENGINE, default_precisions, remove_variant_file,
+                       versions)
 from .generation.torch_weights import TORCH_PRECISIONS, save_weights, weights_file
 from .generation.torch_weights import variant_name as torch_variant_name
 from .export import EXTERNAL_DATA_THRESHOLD, OPSET, TaskModule, export_onnx
@@ -36,7 +38,7 @@ from .validate import (DEFAULT_TOLERANCES, Reference, Tolerance, batch_invarianc
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "optimized", "int8", "fp16", "tensorrt")
+PRECISIONS = ("fp32", "optimized", "int8", "fp16", "tensorrt", *OPENVINO_PRECISIONS)
 # The int8 variant's method, recorded in the manifest (variant details) and shown by `kiln convert`.
 INT8_METHOD = "per-row: int8 weights per column, int8 activations per token (batch-invariant)"
 LATENCY_SEQ = 128  # variants are timed at batch 1 × this many tokens (or the model's max, if smaller)
@@ -137,7 +139,7 @@ class _Builder:
         validation.batch_min_cosine, validation.batch_agreement = invariance.min_cosine, invariance.agreement
         validation.passed = validation.passed and invariance.passed
         variant.kept, variant.reason, variant.validation = validation.passed, failure_reason(validation), validation
-        variant.details = dict(details)
+        variant.details = {**details, "matrix_engine": matrix_engine(precision, device, cpu_flags())}
         return variant
 
     def time_all(self, variants: list[Variant]) -> None:
@@ -235,8 +237,10 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
         else:
             _build_variants(b, wanted, fp32_path, device)
 
+        # OpenVINO's variants run model.onnx itself: a file goes only when no kept variant reads it
+        kept_files = {v.file for v in b.variants if v.kept}
         for v in b.variants:
-            if v.file and not v.kept:
+            if v.file and v.file not in kept_files:
                 remove_variant_file(folder / v.file)
         if not any(v.kept for v in b.variants):
             summary = "; ".join(f"{v.name}: {v.reason}" for v in b.variants)
@@ -291,6 +295,9 @@ def _build_variants(b: _Builder, wanted: list[str], fp32_path: Path, device: str
                 b.variants.append(b.check("fp16", "fp16", "cuda", path))
     if "tensorrt" in wanted:
         _build_tensorrt(b, device)
+    for name in OPENVINO_PRECISIONS:
+        if name in wanted:
+            _build_openvino(b, name, fp32_path, device)
 
     validated = [v for v in b.variants if v.file and v.validation and v.validation.passed and v.device == device]
     with b.steps(f"Timing {len(validated)} variants at batch 1 (interleaved)"):
@@ -341,6 +348,22 @@ def _build_int8(b: _Builder, fp32_path: Path, fused_path: Path) -> None:
     if tried and variant.kept:
         variant.details["refused_bases"] = tried
     b.variants.append(variant)
+
+
+def _build_openvino(b: _Builder, name: str, fp32_path: Path, device: str) -> None:
+    """OpenVINO's CPU plugin on the exported model.onnx (no file of its own), at ``name``'s
+    precision, gated like any variant (its bf16 against the bf16 tolerance)."""
+    precision = OPENVINO_PRECISIONS[name]
+    if device != "cpu":
+        b.skip(name, precision, "cpu", "OpenVINO variants run on the CPU (--device cpu)")
+    elif not has_extra("openvino"):
+        b.skip(name, precision, "cpu", f"openvino is not installed: {install_hint('openvino')}")
+    elif precision == "bf16" and native_bf16(cpu_flags()) is None:
+        b.skip(name, precision, "cpu", "needs a CPU that computes bf16 natively (AMX or AVX-512 BF16); "
+                                       "this one would emulate it, slower than fp32")
+    else:
+        with b.steps(f"Validating {name} (OpenVINO on {fp32_path.name})"):
+            b.variants.append(b.check(name, precision, "cpu", fp32_path, engine=OPENVINO))
 
 
 def _build_tensorrt(b: _Builder, device: str) -> None:

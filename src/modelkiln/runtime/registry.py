@@ -1,8 +1,9 @@
 """Which engine runs an encoder variant: a registry keyed by the variant's ``engine`` (kiln.json;
 ``onnx`` when absent), with the capability flags the server sizes its batches by, as
 text-embeddings-inference picks a backend and asks it ``is_padded``. ``onnx``: an ONNX Runtime
-session (runtime/onnx.py); ``torch``: the torch engine (runtime/torch_encoder.py; imported only
-when asked, so serving ONNX variants needs no torch)."""
+session (runtime/onnx.py); ``torch``: the torch engine (runtime/torch_encoder.py); ``openvino``:
+OpenVINO's CPU plugin on the exported ONNX (runtime/openvino.py). The last two are imported only
+when asked, so serving ONNX variants needs neither torch nor openvino."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..errors import ArtifactError
 from ..manifest import Manifest, Variant
 from .engine import Engine
 
-ONNX, TORCH = "onnx", "torch"
+ONNX, TORCH, OPENVINO = "onnx", "torch", "openvino"
 # On a CPU a padded token costs as much as a real one: a batch pads at most 15% of its real tokens
 # (docs/design.md, "Batching on CPU avoids padding"); on a GPU batching gains far more than padding costs.
 CPU_MAX_PADDING = 0.15
@@ -58,7 +59,18 @@ def _open_torch(folder: Path, manifest: Manifest, variant: Variant, threads: int
                               label=variant.name, keep_hidden=keep_hidden)
 
 
-ENCODER_ENGINES: dict[str, Callable[..., Engine]] = {ONNX: _open_onnx, TORCH: _open_torch}
+def _open_openvino(folder: Path, manifest: Manifest, variant: Variant, threads: int | None, memory_arena: bool,
+                   keep_hidden: bool) -> Engine:
+    from .openvino import OpenVinoEngine  # noqa: PLC0415 - openvino only for this engine
+
+    assert variant.file is not None
+    return OpenVinoEngine(folder / variant.file, variant.precision, threads=threads, label=variant.name)
+
+
+ENCODER_ENGINES: dict[str, Callable[..., Engine]] = {ONNX: _open_onnx, TORCH: _open_torch, OPENVINO: _open_openvino}
+
+# What `kiln bench` calls each engine's rows ("onnxruntime int8", "openvino openvino-bf16").
+BACKEND_LABELS = {ONNX: "onnxruntime", TORCH: "torch", OPENVINO: "openvino"}
 
 
 def engine_kind(variant: Variant) -> str:
@@ -75,6 +87,7 @@ def capabilities(variant: Variant) -> EncoderCapabilities:
     if engine_kind(variant) == TORCH:
         return EncoderCapabilities(variant.device, padding_cheap=gpu, max_batch=TORCH_GPU_MAX_BATCH if gpu else None,
                                    own_threads=False)
+    # onnxruntime sessions and OpenVINO compiled models each have their own threads
     return EncoderCapabilities(variant.device, padding_cheap=gpu, max_batch=None, own_threads=True)
 
 

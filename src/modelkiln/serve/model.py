@@ -327,5 +327,6 @@ class EncoderModel(BatchHooks):
 
 
 def platform_of(engine: str | None) -> str:
-    """Triton's platform name for the variant's engine (model metadata)."""
-    return "pytorch" if engine == "torch" else "onnxruntime_onnx"
+    """Triton's platform name for the variant's engine (model metadata): its backend's name where
+    Triton has one ("pytorch", "openvino"), else onnxruntime's."""
+    return {"torch": "pytorch", "openvino": "openvino"}.get(engine or "", "onnxruntime_onnx")

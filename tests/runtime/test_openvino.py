@@ -1,0 +1,102 @@
+"""The OpenVINO engine (runtime/openvino.py) and its variants: built by `kiln convert` from the exported
+model.onnx and gated like any variant, offered bf16 only where the CPU computes it natively, answers
+close to onnxruntime's on the same file, a text's answer the same alone as in a padded batch, and
+`kiln serve` of such a variant. Skipped where the openvino extra is not installed."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("openvino", reason="the openvino extra is not installed (pip install 'modelkiln[openvino]')")
+
+from modelkiln.convert.artifact import openvino_offered  # noqa: E402
+from modelkiln.convert.validate import BATCH_MIN_COSINE, batch_invariance  # noqa: E402
+from modelkiln.machine import cpu_flags, native_bf16  # noqa: E402
+from modelkiln.manifest import Manifest  # noqa: E402
+from modelkiln.runtime.onnx import OnnxEngine  # noqa: E402
+from modelkiln.runtime.openvino import OpenVinoEngine  # noqa: E402
+from modelkiln.runtime.pipeline import load_encoder, load_pipeline  # noqa: E402
+from modelkiln.samples import SAMPLE_TEXTS  # noqa: E402
+from servers import Server  # noqa: E402
+
+OPENVINO_ONLY = ("openvino-fp32", "openvino-bf16")
+NATIVE_BF16 = native_bf16(cpu_flags()) is not None
+
+
+@pytest.fixture(scope="module")
+def artifact(zoo):
+    """A tiny embedding model converted to OpenVINO's variants only: fp32 is validated as their base
+    but not kept, and its file must stay (they run it)."""
+    return zoo.artifact("bert", "sentence-embeddings", OPENVINO_ONLY)
+
+
+def test_the_variants_are_gated_and_run_the_exported_file(artifact):
+    manifest = Manifest.load(artifact)
+    variants = {v.name: v for v in manifest.variants}
+    assert not variants["fp32"].kept and variants["fp32"].file is None
+    assert (artifact / "model.onnx").is_file()
+    fp32 = variants["openvino-fp32"]
+    assert fp32.kept and fp32.engine == "openvino" and fp32.file == "model.onnx" and fp32.precision == "fp32"
+    assert fp32.validation.max_abs_diff < 1e-4 and fp32.validation.batch_min_cosine >= BATCH_MIN_COSINE
+    assert fp32.latency_ms is not None and fp32.details["matrix_engine"] in ("AVX-512", "AVX2", "NEON", "scalar")
+    bf16 = variants["openvino-bf16"]
+    if NATIVE_BF16:
+        assert bf16.engine == "openvino" and bf16.validation.passed and bf16.kept
+        assert bf16.details["matrix_engine"] == native_bf16(cpu_flags())
+    else:
+        assert not bf16.kept and "natively" in bf16.reason
+    assert "openvino" in manifest.versions
+
+
+def feeds_of(folder, texts):
+    manifest = Manifest.load(folder)
+    encoder = load_encoder(folder, manifest)
+    return encoder.encode(list(texts))[0]
+
+
+def test_outputs_are_close_to_onnxruntimes_on_the_same_file(artifact):
+    feeds = feeds_of(artifact, SAMPLE_TEXTS[:8])
+    theirs = OnnxEngine(artifact / "model.onnx", threads=1).run(feeds)["last_hidden_state"]
+    engine = OpenVinoEngine(artifact / "model.onnx", "fp32", threads=1)
+    assert engine.input_names == list(feeds) and engine.output_shapes["last_hidden_state"] == (-1, -1, 32)
+    ours = engine.run(feeds)["last_hidden_state"]
+    mask = feeds["attention_mask"].astype(bool)  # padded positions carry no meaning
+    np.testing.assert_allclose(ours[mask], theirs[mask], atol=1e-4)
+    if NATIVE_BF16:
+        half = OpenVinoEngine(artifact / "model.onnx", "bf16", threads=1).run(feeds)["last_hidden_state"]
+        a, b = half[mask].ravel().astype(np.float64), theirs[mask].ravel()
+        assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.999
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_text_answers_the_same_alone_and_in_a_padded_batch(artifact, precision):
+    if precision == "bf16" and not NATIVE_BF16:
+        pytest.skip("this CPU has neither AMX nor AVX-512 BF16")
+    pipe = load_pipeline(artifact, f"openvino-{precision}", threads=1)
+    check = batch_invariance(pipe.task, pipe.encoder, pipe.engine, pipe.task.prepare(list(SAMPLE_TEXTS[:24])))
+    assert check.passed, check
+
+
+def test_bf16_is_offered_only_where_the_cpu_computes_it():
+    assert openvino_offered(True, {"avx2", "avx512f", "avx512_bf16"}) == OPENVINO_ONLY  # EPYC Zen 4/5
+    assert openvino_offered(True, {"avx2", "avx512f", "amx_tile", "amx_bf16"}) == OPENVINO_ONLY  # Xeon with AMX
+    assert openvino_offered(True, {"avx2", "avx512f", "avx512_vnni"}) == ("openvino-fp32",)  # Ice Lake, Zen 3...
+    assert openvino_offered(True, {"asimd"}) == ("openvino-fp32",)
+    assert openvino_offered(False, {"amx_bf16"}) == ()  # the extra is not installed
+
+
+def test_kiln_serve_answers_with_an_openvino_variant(artifact):
+    texts = ["hello world", "another text, a little longer than the first"]
+    expected = np.stack(load_pipeline(artifact, "openvino-fp32")(texts))
+    srv = Server([f"emb={artifact}", "--variant", "openvino-fp32"])
+    try:
+        got = httpx.post(srv.url + "/v1/embeddings", json={"model": "emb", "input": texts}, timeout=60).json()
+        vectors = np.asarray([d["embedding"] for d in got["data"]], dtype=np.float32)
+        np.testing.assert_allclose(vectors, expected, atol=1e-5)
+        meta = httpx.get(srv.url + "/v2/models/emb", timeout=10).json()
+        assert meta["platform"] == "openvino" and meta["parameters"]["variant"] == "openvino-fp32"
+    finally:
+        code, err = srv.stop()
+    assert code == 0, err[-2000:]
