@@ -16,7 +16,8 @@ One ``step()`` schedules, executes and updates (vLLM v1's ``schedule()`` → ``e
    step in all (at least one chunk), one chunk per prompt per step, so a long prompt costs running
    streams one chunk's time per step instead of its whole prefill; a prompt's last chunk gives its
    first token and the sequence decodes from the next step on;
-5. one decode step for every running sequence.
+5. one decode step for every running sequence; with speculation (``speculation/``), a sequence may
+   carry drafted tokens the engine verifies in the same call, and get several tokens from it.
 The engine (``plan.Engine``) executes each plan and returns the tokens it chose; the core turns them
 into text (``sequence.SequenceState``), applies stop rules and grammars, and reports.
 
@@ -42,6 +43,7 @@ from ..errors import InvalidInputError, KilnError, OverloadedError, RequestTimeo
 from .plan import DEFAULT_MAX_RUNNING, Chunk, Engine, Sampled, SeqStart, StepPlan, StepResult
 from .sampling import SamplingParams
 from .sequence import Delta, SequenceState
+from .speculation import MAX_ROWS as SPECULATE_MAX_ROWS, SpeculationOptions, Speculator
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step: a running stream's gap grows by one chunk's time
 DEFAULT_MAX_WAITING = 1024  # requests waiting for a row before new ones are refused at once
@@ -83,6 +85,7 @@ class Request:
     last_token_at: float = 0.0
     prompt_logprobs: list = field(default_factory=list)
     prompt_logits: list = field(default_factory=list)
+    speculator: Speculator | None = None  # with speculation, where its answers may be drafted for
 
 
 @dataclass(slots=True)
@@ -112,13 +115,14 @@ class CoreHooks:
     def prefix(self, request: Request, cached_tokens: int) -> None: ...  # its prefill starts after this many cached tokens
     def finished(self, request: Request, now: float) -> None: ...  # ended normally
     def iteration(self, running: int, waiting: int, cache_tokens: int) -> None: ...
+    def speculated(self, request: Request, drafted: int, accepted: int) -> None: ...  # a verify call's drafts
 
 
 class EngineCore:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, eos_ids: Iterable[int] = (), *,
                  max_running: int = DEFAULT_MAX_RUNNING, max_waiting: int | None = None,
                  kv_budget: int | None = None, prefill_chunk: int | None = None,
-                 hooks: CoreHooks | None = None):
+                 hooks: CoreHooks | None = None, speculation: SpeculationOptions = SpeculationOptions()):
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
@@ -128,6 +132,8 @@ class EngineCore:
         # None: what the engine is built for, else the CPU's default
         self.prefill_chunk = prefill_chunk or engine.capabilities.prefill_chunk or DEFAULT_PREFILL_CHUNK
         self.hooks = hooks or CoreHooks()
+        # speculation where the engine verifies drafts (else plain decoding: answers are the same)
+        self.speculation = speculation if engine.capabilities.verifies_drafts else SpeculationOptions()
         self._lock = threading.Lock()  # guards the inbox: add_request and abort come from other threads
         self._arrived: deque[Request] = deque()
         self._aborted: set[Hashable] = set()
@@ -212,7 +218,8 @@ class EngineCore:
         try:
             decoding = [] if mixed else list(self._running.values())  # those that just joined too
             if decoding:
-                self._execute(StepPlan(decode=[r.request_id for r in decoding]), decoding, outputs)
+                plan = StepPlan(decode=[r.request_id for r in decoding], drafts=self._drafts(decoding))
+                self._execute(plan, decoding, outputs)
             if self._leaving:  # finished ones give their memory back now, not when the next request comes
                 self._free_leaving()
         except Exception as exc:
@@ -281,6 +288,9 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - its own settings failed (a grammar): it alone ends
                 outputs.append(Output(request, error=_kiln_error(exc)))
                 continue
+            if self.speculation.on and request.params.constraint is None and request.params.logprobs is None:
+                # not for grammars (a mask per drafted position) nor log-probabilities (plain steps give them)
+                request.speculator = self.speculation.speculator(request.prompt_ids)
             active.append(request.reserve)
             admitted.append(request)
             if computing is not None:
@@ -340,6 +350,21 @@ class EngineCore:
         result = self.engine.execute(plan)
         self._update(plan, by_id, result, outputs)
 
+    def _drafts(self, decoding: list[Request]) -> dict[Hashable, list[int]]:
+        """Tokens to verify after each decoding sequence's next one, while the batch is small enough
+        for them to pay (``speculation/policy.py``); at most what the answer may still take, less the
+        token the step chooses anyway."""
+        if not self.speculation.on or len(decoding) > SPECULATE_MAX_ROWS:
+            return {}
+        drafts = {}
+        for request in decoding:
+            if request.speculator is not None and request.state is not None and request.state.tokens_left > 1:
+                draft = request.speculator.draft(request.state.generated_ids, request.state.tokens_left - 1,
+                                                 len(decoding))
+                if draft:
+                    drafts[request.request_id] = draft
+        return drafts
+
     def _masks(self, choosing: list[Request]) -> Any:
         """The grammar bitmasks of the sequences that choose a token in this call. Costly ones are
         computed in a thread while the engine's model runs (onnxruntime and the grammar engine
@@ -380,6 +405,12 @@ class EngineCore:
             if chunk.last:
                 self._prefilling.remove(request)
                 self._running[chunk.seq] = request
+        for seq, draft in plan.drafts.items():  # acceptance: every token the engine returned but the last
+            speculator = by_id[seq].speculator
+            if seq not in result.errors and speculator is not None:
+                accepted = sum(s.seq == seq for s in result.sampled) - 1
+                speculator.verified(len(draft), accepted)
+                self.hooks.speculated(by_id[seq], len(draft), accepted)
         self._deliver(result.sampled, by_id, outputs)
 
     def _deliver(self, chosen: list[Sampled], by_id: dict[Hashable, Request], outputs: list[Output]) -> None:
@@ -389,6 +420,8 @@ class EngineCore:
         for sampled in chosen:
             request = by_id[sampled.seq]
             assert request.state is not None
+            if request.state.finished:  # drafted tokens the engine accepted after the answer's end
+                continue
             try:
                 delta = request.state.accept(sampled.token)
             except Exception as exc:  # noqa: BLE001 - its grammar refused the token: it alone ends

@@ -64,12 +64,18 @@ class StepPlan:
     for what follows), ``starts`` are set up, ``chunks`` run, ``decode`` sequences each take one
     token (the one the engine chose for them last). ``masks()``, when set, returns the grammar
     bitmask of each sequence that chooses a token in this call (int32 words, bit set = allowed);
-    the core computes them while the model runs, so the engine asks only after its forward pass."""
+    the core computes them while the model runs, so the engine asks only after its forward pass.
+    ``drafts`` (engines that say ``verifies_drafts``): tokens proposed to follow a decode row's
+    token; the engine runs them in the same call at the positions that follow, chooses the token
+    at each position as a decode step would (the row's chooser, token by token), keeps the drafted
+    tokens while each equals the token chosen before it, and returns every token it chose: the
+    accepted ones and the one after them, in order. Rows with drafts take no grammar mask."""
 
     finished: list[SeqId] = field(default_factory=list)
     starts: list[SeqStart] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
     decode: list[SeqId] = field(default_factory=list)
+    drafts: dict[SeqId, list[int]] = field(default_factory=dict)
     masks: Callable[[], dict[SeqId, np.ndarray]] | None = None
 
     @property
@@ -79,7 +85,8 @@ class StepPlan:
 
 @dataclass
 class Sampled:
-    """A token the engine chose: for a chunk that ended its prompt, or a decode step. ``logprob``
+    """A token the engine chose: for a chunk that ended its prompt, or a decode step (several for
+    one sequence, in order, where its drafted tokens were accepted). ``logprob``
     and ``top_logprobs`` are the model's own (before temperature, penalties and masks), present
     when the request asked for them; ``logits`` when the engine was asked to keep them."""
 
@@ -109,7 +116,8 @@ class EngineCapabilities:
     for 128 tokens as for thousands); ``prefill_is_decode``: a position's logits are the same bits
     whether it is computed in a decode step or in a prompt chunk of any length (the serving graph
     with KilnAttention), so a resumed request's sent tokens may be prefilled in chunks
-    (``SeqStart.prefill_generated``)."""
+    (``SeqStart.prefill_generated``); ``verifies_drafts``: a decode row may carry drafted tokens
+    (``StepPlan.drafts``)."""
 
     device: str = "cpu"
     max_rows: int = DEFAULT_MAX_RUNNING
@@ -117,6 +125,7 @@ class EngineCapabilities:
     prefix_cache: bool = False
     prefill_chunk: int | None = None
     prefill_is_decode: bool = False
+    verifies_drafts: bool = False
 
 
 @dataclass(frozen=True)

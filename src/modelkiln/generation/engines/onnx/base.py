@@ -61,6 +61,15 @@ class HostEngine:
     def step(self, next_tokens: Mapping[SeqId, int]) -> np.ndarray:
         raise NotImplementedError
 
+    def verify(self, tokens: Mapping[SeqId, Sequence[int]]) -> list[np.ndarray]:
+        """A decode step with drafted tokens after some rows' next one: every fed token's logits, per
+        row (engines whose capabilities say ``verifies_drafts``)."""
+        raise KilnError("this engine does not verify drafted tokens")
+
+    def advance(self, seq_id: SeqId, accepted: int) -> None:
+        """Keep ``accepted`` drafted tokens of the last ``verify`` in the sequence's cache."""
+        raise KilnError("this engine does not verify drafted tokens")
+
     def remove(self, seq_id: SeqId) -> None: ...
 
     def _joining(self) -> Mapping[SeqId, Any]:
@@ -131,16 +140,27 @@ class HostEngine:
                 self._prompt_outputs(chunk, logits, result)
                 logits = logits[-1]
             self._chunk_done(chunk, logits, to_choose)
+        verifying: list[tuple[SeqId, np.ndarray]] = []  # decode rows with drafts: every fed token's logits
+        drafts: dict[SeqId, list[int]] = {}
         if plan.decode:
             rows = list(self.rows)
             if len(rows) != len(plan.decode) or set(rows) != set(plan.decode):
                 raise KilnError(f"the plan decodes {list(plan.decode)}, the engine runs {rows}")
-            logits = self.step({seq: self._next[seq] for seq in rows})
-            to_choose += list(zip(rows, logits))
+            # a row still feeding resumed tokens has no token of its own to draft after
+            drafts = {seq: plan.drafts[seq] for seq in rows if plan.drafts.get(seq) and seq not in self._forced}
+            if drafts:
+                fed = self.verify({seq: [self._next[seq], *drafts.get(seq, ())] for seq in rows})
+                to_choose += [(seq, logits[0]) for seq, logits in zip(rows, fed) if seq not in drafts]
+                verifying = [(seq, logits) for seq, logits in zip(rows, fed) if seq in drafts]
+            else:
+                logits = self.step({seq: self._next[seq] for seq in rows})
+                to_choose += list(zip(rows, logits))
         masks = plan.masks() if plan.masks is not None and to_choose else {}
         picks = self._pick_all(to_choose, masks)
         for (seq, row), pick in zip(to_choose, picks):
             self._record(seq, row, pick, result)
+        for seq, logits in verifying:
+            self._verify_row(seq, drafts[seq], logits, result)
         return result
 
     def warm_up(self) -> None:
@@ -230,6 +250,24 @@ class HostEngine:
             self._row_ms = (time.perf_counter() - started) * 1000 * threads / len(draws)
         return picks
 
+    def _verify_row(self, seq: SeqId, draft: list[int], logits: np.ndarray, result: StepResult) -> None:
+        """Choose a drafted row's tokens position by position, as its decode steps would have (its
+        chooser: the penalties so far, the draw of that token's index), while each drafted token
+        equals the one chosen before it; keep those in the cache. The chooser has then seen exactly
+        the tokens returned. A row that fails (its own settings) returns none of them."""
+        chooser, chosen = self._choosers[seq], []
+        try:
+            for j, row in enumerate(logits):
+                chosen.append(chooser.choose(row))
+                if j == len(draft) or chosen[-1] != draft[j]:
+                    break
+        except Exception as exc:  # noqa: BLE001 - its own settings: it alone ends
+            result.errors[seq] = exc
+            return
+        self.advance(seq, len(chosen) - 1)  # drafted tokens accepted: every chosen one but the last
+        for token, row in zip(chosen, logits):
+            self._report(seq, row, token, result)
+
     def _record(self, seq: SeqId, logits: np.ndarray, pick: int | Exception | None, result: StepResult) -> None:
         forced = self._forced.get(seq)
         if forced:  # a resumed token, already sent: the next step's input, and nothing to report
@@ -241,11 +279,15 @@ class HostEngine:
             result.errors[seq] = pick
             return
         assert pick is not None  # only a forced row has no pick, and it was fed above
+        self._report(seq, logits, pick, result)
+
+    def _report(self, seq: SeqId, logits: np.ndarray, token: int, result: StepResult) -> None:
+        """A chosen token: the next step's input, and what the core gets."""
         params = self._choosers[seq].params
-        sampled = Sampled(seq, pick, logits=logits.copy() if self.keep_logits else None)
+        sampled = Sampled(seq, token, logits=logits.copy() if self.keep_logits else None)
         if params.logprobs is not None:
-            sampled.logprob, sampled.top_logprobs = token_logprobs(logits, pick, params.logprobs)
-        self._next[seq] = pick
+            sampled.logprob, sampled.top_logprobs = token_logprobs(logits, token, params.logprobs)
+        self._next[seq] = token
         result.sampled.append(sampled)
 
     def _forget(self, seq: SeqId) -> None:

@@ -1,0 +1,60 @@
+"""Drafters: cheap guesses at the tokens that follow a sequence, which the engine verifies in one
+call (``plan.StepPlan.drafts``). A wrong guess costs time, never a different answer.
+
+``NgramDrafter`` is prompt lookup (vLLM's ``ngram`` method): find the sequence's last n tokens
+earlier in its prompt + answer and propose the tokens that followed them there. Answers that quote
+their input (extraction, rewriting, editing code) repeat long runs of it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+# n-gram lengths tried, longest first. One token (n = 1) matches almost anywhere and proposes
+# mostly wrong continuations; a match of two or more tokens is a place the text is being copied from.
+MAX_NGRAM = 4
+MIN_NGRAM = 2
+
+
+class Drafter(Protocol):
+    def extend(self, tokens: Iterable[int]) -> None: ...  # tokens appended to the sequence
+    def propose(self, k: int) -> list[int]: ...  # at most k tokens to follow the sequence (maybe none)
+
+
+class NgramDrafter:
+    """Prompt lookup over one sequence's tokens. An index from each n-gram to where its latest
+    occurrence ended (the n-grams that already have a token after them) makes a proposal cost
+    ``MAX_NGRAM - MIN_NGRAM + 1`` dictionary lookups, and a token as many insertions."""
+
+    def __init__(self, tokens: Iterable[int] = (), min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> the end of its latest occurrence before the last token
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            # the n-grams ending at the last token get their continuation now: index them
+            end = len(self.tokens)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._ends[tuple(self.tokens[end - n:end])] = end
+            self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """The tokens that followed the latest earlier occurrence of the longest suffix found (at
+        most ``k``; none when no suffix of ``MIN_NGRAM`` or more tokens occurred before)."""
+        length = len(self.tokens)
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            end = self._ends.get(tuple(self.tokens[length - n:]))
+            if end is not None:
+                return self._copy(end, k)
+        return []
+
+    def _copy(self, start: int, k: int) -> list[int]:
+        """k tokens from ``start`` on; where they run past the sequence's end, the copy goes on from
+        its own beginning (LZ77's overlapping copy): a repeating stretch proposes its next period."""
+        proposal: list[int] = []
+        length = len(self.tokens)
+        for i in range(start, start + k):
+            proposal.append(self.tokens[i] if i < length else proposal[i - length])
+        return proposal
