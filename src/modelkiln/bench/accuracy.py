@@ -16,6 +16,7 @@ from ..errors import KilnError
 from ..manifest import Manifest
 from ..runtime.engine import Runner
 from ..runtime.pipeline import Pipeline, load_encoder, load_variant
+from ..runtime.registry import BACKEND_LABELS, engine_kind
 from ..tasks import make_task
 from ..tasks.embeddings import spearman
 
@@ -54,7 +55,7 @@ def evaluate_sts(artifact: Path, sts: Path | None, threads: int | None, referenc
         engines.append(("pytorch fp32", lambda: reference_engine(manifest, threads)))
     for v in manifest.kept_variants():
         if v.device == "cpu":
-            engines.append((f"onnxruntime {v.name}", partial(load_variant, artifact, manifest, v, threads)))
+            engines.append((f"{BACKEND_LABELS[engine_kind(v)]} {v.name}", partial(load_variant, artifact, manifest, v, threads)))
     scores: list[Score] = []
     for label, factory in engines:
         with steps(f"STS-B ({len(pairs)} pairs): {label}"):
