@@ -14,6 +14,7 @@ import typer
 
 from .derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
 from .generation.request.settings import BOOL, FLOAT, INT, INTS, SETTINGS, from_command_line
+from .generation.speculation import DEFAULT_DRAFT_TOKENS, DRAFT_TOKENS_HELP, METHOD_HELP, METHODS
 from .model_arg import PRECISION, artifact_path
 
 _TYPES = {FLOAT: Optional[float], INT: Optional[int], BOOL: bool, INTS: Optional[list[int]]}
@@ -47,20 +48,28 @@ def generate(
     threads: Optional[int] = typer.Option(None, help="Intra-op threads (default: all cores)."),
     device: str = typer.Option("cpu", help="cpu or cuda: where the engine runs (a torch variant converted for cuda needs cuda)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, timings) instead of streaming."),
+    speculate: str = typer.Option("off", metavar="|".join(METHODS), help=METHOD_HELP),
+    draft_tokens: int = typer.Option(DEFAULT_DRAFT_TOKENS, min=1, help=DRAFT_TOKENS_HELP),
     precision: Optional[str] = PRECISION,
 ) -> None:
     """Generate text from PROMPT with a text-generation artifact, streaming tokens as they come."""
     from .generation.core import Request, run_to_completion
     from .generation.model import CoreOptions, TextGenerationModel
     from .generation.request.params import sampling_params
+    from .generation.speculation import SpeculationOptions
 
+    try:
+        speculation = SpeculationOptions(speculate, draft_tokens)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--speculate") from None
     model = TextGenerationModel(artifact_path(artifact, precision=precision))
     ids = model.prompt_ids(prompt, chat=chat, system=system)
     given = ctx.meta.get(DERIVED, {})
     fields = {s.name: from_command_line(s, given.get(s.name)) for s in SETTINGS}
     params = sampling_params(fields, model.default_params(), len(ids), model.max_context or model.manifest.max_length)
     variant_name, _ = model.variant_path(variant, device)
-    core = model.core(variant_name, CoreOptions(threads=threads, device=device, max_running=1))
+    core = model.core(variant_name, CoreOptions(threads=threads, device=device, max_running=1,
+                                                speculation=speculation))
     started = time.perf_counter()
     first_token_at = None
     pieces: list[str] = []

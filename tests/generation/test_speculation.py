@@ -16,8 +16,9 @@ from modelkiln.generation.core import CoreHooks, EngineCore, Request, complete
 from modelkiln.generation.engines.registry import EngineOptions
 from modelkiln.generation.model import TextGenerationModel
 from modelkiln.generation.sampling import SamplingParams
-from modelkiln.generation.speculation import NgramDrafter, SpeculationOptions, Speculator
-from modelkiln.generation.speculation.policy import PRIOR, best_length, expected_tokens
+from modelkiln.generation.speculation import CallCosts, NgramDrafter, SpeculationOptions, Speculator
+from modelkiln.generation.speculation.drafters import MAX_NGRAM, MIN_NGRAM
+from modelkiln.generation.speculation.policy import COST_WEIGHT, PRIOR, VERIFY_TOKEN_COST, best_length, expected_tokens
 from modelkiln.native import library_path
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -37,7 +38,8 @@ PARAMS = {"greedy": SamplingParams(max_new_tokens=24, ignore_eos=True),
 
 
 def test_the_ngram_drafter_proposes_what_followed_the_longest_latest_match():
-    drafter = NgramDrafter([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7])
+    assert (MIN_NGRAM, MAX_NGRAM) == (1, 3)
+    drafter = NgramDrafter([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7])  # n-grams of 3 down to 1 token
     drafter.extend([2, 3, 4])  # the suffix (2, 3, 4) occurred twice: the latest one was followed by 6, 7
     assert drafter.propose(3) == [6, 7, 2]
     assert drafter.propose(1) == [6]
@@ -45,8 +47,10 @@ def test_the_ngram_drafter_proposes_what_followed_the_longest_latest_match():
     assert drafter.propose(4) == [9, 2, 3, 4]
     drafter.extend([8])  # (5, 8) never occurred, and one token alone is not a match
     assert drafter.propose(4) == []
-    assert NgramDrafter([]).propose(3) == [] and NgramDrafter([7, 7]).propose(3) == []
-    assert NgramDrafter([7, 7, 7]).propose(3) == [7, 7, 7]  # a repeating stretch: its next period
+    assert NgramDrafter([]).propose(3) == [] and NgramDrafter([7]).propose(3) == []
+    assert NgramDrafter([7, 7]).propose(3) == [7, 7, 7]  # a repeating stretch: its next period
+    assert NgramDrafter([4, 5, 6, 4]).propose(2) == [5, 6]  # one token is a match (MIN_NGRAM 1)...
+    assert NgramDrafter([4, 5, 6, 4], min_n=2).propose(2) == []  # ...unless told otherwise
     assert NgramDrafter([5, 1, 2, 3, 1, 2]).propose(5) == [3, 1, 2, 3, 1]  # the copy runs on into itself
 
 
@@ -56,6 +60,20 @@ def test_the_policy_drafts_more_where_more_is_accepted_and_less_among_more_rows(
     assert 0 < best_length(0.5, 8, rows=1) < best_length(0.9, 8, rows=1) <= 8
     assert best_length(0.99, 16, rows=1) >= 12
     assert best_length(0.6, 8, rows=4) <= best_length(0.6, 8, rows=1)
+    cheap_to_three = {0: 1.0, 1: 1.05, 2: 1.1}  # then each token as dear as a whole call
+    assert best_length(0.6, 8, rows=1, cost=lambda k: cheap_to_three.get(k, float(k))) == 2
+
+
+def test_call_costs_are_measured_per_size_and_estimated_between():
+    costs = CallCosts()
+    assert costs.estimate(1) == 1.0 and costs.estimate(3) == pytest.approx(1 + 2 * VERIFY_TOKEN_COST)
+    costs.record(1, 0.010)
+    costs.record(4, 0.016)
+    assert costs.estimate(1) == 0.010 and costs.estimate(4) == 0.016
+    assert costs.estimate(2) == pytest.approx(0.010 * (1 + VERIFY_TOKEN_COST))  # from the nearest size below
+    assert costs.relative(1)(3) == pytest.approx(1.6)
+    costs.record(4, 1.0)  # another process had the cores: counts as twice the estimate at most
+    assert costs.estimate(4) == pytest.approx(0.016 + COST_WEIGHT * 0.016)
 
 
 def test_acceptance_counts_the_refused_token_and_unverified_guesses():
@@ -105,7 +123,7 @@ class Oracle(Speculator):
         super().__init__(NgramDrafter([]), max_draft)
         self.answer = answer
 
-    def draft(self, answer, limit, rows):
+    def draft(self, answer, limit, rows, cost=None):
         at = len(answer)
         proposal = self.answer[at:at + min(limit, self.max_draft)]
         return [t + 1 if (at + i) % 3 == 2 else t for i, t in enumerate(proposal)]

@@ -43,7 +43,7 @@ from ..errors import InvalidInputError, KilnError, OverloadedError, RequestTimeo
 from .plan import DEFAULT_MAX_RUNNING, Chunk, Engine, Sampled, SeqStart, StepPlan, StepResult
 from .sampling import SamplingParams
 from .sequence import Delta, SequenceState
-from .speculation import MAX_ROWS as SPECULATE_MAX_ROWS, SpeculationOptions, Speculator
+from .speculation import MAX_ROWS as SPECULATE_MAX_ROWS, CallCosts, SpeculationOptions, Speculator
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step: a running stream's gap grows by one chunk's time
 DEFAULT_MAX_WAITING = 1024  # requests waiting for a row before new ones are refused at once
@@ -134,6 +134,7 @@ class EngineCore:
         self.hooks = hooks or CoreHooks()
         # speculation where the engine verifies drafts (else plain decoding: answers are the same)
         self.speculation = speculation if engine.capabilities.verifies_drafts else SpeculationOptions()
+        self._call_costs = CallCosts()  # decode calls' seconds by the tokens they feed, while speculating
         self._lock = threading.Lock()  # guards the inbox: add_request and abort come from other threads
         self._arrived: deque[Request] = deque()
         self._aborted: set[Hashable] = set()
@@ -347,7 +348,11 @@ class EngineCore:
         by_id = {r.request_id: r for r in requests}
         choosing = [r for r in requests if r.request_id in self._running or _ends_prompt(plan, r.request_id)]
         plan.masks = self._masks(choosing)
+        started = time.perf_counter()
         result = self.engine.execute(plan)
+        if self.speculation.on and plan.decode and not plan.chunks and len(plan.decode) <= SPECULATE_MAX_ROWS:
+            fed = len(plan.decode) + sum(len(d) for d in plan.drafts.values())
+            self._call_costs.record(fed, time.perf_counter() - started)
         self._update(plan, by_id, result, outputs)
 
     def _drafts(self, decoding: list[Request]) -> dict[Hashable, list[int]]:
@@ -357,12 +362,14 @@ class EngineCore:
         if not self.speculation.on or len(decoding) > SPECULATE_MAX_ROWS:
             return {}
         drafts = {}
+        fed = len(decoding)  # tokens the call feeds so far: each row's next one, the drafts chosen before
         for request in decoding:
             if request.speculator is not None and request.state is not None and request.state.tokens_left > 1:
                 draft = request.speculator.draft(request.state.generated_ids, request.state.tokens_left - 1,
-                                                 len(decoding))
+                                                 len(decoding), self._call_costs.relative(fed))
                 if draft:
                     drafts[request.request_id] = draft
+                    fed += len(draft)
         return drafts
 
     def _masks(self, choosing: list[Request]) -> Any:

@@ -19,6 +19,7 @@ from .core import DEFAULT_MAX_RUNNING, CoreHooks, EngineCore
 from .engines.registry import EngineOptions, ModelShape, open_engine
 from .plan import Engine
 from .sampling import SamplingParams
+from .speculation import SpeculationOptions
 
 
 class TextGenerationModel:
@@ -132,7 +133,7 @@ class TextGenerationModel:
         if o.warm_up:
             engine.warm_up()
         return EngineCore(engine, self.tokenizer, self.eos_ids, max_running=o.max_running, max_waiting=o.max_waiting,
-                          kv_budget=budget, prefill_chunk=o.prefill_chunk, hooks=hooks)
+                          kv_budget=budget, prefill_chunk=o.prefill_chunk, hooks=hooks, speculation=o.speculation)
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ class CoreOptions:
     budget, 0 none; ``keep_logits``: outputs carry their logits (the gate); ``warm_up``: run the
     engine once before the first request; ``batch_invariant``: the torch engine's invariant kernels
     (EngineOptions); ``kv_share``: cores sharing that budget (a server's engine replicas), each
-    getting its fraction."""
+    getting its fraction; ``speculation``: drafted tokens verified where the engine can (answers
+    unchanged)."""
 
     threads: int | None = None
     device: str = "cpu"
@@ -156,6 +158,7 @@ class CoreOptions:
     memory_arena: bool = True
     batch_invariant: bool = True
     kv_share: int = 1
+    speculation: SpeculationOptions = SpeculationOptions()  # answers are the same with or without
 
 
 # The default prefix cache: 1/8 of the KV budget, at most 2048 tokens. A bound that a busy server reaches

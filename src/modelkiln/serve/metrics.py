@@ -68,6 +68,13 @@ class Metrics:
         self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens restored from the prefix cache.",
                                          g, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", g, registry=r)
+        # vLLM's speculative-decoding counters (--speculate): acceptance = accepted tokens / draft tokens
+        self.spec_decode_drafts = Counter("vllm:spec_decode_num_drafts", "Verify calls with drafted tokens.", g,
+                                          registry=r)
+        self.spec_decode_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Tokens drafted.", g, registry=r)
+        self.spec_decode_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                                   "Drafted tokens accepted (each the token plain decoding chose).", g,
+                                                   registry=r)
         self.requests_running = Gauge("vllm:num_requests_running", "Sequences being prefilled or generating.", g,
                                       registry=r, multiprocess_mode=live)
         self.requests_waiting = Gauge("vllm:num_requests_waiting", "Generation requests waiting.", g, registry=r,

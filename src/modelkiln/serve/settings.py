@@ -27,6 +27,7 @@ from pydantic.fields import FieldInfo
 
 from ..cpus import available_cpus
 from ..errors import KilnError
+from ..generation.speculation import DEFAULT_DRAFT_TOKENS, DRAFT_TOKENS_HELP, METHOD_HELP
 
 if TYPE_CHECKING:
     from pydantic.config import JsonDict
@@ -133,6 +134,9 @@ class ServeSettings(BaseModel):
     prefill_chunk: Optional[int] = setting(
         None, "Generation: prompt tokens prefilled per scheduler step (running streams get a token between "
               "chunks).", sweep={"generation": "128"}, gt=0, shown_default="128; 2048 for a torch variant on CUDA")
+    # answers are the same with or without (generation/speculation/); the choices are METHODS there
+    speculate: Literal["off", "ngram"] = setting("off", "Generation: " + METHOD_HELP)
+    draft_tokens: int = setting(DEFAULT_DRAFT_TOKENS, "Generation: " + DRAFT_TOKENS_HELP, gt=0)
     generation_timeout_s: float = setting(600.0, "Generation: seconds per request, waiting and generating.",
                                           flag="--generation-timeout", gt=0)
     truncate_prompt: bool = setting(False, "Generation: cut prompts longer than the context from the left "

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .drafters import Drafter, NgramDrafter
-from .policy import MAX_ROWS, Speculator
+from .policy import MAX_ROWS, CallCosts, Speculator
 
 METHODS = ("off", "ngram")
 DEFAULT_DRAFT_TOKENS = 8
@@ -41,4 +41,4 @@ class SpeculationOptions:
         return Speculator(NgramDrafter(prompt_ids), self.draft_tokens)
 
 
-__all__ = ["DEFAULT_DRAFT_TOKENS", "Drafter", "MAX_ROWS", "METHODS", "NgramDrafter", "SpeculationOptions", "Speculator"]
+__all__ = ["CallCosts", "DEFAULT_DRAFT_TOKENS", "Drafter", "MAX_ROWS", "METHODS", "NgramDrafter", "SpeculationOptions", "Speculator"]

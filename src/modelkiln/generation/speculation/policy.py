@@ -1,23 +1,28 @@
-"""When to speculate, and how many tokens: one ``Speculator`` per request, kept by the core.
+"""When to speculate, and how many tokens: one ``Speculator`` per request, and the measured cost
+of a decode call by the tokens it feeds (``CallCosts``), both kept by the core.
 
-A drafted token costs a verify call part of a decode step whether it is accepted or not, so the
-core drafts only where it expects to gain: while the decode batch is small (``MAX_ROWS``: with many
-rows a step already shares the weights' reads among them), and k tokens where the request's own
-acceptance makes them pay (``best_length``). Acceptance is measured per request, recent drafts
-counting most; a proposal not worth verifying is still checked against the token that came, so a
-request whose text starts to repeat its input is drafted for again."""
+A drafted token costs a verify call time whether it is accepted or not, so the core drafts only
+where it expects to gain: while the decode batch is small (``MAX_ROWS``: with many rows a step
+already shares the weights' reads among them), and k tokens where the request's own acceptance
+makes them pay for what k more tokens cost the call (``best_length``). Acceptance is measured per
+request, recent drafts counting most; a proposal not worth verifying is still checked against the
+token that came, so a request whose text starts to repeat its input is drafted for again. The cost
+is measured, per number of tokens fed: on SmolLM2-135M (GGUF, KilnAttention, 2 threads, AMD EPYC
+Zen 5) a call of 1 token took 6.2 ms, 2: 6.6, 3: 7.7, 4: 9.6, 5: 10.9, 9: ~14, 17: ~21 (kiln's
+GgufMatMul multiplies a weight tile with up to 4 tokens at once); a larger model's extra tokens
+cost less of a call."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .drafters import Drafter
 
 MAX_ROWS = 4  # speculate only while at most this many sequences decode together
-# A drafted token's cost in a verify call, in decode steps of one row: SmolLM2-135M (GGUF, KilnAttention),
-# 2 threads, AMD EPYC Zen 5: one token 6.2 ms, 5 tokens 10.9, 9 tokens ~14.3, 17 tokens ~21.3. Larger
-# models read more weights per step, so their extra tokens cost less of one: this errs on the safe side.
+# A token's cost in a call, as a share of a one-token call, where no call of that size was measured
+# yet: more than measured from 2 to 4 tokens, so that the first drafts are short, then measured.
 VERIFY_TOKEN_COST = 0.15
+COST_WEIGHT = 0.25  # what a new measurement of a call's seconds weighs against the earlier ones
 DECAY = 0.9  # what earlier observations of a request's acceptance weigh at each new one
 PRIOR = (1.0, 2.0)  # (accepted, tried) before any observation: one in two
 
@@ -28,15 +33,50 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance ** i for i in range(k + 1))
 
 
-def best_length(acceptance: float, most: int, rows: int) -> int:
+def best_length(acceptance: float, most: int, rows: int, cost: Callable[[int], float] | None = None) -> int:
     """The number of drafted tokens (0..most) that gives the decode batch of ``rows`` the most tokens
-    per unit of time, one row's step costing 1 and each further token in the call ``VERIFY_TOKEN_COST``."""
-    base = 1 + VERIFY_TOKEN_COST * (rows - 1)
+    per unit of time; ``cost(k)``: the call's time with k more tokens (default: a row's step 1, each
+    further token ``VERIFY_TOKEN_COST``)."""
+    def linear(k: int) -> float:
+        return 1 + VERIFY_TOKEN_COST * (rows - 1 + k)
 
-    def rate(k: int) -> float:
-        return (rows - 1 + expected_tokens(acceptance, k)) / (base + VERIFY_TOKEN_COST * k)
+    price = cost or linear
+    return max(range(most + 1), key=lambda k: (rows - 1 + expected_tokens(acceptance, k)) / price(k))
 
-    return max(range(most + 1), key=rate)
+
+class CallCosts:
+    """Seconds of a decode call by the number of tokens it feeds (rows + drafted tokens), measured
+    (a decayed mean; a sample more than twice the estimate counts as twice it: another process
+    took the cores). A size not measured yet is estimated from the nearest measured one."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def record(self, tokens: int, seconds: float) -> None:
+        old = self._seconds.get(tokens)
+        if old is None:
+            self._seconds[tokens] = min(seconds, 2 * self.estimate(tokens)) if self._seconds else seconds
+        else:
+            self._seconds[tokens] = old + COST_WEIGHT * (min(seconds, 2 * old) - old)
+
+    def estimate(self, tokens: int) -> float:
+        """Seconds of a call of ``tokens`` (in units of a one-token call before anything was measured)."""
+        if tokens in self._seconds:
+            return self._seconds[tokens]
+        below = [n for n in self._seconds if n < tokens]
+        near = max(below) if below else min(self._seconds, default=None)
+        if near is None:
+            return _linear(tokens)
+        return self._seconds[near] * _linear(tokens) / _linear(near)
+
+    def relative(self, base: int) -> Callable[[int], float]:
+        """The cost of a call of ``base + k`` tokens against one of ``base``, as a function of k."""
+        unit = self.estimate(base)
+        return lambda k: self.estimate(base + k) / unit
+
+
+def _linear(tokens: int) -> float:
+    return 1 + VERIFY_TOKEN_COST * (tokens - 1)
 
 
 class Speculator:
@@ -53,13 +93,14 @@ class Speculator:
     def acceptance(self) -> float:
         return self._accepted / self._tried
 
-    def draft(self, answer: Sequence[int], limit: int, rows: int) -> list[int]:
-        """Tokens to verify after ``answer``'s last one (maybe none): at most ``limit``."""
+    def draft(self, answer: Sequence[int], limit: int, rows: int, cost: Callable[[int], float] | None = None) -> list[int]:
+        """Tokens to verify after ``answer``'s last one (maybe none): at most ``limit``; ``cost(k)``:
+        the decode call's time with k more tokens, relative (``best_length``)."""
         self._follow(answer)
         proposal = self.drafter.propose(min(self.max_draft, limit))
         if not proposal:
             return []
-        k = best_length(self.acceptance, len(proposal), rows)
+        k = best_length(self.acceptance, len(proposal), rows, cost)
         if k == 0:
             self._unverified = proposal[0]
         return proposal[:k]

@@ -26,6 +26,7 @@ from ...generation.chat.tokens import encode
 from ...generation.core import Request
 from ...generation.model import CoreOptions, TextGenerationModel
 from ...generation.sampling import SamplingParams
+from ...generation.speculation import SpeculationOptions
 from ...generation.sequence import Delta
 from ...tasks import text_generation as contract
 from ..http.json_api import PredictRequest, PredictResponse
@@ -94,7 +95,8 @@ class GenerationModel:
         totals = _Totals(self.metrics, self.name, self.instances)
         options = CoreOptions(threads=self.threads, device=s.device, max_running=s.max_batch_size,
                               max_waiting=s.max_queue_size, kv_budget=s.max_kv_tokens, prefill_chunk=s.prefill_chunk,
-                              prefix_cache_tokens=s.prefix_cache_tokens, warm_up=s.warmup, kv_share=self.instances)
+                              prefix_cache_tokens=s.prefix_cache_tokens, warm_up=s.warmup, kv_share=self.instances,
+                              speculation=SpeculationOptions(s.speculate, s.draft_tokens))
         self.drivers = []
         for replica in range(self.instances):
             core = self.artifact.core(self.variant.name, options, _MetricHooks(self.metrics, self.name, totals, replica))
@@ -419,6 +421,9 @@ class _MetricHooks(CoreHooks):
         self.prefix_queries = metrics.prefix_cache_queries.labels(name)
         self.prefix_hits = metrics.prefix_cache_hits.labels(name)
         self.generation_tokens = metrics.generation_tokens.labels(name)
+        self.spec_drafts = metrics.spec_decode_drafts.labels(name)
+        self.spec_draft_tokens = metrics.spec_decode_draft_tokens.labels(name)
+        self.spec_accepted_tokens = metrics.spec_decode_accepted_tokens.labels(name)
 
     def token(self, job: Request, now: float) -> None:
         if job.first_token_at == 0.0:
@@ -437,3 +442,8 @@ class _MetricHooks(CoreHooks):
 
     def iteration(self, running: int, waiting: int, cache_tokens: int) -> None:
         self.totals.iteration(self.replica, running, waiting, cache_tokens)
+
+    def speculated(self, job: Request, drafted: int, accepted: int) -> None:
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)

@@ -1,0 +1,65 @@
+"""`kiln serve --speculate ngram` end to end: the tiny Llama with its fp32 variant's graph built
+with KilnAttention; answers (greedy and seeded sampled, streamed and not) equal those of the same
+server without speculation, and /metrics counts the drafts under vLLM's names."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from modelkiln.native import library_path
+from servers import Server
+
+pytestmark = pytest.mark.skipif(library_path() is None, reason="the native library is not built on this machine")
+
+MODEL = "tiny"
+PROMPTS = ["one two three four one two three four one two", "The quick brown fox", "a b c a b c a b"]
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 3, "frequency_penalty": 0.4}
+
+
+@pytest.fixture(scope="module")
+def kiln_attention_artifact(tiny_generation_artifact, tiny_kiln_attention_graph, tmp_path_factory):
+    """The tiny artifact with its fp32 variant's graph (model.onnx) swapped for the KilnAttention one."""
+    folder = tmp_path_factory.mktemp("speculation") / "tiny-kiln-attention"
+    shutil.copytree(tiny_generation_artifact, folder)
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copy(tiny_kiln_attention_graph.parent / name, folder / name)
+    return folder
+
+
+def answers(server: Server, **fields) -> list[list[int]]:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    got = []
+    for prompt in PROMPTS:
+        answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True, **fields})
+        got.append(answer.choices[0].token_ids)  # type: ignore[attr-defined]
+    return got
+
+
+def counter(server: Server, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(f'{name}_total{{model_name="{MODEL}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_speculating_server_answers_as_the_plain_one(kiln_attention_artifact):
+    common = [f"{MODEL}={kiln_attention_artifact}", "--variant", "fp32", "--threads", "2"]
+    plain = Server(common)
+    try:
+        expected = {"greedy": answers(plain, temperature=0), "sampled": answers(plain, **SAMPLED)}
+    finally:
+        plain.stop()
+    speculating = Server([*common, "--speculate", "ngram", "--draft-tokens", "4"])
+    try:
+        assert answers(speculating, temperature=0) == expected["greedy"]
+        assert answers(speculating, **SAMPLED) == expected["sampled"]
+        drafted = counter(speculating, "vllm:spec_decode_num_draft_tokens")
+        accepted = counter(speculating, "vllm:spec_decode_num_accepted_tokens")
+        assert counter(speculating, "vllm:spec_decode_num_drafts") > 0 and 0 < accepted <= drafted
+    finally:
+        speculating.stop()
