@@ -202,3 +202,19 @@ def test_no_speculation_where_the_engine_cannot_verify(tiny):
     assert not engine.capabilities.verifies_drafts
     core = EngineCore(engine, tiny.tokenizer, speculation=SpeculationOptions("ngram", 4))
     assert not core.speculation.on
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["greedy", "sampled, penalties"])
+def test_a_resumed_request_speculates_and_still_continues_exactly(tiny, tiny_kiln_attention_graph, kind):
+    """Resumed (its sent tokens prefilled in chunks) with speculation on: the drafter starts from
+    prompt + sent tokens, and the rest is the uninterrupted plain answer."""
+    params = PARAMS[kind]
+    plain_core, _ = core_for(tiny, tiny_kiln_attention_graph, "off")
+    ids = plain_core.tokenizer.encode(PROMPTS[1]).ids
+    whole = complete(plain_core, [Request("whole", ids, params)])[0]
+    core, counted = core_for(tiny, tiny_kiln_attention_graph)
+    for cut in (1, 6, 20):
+        rest = complete(core, [Request(("rest", cut), ids, params, resume_ids=whole.token_ids[:cut])])[0]
+        assert rest.token_ids == whole.token_ids[cut:] and rest.finish_reason == whole.finish_reason, cut
+        assert all(np.array_equal(a, b) for a, b in zip(rest.logits, whole.logits[cut:])), cut
