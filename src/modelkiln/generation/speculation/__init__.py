@@ -18,7 +18,7 @@ METHODS = ("off", "ngram")
 DEFAULT_DRAFT_TOKENS = 8
 METHOD_HELP = ("Speculative decoding (answers unchanged): ngram drafts the tokens that followed the answer's last "
                "few tokens earlier in prompt + answer (fast on answers that quote their input); off: none. Only "
-               "on GGUF variants with kiln's attention operator, while at most 4 streams decode.")
+               "on GGUF variants with kiln's attention operator, while at most 2 streams decode.")
 DRAFT_TOKENS_HELP = "Speculative decoding: the most tokens drafted a step (fewer where few are accepted)."
 
 
