@@ -5,8 +5,6 @@ for bit on the serving graph); then the engine core's sampling, stop strings and
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import pytest
 
@@ -308,29 +306,6 @@ def test_seeded_sampling_is_reproducible_alone_or_in_a_batch(core):
     other_seed = complete(core, [Request("r", ids, SamplingParams(**{**params.__dict__, "seed": 8}))])[0].token_ids
     assert alone == again == crowd[1].token_ids
     assert other_seed != alone
-
-
-def test_rows_chosen_on_two_threads_are_the_rows_chosen_on_one(tiny, monkeypatch):
-    """Costly rows (flat rows over a large vocabulary) are chosen on two threads: every answer the
-    same as on one thread, whichever thread a row took."""
-    from modelkiln.generation.engines.onnx import base
-
-    def answers() -> list:
-        core = EngineCore(tiny.engine("fp32", EngineOptions(threads=2)), tiny.tokenizer, eos_ids=[0], max_running=8)
-        ids = prompt_ids(core, "The quick brown fox")
-        requests = [Request(i, ids[:2 + i % 4], SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=i,
-                                                              seed=i, ignore_eos=True)) for i in range(7)]
-        requests.append(Request("greedy", ids, SamplingParams(max_new_tokens=12, ignore_eos=True)))
-        return [(c.token_ids, c.finish_reason) for c in complete(core, requests)]
-
-    monkeypatch.setattr(base, "SPLIT_ROW_MS", float("inf"))
-    one_thread = answers()
-    monkeypatch.setattr(base, "SPLIT_ROW_MS", 0.0)
-    split = []
-    real_submit = ThreadPoolExecutor.submit
-    monkeypatch.setattr(ThreadPoolExecutor, "submit", lambda pool, *a: split.append(1) or real_submit(pool, *a))
-    assert answers() == one_thread
-    assert split  # the second thread took rows
 
 
 def test_a_first_token_comes_out_before_the_decode_step(core):

@@ -9,10 +9,8 @@ resumed sequence's tokens (``SeqStart.generated``) take the chooser's place unti
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -20,13 +18,6 @@ import numpy as np
 from ....errors import InvalidInputError, KilnError
 from ...plan import Chunk, EngineCapabilities, Sampled, SeqId, SeqStart, StepPlan, StepResult, begin_step
 from ...sampling import TokenChooser, token_logprobs, uniforms
-
-# A step's rows are chosen on two threads where a row's choice costs at least this (milliseconds):
-# flat rows over a large vocabulary, whose top-p cut orders most of it (~1.2 ms a row at 128k tokens).
-# Cheaper rows stay on one thread: splitting 16 rows of ~0.1 ms was measured slower (1.8 against 1.6 ms
-# a step, onnxruntime's threads spinning on the other core and the rows' Python steps sharing the
-# interpreter lock). The sort and numpy's passes release the lock, so costly rows split well.
-SPLIT_ROW_MS = 0.4
 
 
 class HostEngine:
@@ -36,11 +27,8 @@ class HostEngine:
     max_context: int | None
     rows: list[SeqId]
     keep_logits: bool = False  # every Sampled carries its row of logits (the gate compares them)
-    picking_threads = 1  # threads a step's costly rows may be chosen on (the engine's own)
 
     def __init__(self) -> None:
-        self._row_ms = 0.0  # what choosing a row cost, thread time, in recent steps
-        self._pool: ThreadPoolExecutor | None = None
         self._choosers: dict[SeqId, TokenChooser] = {}
         self._prompts: dict[SeqId, list[int]] = {}  # until the prompt is in the cache: the prefix cache keeps it
         self._next: dict[SeqId, int] = {}  # the token each running sequence feeds its next decode step
@@ -223,31 +211,20 @@ class HostEngine:
     def _pick_all(self, to_choose: list[tuple[SeqId, np.ndarray]],
                   masks: Mapping[SeqId, np.ndarray]) -> list[int | Exception | None]:
         """Each row's token (or the error of its own settings; None for a resumed row's forced token),
-        with the step's uniforms drawn in one call; costly rows on two threads (``SPLIT_ROW_MS``).
-        A row's token depends on its own logits, settings and uniform alone, on whichever thread."""
+        with the step's uniforms drawn in one call. One thread: splitting the rows over a second one
+        was measured no faster, because onnxruntime's worker spins on the other core after a run
+        (16 flat 128k-token rows of 1.3 ms each: 181 against 184 tok/s; ×1.13 only with
+        ``session.force_spinning_stop``, which cost greedy decoding ~4% at 16 streams)."""
         draws = self._draws([seq for seq, _ in to_choose])
-
-        def pick(seq: SeqId, row: np.ndarray) -> int | Exception | None:
+        picks: list[int | Exception | None] = []
+        for seq, row in to_choose:
             if seq in self._forced:
-                return None
+                picks.append(None)
+                continue
             try:
-                return self._choosers[seq].choose(row, masks.get(seq), draws.get(seq))
+                picks.append(self._choosers[seq].choose(row, masks.get(seq), draws.get(seq)))
             except Exception as exc:  # noqa: BLE001 - its own settings (NaN temperature, a grammar allowing nothing): it alone ends
-                return exc
-
-        started = time.perf_counter()
-        threads = 2 if self.picking_threads > 1 and len(to_choose) > 1 and self._row_ms >= SPLIT_ROW_MS else 1
-        if threads == 1:
-            picks = [pick(seq, row) for seq, row in to_choose]
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-pick")
-            other = self._pool.submit(lambda: [pick(seq, row) for seq, row in to_choose[1::2]])
-            mine = [pick(seq, row) for seq, row in to_choose[0::2]]
-            picks = [None] * len(to_choose)
-            picks[0::2], picks[1::2] = mine, other.result()
-        if draws:  # thread time a row, over the sampled rows (greedy ones cost next to nothing)
-            self._row_ms = (time.perf_counter() - started) * 1000 * threads / len(draws)
+                picks.append(exc)
         return picks
 
     def _verify_row(self, seq: SeqId, draft: list[int], logits: np.ndarray, result: StepResult) -> None:

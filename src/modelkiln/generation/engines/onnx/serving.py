@@ -64,7 +64,6 @@ class ServingEngine(HostEngine):
         # newer onnxruntime splits one row's keys across threads (another summation order): keep enough
         # rows. KilnAttention never splits a query's keys.
         self.min_rows = 1 if self.kiln_attention else -(-threads // heads)
-        self.picking_threads = threads
         self.max_rows = max_rows
         self.running = RowRegion(self.shape, max_rows + self.min_rows + 1)  # room for ghost rows
         # as many staging rows as decode rows: a burst of new prompts prefills in one call (address space only)
