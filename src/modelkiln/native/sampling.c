@@ -210,8 +210,23 @@ KILN_EXPORT int64_t kiln_top_k(const double *s, int64_t n, int64_t k, double *he
 static int64_t kiln_likely(const double *e, int64_t n, double total, double share, int64_t *ids, double *probs) {
     double floor = share / total * (1 - 1e-9); /* the best token's exponential is exp(0) = 1 */
     double near = floor * total * (1 - 1e-9);
+    int64_t reaching = 0; /* a vector pass: how many reach the bound */
+    for (int64_t i = 0; i < n; i++) {
+        reaching += e[i] >= near;
+    }
     int64_t k = 0;
-    for (int64_t i = 0; i < n; i++) { /* written for every token, kept by the count: no branch to mispredict */
+    if (reaching < n / 8) { /* a peaked row: the division only where the bound is reached, a branch rarely taken */
+        for (int64_t i = 0; i < n; i++) {
+            if (e[i] >= near) {
+                double p = e[i] / total;
+                ids[k] = i;
+                probs[k] = p;
+                k += p >= floor;
+            }
+        }
+        return k;
+    }
+    for (int64_t i = 0; i < n; i++) { /* a flat row: every token written, kept by the count (no branch to mispredict) */
         double p = e[i] / total;
         ids[k] = i;
         probs[k] = p;
