@@ -19,23 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 PROMPTS = Path(__file__).parent / "prompts" / "speculation.json"
 SAMPLINGS = {"greedy": {}, "t0.7 top_p0.95": {"temperature": 0.7, "top_p": 0.95}}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:
@@ -55,6 +44,7 @@ def main() -> None:
     from modelkiln.generation.model import TextGenerationModel
     from modelkiln.generation.sampling import SamplingParams
     from modelkiln.generation.speculation import DEFAULT_DRAFT_TOKENS, SpeculationOptions
+    from modelkiln.machine import cpu_description
 
     class Acceptance(CoreHooks):
         def __init__(self) -> None:
@@ -93,7 +83,7 @@ def main() -> None:
         wall = time.perf_counter() - started
         return answers, sum(lasts[r] - firsts[r] for r in answers), wall
 
-    results: dict = {"model": model.name, "artifact": str(args.artifact), "cpu": cpu_name(), "threads": args.threads,
+    results: dict = {"model": model.name, "artifact": str(args.artifact), "cpu": cpu_description(), "threads": args.threads,
                      "draft_tokens": draft_tokens, "max_tokens": args.max_tokens, "rounds": []}
     changed = 0
     for round_ in range(args.rounds):

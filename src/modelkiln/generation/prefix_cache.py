@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import KilnError
+
 # Small blocks reuse more of a prompt (only whole blocks are reused): a chat template's system prompt is
 # often 20-30 tokens. A block costs one dictionary entry and one copy in and out.
 BLOCK_TOKENS = 8
@@ -100,6 +102,17 @@ class PrefixCache:
             self.queried_tokens += len(token_ids)
             self.hit_tokens += len(token_ids) if whole is not None else len(found) * self.block_tokens
         return found, whole
+
+    def restore(self, token_ids: Sequence[int], tokens: int) -> tuple[list[_Block], Whole | None]:
+        """What a new sequence whose prompt is ``token_ids`` restores: the blocks in order, and its
+        ``Whole`` entry when the whole prompt was seen (then ``tokens`` is the prompt's length).
+        ``tokens`` is what ``cached_tokens`` said when the step was planned; anything else is the
+        engine's error, not the request's."""
+        blocks, whole = self.lookup(token_ids, count=False)
+        restored = len(token_ids) if whole is not None else len(blocks) * self.block_tokens
+        if restored != tokens:
+            raise KilnError(f"the prefix cache holds {restored} tokens of this prompt, not the {tokens} planned")
+        return blocks, whole
 
     def cached_tokens(self, token_ids: Sequence[int]) -> int:
         """How many of the prompt's tokens ``lookup`` restores (all of them for a ``Whole`` hit)."""

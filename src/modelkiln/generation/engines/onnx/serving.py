@@ -124,17 +124,14 @@ class ServingEngine(HostEngine):
         ``cached_prefix`` said); the stored first-token logits when that is the whole prompt."""
         if self.prefixes is None:
             raise KilnError("this engine has no prefix cache")
-        blocks, whole = self.prefixes.lookup(prompt_ids, count=False)
+        blocks, whole = self.prefixes.restore(prompt_ids, tokens)
         size = self.prefixes.block_tokens
-        restored = len(prompt_ids) if whole is not None else len(blocks) * size
-        if restored != tokens:
-            raise KilnError(f"the prefix cache holds {restored} tokens of this prompt, not the {tokens} planned")
         staged = self._stage(seq_id)
         for b, block in enumerate(blocks):
             self.staging.write(staged.row, b * size, block.kv)
         if whole is not None:
             self.staging.write(staged.row, len(blocks) * size, whole.tail_kv)
-        staged.length = restored
+        staged.length = tokens
         return whole.logits if whole is not None else None
 
     def remember_prefix(self, seq_id: SeqId, prompt_ids: Sequence[int], last_logits: np.ndarray) -> None:

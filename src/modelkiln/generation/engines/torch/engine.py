@@ -172,17 +172,14 @@ class TorchEngine:
         slot (what ``cached_prefix`` said), with the stored last logits when that is the whole prompt."""
         if self.prefixes is None:
             raise KilnError("this engine keeps no prefix cache")
-        blocks, whole = self.prefixes.lookup(prompt_ids, count=False)
+        blocks, whole = self.prefixes.restore(prompt_ids, tokens)
         size = self.prefixes.block_tokens
-        restored = len(prompt_ids) if whole is not None else len(blocks) * size
-        if restored != tokens:
-            raise KilnError(f"the prefix cache holds {restored} tokens of this prompt, not the {tokens} planned")
         for b, block in enumerate(blocks):
             self.cache.write(state.slot, b * size, block.kv)
         if whole is not None:
             self.cache.write(state.slot, len(blocks) * size, whole.tail_kv)
             state.stored_logits = whole.logits
-        state.length = restored
+        state.length = tokens
 
     def _remember(self, state: _Sequence, last_logits: torch.Tensor) -> None:
         """A prompt now all in its slot: its prefix kept for the prompts that follow."""
