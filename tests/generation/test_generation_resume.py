@@ -52,7 +52,7 @@ ROUTES = {"chat": Route("/v1/chat/completions", {"model": MODEL, "messages": MES
 
 
 def stream(server, route: Route, cut_after: int | None = None, **fields) -> dict:
-    """Stream one answer; with ``cut_after``, drop the connection after that many text events."""
+    """Stream one answer; with ``cut_after``, drop the connection once that many of its tokens have come."""
     texts, ids, finish, seed, usage, events = [], [], None, None, None, 0
     body = route.body(**fields)
     if route.path.startswith("/v1"):
@@ -72,8 +72,8 @@ def stream(server, route: Route, cut_after: int | None = None, **fields) -> dict
             texts.append(text)
             ids += token_ids
             finish = reason or finish
-            events += bool(text)
-            if cut_after is not None and events == cut_after:
+            events += len(token_ids)  # tokens, not text events: a sampled answer's tokens may carry no text
+            if cut_after is not None and events >= cut_after:
                 break  # leaving the block closes the connection mid-answer
     return {"text": "".join(texts), "ids": ids, "finish": finish, "seed": seed, "usage": usage}
 
@@ -114,7 +114,7 @@ def test_a_resumed_answer_stops_where_the_uninterrupted_one_does(server):
     for cut_after in range(1, len(whole["ids"])):
         cut = stream(server, route, cut_after=cut_after, stop=[stop], **fields)
         if cut["finish"] is not None:
-            break  # the answer ended before this many events
+            break  # the answer ended before this many tokens
         rest = stream(server, route, resume_token_ids=cut["ids"], stop=[stop], **fields)
         assert cut["ids"] + rest["ids"] == whole["ids"] and cut["text"] + rest["text"] == whole["text"]
         assert rest["finish"] == "stop"
