@@ -4,6 +4,7 @@ benchmarks and the tests."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -52,3 +53,16 @@ def wait_until_ready(proc: subprocess.Popen, url: str, timeout: float, what: str
             stop()
             raise KilnError(f"{what} was not ready after {timeout:.0f}s: {output()}")
         time.sleep(poll_s)
+
+
+def stop_child(proc: subprocess.Popen, timeout: float) -> int:
+    """A server started as a child, stopped gracefully (SIGTERM: it drains and exits), killed if it
+    has not exited within ``timeout`` seconds. Returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -10,7 +10,6 @@ is read from /proc before it is stopped."""
 from __future__ import annotations
 
 import itertools
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from typing import Any
 from ..errors import KilnError
 from ..loadtest.api import LoadtestOptions, run_loadtest
 from ..loadtest.runner import RunResult, StepResult
-from ..net import child_environment, free_port, wait_until_ready
+from ..net import child_environment, free_port, stop_child, wait_until_ready
 
 
 
@@ -159,16 +158,10 @@ class ServeProcess:
         return server_memory_mb(self.proc.pid, field)
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        returncode = stop_child(self.proc, timeout)
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
-        return self.proc.returncode
+        return returncode
 
     def __enter__(self) -> ServeProcess:
         return self

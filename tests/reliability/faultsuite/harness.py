@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from modelkiln.net import child_environment, free_port, wait_until_ready
+from modelkiln.net import child_environment, free_port, stop_child, wait_until_ready
 from modelkiln.tune.sweep import server_memory_mb
 
 SRC = Path(__file__).resolve().parents[3] / "src"
@@ -90,15 +90,9 @@ class KilnServer:
         return sent
 
     def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        returncode = stop_child(self.proc, timeout)
         self._log.close()
-        return self.proc.returncode
+        return returncode
 
 
 # --- a raw HTTP/1.1 client ------------------------------------------------------------------------
