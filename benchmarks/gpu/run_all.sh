@@ -39,8 +39,11 @@ cat "$out/gpu.txt"
 step "$part" models "${MODELS_S:-60}" "$py" benchmarks/gpu/torch_engines.py "${models[@]}" "${tiny[@]}" --models-only "$work"
 decoder=$(tail -n 1 "$out/models.txt" | cut -d: -f1)  # its last line: "FOLDER: what it holds"
 
-# 1. the torch engines' tests under this machine's torch (the kernels' tests compare the Triton kernels on CUDA too)
-step 1 tests "${TESTS_S:-100}" "$py" -m pytest -q -x -p no:cacheprovider tests/generation/engines/test_torch_engine.py tests/generation/engines/torch tests/serve/test_torch_serving.py
+# 1. the torch engines' tests under this machine's torch (the kernels' tests compare the Triton kernels on CUDA too;
+#    not their interpreter check, which CI runs: triton 3.6's interpreter fails under numpy 2.5, where int() of a
+#    one-element array is an error, before any kernel runs)
+step 1 tests "${TESTS_S:-100}" "$py" -m pytest -q -x -p no:cacheprovider tests/generation/engines/test_torch_engine.py tests/generation/engines/torch tests/serve/test_torch_serving.py \
+    --deselect tests/generation/engines/torch/test_kernels.py::test_the_triton_kernels_under_the_interpreter
 # 2. conversion on the GPU: the gate checks greedy tokens against PyTorch and alone = batched, per precision
 step 1 convert "${CONVERT_S:-120}" "$py" -m modelkiln convert "$decoder" --task text-generation --engine torch \
     --device "$device" --precision fp32,bf16 --out "$work/decoder-cuda"

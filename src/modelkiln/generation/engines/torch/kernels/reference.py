@@ -80,5 +80,5 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positio
         # the heads sharing a kv head are the query rows of one attention over its keys: no mask needed
         grouped = q[token].view(1, kv_heads, heads // kv_heads, head_dim)
         k, v = keys[slot, :, first:position + 1], values[slot, :, first:position + 1]
-        out[token] = F.scaled_dot_product_attention(grouped, k[None], v[None]).view(heads, head_dim)
+        out[token] = F.scaled_dot_product_attention(grouped, k[None], v[None]).reshape(heads, head_dim)
     return out
