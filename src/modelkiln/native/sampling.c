@@ -226,8 +226,13 @@ static int64_t kiln_likely(const double *e, int64_t n, double total, double shar
         }
         return k;
     }
-    for (int64_t i = 0; i < n; i++) { /* a flat row: every token written, kept by the count (no branch to mispredict) */
-        double p = e[i] / total;
+    /* a flat row: the divisions in a pass of their own (vectorised), then every token written and kept
+       by the count (no branch to mispredict; each move reads before it writes, k <= i) */
+    for (int64_t i = 0; i < n; i++) {
+        probs[i] = e[i] / total;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        double p = probs[i];
         ids[k] = i;
         probs[k] = p;
         k += (e[i] >= near) & (p >= floor);
@@ -323,6 +328,111 @@ static double key_value(uint64_t key) {
     return v.d;
 }
 
+/* The tokens of the last kept value that are in are the first ones, in token order: marks for those
+   above ``threshold`` and the first ``equal`` of the ``ties`` at it (all of them, the usual case, in a
+   pass without a count carried from token to token). */
+static void mark_nucleus(const double *p, int64_t n, double threshold, int64_t equal, int64_t ties,
+                         unsigned char *marks) {
+    if (equal == ties) {
+        for (int64_t i = 0; i < n; i++) {
+            marks[i] = p[i] >= threshold;
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int tie = p[i] == threshold && equal > 0;
+        equal -= tie;
+        marks[i] = (unsigned char)((p[i] > threshold) | tie);
+    }
+}
+
+#define SELECT_MIN 2048 /* rows at least this long try the cut by selection first */
+#define SELECT_BITS 11  /* the selection's histogram: 2^11 ranges of keys */
+
+/* Top-p's cut as kiln_top_p's rule makes it, without sorting the row where that can be proven: a
+   histogram of the keys' leading bits (below those every key shares) with each range's count and
+   mass, the ranges summed from the largest values down to the one where the sum reaches top_p, and
+   that range alone sorted. The sums are not the rule's (it adds the values one by one in sorted
+   order; here each range's mass is summed in token order, then the ranges), but both are sums of the
+   same nonnegative values, so each is within (terms) * 2^-53 * sum of the exact one, and so within
+   E (below) of each other. Where the sum before the crossing value is more than E under top_p and
+   the sum with it more than E over, the rule's sums cross at the same value, and the cut is the
+   rule's; otherwise (top_p within ~1e-10 of a sum: rare) returns -1 and the caller sorts. A flat row
+   (a nucleus of most of a 128k vocabulary) costs four passes instead of a sort. */
+static int64_t top_p_by_selection(const double *p, int64_t n, double top_p, unsigned char *marks, uint64_t *scratch) {
+    union bits { double d; uint64_t u; };
+    uint64_t least = UINT64_MAX, most = 0; /* over the values above zero: a zero adds nothing to a sum */
+    for (int64_t i = 0; i < n; i++) {
+        union bits v = {p[i]};
+        uint64_t key = ~v.u; /* ascending keys: descending values; a zero's is UINT64_MAX */
+        least = key < least ? key : least;
+        most = key > most && key != UINT64_MAX ? key : most;
+    }
+    if (least >= most) {
+        return -1;
+    }
+    int span = 64 - __builtin_clzll(most - least);
+    int shift = span > SELECT_BITS ? span - SELECT_BITS : 0;
+    int64_t ranges = (int64_t)((most - least) >> shift) + 1;
+    uint32_t counts[1 << SELECT_BITS] = {0};
+    double mass[1 << SELECT_BITS] = {0};
+    for (int64_t i = 0; i < n; i++) {
+        union bits v = {p[i]};
+        if (v.u == 0) {
+            continue;
+        }
+        uint64_t r = (~v.u - least) >> shift;
+        counts[r]++;
+        mass[r] += p[i];
+    }
+    double above = 0.0; /* the mass of the ranges before the crossing one */
+    int64_t before = 0;  /* and their count */
+    int64_t crossing = -1;
+    for (int64_t r = 0; r < ranges; r++) {
+        if (above + mass[r] >= top_p) {
+            crossing = r;
+            break;
+        }
+        above += mass[r];
+        before += counts[r];
+    }
+    double bound = (3.0 * (double)n + 4096.0) * 2.220446049250313e-16; /* E / sum, with a margin of 2 */
+    if (crossing < 0) { /* no sum reaches top_p, unless it is within E of the total */
+        return above < top_p - bound * 2.0 * (above > top_p ? above : top_p) ? n + 1 : -1;
+    }
+    uint64_t *keys = scratch; /* the crossing range's keys, sorted */
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        union bits v = {p[i]};
+        keys[m] = ~v.u;
+        m += ((~v.u - least) >> shift) == (uint64_t)crossing && v.u != 0;
+    }
+    sort_keys(keys, scratch + n, m);
+    double sum = above, previous = above;
+    int64_t last = -1;
+    for (int64_t j = 0; j < m; j++) {
+        previous = sum;
+        sum += key_value(keys[j]);
+        if (sum >= top_p) {
+            last = j;
+            break;
+        }
+    }
+    double margin = bound * 2.0 * (sum > top_p ? sum : top_p);
+    if (last < 0 || !(previous < top_p - margin) || !(sum >= top_p + margin)) {
+        return -1;
+    }
+    int64_t first = last, end = last + 1; /* the crossing value's places among the sorted keys */
+    while (first > 0 && keys[first - 1] == keys[last]) {
+        first--;
+    }
+    while (end < m && keys[end] == keys[last]) {
+        end++;
+    }
+    mark_nucleus(p, n, key_value(keys[last]), last + 1 - first, end - first, marks);
+    return before + last + 1;
+}
+
 /* Top-p's cut of the probabilities p [n] (>= 0, so their bits order as their values do): the rule
    sorts them, largest first and ties by position (numpy's stable argsort of -p), and keeps up to the
    first cumulative sum (sequential, in that order) not below top_p. Returns how many it keeps, with
@@ -330,9 +440,16 @@ static double key_value(uint64_t key) {
    then untouched). Only the sorted values are needed for the sums, not which token holds each: the
    kept tokens are then those above the last kept value, and the first of those equal to it in
    position order. ``scratch`` holds 2n 64-bit words. */
+KILN_VECTOR_CLONES
 KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, unsigned char *marks, uint64_t *scratch) {
     if (n == 0) {
         return 1;
+    }
+    if (n >= SELECT_MIN) {
+        int64_t keep = top_p_by_selection(p, n, top_p, marks, scratch);
+        if (keep >= 0) {
+            return keep;
+        }
     }
     uint64_t *keys = scratch;
     for (int64_t i = 0; i < n; i++) {
@@ -352,17 +469,14 @@ KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, unsigne
     if (last < 0) {
         return n + 1;
     }
-    int64_t above = last; /* the kept values above the last one */
+    int64_t above = last, end = last + 1; /* the last kept value's places among the sorted keys */
     while (above > 0 && keys[above - 1] == keys[last]) {
         above--;
     }
-    double threshold = key_value(keys[last]);
-    int64_t equal = last + 1 - above; /* the tokens of the last value that are in: the first ones */
-    for (int64_t i = 0; i < n; i++) {
-        int tie = p[i] == threshold && equal > 0;
-        equal -= tie;
-        marks[i] = (unsigned char)((p[i] > threshold) | tie);
+    while (end < n && keys[end] == keys[last]) {
+        end++;
     }
+    mark_nucleus(p, n, key_value(keys[last]), last + 1 - above, end - above, marks);
     return last + 1;
 }
 
@@ -381,8 +495,59 @@ static int64_t compact(int64_t *ids, double *probs, int64_t m, const unsigned ch
     return k;
 }
 
-static void renormalise(const int64_t *ids, double *probs, int64_t m, int64_t vocab) {
-    double sum = kiln_sparse_sum(ids, probs, m, vocab);
+/* numpy's pairwise_sum of a[0..n) (contiguous): the same additions as ``pairwise`` with every
+   position present. The 8 accumulators are 8 lanes: vectorised, each lane rounds as numpy's r[j]. */
+static double dense_pairwise(const double *a, int64_t n) {
+    if (n < 8) {
+        double res = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            res += a[i];
+        }
+        return res;
+    }
+    if (n <= PW_BLOCKSIZE) {
+        double r[8];
+        for (int j = 0; j < 8; j++) {
+            r[j] = a[j];
+        }
+        int64_t i = 8;
+        for (; i < n - (n % 8); i += 8) {
+            for (int j = 0; j < 8; j++) {
+                r[j] += a[i + j];
+            }
+        }
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) {
+            res += a[i];
+        }
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return dense_pairwise(a, n2) + dense_pairwise(a + n2, n - n2);
+}
+
+/* kiln_sparse_sum's value where most positions hold a value: the vector written out whole into
+   ``dense`` [length] (zeros elsewhere) and summed as numpy sums it, in its buffer's chunks. */
+static double dense_sum(const int64_t *ids, const double *values, int64_t count, int64_t length, double *dense) {
+    for (int64_t i = 0; i < length; i++) {
+        dense[i] = 0.0;
+    }
+    for (int64_t k = 0; k < count; k++) {
+        dense[ids[k]] = values[k];
+    }
+    double total = 0.0;
+    for (int64_t start = 0; start < length; start += UFUNC_BUFSIZE) {
+        int64_t size = length - start < UFUNC_BUFSIZE ? length - start : UFUNC_BUFSIZE;
+        total += dense_pairwise(dense + start, size);
+    }
+    return total;
+}
+
+/* The kept tokens' probabilities divided by their sum as numpy takes it over the whole row (zeros
+   elsewhere); ``dense`` [vocab] or NULL: scratch for a row where most tokens are kept. */
+static void renormalise(const int64_t *ids, double *probs, int64_t m, int64_t vocab, double *dense) {
+    double sum = dense != NULL && m > vocab / 4 ? dense_sum(ids, probs, m, vocab, dense) : kiln_sparse_sum(ids, probs, m, vocab);
     for (int64_t i = 0; i < m; i++) {
         probs[i] = probs[i] / sum;
     }
@@ -400,6 +565,7 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
                               double top_p, double min_p, const double *shares, double u, int64_t *ids, double *probs,
                               uint64_t *radix, unsigned char *marks) {
     int cut = top_p < 1.0 || min_p > 0.0;
+    double *dense = support == NULL && n == vocab ? (double *)radix : NULL; /* free once top-p has cut */
     int64_t m;
     int complete; /* every token with a probability is in */
     int next_share = 1;
@@ -446,7 +612,7 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
             m = kiln_likely(values, n, total, share, ids, probs);
             complete = share == 0.0;
         }
-        renormalise(ids, probs, m, vocab);
+        renormalise(ids, probs, m, vocab, dense);
     }
     if (min_p > 0.0) {
         double best = probs[0];
@@ -460,7 +626,7 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
             marks[i] = probs[i] >= floor;
         }
         m = compact(ids, probs, m, marks);
-        renormalise(ids, probs, m, vocab);
+        renormalise(ids, probs, m, vocab, dense);
     }
     double sum;
     int64_t index = kiln_cumulative_pick(probs, m, u, &sum);

@@ -191,3 +191,26 @@ def test_the_nucleus_of_nearly_equal_probabilities(forms):
             expected = np.argsort(-probs, kind="stable")
             assert keep == int(np.searchsorted(np.cumsum(probs[expected]), top_p)) + 1
             assert np.array_equal(np.flatnonzero(kept), np.sort(expected[:keep]))
+
+
+def test_the_nucleus_of_long_rows_and_of_top_p_at_a_sum(forms):
+    """Rows long enough for the cut by selection (flat ones: a nucleus of most of the row; peaked ones;
+    rows with zeros and ties), and top_p equal to one of the sorted cumulative sums or a float beside
+    it, where the rule's sums and any other order of adding may fall on either side."""
+    _, nucleus = forms
+    rng = np.random.default_rng(8)
+    for n in (2048, 5000, 128_256):
+        for spread in (0.05, 1.0, 4.0):
+            probs = np.exp(rng.standard_normal(n) * spread)
+            probs[rng.random(n) < 0.1] = probs[1]  # ties
+            probs[rng.random(n) < 0.02] = 0.0
+            probs /= probs.sum()
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            at_sums = [cumulative[k] for k in (0, n // 3, int(np.searchsorted(cumulative, 0.95)), n - 2)]
+            at_sums += [np.nextafter(v, d) for v in at_sums for d in (0.0, 2.0)]
+            for top_p in (0.5, 0.9, 0.95, 0.999, *at_sums):
+                kept, keep = nucleus(probs, float(top_p))
+                assert keep == int(np.searchsorted(cumulative, top_p)) + 1, (n, spread, top_p)
+                if keep <= n:
+                    assert np.array_equal(np.flatnonzero(kept), np.sort(order[:keep])), (n, spread, top_p)
