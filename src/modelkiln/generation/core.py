@@ -206,9 +206,10 @@ class EngineCore:
             self._drop(aborted, outputs)
             plan = self._plan_prompts(outputs)
             chunked = [r for r in self._prefilling if r.request_id in _chunked(plan)]
-            if mixed:  # the rows running before this step decode in the same call
+            if mixed:  # the rows running before this step decode in the same call, with their drafts
                 decoding = list(self._running.values())
                 plan.decode = [r.request_id for r in decoding]
+                plan.drafts = self._drafts(decoding)
                 self._execute(plan, chunked + decoding, outputs)
             elif not plan.empty:
                 self._execute(plan, chunked, outputs)

@@ -35,10 +35,14 @@ def kiln_core(tiny, graph, prefix_cache_tokens: int = 0, **core) -> EngineCore:
 
 
 def count_steps(engine) -> list[int]:
-    """Counts the engine's decode steps (a list of one number, so the caller sees it grow)."""
+    """Counts the engine's calls that decode running rows (a list of one number, so the caller sees it grow)."""
     steps = [0]
-    step = engine.step
-    engine.step = lambda *a, **k: (steps.__setitem__(0, steps[0] + 1), step(*a, **k))[1]
+    decode_tokens = engine._decode_tokens
+
+    def counted(call, fed):
+        steps[0] += bool(fed)
+        return decode_tokens(call, fed)
+    engine._decode_tokens = counted
     return steps
 
 
@@ -76,3 +80,37 @@ def test_a_resumed_request_after_a_cached_prompt(tiny, tiny_kiln_attention_graph
         assert rest.token_ids == whole.token_ids[cut:], cut
         assert all(np.array_equal(a, b) for a, b in zip(rest.logits, whole.logits[cut:])), cut
     assert core.engine.prefixes.hit_tokens >= 2 * len(PROMPT)
+
+
+def test_a_step_is_one_call_and_arrivals_change_no_answer(tiny, tiny_kiln_attention_graph):
+    """Prompt chunks (4 tokens a step), decode rows and prompts arriving while others decode run as
+    one call a step; every answer's tokens and logits are those it gets alone."""
+    prompts = [PROMPT, PROMPT[5:] + [7, 8, 9], list(range(60, 75))]
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True, **SAMPLED), SamplingParams(max_new_tokens=8, ignore_eos=True)]
+    requests = [lambda i=i: Request(i, prompts[i], params[i % 2]) for i in range(len(prompts))]
+    alone = [complete(kiln_core(tiny, tiny_kiln_attention_graph, prefill_chunk=4), [make()])[0] for make in requests]
+    core = kiln_core(tiny, tiny_kiln_attention_graph, prefill_chunk=4)
+    assert core.engine.capabilities.mixed_steps
+    session, calls = core.engine.session, []
+    run = session.run_with_iobinding
+    session.run_with_iobinding = lambda binding: (calls.append(1), run(binding))[1]
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    logits: dict[int, list[np.ndarray]] = {i: [] for i in range(len(prompts))}
+    arrivals = {0: 0, 3: 1, 6: 2}  # step: request
+    step, mixed = 0, 0
+    while step in arrivals or step < max(arrivals) or core.has_work():
+        if step in arrivals:
+            core.add_request(requests[arrivals[step]]())
+        prefilling, decoding = bool(core._prefilling), core.decoding > 0
+        before = len(calls)
+        for output in core.step():
+            assert output.error is None
+            tokens[output.request_id].append(output.delta.token_id)
+            logits[output.request_id].append(output.logits)
+        assert len(calls) - before <= 1, step
+        mixed += prefilling and decoding
+        step += 1
+    assert mixed >= 4  # steps that held prompt chunks and decode rows together
+    for i, answer in enumerate(alone):
+        assert tokens[i] == answer.token_ids, i
+        assert all(np.array_equal(a, b) for a, b in zip(logits[i], answer.logits)), i

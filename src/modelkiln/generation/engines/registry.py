@@ -30,15 +30,19 @@ def graph_kind(session: ort.InferenceSession) -> str:
 
 
 def _open_onnx(path: Path, shape: ModelShape, options: EngineOptions, kind: str | None) -> Engine:
+    from .onnx.kiln_attention import KilnAttentionEngine
     from .onnx.padded import PaddedEngine
     from .onnx.serving import ServingEngine
 
     session = open_session(path, options.device, options.threads, options.memory_arena)
     kind = kind or graph_kind(session)
     if kind == ONNX_SERVING:
-        return ServingEngine(session, heads=shape.heads, threads=options.threads or available_cpus().count,
-                             max_context=shape.max_context, max_rows=options.max_rows,
-                             prefix_cache_tokens=options.prefix_cache_tokens, keep_logits=options.keep_logits)
+        # a graph with KilnAttention takes each token's cache row and position: one call a step
+        kiln_attention = io.POSITIONS in {i.name for i in session.get_inputs()}
+        engine = KilnAttentionEngine if kiln_attention else ServingEngine
+        return engine(session, heads=shape.heads, threads=options.threads or available_cpus().count,
+                      max_context=shape.max_context, max_rows=options.max_rows,
+                      prefix_cache_tokens=options.prefix_cache_tokens, keep_logits=options.keep_logits)
     return PaddedEngine(DecoderSession(path, device=options.device, session=session), shape.max_context,
                         max_rows=options.max_rows, keep_logits=options.keep_logits)
 

@@ -129,20 +129,32 @@ class HostEngine:
                 logits = logits[-1]
             self._chunk_done(chunk, logits, to_choose)
         verifying: list[tuple[SeqId, np.ndarray]] = []  # decode rows with drafts: every fed token's logits
-        drafts: dict[SeqId, list[int]] = {}
-        if plan.decode:
-            rows = list(self.rows)
-            if len(rows) != len(plan.decode) or set(rows) != set(plan.decode):
-                raise KilnError(f"the plan decodes {list(plan.decode)}, the engine runs {rows}")
-            # a row still feeding resumed tokens has no token of its own to draft after
-            drafts = {seq: plan.drafts[seq] for seq in rows if plan.drafts.get(seq) and seq not in self._forced}
-            if drafts:
-                fed = self.verify({seq: [self._next[seq], *drafts.get(seq, ())] for seq in rows})
-                to_choose += [(seq, logits[0]) for seq, logits in zip(rows, fed) if seq not in drafts]
-                verifying = [(seq, logits) for seq, logits in zip(rows, fed) if seq in drafts]
-            else:
-                logits = self.step({seq: self._next[seq] for seq in rows})
-                to_choose += list(zip(rows, logits))
+        rows, drafts = self._decoding(plan)
+        if drafts:
+            fed = self.verify({seq: [self._next[seq], *drafts.get(seq, ())] for seq in rows})
+            to_choose += [(seq, logits[0]) for seq, logits in zip(rows, fed) if seq not in drafts]
+            verifying = [(seq, logits) for seq, logits in zip(rows, fed) if seq in drafts]
+        elif rows:
+            logits = self.step({seq: self._next[seq] for seq in rows})
+            to_choose += list(zip(rows, logits))
+        return self._choose(plan, to_choose, verifying, drafts, result)
+
+    def _decoding(self, plan: StepPlan) -> tuple[list[SeqId], dict[SeqId, list[int]]]:
+        """The running rows the plan decodes (all of them, or none), in row order, and the drafted
+        tokens each feeds after its next one."""
+        if not plan.decode:
+            return [], {}
+        rows = list(self.rows)
+        if len(rows) != len(plan.decode) or set(rows) != set(plan.decode):
+            raise KilnError(f"the plan decodes {list(plan.decode)}, the engine runs {rows}")
+        # a row still feeding resumed tokens has no token of its own to draft after
+        return rows, {seq: plan.drafts[seq] for seq in rows if plan.drafts.get(seq) and seq not in self._forced}
+
+    def _choose(self, plan: StepPlan, to_choose: list[tuple[SeqId, np.ndarray]],
+                verifying: list[tuple[SeqId, np.ndarray]], drafts: Mapping[SeqId, list[int]],
+                result: StepResult) -> StepResult:
+        """After the model: each row's token from its logits (under its grammar's mask), and the
+        drafted rows' tokens position by position."""
         masks = plan.masks() if plan.masks is not None and to_choose else {}
         picks = self._pick_all(to_choose, masks)
         for (seq, row), pick in zip(to_choose, picks):

@@ -13,9 +13,8 @@ Why a sequence's answer does not depend on its batch
     the batch would make such a tile.
 
     A graph built with KilnAttention (``io.POSITIONS`` among its inputs: GGUF variants with kiln's
-    native operators) goes further: a position's attention is reduced the same way in a prompt
-    chunk as in a decode step, so no chunk needs GroupQueryAttention's throw-away extra token, and
-    the engine feeds each token's cache row and position instead of per-row lengths."""
+    native operators) goes further, and has an engine of its own (``kiln_attention.py``): one call a
+    step, one cache region of slots."""
 
 from __future__ import annotations
 
@@ -43,13 +42,14 @@ class _Staged:
 
 
 class ServingEngine(HostEngine):
+    kiln_attention = False  # the graph's attention: GroupQueryAttention here, KilnAttention in the subclass
+
     def __init__(self, session: ort.InferenceSession, heads: int, threads: int, max_context: int | None,
                  max_rows: int = 32, staging_rows: int | None = None, max_length: int | None = None,
                  prefix_cache_tokens: int = 0, keep_logits: bool = False):
         super().__init__()
         inputs = {i.name: i for i in session.get_inputs()}
         # KilnAttention's graph takes each token's row and position; GroupQueryAttention's per-row lengths
-        self.kiln_attention = io.POSITIONS in inputs
         places = (io.CACHE_ROWS, io.POSITIONS) if self.kiln_attention else (io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH)
         for required in (io.INPUT_IDS, *places, io.LOGIT_POSITIONS, io.past_key_name(0)):
             if required not in inputs:
@@ -65,16 +65,12 @@ class ServingEngine(HostEngine):
         # rows. KilnAttention never splits a query's keys.
         self.min_rows = 1 if self.kiln_attention else -(-threads // heads)
         self.max_rows = max_rows
-        self.running = RowRegion(self.shape, max_rows + self.min_rows + 1)  # room for ghost rows
         # as many staging rows as decode rows: a burst of new prompts prefills in one call (address space only)
-        staging_rows = staging_rows or max_rows
-        self.staging = RowRegion(self.shape, staging_rows)
+        self._allocate(staging_rows or max_rows)
         self.rows: list[SeqId] = []
         self._lengths = np.zeros(0, dtype=np.int32)
         self._staged: dict[SeqId, _Staged] = {}
-        self._free_staging = list(range(staging_rows))
         self._binding: tuple[int, ort.IOBinding] | None = None  # (rows bound, binding)
-        self._verify_binding: tuple[int, ort.IOBinding] | None = None  # the same, for ``verify``
         self._past_names = [n for i in range(self.layers) for n in (io.past_key_name(i), io.past_value_name(i))]
         self._present_names = [n for i in range(self.layers) for n in (io.present_key_name(i), io.present_value_name(i))]
         self._row_positions = np.arange(self.running.rows, dtype=np.int64)  # a decode step: each row's one token
@@ -82,6 +78,14 @@ class ServingEngine(HostEngine):
         self.use_prefix_cache(prefix_cache_tokens)
         self.ghost_rows = False
         self.ghost_rows = self._lone_row_differs()
+
+    def _allocate(self, staging_rows: int) -> None:
+        self.running = RowRegion(self.shape, self.max_rows + self.min_rows + 1)  # room for ghost rows
+        self.staging = RowRegion(self.shape, staging_rows)
+        self._free_staging = list(range(staging_rows))
+
+    def _capabilities(self, prefix_cache: bool) -> EngineCapabilities:
+        return EngineCapabilities("cpu", self.max_rows, mixed_steps=False, prefix_cache=prefix_cache)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -112,8 +116,7 @@ class ServingEngine(HostEngine):
     def use_prefix_cache(self, tokens: int) -> None:
         """Keep at most ``tokens`` tokens of prompt prefixes (0: none); what was cached is dropped."""
         self.prefixes = PrefixCache(tokens) if tokens > 0 else None
-        self.capabilities = EngineCapabilities("cpu", self.max_rows, mixed_steps=False, prefix_cache=tokens > 0,
-                                               prefill_is_decode=self.kiln_attention, verifies_drafts=self.kiln_attention)
+        self.capabilities = self._capabilities(tokens > 0)
 
     def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
         """How many of the prompt's tokens the prefix cache holds (counted in its hit statistics)."""
@@ -155,7 +158,7 @@ class ServingEngine(HostEngine):
         self._check_length(total)
         ids = list(token_ids)
         lone_tile = self.ghost_rows and n % TILE_ROWS == 1
-        gqa_one_query = not self.kiln_attention and n == 1 and staged.length > 0
+        gqa_one_query = n == 1 and staged.length > 0
         if (lone_tile or gqa_one_query) and total < self.shape.max_length:
             # One more token after the chunk (causal: it changes nothing before it; its key and value
             # are overwritten by the next real token) where the chunk alone would take another
@@ -253,41 +256,6 @@ class ServingEngine(HostEngine):
         self._lengths += 1
         return logits[:n]
 
-    def verify(self, tokens: Mapping[SeqId, Sequence[int]]) -> list[np.ndarray]:
-        """A decode step where a row may feed drafted tokens after its next one (KilnAttention
-        only): each running row's tokens at its positions L, L+1, ... packed into one call of their
-        total, every token's logits [n, vocab] returned per row, in ``rows`` order. Each row keeps
-        its first token (its length grows by one, as in ``step``); ``advance`` keeps the drafted
-        tokens that were accepted. A rejected token's key and value stay beyond the row's length,
-        never read (a query reads its row's keys up to its own position) and written over later."""
-        if not self.kiln_attention:
-            raise KilnError("drafted tokens are verified only on a graph with KilnAttention")
-        if len(tokens) != len(self.rows) or any(not tokens.get(s) for s in self.rows):
-            raise InvalidInputError(f"verify needs tokens for each running sequence {self.rows}, got {list(tokens)}")
-        fed = [list(tokens[s]) for s in self.rows]
-        counts = np.asarray([len(t) for t in fed])
-        self._check_length(int((self._lengths + counts).max()))
-        total = int(counts.sum())
-        width = total + 1 if self.ghost_rows and total % TILE_ROWS == 1 else total  # no lone row in a tile
-        ids = np.zeros((1, width), dtype=np.int64)
-        ids[0, :total] = [t for row in fed for t in row]
-        rows = np.zeros((1, width), dtype=np.int64)
-        rows[0, :total] = np.repeat(np.arange(len(fed)), counts)
-        places = np.full((1, width), -1, dtype=np.int64)  # -1: padding, neither written nor attended
-        places[0, :total] = np.concatenate([self._lengths[r] + np.arange(n) for r, n in enumerate(counts)])
-        # its own binding: a run's logits stay bound at their shape, and a decode step's is [rows, vocab]
-        if self._verify_binding is None or self._verify_binding[0] != len(fed):
-            self._verify_binding = (len(fed), self._binding_of(self.running.views(0, len(fed))))
-        binding = self._verify_binding[1]
-        binding.bind_output(io.LOGITS)  # unbound from the last call's shape: this call's has its own
-        logits = self._run_tokens(binding, ids, rows, places, np.arange(total, dtype=np.int64))
-        self._lengths += 1
-        return np.split(logits, np.cumsum(counts)[:-1])
-
-    def advance(self, seq_id: SeqId, accepted: int) -> None:
-        """Keep ``accepted`` drafted tokens of the last ``verify`` in the row's cache."""
-        self._lengths[self.rows.index(seq_id)] += accepted
-
     def _rows_to_bind(self, n: int) -> int:
         bound = max(n, self.min_rows)
         if self.ghost_rows and bound % TILE_ROWS == 1:
@@ -343,29 +311,12 @@ class ServingEngine(HostEngine):
         """Run ``ids`` [rows, width]: row r of the bound cache holds ``past[r]`` tokens and gets
         ``new[r]`` more (the rest of its width is padding); logits at ``positions``."""
         # bind_cpu_input keeps a pointer, not the array: every array bound must outlive the run
-        if self.kiln_attention:
-            width = ids.shape[1]
-            offsets = np.arange(width, dtype=np.int64)
-            places = np.where(offsets < new[:, None], past[:, None] + offsets, -1)
-            rows = np.repeat(np.arange(len(ids), dtype=np.int64)[:, None], width, axis=1)
-            return self._run_tokens(binding, ids, rows, places, positions)
         binding.bind_cpu_input(io.INPUT_IDS, ids)
         # GroupQueryAttention: each row's length after the call, less one, and the longest
         seqlens = (past + new - 1).astype(np.int32)
         total_length = np.asarray(int(past.max()) + ids.shape[1], dtype=np.int32)
         binding.bind_cpu_input(io.SEQLENS_K, seqlens)
         binding.bind_cpu_input(io.TOTAL_SEQUENCE_LENGTH, total_length)
-        binding.bind_cpu_input(io.LOGIT_POSITIONS, positions)
-        self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
-
-    def _run_tokens(self, binding: ort.IOBinding, ids: np.ndarray, rows: np.ndarray, places: np.ndarray,
-                    positions: np.ndarray) -> np.ndarray:
-        """KilnAttention's form: each token ``ids[b, t]`` with its cache row and position (-1: padding);
-        logits at ``positions`` of the tokens flattened."""
-        binding.bind_cpu_input(io.INPUT_IDS, ids)
-        binding.bind_cpu_input(io.CACHE_ROWS, rows)
-        binding.bind_cpu_input(io.POSITIONS, places)
         binding.bind_cpu_input(io.LOGIT_POSITIONS, positions)
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()
