@@ -2,7 +2,7 @@
 GPU would wait on the host for, measured on the CPU.
 
 The engine core runs as ``kiln serve`` runs it (``EngineCore`` over ``TorchEngine``, decode steps
-through ``DecodeGraphs``: eager replays of the captured buckets here, CUDA graphs on a GPU), with a
+through ``StepGraphs``: eager replays of the captured buckets here, CUDA graphs on a GPU), with a
 tiny random Llama whose ``forward`` is replaced by one that returns preallocated logits (a few
 random rows, taken in turn, so the tokens vary). The tokenizer is SmolLM2's (49,152 tokens), so
 detokenization costs what it does on a real vocabulary; the logits are only ``--vocab`` wide
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from modelkiln.generation import core as core_module  # noqa: E402
 from modelkiln.generation.core import EngineCore, Request, greedy  # noqa: E402
-from modelkiln.generation.engines.torch.engine import DecodeGraphs, TorchEngine, open_torch_engine  # noqa: E402
+from modelkiln.generation.engines.torch.engine import StepGraphs, TorchEngine, open_torch_engine  # noqa: E402
 from modelkiln.generation.plan import EngineOptions, ModelShape  # noqa: E402
 from modelkiln.generation.sampling import SamplingParams  # noqa: E402
 from modelkiln.machine import cpu_description  # noqa: E402
@@ -81,7 +81,7 @@ def engine_with_idle_forward(weights: Path, rows: int, vocab: int) -> TorchEngin
         return logits[next(turn) % len(logits)][:wanted]
 
     engine.decoder.forward = forward  # type: ignore[method-assign]
-    engine.graphs = DecodeGraphs(engine)  # as on CUDA: decode steps replay captured buckets
+    engine.graphs = StepGraphs(engine, 64)  # as on CUDA: steps replay captured buckets
     engine.graphs.capture()
     return engine
 

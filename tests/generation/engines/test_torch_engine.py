@@ -18,7 +18,7 @@ from modelkiln.generation.core import EngineCore, Request, complete, greedy, pro
 from modelkiln.generation.model import CoreOptions, TextGenerationModel
 from modelkiln.generation.plan import EngineOptions, ModelShape
 from modelkiln.generation.sampling import SamplingParams, TokenChooser, log_softmax
-from modelkiln.generation.engines.torch.engine import DecodeGraphs, TorchEngine, open_torch_engine
+from modelkiln.generation.engines.torch.engine import StepGraphs, TorchEngine, open_torch_engine
 from modelkiln.generation.engines.torch.ops import Kernels
 from modelkiln.generation.sampling.device import DeviceSampler
 
@@ -134,24 +134,41 @@ def test_the_gates_batch_check_passes(tiny_torch_artifact):
     assert invariance.differing == [] and invariance.max_abs_diff == 0.0
 
 
-def test_decode_replays_in_padded_buckets_change_no_bit(tiny_torch_artifact):
+def test_replays_in_padded_buckets_change_no_bit(tiny_torch_artifact):
     """The CUDA graphs' buckets, exercised eagerly on the CPU: a decode step of n rows runs at the
-    next batch bucket (padding rows in the spare slot), whatever its rows' lengths; answers keep their bits."""
+    next batch bucket (padding rows in the spare slot), and a step with prompt chunks at the next token
+    bucket (padding tokens without a slot, padding selections), whatever its rows' lengths; answers
+    keep their bits. Prompts arrive while others decode, so steps mix chunks and decode rows."""
     model = TextGenerationModel(tiny_torch_artifact)
     plain = model.core(None, CoreOptions(threads=1, max_running=8, prefill_chunk=32, keep_logits=True))
     bucketed = model.core(None, CoreOptions(threads=1, max_running=8, prefill_chunk=32, keep_logits=True))
-    graphs = bucketed.engine.graphs = DecodeGraphs(bucketed.engine)
+    graphs = bucketed.engine.graphs = StepGraphs(bucketed.engine, 32)
     graphs.capture()
     assert graphs.batches == [1, 2, 4, 8] and sorted(graphs.replays) == graphs.batches
-    replayed = []
-    run = graphs.run
+    assert graphs.token_buckets == [32, 40] and sorted(graphs.step_replays) == graphs.token_buckets
+    replayed, stepped = [], []
+    run, run_step = graphs.run, graphs.run_step
     graphs.run = lambda ids, *rest: (replayed.append(len(ids)), run(ids, *rest))[1]
-    requests = lambda: [Request(i, p, greedy(9)) for i, p in enumerate(PROMPTS[:6])]  # noqa: E731
-    expected, got = complete(plain, requests()), complete(bucketed, requests())
-    assert {3, 5, 6} & set(replayed)  # steps whose row count is not a bucket ran padded
-    for a, b in zip(expected, got):
-        assert a.token_ids == b.token_ids
-        assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits))
+    graphs.run_step = lambda ids, *rest: (stepped.append(len(ids)), run_step(ids, *rest))[1]
+    requests = [Request(i, p, greedy(9)) for i, p in enumerate(PROMPTS[:6])]
+    expected = [complete(plain, [r])[0] for r in requests]
+    answers: dict = {r.request_id: ([], []) for r in requests}
+    arrivals = {0: requests[:3], 6: requests[3:]}  # step: requests
+    step = 0
+    while step <= max(arrivals) or bucketed.has_work():
+        for request in arrivals.get(step, []):
+            bucketed.add_request(Request(request.request_id, request.prompt_ids, request.params))
+        for output in bucketed.step():
+            assert output.error is None
+            answers[output.request_id][0].append(output.delta.token_id)
+            answers[output.request_id][1].append(output.logits)
+        step += 1
+    assert {3, 5, 6} & set(replayed)  # decode steps whose row count is not a bucket ran padded
+    assert stepped and set(stepped) - {32, 40}  # steps with prompt chunks ran, padded to a token bucket
+    for a, request in zip(expected, requests):
+        tokens, logits = answers[request.request_id]
+        assert a.token_ids == tokens
+        assert all(np.array_equal(x, y) for x, y in zip(a.logits, logits))
 
 
 def test_chunking_changes_no_greedy_token(tiny_torch_artifact):

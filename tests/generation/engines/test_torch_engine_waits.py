@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from modelkiln.generation.core import Request, greedy, run_to_completion
 from modelkiln.generation.engines.torch import transfers
-from modelkiln.generation.engines.torch.engine import DecodeGraphs
+from modelkiln.generation.engines.torch.engine import StepGraphs
 from modelkiln.generation.model import CoreOptions, TextGenerationModel
 from modelkiln.generation.sampling import SamplingParams
 from modelkiln.generation.structured_output import bitmask
@@ -90,12 +90,12 @@ def watched_steps(engine):
     return calls
 
 
-@pytest.fixture(params=["eager", "decode graphs"])
+@pytest.fixture(params=["eager", "step graphs"])
 def core(request, tiny_torch_artifact):
     model = TextGenerationModel(tiny_torch_artifact)
     core = model.core(None, CoreOptions(threads=1, max_running=4, prefill_chunk=8))
-    if request.param == "decode graphs":  # the CUDA graphs' buckets, replayed eagerly on the CPU
-        core.engine.graphs = DecodeGraphs(core.engine)
+    if request.param == "step graphs":  # the CUDA graphs' buckets, replayed eagerly on the CPU
+        core.engine.graphs = StepGraphs(core.engine, 8)
         core.engine.graphs.capture()
     return core
 

@@ -13,8 +13,10 @@ KV cache preallocated there, tokens chosen there (``sampling/device.py``), behin
   budget is slots × ``max_length``.
 - **CUDA graphs** (CUDA only): a decode-only step replays a graph captured at ``warm_up`` for its
   batch size rounded up to a bucket (1, 2, 4, ... ``max_rows``), whatever its rows' lengths (attention
-  reads each row's positions from the device); padding rows write into a spare slot. Steps with
-  prompt chunks run eagerly.
+  reads each row's positions from the device); padding rows write into a spare slot. A step with
+  prompt chunks replays one captured for its tokens rounded up to a bucket (64, 128, ... up to the
+  prompt chunk and ``max_rows`` more), its padding tokens without a slot (they write and read
+  nothing); only a step larger than that, or one whose every prompt position is scored, runs eagerly.
 - **Batch invariance** (``EngineOptions.batch_invariant``, on by default): the matrix products of
   ``engines/torch/ops.py`` and the kernels of ``engines/torch/kernels/`` give a row the same bits
   whatever else is in the step, so an answer does not depend on the load. With it off, PyTorch's
@@ -52,12 +54,12 @@ log = logging.getLogger(__name__)
 
 GPU_MEMORY_SHARE = 0.85  # of the free memory after the weights, for the KV cache
 GPU_HEADROOM = 2 << 30  # bytes kept free for activations, graphs and sampling
-# Prompt tokens per step on CUDA. A prompt step runs eagerly (no graph), and its cost there is the
-# host's (Python, launching dozens of kernels a layer), not its tokens': a 128-token step (the CPU's
-# chunk) took about 50 ms on an H200, whose arithmetic for it is well under a millisecond, and 64 or
-# 256 streams and a 512-token prompt's first token waited on one such step per 128 prompt tokens
-# (docs/gpu.md). vLLM takes 2048-8192 prompt tokens a step.
+# Prompt tokens per step on CUDA. An eager prompt step's cost is the host's (Python, launching dozens
+# of kernels a layer), not its tokens': a 128-token step (the CPU's chunk) took about 50 ms on an H200,
+# whose arithmetic for it is well under a millisecond (docs/gpu.md). vLLM takes 2048-8192 prompt
+# tokens a step. Prompt steps now replay graphs of token buckets up to this many tokens and max_rows more.
 GPU_PREFILL_CHUNK = 2048
+PROMPT_BUCKET = 64  # the smallest token bucket of a step with prompt chunks
 LENGTH_STEP = 128  # a slot's positions are a multiple of this
 
 
@@ -126,7 +128,7 @@ class TorchEngine:
         self.sampler = DeviceSampler(max_rows, decoder.config.vocab, self.device)
         # decode graphs: on CUDA by default; on the CPU only when asked (eager replays of the same buckets)
         use_graphs = self.device.type == "cuda" if decode_graphs is None else decode_graphs
-        self.graphs = DecodeGraphs(self) if use_graphs else None
+        self.graphs = StepGraphs(self, GPU_PREFILL_CHUNK) if use_graphs else None
         self.prefixes: PrefixCache | None = None
 
     # -- queries -----------------------------------------------------------------------------------
@@ -324,6 +326,8 @@ class TorchEngine:
                 select.append(offset + count - 1)
             else:
                 rows[chunk.seq] = (len(select), 0)
+        if self.graphs is not None and self.graphs.covers_step(len(ids), len(select)):
+            return self.graphs.run_step(ids, positions, slots, select), rows
         tokens = to_device(np.array([ids, positions, slots], dtype=np.int64), torch.long, self.device)
         step = StepTokens(tokens[0], tokens[1], tokens[2], select=to_device(select, torch.long, self.device))
         with torch.inference_mode():
@@ -367,40 +371,78 @@ class TorchEngine:
             result.sampled.append(sampled)
 
 
-class DecodeGraphs:
-    """The decode-only forward pass per batch bucket, captured by ``capture``:
-    on CUDA a CUDA graph each, all in one memory pool; on the CPU the same forward on the same
-    static buffers, run eagerly (what the tests exercise: the bucketing and padding rows). Inputs
-    are copied into static buffers before a replay; rows past the real ones are padding (token 0
-    at position 0 of the spare slot), which a batch-invariant forward keeps out of the real rows."""
+class StepGraphs:
+    """The forward pass per bucket, captured by ``capture``: decode-only steps per batch bucket
+    (``batches``: 1, 2, 4, ... ``max_rows``), and steps with prompt chunks per token bucket
+    (``token_buckets``: 64, 128, ... up to ``prompt_tokens`` + ``max_rows``), whose logits are those of
+    the first ``selects(bucket)`` entries of a select buffer. On CUDA a CUDA graph each, all in one
+    memory pool; on the CPU the same forward on the same static buffers, run eagerly (what the tests
+    exercise: the bucketing and the padding). Inputs are copied into the static buffers, in one copy,
+    before a replay. Decode rows past the real ones are token 0 at position 0 of the spare slot;
+    padding tokens of a prompt step have no slot (-1: they write and read nothing), and padding
+    selections pick token 0. A batch-invariant forward keeps both out of the real tokens' bits."""
 
-    def __init__(self, engine: TorchEngine):
+    def __init__(self, engine: TorchEngine, prompt_tokens: int):
         self.engine = engine
         self.batches = _buckets(1, engine.max_rows)
-        self.inputs = torch.zeros(3, self.batches[-1], dtype=torch.long, device=engine.device)  # ids, positions, slots
+        self.token_buckets = _buckets(min(PROMPT_BUCKET, prompt_tokens), prompt_tokens + engine.max_rows)
+        self.most_selected = 2 * engine.max_rows  # each decode row, and the last token of each chunk ending a prompt
+        width = max(self.batches[-1], self.token_buckets[-1])
+        self.inputs = torch.zeros(4, width, dtype=torch.long, device=engine.device)  # ids, positions, slots, select
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self.step_replays: dict[int, Callable[[], torch.Tensor]] = {}
 
     def covers(self, rows: int) -> bool:
         return bool(self.replays) and rows <= self.batches[-1]
 
+    def covers_step(self, tokens: int, selected: int) -> bool:
+        """Whether a step with prompt chunks of ``tokens`` tokens, ``selected`` of whose logits are
+        wanted, has a graph."""
+        if not self.step_replays or tokens > self.token_buckets[-1]:
+            return False
+        return selected <= self.selects(self._bucket(tokens))
+
+    def selects(self, bucket: int) -> int:
+        return min(bucket, self.most_selected)
+
     def capture(self) -> None:
-        self.inputs[2].fill_(self.engine.spare_slot)
         pool = torch.cuda.graph_pool_handle() if self.engine.device.type == "cuda" else None
-        for rows in reversed(self.batches):  # the largest first: the pool is sized by it
+        # the largest first: the pool is sized by it
+        self.inputs[2].fill_(-1)
+        for tokens in reversed(self.token_buckets):
+            step = StepTokens(self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens],
+                              select=self.inputs[3, :self.selects(tokens)])
+            self.step_replays[tokens] = self._cuda_graph(step, pool) if pool is not None else self._eager(step)
+        self.inputs[2].fill_(self.engine.spare_slot)
+        for rows in reversed(self.batches):
             step = StepTokens(self.inputs[0, :rows], self.inputs[1, :rows], self.inputs[2, :rows])
             self.replays[rows] = self._cuda_graph(step, pool) if pool is not None else self._eager(step)
-        log.info("captured %d decode steps (batch %s)", len(self.replays), self.batches)
+        log.info("captured %d decode steps (batch %s) and %d prompt steps (tokens %s)", len(self.replays),
+                 self.batches, len(self.step_replays), self.token_buckets)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         rows = len(ids)
         bucket = next(b for b in self.batches if b >= rows)
         pad = bucket - rows
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.engine.spare_slot] * pad],
-                            dtype=torch.long)
+        self._copy_in([ids + [0] * pad, positions + [0] * pad, slots + [self.engine.spare_slot] * pad])
+        return self.replays[bucket]()[:rows]
+
+    def run_step(self, ids: list[int], positions: list[int], slots: list[int], select: list[int]) -> torch.Tensor:
+        """A step with prompt chunks (``covers_step``): the logits of the ``select`` tokens."""
+        bucket = self._bucket(len(ids))
+        pad = bucket - len(ids)
+        self._copy_in([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
+                       select + [0] * (bucket - len(select))])
+        return self.step_replays[bucket]()[:len(select)]
+
+    def _bucket(self, tokens: int) -> int:
+        return next(b for b in self.token_buckets if b >= tokens)
+
+    def _copy_in(self, rows: list[list[int]]) -> None:
+        host = torch.tensor(rows, dtype=torch.long)
         if self.engine.device.type == "cuda":  # pragma: no cover - CUDA
             host = host.pin_memory()
-        self.inputs[:, :bucket].copy_(host, non_blocking=True)
-        return self.replays[bucket]()[:rows]
+        self.inputs[:len(rows), :host.shape[1]].copy_(host, non_blocking=True)
 
     def _eager(self, step: StepTokens) -> Callable[[], torch.Tensor]:
         def replay() -> torch.Tensor:
