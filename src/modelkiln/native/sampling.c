@@ -210,12 +210,14 @@ KILN_EXPORT int64_t kiln_top_k(const double *s, int64_t n, int64_t k, double *he
 static int64_t kiln_likely(const double *e, int64_t n, double total, double share, int64_t *ids, double *probs) {
     double floor = share / total * (1 - 1e-9); /* the best token's exponential is exp(0) = 1 */
     double near = floor * total * (1 - 1e-9);
-    int64_t reaching = 0; /* a vector pass: how many reach the bound */
-    for (int64_t i = 0; i < n; i++) {
+    /* how many reach the bound, from 1024 tokens spread over the row: it picks the loop below, not
+       which tokens are in */
+    int64_t step = n > 1024 ? n / 1024 : 1, sampled = 0, reaching = 0;
+    for (int64_t i = 0; i < n; i += step, sampled++) {
         reaching += e[i] >= near;
     }
     int64_t k = 0;
-    if (reaching < n / 8) { /* a peaked row: the division only where the bound is reached, a branch rarely taken */
+    if (reaching < sampled / 8) { /* a peaked row: the division only where the bound is reached, a branch rarely taken */
         for (int64_t i = 0; i < n; i++) {
             if (e[i] >= near) {
                 double p = e[i] / total;
@@ -328,22 +330,53 @@ static double key_value(uint64_t key) {
     return v.d;
 }
 
-/* The tokens of the last kept value that are in are the first ones, in token order: marks for those
-   above ``threshold`` and the first ``equal`` of the ``ties`` at it (all of them, the usual case, in a
-   pass without a count carried from token to token). */
-static void mark_nucleus(const double *p, int64_t n, double threshold, int64_t equal, int64_t ties,
-                         unsigned char *marks) {
-    if (equal == ties) {
+/* Where top-p cuts: the tokens above ``threshold`` are in, and the first ``equal`` (in token order) of
+   the ``ties`` at it. */
+struct cut {
+    double threshold;
+    int64_t equal, ties;
+};
+
+/* Marks of the tokens a cut keeps; where every tie is in (the usual case), a pass without a count
+   carried from token to token. */
+static void mark_nucleus(const double *p, int64_t n, struct cut cut, unsigned char *marks) {
+    if (cut.equal == cut.ties) {
         for (int64_t i = 0; i < n; i++) {
-            marks[i] = p[i] >= threshold;
+            marks[i] = p[i] >= cut.threshold;
         }
         return;
     }
+    int64_t equal = cut.equal;
     for (int64_t i = 0; i < n; i++) {
-        int tie = p[i] == threshold && equal > 0;
+        int tie = p[i] == cut.threshold && equal > 0;
         equal -= tie;
-        marks[i] = (unsigned char)((p[i] > threshold) | tie);
+        marks[i] = (unsigned char)((p[i] > cut.threshold) | tie);
     }
+}
+
+/* The tokens in (ids, probs) a cut keeps, compacted in order, in one pass (each move reads before it
+   writes: k <= i); their number. */
+static int64_t compact_cut(int64_t *ids, double *probs, int64_t m, struct cut cut) {
+    int64_t k = 0;
+    if (cut.equal == cut.ties) {
+        for (int64_t i = 0; i < m; i++) {
+            double p = probs[i];
+            ids[k] = ids[i];
+            probs[k] = p;
+            k += p >= cut.threshold;
+        }
+        return k;
+    }
+    int64_t equal = cut.equal;
+    for (int64_t i = 0; i < m; i++) {
+        double p = probs[i];
+        int tie = p == cut.threshold && equal > 0;
+        equal -= tie;
+        ids[k] = ids[i];
+        probs[k] = p;
+        k += (p > cut.threshold) | tie;
+    }
+    return k;
 }
 
 #define SELECT_MIN 2048 /* rows at least this long try the cut by selection first */
@@ -357,9 +390,9 @@ static void mark_nucleus(const double *p, int64_t n, double threshold, int64_t e
    same nonnegative values, so each is within (terms) * 2^-53 * sum of the exact one, and so within
    E (below) of each other. Where the sum before the crossing value is more than E under top_p and
    the sum with it more than E over, the rule's sums cross at the same value, and the cut is the
-   rule's; otherwise (top_p within ~1e-10 of a sum: rare) returns -1 and the caller sorts. A flat row
-   (a nucleus of most of a 128k vocabulary) costs four passes instead of a sort. */
-static int64_t top_p_by_selection(const double *p, int64_t n, double top_p, unsigned char *marks, uint64_t *scratch) {
+   rule's (written to ``cut``); otherwise (top_p within ~1e-10 of a sum: rare) returns -1 and the caller
+   sorts. A flat row (a nucleus of most of a 128k vocabulary) costs four passes instead of a sort. */
+static int64_t top_p_by_selection(const double *p, int64_t n, double top_p, struct cut *cut, uint64_t *scratch) {
     union bits { double d; uint64_t u; };
     uint64_t least = UINT64_MAX, most = 0; /* over the values above zero: a zero adds nothing to a sum */
     for (int64_t i = 0; i < n; i++) {
@@ -429,24 +462,23 @@ static int64_t top_p_by_selection(const double *p, int64_t n, double top_p, unsi
     while (end < m && keys[end] == keys[last]) {
         end++;
     }
-    mark_nucleus(p, n, key_value(keys[last]), last + 1 - first, end - first, marks);
+    *cut = (struct cut){key_value(keys[last]), last + 1 - first, end - first};
     return before + last + 1;
 }
 
 /* Top-p's cut of the probabilities p [n] (>= 0, so their bits order as their values do): the rule
    sorts them, largest first and ties by position (numpy's stable argsort of -p), and keeps up to the
    first cumulative sum (sequential, in that order) not below top_p. Returns how many it keeps, with
-   ``marks[i]`` = 1 for each kept token and 0 for the others; n + 1 where no sum reaches top_p (marks
-   then untouched). Only the sorted values are needed for the sums, not which token holds each: the
-   kept tokens are then those above the last kept value, and the first of those equal to it in
-   position order. ``scratch`` holds 2n 64-bit words. */
-KILN_VECTOR_CLONES
-KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, unsigned char *marks, uint64_t *scratch) {
+   where it cuts in ``cut``; n + 1 where no sum reaches top_p (``cut`` then unset). Only the sorted
+   values are needed for the sums, not which token holds each: the kept tokens are then those above
+   the last kept value, and the first of those equal to it in position order. ``scratch`` holds 2n
+   64-bit words. */
+static int64_t top_p_cut(const double *p, int64_t n, double top_p, struct cut *cut, uint64_t *scratch) {
     if (n == 0) {
         return 1;
     }
     if (n >= SELECT_MIN) {
-        int64_t keep = top_p_by_selection(p, n, top_p, marks, scratch);
+        int64_t keep = top_p_by_selection(p, n, top_p, cut, scratch);
         if (keep >= 0) {
             return keep;
         }
@@ -476,8 +508,20 @@ KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, unsigne
     while (end < n && keys[end] == keys[last]) {
         end++;
     }
-    mark_nucleus(p, n, key_value(keys[last]), last + 1 - above, end - above, marks);
+    *cut = (struct cut){key_value(keys[last]), last + 1 - above, end - above};
     return last + 1;
+}
+
+/* top_p_cut's count, with ``marks[i]`` = 1 for each kept token and 0 for the others (marks untouched
+   where no sum reaches top_p): the cut alone, as the tests call it. */
+KILN_VECTOR_CLONES
+KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, unsigned char *marks, uint64_t *scratch) {
+    struct cut cut;
+    int64_t keep = top_p_cut(p, n, top_p, &cut, scratch);
+    if (keep <= n) {
+        mark_nucleus(p, n, cut, marks);
+    }
+    return keep;
 }
 
 /* ---- after the probabilities: the cuts and the draw, in one call --------------------------------- */
@@ -495,36 +539,48 @@ static int64_t compact(int64_t *ids, double *probs, int64_t m, const unsigned ch
     return k;
 }
 
-/* numpy's pairwise_sum of a[0..n) (contiguous): the same additions as ``pairwise`` with every
-   position present. The 8 accumulators are 8 lanes: vectorised, each lane rounds as numpy's r[j]. */
-static double dense_pairwise(const double *a, int64_t n) {
+/* numpy's pairwise_sum of a[0..n) (contiguous, >= 0) with the items under ``floor`` taken as zeros:
+   the same additions as ``pairwise`` with every position present. The 8 accumulators are 8 lanes:
+   vectorised, each lane rounds as numpy's r[j]. */
+#define FLOORED(x) ((x) >= floor ? (x) : 0.0)
+static double dense_pairwise(const double *a, int64_t n, double floor) {
     if (n < 8) {
         double res = 0.0;
         for (int64_t i = 0; i < n; i++) {
-            res += a[i];
+            res += FLOORED(a[i]);
         }
         return res;
     }
     if (n <= PW_BLOCKSIZE) {
         double r[8];
         for (int j = 0; j < 8; j++) {
-            r[j] = a[j];
+            r[j] = FLOORED(a[j]);
         }
         int64_t i = 8;
         for (; i < n - (n % 8); i += 8) {
             for (int j = 0; j < 8; j++) {
-                r[j] += a[i + j];
+                r[j] += FLOORED(a[i + j]);
             }
         }
         double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
         for (; i < n; i++) {
-            res += a[i];
+            res += FLOORED(a[i]);
         }
         return res;
     }
     int64_t n2 = n / 2;
     n2 -= n2 % 8;
-    return dense_pairwise(a, n2) + dense_pairwise(a + n2, n - n2);
+    return dense_pairwise(a, n2, floor) + dense_pairwise(a + n2, n - n2, floor);
+}
+
+/* numpy's sum of the whole row a[0..length) with the items under ``floor`` as zeros, in its buffer's chunks. */
+static double floored_sum(const double *a, int64_t length, double floor) {
+    double total = 0.0;
+    for (int64_t start = 0; start < length; start += UFUNC_BUFSIZE) {
+        int64_t size = length - start < UFUNC_BUFSIZE ? length - start : UFUNC_BUFSIZE;
+        total += dense_pairwise(a + start, size, floor);
+    }
+    return total;
 }
 
 /* kiln_sparse_sum's value where most positions hold a value: the vector written out whole into
@@ -536,12 +592,7 @@ static double dense_sum(const int64_t *ids, const double *values, int64_t count,
     for (int64_t k = 0; k < count; k++) {
         dense[ids[k]] = values[k];
     }
-    double total = 0.0;
-    for (int64_t start = 0; start < length; start += UFUNC_BUFSIZE) {
-        int64_t size = length - start < UFUNC_BUFSIZE ? length - start : UFUNC_BUFSIZE;
-        total += dense_pairwise(dense + start, size);
-    }
-    return total;
+    return floored_sum(dense, length, 0.0);
 }
 
 /* The kept tokens' probabilities divided by their sum as numpy takes it over the whole row (zeros
@@ -596,14 +647,26 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
     }
     if (top_p < 1.0) {
         for (;;) {
-            int64_t keep = kiln_top_p(probs, m, top_p, marks, radix);
-            if (keep <= m || complete) {
-                if (keep > m) { /* no sum reaches top_p: every token is in */
-                    for (int64_t i = 0; i < m; i++) {
-                        marks[i] = 1;
-                    }
+            struct cut cut;
+            int64_t keep = top_p_cut(probs, m, top_p, &cut, radix);
+            if (keep <= m && m == vocab && min_p <= 0.0 && cut.equal == cut.ties) {
+                /* every token was in (ids[i] == i), and the cut keeps those at or above its value: the
+                   renormalising sum and the draw over the row as it is, the others as zeros (adding a
+                   zero leaves a sum as it is: the sums are those over the kept tokens alone) */
+                double sum, divisor = floored_sum(probs, m, cut.threshold), floor = cut.threshold;
+                for (int64_t i = 0; i < m; i++) {
+                    probs[i] = FLOORED(probs[i]) / divisor;
                 }
-                m = compact(ids, probs, m, marks);
+                int64_t index = kiln_cumulative_pick(probs, m, u, &sum);
+                if (!(sum > 0)) {
+                    return -1;
+                }
+                return index >= m ? vocab - 1 : index;
+            }
+            if (keep <= m || complete) {
+                if (keep <= m) { /* else no sum reaches top_p: every token is in */
+                    m = compact_cut(ids, probs, m, cut);
+                }
                 break;
             }
             /* the nucleus reaches past the tokens in: take in more of the row */

@@ -214,3 +214,23 @@ def test_the_nucleus_of_long_rows_and_of_top_p_at_a_sum(forms):
                 assert keep == int(np.searchsorted(cumulative, top_p)) + 1, (n, spread, top_p)
                 if keep <= n:
                     assert np.array_equal(np.flatnonzero(kept), np.sort(order[:keep])), (n, spread, top_p)
+
+
+def test_flat_rows_of_large_vocabularies_draw_as_the_rule(arithmetic):
+    """Rows where every token is likely enough to be a candidate (a random-weight model's: the fast
+    path that renormalises and draws over the row as it is, the cut's others as zeros), with top_p
+    alone, uniforms at random and on the edges of the reference's cumulative sums."""
+    rng = np.random.default_rng(12)
+    for vocab in (49_152, 128_256):
+        for row in range(6):
+            logits = (rng.standard_normal(vocab) * 0.5).astype(np.float32)
+            if row % 3 == 2:
+                logits[rng.integers(0, vocab, 50)] = logits[7]  # ties, maybe at the cut's value
+            params = SamplingParams(temperature=float(rng.choice([0.7, 1.0, 1.5])),
+                                    top_p=float(rng.choice([0.5, 0.9, 0.95, 0.999999])))
+            cumulative = np.cumsum(selection.reference_probabilities(logits, params))
+            edges = rng.choice(np.flatnonzero(np.diff(cumulative, prepend=0.0) > 0), 5)
+            uniforms = [*rng.random(5)] + [v for j in edges for v in
+                                           (np.nextafter(cumulative[j] / cumulative[-1], 0.0), cumulative[j] / cumulative[-1])]
+            for u in uniforms:
+                assert draw(logits, params, float(u)) == reference_draw(logits, params, float(u)), (vocab, params, u)
