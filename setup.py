@@ -24,8 +24,7 @@ ext_modules = [
 ext_modules.append(Extension(
     "modelkiln.native._sampling",
     ["src/modelkiln/native/sampling.c"],
-    # no strict aliasing: kiln_pick's radix words are also the renormalising sum's dense row of doubles
-    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing", "-fvisibility=hidden"],
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden"],
     optional=True,
 ))
 

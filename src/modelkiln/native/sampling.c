@@ -583,22 +583,10 @@ static double floored_sum(const double *a, int64_t length, double floor) {
     return total;
 }
 
-/* kiln_sparse_sum's value where most positions hold a value: the vector written out whole into
-   ``dense`` [length] (zeros elsewhere) and summed as numpy sums it, in its buffer's chunks. */
-static double dense_sum(const int64_t *ids, const double *values, int64_t count, int64_t length, double *dense) {
-    for (int64_t i = 0; i < length; i++) {
-        dense[i] = 0.0;
-    }
-    for (int64_t k = 0; k < count; k++) {
-        dense[ids[k]] = values[k];
-    }
-    return floored_sum(dense, length, 0.0);
-}
-
 /* The kept tokens' probabilities divided by their sum as numpy takes it over the whole row (zeros
-   elsewhere); ``dense`` [vocab] or NULL: scratch for a row where most tokens are kept. */
-static void renormalise(const int64_t *ids, double *probs, int64_t m, int64_t vocab, double *dense) {
-    double sum = dense != NULL && m > vocab / 4 ? dense_sum(ids, probs, m, vocab, dense) : kiln_sparse_sum(ids, probs, m, vocab);
+   elsewhere). */
+static void renormalise(const int64_t *ids, double *probs, int64_t m, int64_t vocab) {
+    double sum = kiln_sparse_sum(ids, probs, m, vocab);
     for (int64_t i = 0; i < m; i++) {
         probs[i] = probs[i] / sum;
     }
@@ -616,7 +604,6 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
                               double top_p, double min_p, const double *shares, double u, int64_t *ids, double *probs,
                               uint64_t *radix, unsigned char *marks) {
     int cut = top_p < 1.0 || min_p > 0.0;
-    double *dense = support == NULL && n == vocab ? (double *)radix : NULL; /* free once top-p has cut */
     int64_t m;
     int complete; /* every token with a probability is in */
     int next_share = 1;
@@ -675,7 +662,7 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
             m = kiln_likely(values, n, total, share, ids, probs);
             complete = share == 0.0;
         }
-        renormalise(ids, probs, m, vocab, dense);
+        renormalise(ids, probs, m, vocab);
     }
     if (min_p > 0.0) {
         double best = probs[0];
@@ -689,7 +676,7 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
             marks[i] = probs[i] >= floor;
         }
         m = compact(ids, probs, m, marks);
-        renormalise(ids, probs, m, vocab, dense);
+        renormalise(ids, probs, m, vocab);
     }
     double sum;
     int64_t index = kiln_cumulative_pick(probs, m, u, &sum);
