@@ -16,9 +16,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -26,25 +26,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
+from generation_servers import process  # noqa: E402
 from modelkiln.data import read_squad  # noqa: E402
 from modelkiln.machine import cpu_description  # noqa: E402
-from modelkiln.net import free_port, stop_child  # noqa: E402
-
-
-def start(command: list[str], port: int, health: str, env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{command[0]} exited: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{health}", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{command[0]} did not become ready")
+from modelkiln.net import free_port  # noqa: E402
 
 
 def one(port: int, model: str, ids: list[int], new_tokens: int) -> tuple[float, float, int]:
@@ -91,37 +76,33 @@ def main() -> None:
             at += n
     context = max(lengths) + args.new_tokens + 64
     kiln_port, llama_port = free_port(), free_port()
-    env = {**os.environ, "KILN_PORT": str(kiln_port), "KILN_GRPC_PORT": "0"}
-    servers = {
-        "kiln serve": (start([sys.executable, "-m", "modelkiln", "serve", str(args.artifact), "--threads", "2"],
-                             kiln_port, "/v2/health/ready", env), kiln_port, ""),
-        "llama-server": (start([os.environ["LLAMA_SERVER"], "-m", str(args.gguf), "-t", "2", "-tb", "2", "-c", str(context),
-                                "--parallel", "1", "--port", str(llama_port)], llama_port, "/health"), llama_port, ""),
+    commands = {  # (command, its readiness route, its port)
+        "kiln serve": ([sys.executable, "-m", "modelkiln", "serve", str(args.artifact), "--port", str(kiln_port),
+                        "--grpc-port", "0", "--cpus", "2", "--threads", "2"], "/v2/health/ready", kiln_port),
+        "llama-server": ([os.environ["LLAMA_SERVER"], "-m", str(args.gguf), "-t", "2", "-tb", "2", "-c", str(context),
+                          "--parallel", "1", "--host", "127.0.0.1", "--port", str(llama_port)], "/health", llama_port),
     }
-    for name, (proc, port, _) in list(servers.items()):  # each server's own name for the model
-        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
-        servers[name] = (proc, port, model)
-    results: dict[str, dict[int, list[tuple[float, float]]]] = {s: {n: [] for n in lengths} for s in servers}
-    try:
-        for name, (_, port, model) in servers.items():  # a warm-up request each
-            one(port, model, ids[:256], 4)
+    results: dict[str, dict[int, list[tuple[float, float]]]] = {s: {n: [] for n in lengths} for s in commands}
+    with ExitStack() as servers:
+        models = {}
+        for name, (command, ready, port) in commands.items():
+            servers.enter_context(process(command, f"http://127.0.0.1:{port}{ready}"))
+            # each server's own name for the model, then a warm-up request
+            models[name] = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+            one(port, models[name], ids[:256], 4)
         for round_ in range(args.rounds):
-            order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
+            order = list(commands) if round_ % 2 == 0 else list(reversed(commands))
             for n in lengths:
                 for name in order:
-                    _, port, model = servers[name]
-                    ttft, decode, _ = one(port, model, stretches[round_, n], args.new_tokens)
+                    ttft, decode, _ = one(commands[name][2], models[name], stretches[round_, n], args.new_tokens)
                     results[name][n].append((n / ttft, decode))
                     print(f"round {round_ + 1} {name} {n}: prefill {n / ttft:.1f} tok/s, decode {decode:.2f} tok/s",
                           flush=True)
-    finally:
-        for proc, _, _ in servers.values():
-            stop_child(proc, 30)
     lines = [f"{args.gguf.name}: one request at a time, {args.new_tokens} new tokens, 2 threads each, {args.rounds} "
              f"rounds (medians); CPU {cpu_description()}",
              f"{'server':<14} {'prompt':>7} {'prefill tok/s':>14} {'decode tok/s':>13}"]
     table = {}
-    for name in servers:
+    for name in commands:
         for n in lengths:
             prefill = statistics.median(r[0] for r in results[name][n])
             decode = statistics.median(r[1] for r in results[name][n])
