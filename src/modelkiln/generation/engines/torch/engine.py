@@ -113,7 +113,7 @@ class _Sequence:
 
 class TorchEngine:
     def __init__(self, decoder: TorchDecoder, cache: KVCache, max_rows: int, max_context: int | None,
-                 keep_logits: bool = False, decode_graphs: bool | None = None):
+                 keep_logits: bool = False, step_graphs: bool | None = None):
         self.decoder, self.cache = decoder, cache
         self.device = decoder.device
         self.max_rows = max_rows
@@ -126,8 +126,8 @@ class TorchEngine:
         self._free = list(range(max_rows))
         self._sequences: dict[SeqId, _Sequence] = {}
         self.sampler = DeviceSampler(max_rows, decoder.config.vocab, self.device)
-        # decode graphs: on CUDA by default; on the CPU only when asked (eager replays of the same buckets)
-        use_graphs = self.device.type == "cuda" if decode_graphs is None else decode_graphs
+        # step graphs: on CUDA by default; on the CPU only when asked (eager replays of the same buckets)
+        use_graphs = self.device.type == "cuda" if step_graphs is None else step_graphs
         self.graphs = StepGraphs(self, GPU_PREFILL_CHUNK) if use_graphs else None
         self.prefixes: PrefixCache | None = None
 
@@ -245,7 +245,7 @@ class TorchEngine:
         return result
 
     def warm_up(self) -> None:
-        """A short prompt and a few decode steps (the first runs allocate); on CUDA, the decode graphs."""
+        """A short prompt and a few decode steps (the first runs allocate); on CUDA, the step graphs."""
         seq = ("warm-up",)
         start = SeqStart(seq, [0, 1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True), seed=0)
         self.execute(StepPlan(starts=[start], chunks=[Chunk(seq, 0, [0, 1, 2, 3], last=True)]))
