@@ -272,6 +272,20 @@ def tiny_kiln_attention_graph(tiny_generation_artifact, tmp_path_factory) -> Pat
     return path
 
 
+def with_graph(artifact: Path, graph: Path, out: Path) -> Path:
+    """A copy of a text-generation artifact whose fp32 variant's graph (model.onnx) is ``graph`` (one
+    built with KilnAttention), made its default variant: the variant a draft model runs."""
+    import shutil
+
+    shutil.copytree(artifact, out)
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copy(graph.parent / name, out / name)
+    manifest = json.loads((out / "kiln.json").read_text())
+    manifest["generation"]["default_variant"] = "fp32"
+    (out / "kiln.json").write_text(json.dumps(manifest, indent=1))
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_torch_artifact(tmp_path_factory) -> Path:
     """The tiny Llama converted by `kiln convert --task text-generation --engine torch` (torch-fp32,

@@ -2,9 +2,11 @@
 answer's next tokens with a set share of them replaced by a wrong token, so the acceptance is chosen rather
 than earned. For a model with random weights (whose own drafts would mean nothing) this is the curve a real
 drafter would sit on; a share of 0 is the cost of the machinery when every draft is right.
+``--draft-model DRAFT`` adds a real drafter to the same rounds: ``--speculate draft-model`` with that
+artifact (the target itself: every greedy draft right, and the draft model's own calls paid).
 
     PYTHONPATH=src python benchmarks/generation/speculation_oracle.py ARTIFACT [--shares 0,0.25,0.5,0.75] \
-        [--prompts 4] [--max-tokens 48] [--rounds 2] [--out FILE]
+        [--draft-model DRAFT] [--prompts 4] [--max-tokens 48] [--rounds 2] [--out FILE]
 
 ARTIFACT: a text-generation artifact whose serving graph has KilnAttention. One stream; each prompt (the
 grounded and open prompts of prompts/speculation.json through the chat template) answered greedily, plainly
@@ -30,6 +32,8 @@ class OracleDrafter:
     """The plain answer's next tokens, each replaced (by the next token id) with probability ``share``,
     decided once per position (a seeded draw), so a token refused once is refused again."""
 
+    costly = False  # known answers: a proposal costs nothing
+
     def __init__(self, answer: Sequence[int], share: float, seed: int):
         rng = random.Random(seed)
         self.tokens = [t + 1 if rng.random() < share else t for t in answer]
@@ -41,6 +45,9 @@ class OracleDrafter:
     def propose(self, k: int) -> list[int]:
         return self.tokens[self.at:self.at + k]
 
+    def close(self) -> None:
+        pass
+
 
 class OracleSpeculation:
     """What the core asks of its speculation settings, with an oracle for each prompt."""
@@ -49,7 +56,7 @@ class OracleSpeculation:
         self.answers, self.share, self.draft_tokens = answers, share, draft_tokens
         self.on = True
 
-    def speculator(self, prompt_ids: Sequence[int]):  # type: ignore[no-untyped-def]
+    def speculator(self, prompt_ids: Sequence[int], draft_model=None):  # type: ignore[no-untyped-def]
         from modelkiln.generation.speculation import Speculator
 
         key = tuple(prompt_ids)
@@ -66,13 +73,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--draft-tokens", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--draft-model", default=None, help="also speculate with this draft model's artifact")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     from modelkiln.generation.core import CoreHooks, EngineCore, Request, greedy, run_to_completion
     from modelkiln.generation.engines.registry import EngineOptions
-    from modelkiln.generation.model import TextGenerationModel
-    from modelkiln.generation.speculation import DEFAULT_DRAFT_TOKENS
+    from modelkiln.generation.model import CoreOptions, TextGenerationModel
+    from modelkiln.generation.speculation import DEFAULT_DRAFT_TOKENS, SpeculationOptions
     from modelkiln.machine import cpu_description
 
     class Acceptance(CoreHooks):
@@ -104,7 +112,7 @@ def main() -> None:
         return tokens, last - first
 
     answers = {tuple(ids): run(plain, i, ids)[0] for i, ids in enumerate(prompts)}
-    shares = [float(s) for s in args.shares.split(",")]
+    shares = [float(s) for s in args.shares.split(",") if s]
     draft_tokens = args.draft_tokens or DEFAULT_DRAFT_TOKENS
     ways: dict[str, tuple[EngineCore, Acceptance | None]] = {"plain": (plain, None)}
     for share in shares:
@@ -112,6 +120,13 @@ def main() -> None:
         core = EngineCore(engine, model.tokenizer, model.eos_ids, max_running=4, hooks=hooks)
         core.speculation = OracleSpeculation(answers, share, draft_tokens)  # type: ignore[assignment]
         ways[f"{share:.0%} wrong"] = (core, hooks)
+    if args.draft_model:  # the product's own path: the draft model's artifact checked and opened by the model
+        speculation = SpeculationOptions("draft-model", draft_tokens, args.draft_model)
+        draft = model.draft_model(CoreOptions(threads=args.threads, max_running=4, speculation=speculation,
+                                              warm_up=True))
+        hooks = Acceptance()
+        ways["draft model"] = (EngineCore(engine, model.tokenizer, model.eos_ids, max_running=4, hooks=hooks,
+                                          speculation=speculation, draft_model=draft), hooks)
     rates: dict[str, list[float]] = {way: [] for way in ways}
     changed = 0
     for round_ in range(args.rounds):
@@ -133,7 +148,8 @@ def main() -> None:
         rate = statistics.median(rates[way])
         table[way] = {"tok_s": round(rate, 2), "vs_plain": round(rate / base, 3),
                       "acceptance": round(hooks.accepted / hooks.drafted, 3) if hooks and hooks.drafted else None}
-    header = (f"{model.name}: one stream, {len(prompts)} prompts, {args.max_tokens} greedy tokens, up to {draft_tokens} "
+    drafter = f", draft model {Path(args.draft_model).name}" if args.draft_model else ""
+    header = (f"{model.name}{drafter}: one stream, {len(prompts)} prompts, {args.max_tokens} greedy tokens, up to {draft_tokens} "
               f"drafted a step, {args.rounds} rounds (medians), {args.threads} threads; CPU {cpu_description()}")
     lines = [header, f"{'drafter':<12} {'tok/s':>8} {'vs plain':>9} {'acceptance':>11}"]
     lines += [f"{w:<12} {r['tok_s']:>8.2f} {r['vs_plain']:>9.3f} {r['acceptance'] if r['acceptance'] is not None else '-':>11}"

@@ -14,7 +14,7 @@ import typer
 
 from .derived_options import DERIVED, DerivedOptionsCommand, keyword, typer_params
 from .generation.request.settings import BOOL, FLOAT, INT, INTS, SETTINGS, from_command_line
-from .generation.speculation import DEFAULT_DRAFT_TOKENS, DRAFT_TOKENS_HELP, METHOD_HELP, METHODS
+from .generation.speculation import DEFAULT_DRAFT_TOKENS, DRAFT_MODEL, DRAFT_MODEL_HELP, DRAFT_TOKENS_HELP, METHOD_HELP, METHODS
 from .model_arg import PRECISION, artifact_path
 
 _TYPES = {FLOAT: Optional[float], INT: Optional[int], BOOL: bool, INTS: Optional[list[int]]}
@@ -50,19 +50,26 @@ def generate(
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, timings) instead of streaming."),
     speculate: str = typer.Option("off", metavar="|".join(METHODS), help=METHOD_HELP),
     draft_tokens: int = typer.Option(DEFAULT_DRAFT_TOKENS, min=1, help=DRAFT_TOKENS_HELP),
+    draft_model: Optional[str] = typer.Option(None, metavar="ARTIFACT", help=DRAFT_MODEL_HELP),
     precision: Optional[str] = PRECISION,
 ) -> None:
     """Generate text from PROMPT with a text-generation artifact, streaming tokens as they come."""
+    from .errors import ArtifactError
     from .generation.core import Request, run_to_completion
     from .generation.model import CoreOptions, TextGenerationModel
     from .generation.request.params import sampling_params
     from .generation.speculation import SpeculationOptions
 
     try:
-        speculation = SpeculationOptions(speculate, draft_tokens)
+        speculation = SpeculationOptions(speculate, draft_tokens, draft_model)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--speculate") from None
     model = TextGenerationModel(artifact_path(artifact, precision=precision))
+    if speculation.method == DRAFT_MODEL:
+        try:
+            model.draft_artifact(draft_model or "")  # checked before anything runs
+        except ArtifactError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--draft-model") from None
     ids = model.prompt_ids(prompt, chat=chat, system=system)
     given = ctx.meta.get(DERIVED, {})
     fields = {s.name: from_command_line(s, given.get(s.name)) for s in SETTINGS}

@@ -43,7 +43,7 @@ from ..errors import InvalidInputError, KilnError, OverloadedError, RequestTimeo
 from .plan import DEFAULT_MAX_RUNNING, Chunk, Engine, Sampled, SeqStart, StepPlan, StepResult
 from .sampling import SamplingParams
 from .sequence import Delta, SequenceState
-from .speculation import MAX_ROWS as SPECULATE_MAX_ROWS, CallCosts, SpeculationOptions, Speculator
+from .speculation import MAX_ROWS as SPECULATE_MAX_ROWS, DRAFT_MODEL, CallCosts, DraftModel, SpeculationOptions, Speculator
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step: a running stream's gap grows by one chunk's time
 DEFAULT_MAX_WAITING = 1024  # requests waiting for a row before new ones are refused at once
@@ -122,7 +122,8 @@ class EngineCore:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, eos_ids: Iterable[int] = (), *,
                  max_running: int = DEFAULT_MAX_RUNNING, max_waiting: int | None = None,
                  kv_budget: int | None = None, prefill_chunk: int | None = None,
-                 hooks: CoreHooks | None = None, speculation: SpeculationOptions = SpeculationOptions()):
+                 hooks: CoreHooks | None = None, speculation: SpeculationOptions = SpeculationOptions(),
+                 draft_model: DraftModel | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
@@ -134,6 +135,9 @@ class EngineCore:
         self.hooks = hooks or CoreHooks()
         # speculation where the engine verifies drafts (else plain decoding: answers are the same)
         self.speculation = speculation if engine.capabilities.verifies_drafts else SpeculationOptions()
+        self.draft_model = draft_model  # the draft model's engine (speculation's method draft-model)
+        if self.speculation.method == DRAFT_MODEL and draft_model is None:
+            raise ValueError("--speculate draft-model needs the draft model's engine (TextGenerationModel.core opens it)")
         self._call_costs = CallCosts()  # decode calls' seconds by the tokens they feed, while speculating
         self._lock = threading.Lock()  # guards the inbox: add_request and abort come from other threads
         self._arrived: deque[Request] = deque()
@@ -241,6 +245,8 @@ class EngineCore:
         self._running.clear()
         self._leaving += [r.request_id for r in active]
         outputs += [Output(r, error=error) for r in active]
+        for request in active:
+            _close_speculator(request)
         self._free_leaving()
         return outputs
 
@@ -292,7 +298,7 @@ class EngineCore:
                 continue
             if self.speculation.on and request.params.constraint is None and request.params.logprobs is None:
                 # not for grammars (a mask per drafted position) nor log-probabilities (plain steps give them)
-                request.speculator = self.speculation.speculator(request.prompt_ids)
+                request.speculator = self.speculation.speculator(request.prompt_ids, self.draft_model)
             active.append(request.reserve)
             admitted.append(request)
             if computing is not None:
@@ -454,6 +460,7 @@ class EngineCore:
         if request in self._prefilling:
             self._prefilling.remove(request)
         self._leaving.append(request.request_id)
+        _close_speculator(request)
 
     def _free_leaving(self) -> None:
         leaving, self._leaving = self._leaving, []
@@ -469,7 +476,16 @@ class EngineCore:
         self._running.clear()
         self._leaving += [r.request_id for r in failed]
         outputs += [Output(request, error=error) for request in failed]
+        for request in failed:
+            _close_speculator(request)
         self._free_leaving()
+
+
+def _close_speculator(request: Request) -> None:
+    """The request left: its drafter gives back what it holds (a draft model's cache slot)."""
+    if request.speculator is not None:
+        speculator, request.speculator = request.speculator, None
+        speculator.close()
 
 
 def _scored(request: Request) -> bool:

@@ -3,6 +3,7 @@ end-of-sequence ids and decoder variants, and the engine and engine core built o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -19,7 +20,12 @@ from .core import DEFAULT_MAX_RUNNING, CoreHooks, EngineCore
 from .engines.registry import EngineOptions, ModelShape, open_engine
 from .plan import Engine
 from .sampling import SamplingParams
-from .speculation import SpeculationOptions
+from .speculation import DRAFT_MODEL, DraftEngine, DraftModel, SpeculationOptions
+
+# A draft model's tokenizer must be the target's: its vocabulary size (added tokens too), the tokens
+# at these shares of the ids and at the end-of-sequence ids, and this text's ids are compared.
+VOCABULARY_SHARES = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+VOCABULARY_TEXT = "The quick brown fox, 42 times: {\"jumps\": [\"over\", \"the lazy dog\"]}\n\tdone."
 
 
 class TextGenerationModel:
@@ -132,8 +138,40 @@ class TextGenerationModel:
         engine.use_prefix_cache(prefix)
         if o.warm_up:
             engine.warm_up()
+        # the draft model only where the engine verifies drafts (elsewhere the core ignores speculation)
+        drafting = o.speculation.method == DRAFT_MODEL and engine.capabilities.verifies_drafts
         return EngineCore(engine, self.tokenizer, self.eos_ids, max_running=o.max_running, max_waiting=o.max_waiting,
-                          kv_budget=budget, prefill_chunk=o.prefill_chunk, hooks=hooks, speculation=o.speculation)
+                          kv_budget=budget, prefill_chunk=o.prefill_chunk, hooks=hooks, speculation=o.speculation,
+                          draft_model=self.draft_model(o) if drafting else None)
+
+    # -- a draft model (speculative decoding) ------------------------------------------------
+    def draft_artifact(self, folder: Path | str) -> TextGenerationModel:
+        """The draft model's artifact, checked: a text-generation artifact whose tokenizer is this
+        one's (``vocabulary_difference``); else an ArtifactError of one line naming --draft-model."""
+        try:
+            draft = TextGenerationModel(folder)
+        except ArtifactError as exc:
+            raise ArtifactError(f"draft model {folder}: {exc}") from None
+        difference = vocabulary_difference(self.tokenizer, draft.tokenizer, self.eos_ids)
+        if difference:
+            raise ArtifactError(f"draft model {folder}: its tokenizer is not {self.name}'s ({difference}); a draft "
+                                f"model must share the model's vocabulary")
+        return draft
+
+    def draft_model(self, options: CoreOptions) -> DraftModel:
+        """The draft model's engine for ``--speculate draft-model``: its default variant, with a cache
+        slot for each running sequence, on the target's threads (the two run in turn)."""
+        o = options
+        assert o.speculation.draft_model is not None  # SpeculationOptions requires it with the method
+        draft = self.draft_artifact(o.speculation.draft_model)
+        variant = draft._chosen(None, o.device)
+        engine = draft.engine(variant.name, EngineOptions(o.threads, o.device, o.max_running, 0, False, o.memory_arena))
+        if not isinstance(engine, DraftEngine):
+            raise ArtifactError(f"draft model {draft.folder}: its variant {variant.name} cannot draft (it needs "
+                                f"a serving graph: a GGUF variant, or a serving-graph ONNX variant)")
+        if o.warm_up:
+            engine.warm_up()
+        return DraftModel(engine, self.tokenizer.get_vocab_size(with_added_tokens=True), f"draft model {draft.name}")
 
 
 @dataclass(frozen=True)
@@ -170,6 +208,24 @@ PREFIX_CACHE_MAX_TOKENS = 2048
 
 def default_prefix_cache(kv_budget: int) -> int:
     return min(kv_budget // PREFIX_CACHE_SHARE, PREFIX_CACHE_MAX_TOKENS)
+
+
+def vocabulary_difference(target: Tokenizer, draft: Tokenizer, eos_ids: Iterable[int] = ()) -> str | None:
+    """What differs between two tokenizers' vocabularies (None: the same, as far as compared): the
+    vocabulary size with added tokens, the token at each share of the ids (``VOCABULARY_SHARES``)
+    and at the end-of-sequence ids, and the ids of ``VOCABULARY_TEXT``."""
+    size = target.get_vocab_size(with_added_tokens=True)
+    other = draft.get_vocab_size(with_added_tokens=True)
+    if size != other:
+        return f"vocabulary of {other} tokens, not {size}"
+    for token_id in sorted({round(share * (size - 1)) for share in VOCABULARY_SHARES} | set(eos_ids)):
+        ours, theirs = target.id_to_token(token_id), draft.id_to_token(token_id)
+        if ours != theirs:
+            return f"token {token_id} is {theirs!r}, not {ours!r}"
+    if target.encode(VOCABULARY_TEXT, add_special_tokens=False).ids != draft.encode(VOCABULARY_TEXT,
+                                                                                    add_special_tokens=False).ids:
+        return "a sample text's token ids differ"
+    return None
 
 
 def _generation_section(manifest: Manifest) -> dict:

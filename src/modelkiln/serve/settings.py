@@ -27,7 +27,7 @@ from pydantic.fields import FieldInfo
 
 from ..cpus import available_cpus
 from ..errors import KilnError
-from ..generation.speculation import DEFAULT_DRAFT_TOKENS, DRAFT_TOKENS_HELP, METHOD_HELP
+from ..generation.speculation import DEFAULT_DRAFT_TOKENS, DRAFT_MODEL, DRAFT_MODEL_HELP, DRAFT_TOKENS_HELP, METHOD_HELP
 
 if TYPE_CHECKING:
     from pydantic.config import JsonDict
@@ -135,8 +135,9 @@ class ServeSettings(BaseModel):
         None, "Generation: prompt tokens prefilled per scheduler step (running streams get a token between "
               "chunks).", sweep={"generation": "128"}, gt=0, shown_default="128; 2048 for a torch variant on CUDA")
     # answers are the same with or without (generation/speculation/); the choices are METHODS there
-    speculate: Literal["off", "ngram"] = setting("off", "Generation: " + METHOD_HELP)
+    speculate: Literal["off", "ngram", "draft-model"] = setting("off", "Generation: " + METHOD_HELP)
     draft_tokens: int = setting(DEFAULT_DRAFT_TOKENS, "Generation: " + DRAFT_TOKENS_HELP, gt=0)
+    draft_model: Optional[str] = setting(None, "Generation: " + DRAFT_MODEL_HELP, shown_default="none")
     generation_timeout_s: float = setting(600.0, "Generation: seconds per request, waiting and generating.",
                                           flag="--generation-timeout", gt=0)
     truncate_prompt: bool = setting(False, "Generation: cut prompts longer than the context from the left "
@@ -253,6 +254,9 @@ class ServeSettings(BaseModel):
         if self.model_control_mode != "none" and not self.model_repository:
             raise KilnError(f"model_control_mode {self.model_control_mode} needs a model repository "
                             f"({cli_flag('model_repository')} DIR)")
+        if self.speculate == DRAFT_MODEL and not self.draft_model:
+            raise KilnError(f"{cli_flag('speculate')} {DRAFT_MODEL} needs {cli_flag('draft_model')} ARTIFACT (a smaller "
+                            f"text-generation artifact with the same tokenizer)")
 
 
 # --- what the rest of the code derives from the declaration -----------------------------------

@@ -3,7 +3,8 @@ call (``plan.StepPlan.drafts``). A wrong guess costs time, never a different ans
 
 ``NgramDrafter`` is prompt lookup (vLLM's ``ngram`` method): find the sequence's last n tokens
 earlier in its prompt + answer and propose the tokens that followed them there. Answers that quote
-their input (extraction, rewriting, editing code) repeat long runs of it."""
+their input (extraction, rewriting, editing code) repeat long runs of it. The other drafter, a
+smaller model's greedy tokens, is ``draft_model.py``'s."""
 
 from __future__ import annotations
 
@@ -20,14 +21,21 @@ MIN_NGRAM = 1
 
 
 class Drafter(Protocol):
+    # True where a proposal costs time per token (a model's call each): the speculator asks for as
+    # many as it would verify (at least one, to go on measuring the acceptance)
+    costly: bool
+
     def extend(self, tokens: Iterable[int]) -> None: ...  # tokens appended to the sequence
     def propose(self, k: int) -> list[int]: ...  # at most k tokens to follow the sequence (maybe none)
+    def close(self) -> None: ...  # the request ended: give back what it holds
 
 
 class NgramDrafter:
     """Prompt lookup over one sequence's tokens. An index from each n-gram to where its latest
     occurrence ended (the n-grams that already have a token after them) makes a proposal cost
     ``MAX_NGRAM - MIN_NGRAM + 1`` dictionary lookups, and a token as many insertions."""
+
+    costly = False
 
     def __init__(self, tokens: Iterable[int] = (), min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM):
         self.min_n, self.max_n = min_n, max_n
@@ -61,3 +69,6 @@ class NgramDrafter:
         for i in range(start, start + k):
             proposal.append(self.tokens[i] if i < length else proposal[i - length])
         return proposal
+
+    def close(self) -> None:
+        """Nothing held but its own lists."""

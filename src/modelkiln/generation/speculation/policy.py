@@ -102,13 +102,20 @@ class Speculator:
         """Tokens to verify after ``answer``'s last one (maybe none): at most ``limit``; ``cost(k)``:
         the decode call's time with k more tokens, relative (``best_length``)."""
         self._follow(answer)
-        proposal = self.drafter.propose(min(self.max_draft, limit))
+        most = min(self.max_draft, limit)
+        if self.drafter.costly:  # each proposed token costs time: as many as would be verified, one at least
+            most = max(1, best_length(self.acceptance, most, rows, cost))
+        proposal = self.drafter.propose(most)
         if not proposal:
             return []
         k = best_length(self.acceptance, len(proposal), rows, cost)
         if k == 0:
             self._unverified = proposal[0]
         return proposal[:k]
+
+    def close(self) -> None:
+        """The request ended: its drafter gives back what it holds (a draft model's cache slot)."""
+        self.drafter.close()
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A verify call kept ``accepted`` of ``drafted`` tokens (the first refused one counts too)."""

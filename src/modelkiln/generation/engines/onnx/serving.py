@@ -201,6 +201,17 @@ class ServingEngine(HostEngine):
             self._staged[seq_id] = _Staged(first + row, length)
         return list(logits)
 
+    def truncate(self, seq_id: SeqId, tokens: int) -> None:
+        """Keep the first ``tokens`` positions of a sequence being prefilled (a draft model's slot,
+        whose refused drafts are rolled back): the keys and values after them are never read (both
+        attentions read a row up to its length) and the next chunk writes over them."""
+        staged = self._staged.get(seq_id)
+        if staged is None:
+            raise InvalidInputError(f"sequence {seq_id!r} is not being prefilled")
+        if not 0 <= tokens <= staged.length:
+            raise InvalidInputError(f"cannot keep {tokens} of sequence {seq_id!r}'s {staged.length} tokens")
+        staged.length = tokens
+
     def _stage(self, seq_id: SeqId) -> _Staged:
         staged = self._staged.get(seq_id)
         if staged is None:
