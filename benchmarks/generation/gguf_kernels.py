@@ -1,6 +1,6 @@
-"""kiln's native GgufMatMul kernels alone: one thread, random Q4_K and Q6_K blocks, a matrix bigger
-than the caches (32768 × 4096: 75 MB as Q4_K, 110 MB as Q6_K) at 1, 4 and 16 rows of X, each
-instruction set this CPU has. Rows are the batch of a decode step (one per sequence).
+"""kiln's native GgufMatMul kernels alone: one thread, random blocks of every type they read, a
+matrix bigger than the caches (32768 × 4096: 75 MB as Q4_K, 110 MB as Q6_K, 143 MB as Q8_0) at 1, 4
+and 16 rows of X, each instruction set this CPU has. Rows are the batch of a decode step (one per sequence).
 
     python benchmarks/generation/gguf_kernels.py [--repeat 10] [--json out.json]
 
@@ -22,11 +22,16 @@ from modelkiln.machine import cpu_description
 from modelkiln.native import GGML_TYPES, library_path
 
 
+# where a block keeps its fp16 scales (and minimums)
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
 def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes with small positive fp16 super-block scales (speed does not depend on values)."""
-    raw = rng.integers(0, 256, (n, k // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
-    scales = (rng.random((n, k // 256, 1)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
-    for at in ((0, 2) if kind == "Q4_K" else (208,)):
+    """Random bytes with small positive fp16 scales (speed does not depend on values)."""
+    size = 256 if kind.endswith("_K") else 32
+    raw = rng.integers(0, 256, (n, k // size, BLOCK_BYTES[kind]), dtype=np.uint8)
+    scales = (rng.random((n, k // size, 1)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
+    for at in FP16_FIELDS[kind]:
         raw[..., at:at + 2] = scales
     return raw.reshape(n, -1)
 

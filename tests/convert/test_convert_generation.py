@@ -165,7 +165,8 @@ def test_no_variant_passing_fails_and_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize("accuracy_level", [0, pytest.param(4, marks=pytest.mark.slow)])
 def test_q4_1_gguf_packs_the_files_own_blocks(tmp_path, accuracy_level):
-    """A GGUF source's default variant is ``gguf``: its own blocks in MatMulNBits (Q4_1 with the
+    """A GGUF source's default variant is ``gguf``: its own blocks; without the native operators
+    (``--no-native-gguf``, or where they are not built) in MatMulNBits (Q4_1 with the
     block-minimum correction, the tied Q8_0 embedding gathered and its head 8-bit), the same
     weights as PyTorch's, so the same logits (to float rounding at accuracy level 0; level 4
     quantizes activations to int8 inside the kernel) and the same greedy tokens."""
@@ -175,7 +176,7 @@ def test_q4_1_gguf_packs_the_files_own_blocks(tmp_path, accuracy_level):
 
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_1", embedding="Q8_0")
     out = tmp_path / "art"
-    manifest = _convert(gguf_path, out, int4_accuracy_level=accuracy_level)
+    manifest = _convert(gguf_path, out, int4_accuracy_level=accuracy_level, native_gguf=False)
     assert [v.name for v in manifest.variants] == ["gguf"]
     packed = manifest.variants[0]
     assert packed.kept and packed.validation.passed and packed.details["accuracy_level"] == accuracy_level

@@ -163,6 +163,34 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
         TextGenerationModel(out).core(packed.name)
 
 
+def test_blocks_of_32_as_stored_for_the_native_operators(tmp_path):
+    """The types with a scale per 32 weights stay the file's own rows too (SmolLM2's file: Q4_1
+    matrices, a Q8_0 embedding tied to the head; and Q4_0, Q5_0, Q5_1), widths that are not a
+    multiple of 256 included (the MLP's 480); logits are PyTorch's to int8-activation rounding; the gate passes."""
+    import onnx
+    import torch
+
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_1", embedding="Q8_0", hidden=256, ff=480,
+                                types={"attn_v": "Q5_0", "ffn_down": "Q5_1", "ffn_up": "Q4_0"})
+    out = tmp_path / "art"
+    manifest = _convert(gguf_path, out)
+    [packed] = [v for v in manifest.variants if v.name == "gguf"]
+    assert packed.kept, packed.reason
+    for kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        assert packed.details["from_gguf"][kind]["stored"] == f"{kind} blocks as in the file, in tiles of 16 rows (GgufMatMul)"
+    graph = onnx.load(str(out / "model.gguf.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("GgufGather") == 1 and "MatMulNBits" not in ops
+    assert ops.count("GgufMatMul") == 2 * 6 + 1  # qk, v, o, gate, up (apart: Q4_1 and Q4_0), down per layer; the tied head
+    artifact = TextGenerationModel(out)
+    ids = artifact.prompt_ids(PROMPT)
+    with torch.no_grad():
+        expected = _torch_model(gguf_path)(torch.tensor([ids])).logits[0].numpy()
+    got = artifact.engine(None, EngineOptions(threads=1)).prefill("p", ids, all_logits=True)
+    assert np.sqrt(np.mean((got - expected) ** 2)) < 0.03 * np.sqrt(np.mean(expected ** 2))
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.8
+
+
 def test_another_architecture_is_exported_and_packed_by_value(tmp_path):
     """A head size GroupQueryAttention cannot take (24): transformers loads the file, torch
     exports it, and the packed variant finds each MatMul's GGUF tensor by value."""

@@ -1,5 +1,5 @@
-"""kiln's native operators over GGUF K-quant blocks (src/modelkiln/native/gguf_ops.c), through
-onnxruntime as a served graph runs them."""
+"""kiln's native operators over GGUF blocks (src/modelkiln/native/gguf_ops.c, gguf_q32.c), through
+onnxruntime as a served graph runs them: the K-quants and the types with a scale per 32 weights."""
 import ctypes
 
 import numpy as np
@@ -12,13 +12,21 @@ from modelkiln.native import DOMAIN, GGML_TYPES, library_path
 pytestmark = pytest.mark.skipif(library_path() is None, reason="the native library is not built on this machine")
 
 
+KINDS = list(GGML_TYPES)
+PER_32 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
 def random_blocks(kind: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
-    """Valid random blocks (generation_helpers.random_gguf_blocks) whose fp16 super-block scales
-    differ from block to block, so that a kernel reading another block's scale shows."""
+    """Valid random blocks (generation_helpers.random_gguf_blocks) whose fp16 scales (and
+    minimums) differ from block to block, so that a kernel reading another block's shows."""
     rng = np.random.default_rng(seed)
-    raw = random_gguf_blocks(kind, rows, k, rng).reshape(rows, k // 256, -1)
+    size = 32 if kind in PER_32 else 256
+    raw = random_gguf_blocks(kind, rows, k, rng).reshape(rows, k // size, -1)
     for at in GGUF_FP16_FIELDS[kind]:
-        raw[..., at:at + 2] = (rng.random((rows, k // 256, 1)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
+        values = rng.random((rows, k // size, 1)) * 0.02 + 0.001
+        if at == 2 and kind in ("Q4_1", "Q5_1"):  # the minimum: negative, as a block's usually is
+            values = -values * 8
+        raw[..., at:at + 2] = values.astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -43,7 +51,7 @@ def matmul_session(kind: str, raw: np.ndarray, k: int):
                    [numpy_helper.from_array(tiles(kind, raw), "w")])
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_gather_is_gguf_pys_dequantization_bit_for_bit(kind):
     from gguf import GGMLQuantizationType, dequantize
     from onnx import TensorProto, helper, numpy_helper
@@ -61,7 +69,7 @@ def test_the_gather_is_gguf_pys_dequantization_bit_for_bit(kind):
     assert np.array_equal(every[0], dequantize(raw, GGMLQuantizationType[kind]).reshape(70, 512))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_tiles_move_the_files_bytes_and_keep_their_count(kind):
     """A tile of 16 rows takes the bytes of its 16 rows: the same values, moved (the gather above
     reads them back bit for bit)."""
@@ -72,7 +80,7 @@ def test_tiles_move_the_files_bytes_and_keep_their_count(kind):
     assert tiles(kind, raw[:17]).shape == (2, 16 * raw.shape[1])  # a short last tile is filled
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_matmul_is_the_dequantized_product_to_int8_activation_rounding(kind):
     from gguf import GGMLQuantizationType, dequantize
 
@@ -83,16 +91,16 @@ def test_the_matmul_is_the_dequantized_product_to_int8_activation_rounding(kind)
     [y] = matmul_session(kind, raw, k).run(None, {"x": x})
     expected = x @ w.T
     assert y.shape == (2, 3, n)
-    # activations are quantized to int8 per 256 inputs, as llama.cpp does: about 1% of the scale
+    # activations are quantized to int8 per 256 (K-quants) or 32 inputs, as llama.cpp does: about 1% of the scale
     assert np.abs(y - expected).max() < 0.02 * np.abs(expected).max()
     assert np.corrcoef(y.ravel(), expected.ravel())[0, 1] > 0.999
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch(kind):
     """Rows are multiplied one to four at a time: the same integer sums and float operations
     for each, so an answer does not depend on its batch."""
-    k, n = 512, 70
+    k, n = 512 if kind not in PER_32 else 576, 70  # 576 = 18 blocks of 32 (SmolLM2's width), not of 256
     raw = random_blocks(kind, n, k, seed=3)
     x = np.random.default_rng(4).standard_normal((1, 11, k)).astype(np.float32)
     s = matmul_session(kind, raw, k)

@@ -2,7 +2,8 @@
  *
  * GgufMatMul  Y[..., N] = X[..., K] · Wᵀ, W: Q4_K or Q6_K rows in tiles of 16 (convert/gguf_tiles.py)
  * GgufGather  Y[..., K] = the rows of W for token ids, dequantized exactly as gguf-py does
- * (domain "kiln.gguf"; attributes ggml_type (12: Q4_K, 14: Q6_K), K and N).
+ * (domain "kiln.gguf"; attributes ggml_type (12: Q4_K, 14: Q6_K), K and N). The types with a scale
+ * per 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are gguf_q32.c's, in tiles of the same shape.
  *
  * Why: MatMulNBits needs an fp32 scale per block and an fp32 correction for a block minimum, so a
  * Q4_K weight costs 6 bits there against the file's 4.5, and a Q6_K 10 against 6.56. Decoding one
@@ -26,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf_q32.h"
 #include "ort_abi.h"
 
 #define QK_K 256
@@ -340,37 +342,52 @@ typedef void (*tile_rows_fn)(int, const uint8_t *, int64_t, const q8_block *cons
 static tile_rows_fn tile_rows[MAX_ROWS + 1] = {NULL, tile_rows_256_1, tile_rows_256_2, tile_rows_256_3, tile_rows_256_4};
 
 /* ---- the matmul, a tile of sixteen columns per task over onnxruntime's threads ---------------- */
+/* The two families: K-quants (a super-block of 256 inputs, X in q8_block) and the types with a
+ * scale per 32 (gguf_q32.c, X in q8_32). */
+static int64_t block_inputs(int64_t type) { return q32_type(type) ? QK32 : QK_K; }
+static size_t block_bytes(int64_t type) { return q32_type(type) ? q32_tile_block_bytes(type) : TILE_BLOCK_BYTES[type]; }
+static size_t activation_bytes(int64_t type) { return q32_type(type) ? sizeof(q8_32) : sizeof(q8_block); }
+
 typedef struct {
     int type;
     const uint8_t *w;  /* tiles */
-    const q8_block *x;
+    const void *x;     /* q8_block or q8_32, nb a row */
     int64_t rows, n, nb;
     float *y;
 } matmul_job;
 
 static void matmul_task(void *data, size_t tile) {
     const matmul_job *job = data;
-    const uint8_t *t = job->w + tile * (size_t)job->nb * TILE_BLOCK_BYTES[job->type];
+    const uint8_t *t = job->w + tile * (size_t)job->nb * block_bytes(job->type);
     const int64_t c0 = (int64_t)tile * TILE, columns = job->n - c0 < TILE ? job->n - c0 : TILE;
+    const int q32 = q32_type(job->type);
     for (int64_t r = 0; r < job->rows; r += MAX_ROWS) {
         const int R = job->rows - r < MAX_ROWS ? (int)(job->rows - r) : MAX_ROWS;
-        const q8_block *x[MAX_ROWS];
         float out[MAX_ROWS][TILE];
-        for (int i = 0; i < R; i++) x[i] = job->x + (r + i) * job->nb;
-        tile_rows[R](job->type, t, job->nb, x, out);
+        if (q32) {
+            const q8_32 *x[MAX_ROWS];
+            for (int i = 0; i < R; i++) x[i] = (const q8_32 *)job->x + (r + i) * job->nb;
+            q32_tile_rows(job->type, R, t, job->nb, x, out);
+        } else {
+            const q8_block *x[MAX_ROWS];
+            for (int i = 0; i < R; i++) x[i] = (const q8_block *)job->x + (r + i) * job->nb;
+            tile_rows[R](job->type, t, job->nb, x, out);
+        }
         for (int i = 0; i < R; i++) memcpy(job->y + (r + i) * job->n + c0, out[i], sizeof(float) * (size_t)columns);
     }
 }
 
 typedef struct {
+    int type;
     const float *x;
     int64_t k, nb;
-    q8_block *out;
+    void *out;
 } quantize_job;
 
 static void quantize_rows_task(void *data, size_t row) {
     const quantize_job *job = data;
-    quantize_row(job->x + row * job->k, job->k, job->out + row * job->nb);
+    if (q32_type(job->type)) q32_quantize_row(job->x + row * job->k, job->k, (q8_32 *)job->out + row * job->nb);
+    else quantize_row(job->x + row * job->k, job->k, (q8_block *)job->out + row * job->nb);
 }
 
 /* ---- exact dequantization (the gather): gguf-py's float32 operations, in its order -------------- */
@@ -413,6 +430,10 @@ static void dequantize_column(int type, const uint8_t *t, int c, float *y) {
 
 /* Row ``row`` of the matrix (a token's embedding), from its tile. */
 static void dequantize_row(int type, const uint8_t *w, int64_t row, int64_t nb, float *y) {
+    if (q32_type(type)) {
+        q32_dequantize_row(type, w, row, nb, y);
+        return;
+    }
     const uint8_t *t = w + (size_t)(row / TILE) * (size_t)nb * TILE_BLOCK_BYTES[type];
     for (int64_t b = 0; b < nb; b++) dequantize_column(type, t + b * TILE_BLOCK_BYTES[type], (int)(row % TILE), y + b * QK_K);
 }
@@ -433,8 +454,8 @@ static void compute(void *state, OrtKernelContext *context) {
     CHECK(((KernelContextGetInputFn)kiln_ort_fn(api, SLOT_KernelContext_GetInput))(context, 1, &second));
     int64_t dims[8];
     size_t rank;
-    const int64_t nb = kn->k / QK_K;
-    const int64_t tile_bytes = nb * (int64_t)TILE_BLOCK_BYTES[kn->type];
+    const int64_t nb = kn->k / block_inputs(kn->type);
+    const int64_t tile_bytes = nb * (int64_t)block_bytes(kn->type);
     OrtValue *output;
     float *y;
     if (kn->gather) {  /* inputs: W [V / 16 tiles, tile bytes], ids [...] → [..., K]; V is N */
@@ -477,10 +498,10 @@ static void compute(void *state, OrtKernelContext *context) {
     CHECK(((KernelContextGetOutputFn)kiln_ort_fn(api, SLOT_KernelContext_GetOutput))(context, 0, dims, rank, &output));
     CHECK(((GetTensorMutableDataFn)kiln_ort_fn(api, SLOT_GetTensorMutableData))(output, (void **)&y));
     if (rows == 0) return;
-    q8_block *qx = aligned(sizeof(q8_block) * (size_t)(rows * nb));
+    void *qx = aligned(activation_bytes(kn->type) * (size_t)(rows * nb));
     if (!qx) return;
     KernelContextParallelForFn parallel = (KernelContextParallelForFn)kiln_ort_fn(api, SLOT_KernelContext_ParallelFor);
-    quantize_job qjob = {x, kn->k, nb, qx};
+    quantize_job qjob = {(int)kn->type, x, kn->k, nb, qx};
     if (rows > 1) {
         OrtStatus *status = parallel(context, quantize_rows_task, (size_t)rows, 0, &qjob);
         if (status) ((ReleaseStatusFn)kiln_ort_fn(api, SLOT_ReleaseStatus))(status);
@@ -506,7 +527,8 @@ static void *create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInf
         free(kn);
         return NULL;
     }
-    if ((kn->type != GGML_Q4_K && kn->type != GGML_Q6_K) || kn->k <= 0 || kn->k % QK_K || kn->n <= 0) {
+    if ((kn->type != GGML_Q4_K && kn->type != GGML_Q6_K && !q32_type(kn->type)) || kn->k <= 0 ||
+        kn->k % block_inputs(kn->type) || kn->n <= 0) {
         free(kn);
         return NULL;
     }
@@ -540,6 +562,7 @@ void kiln_gguf_use_avx512(int on) {
     tile_rows[2] = vnni ? tile_rows_512_2 : tile_rows_256_2;
     tile_rows[3] = vnni ? tile_rows_512_3 : tile_rows_256_3;
     tile_rows[4] = vnni ? tile_rows_512_4 : tile_rows_256_4;
+    q32_use_avx512(on);
 }
 
 extern const OrtCustomOp KILN_ATTENTION;  /* attention.c: the library's other operator */
@@ -561,9 +584,9 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
 /* For tests and measurements without onnxruntime: the same kernels on one thread; w is tiles. */
 __attribute__((visibility("default")))
 void kiln_gguf_matmul(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, float *y) {
-    const int64_t nb = k / QK_K;
-    q8_block *qx = aligned(sizeof(q8_block) * (size_t)(rows * nb));
-    quantize_job qjob = {x, k, nb, qx};
+    const int64_t nb = k / block_inputs(type);
+    void *qx = aligned(activation_bytes(type) * (size_t)(rows * nb));
+    quantize_job qjob = {type, x, k, nb, qx};
     for (int64_t r = 0; r < rows; r++) quantize_rows_task(&qjob, (size_t)r);
     matmul_job job = {type, w, qx, rows, n, nb, y};
     for (int64_t t = 0; t < (n + TILE - 1) / TILE; t++) matmul_task(&job, (size_t)t);
@@ -572,5 +595,5 @@ void kiln_gguf_matmul(int type, const float *x, int64_t rows, int64_t k, const u
 
 __attribute__((visibility("default")))
 void kiln_gguf_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, float *y) {
-    for (int64_t r = 0; r < rows; r++) dequantize_row(type, w, r, k / QK_K, y + r * k);
+    for (int64_t r = 0; r < rows; r++) dequantize_row(type, w, r, k / block_inputs(type), y + r * k);
 }

@@ -12,10 +12,11 @@ itself) and ``C`` [blocks, N]. Projections that read the same input (q/k/v, gate
 when they are stored alike (bits, block, correction), else one node per storage: a Q4_K_M file
 holds q and k as Q4_K and v as Q6_K.
 
-Q4_K and Q6_K blocks, where kiln's native operators are built (``native/``), keep the file's
-values and size: its rows, regrouped sixteen at a time (``gguf/tiles.py``), are the initializer of a
-``GgufMatMul`` node (4.5 and 6.56 bits a weight, against MatMulNBits' 6 and 10 for the same
-values), and a ``GgufGather`` dequantizes the embedding's rows from the same tiles exactly.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K blocks, where kiln's native operators are built
+(``native/``), keep the file's values and size: its rows, regrouped sixteen at a time
+(``gguf/tiles.py``), are the initializer of a ``GgufMatMul`` node (Q4_K 4.5 and Q6_K 6.56 bits a
+weight, against MatMulNBits' 6 and 10 for the same values; Q4_1 5 against 6 with its correction),
+and a ``GgufGather`` dequantizes the embedding's rows from the same tiles exactly.
 ``GraphBuilder(native=False)`` writes MatMulNBits for them as before.
 
 The token embedding of the packed variant stays quantized too: a token's row of codes and scales
@@ -72,7 +73,7 @@ class GraphBuilder:
     def __init__(self, tensors: TensorFile, pack: bool = False, accuracy_level: int = 0, native: bool = False):
         self.tensors = tensors
         self.pack = pack
-        self.native = native  # Q4_K/Q6_K as stored, for the native operators
+        self.native = native  # the types native.GGML_TYPES names as stored, for the native operators
         self.accuracy_level = accuracy_level
         self.nodes: list[Any] = []
         self.initializers: list[Any] = []

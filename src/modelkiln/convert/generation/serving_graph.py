@@ -182,7 +182,7 @@ def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False,
                         native: bool = False, kiln_attention: bool = False) -> GraphSummary:
     """Write the serving graph to ``path``, its weights to ``path.data`` as each is made. ``pack``:
     GGUF tensors stay in their own blocks where they have an exact MatMulNBits form; ``native``:
-    Q4_K and Q6_K stay exactly as the file stores them, for kiln's native operators;
+    the types the native operators read (``native.GGML_TYPES``) stay exactly as the file stores them;
     ``kiln_attention``: attention is kiln's native ``KilnAttention`` (module docstring)."""
     import onnx
     from onnx import TensorProto, helper

@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K rows regrouped for kiln's native ``GgufMatMul`` (``native/gguf_ops.c``).
+"""GGUF rows regrouped for kiln's native ``GgufMatMul`` (``native/gguf_ops.c``, ``native/gguf_q32.c``).
 
 The values are the file's, bit for bit: the same 4- or 6-bit codes, 6- or 8-bit sub-block scales
 and fp16 super-block scales, only moved. Sixteen consecutive rows (output columns) make a tile; a
@@ -14,6 +14,11 @@ interleaved four at a time, so that every 32-bit lane of a 64-byte vector belong
         qh    [16 h][16 col][4]  bits 2f..2f+1: q >> 4 of code 4(h + 16f)+i
         sc    [16][16 col]       signed 8-bit scales of each 16 codes
         d     [16 col] fp16
+    The types with one scale per 32 weights, a block of 32 inputs of all sixteen columns at a time:
+        codes [4 v][16 col][4]   the file's byte 4v+i: low nibble code 4v+i, high nibble code 16+4v+i
+              Q8_0: [8 v][16 col][4], signed code 4v+i
+        high  Q5_0, Q5_1: [16 col][4]: byte i, bit 2v: the fifth bit of code 4v+i, bit 2v+1: of 16+4v+i
+        d     [16 col] fp16,  m [16 col] fp16 (Q4_1, Q5_1)
 
 Why: one vector instruction then multiplies four codes of sixteen columns by four broadcast
 activations and sums them per column (``vpdpbusd``), with no sums across lanes; a per-row layout
@@ -30,7 +35,8 @@ import numpy as np
 from .blocks import q4_k_codes, q6_k_codes
 
 TILE = 16  # columns a tile
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # one super-block of one row, as the file stores it
+# one (super-)block of one row, as the file stores it
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 
 
 def tiles(kind: str, raw: np.ndarray) -> np.ndarray:
@@ -43,7 +49,7 @@ def tiles(kind: str, raw: np.ndarray) -> np.ndarray:
         raw = np.concatenate([raw, np.zeros((padded, row_bytes), np.uint8)])
     count = raw.shape[0] // TILE
     blocks = np.ascontiguousarray(raw.reshape(count, TILE, nb, size).transpose(0, 2, 1, 3))  # [tile, block, col, bytes]
-    parts = _q4_k(blocks) if kind == "Q4_K" else _q6_k(blocks)
+    parts = _q4_k(blocks) if kind == "Q4_K" else _q6_k(blocks) if kind == "Q6_K" else _per_32(kind, blocks)
     lead = (count, nb)
     return np.concatenate([np.ascontiguousarray(p).reshape(*lead, -1) for p in parts], axis=-1).reshape(count, -1)
 
@@ -68,6 +74,24 @@ def _q6_k(b: np.ndarray) -> list[np.ndarray]:
     top = (q >> np.uint8(4)).reshape(*lead, 4, 16, 4)  # [.., f, h, i]: code 4(h + 16f) + i
     qh = top[..., 0, :, :] | (top[..., 1, :, :] << np.uint8(2)) | (top[..., 2, :, :] << np.uint8(4)) | (top[..., 3, :, :] << np.uint8(6))
     return [_lanes(ql), _lanes(qh), np.swapaxes(b[..., 192:208], -1, -2), b[..., 208:210]]
+
+
+def _per_32(kind: str, b: np.ndarray) -> list[np.ndarray]:
+    """Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0: [d][m][qh][qs] as the file orders a block."""
+    lead = b.shape[:-1]
+    d = b[..., 0:2]
+    m = b[..., 2:4] if kind in ("Q4_1", "Q5_1") else None
+    at = 2 if m is None else 4
+    if kind == "Q8_0":
+        return [_lanes(b[..., 2:34].reshape(*lead, 8, 4)), d]
+    if kind in ("Q5_0", "Q5_1"):
+        fifth = np.unpackbits(b[..., at:at + 4], axis=-1, bitorder="little").reshape(*lead, 2, 4, 4)  # [.., second, v, i]
+        weights = (np.uint8(1) << (2 * np.arange(4, dtype=np.uint8)[:, None] + np.arange(2, dtype=np.uint8)[:, None, None]))
+        high = (fifth * weights).sum(axis=(-3, -2), dtype=np.uint8)  # [.., i]: bit 2v + second
+        parts = [_lanes(b[..., at + 4:at + 20].reshape(*lead, 4, 4)), high, d]
+    else:
+        parts = [_lanes(b[..., at:at + 16].reshape(*lead, 4, 4)), d]
+    return parts if m is None else parts + [m]
 
 
 def tiled_rows(kind: str, chunks: Iterable[np.ndarray]) -> Iterator[np.ndarray]:

@@ -1,0 +1,28 @@
+/* GGUF's types with one scale per 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) for GgufMatMul and
+ * GgufGather (gguf_ops.c), their values as the file stores them. gguf_q32.c says how. */
+#ifndef KILN_GGUF_Q32_H
+#define KILN_GGUF_Q32_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define QK32 32
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8 };
+
+/* An activation row, quantized per 32 inputs as llama.cpp's q8_1 is: int8 codes, their scale and
+ * their sum (for the weights' offsets: Q4_0's 8, Q5_0's 16, Q4_1's and Q5_1's minimums). */
+typedef struct {
+    int8_t qs[QK32];
+    float d;
+    int32_t sum;
+} q8_32;
+
+int q32_type(int64_t type);                  /* one of the five */
+size_t q32_tile_block_bytes(int64_t type);  /* 16 columns × the file's bytes of one block */
+void q32_quantize_row(const float *x, int64_t k, q8_32 *out);
+/* out[r][c] = row r of x · column c of a tile (16 columns), 1 ≤ rows ≤ 4 */
+void q32_tile_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32 *const *x, float out[][16]);
+void q32_dequantize_row(int type, const uint8_t *w, int64_t row, int64_t nb, float *y);
+void q32_use_avx512(int on);
+
+#endif
