@@ -22,6 +22,12 @@ from .plan import Engine
 from .sampling import SamplingParams
 from .speculation import DRAFT_MODEL, DraftEngine, DraftModel, SpeculationOptions
 
+# The draft model's intra-op threads. onnxruntime's workers spin a while after a run, and two sessions
+# taking turns on the same cores each find the other's worker spinning: SmolLM2-135M drafting for itself
+# (2 cores, AMD EPYC Zen 5), 8 draft calls and the 9-token verify call took 8.1 ms each and 26 ms with
+# both sessions on 2 threads, 6.7 and 12.8 ms with the draft model on 1 (5.0 and 10.6 in one session;
+# with spinning off in the draft session 7.3 and 11.5). A draft model is small: one thread suffices.
+DRAFT_THREADS = 1
 # A draft model's tokenizer must be the target's: its vocabulary size (added tokens too), the tokens
 # at these shares of the ids and at the end-of-sequence ids, and this text's ids are compared.
 VOCABULARY_SHARES = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
@@ -160,12 +166,12 @@ class TextGenerationModel:
 
     def draft_model(self, options: CoreOptions) -> DraftModel:
         """The draft model's engine for ``--speculate draft-model``: its default variant, with a cache
-        slot for each running sequence, on the target's threads (the two run in turn)."""
+        slot for each running sequence, on one thread (``DRAFT_THREADS``)."""
         o = options
         assert o.speculation.draft_model is not None  # SpeculationOptions requires it with the method
         draft = self.draft_artifact(o.speculation.draft_model)
         variant = draft._chosen(None, o.device)
-        engine = draft.engine(variant.name, EngineOptions(o.threads, o.device, o.max_running, 0, False, o.memory_arena))
+        engine = draft.engine(variant.name, EngineOptions(DRAFT_THREADS, o.device, o.max_running, 0, False, o.memory_arena))
         if not isinstance(engine, DraftEngine):
             raise ArtifactError(f"draft model {draft.folder}: its variant {variant.name} cannot draft (it needs "
                                 f"a serving graph: a GGUF variant, or a serving-graph ONNX variant)")
