@@ -22,7 +22,8 @@ from modelkiln.generation.core import CoreHooks, EngineCore, Request, complete
 from modelkiln.generation.engines.registry import EngineOptions
 from modelkiln.generation.model import CoreOptions, TextGenerationModel, vocabulary_difference
 from modelkiln.generation.sampling import SamplingParams
-from modelkiln.generation.speculation import DraftModel, SpeculationOptions, Speculator
+from modelkiln.generation.speculation import CallCosts, DraftModel, SpeculationOptions, Speculator
+from modelkiln.generation.speculation.policy import PROBE_EVERY
 from modelkiln.native import library_path
 from modelkiln.samples import SAMPLE_TEXTS
 from modelkiln.serve.settings import ServeSettings
@@ -119,10 +120,29 @@ def test_a_costly_drafter_is_asked_for_as_many_tokens_as_would_be_verified():
     engine = RecordingEngine(lambda tokens: 5)
     speculator = Speculator(DraftModel(engine, vocab_size=16).drafter([1, 2]), max_draft=8)
     for _ in range(20):
-        speculator.verified(4, 0)  # nothing accepted: no draft pays, one token is still proposed to measure
+        speculator.verified(4, 0)  # nothing accepted: no draft pays
     engine.calls.clear()
-    assert speculator.draft([], limit=8, rows=1) == []
+    for _ in range(PROBE_EVERY - 1):
+        assert speculator.draft([], limit=8, rows=1) == []
+    assert engine.calls == []  # not asked at all...
+    assert speculator.draft([], limit=8, rows=1) == []  # ...but for one token now and then, to measure
     assert len([c for c in engine.calls if c[0] == "prefill"]) == 1
+
+
+def test_the_draft_models_own_calls_count_in_the_choice():
+    """Every draft accepted, a verify call's extra tokens cheap: worth drafting while a drafted
+    token's call is cheap against the target's, not where it costs as much as the target's step."""
+    costs = CallCosts()
+    for tokens, ms in ((1, 5.0), (2, 5.5), (3, 6.0), (5, 7.0), (9, 12.0)):
+        costs.record(tokens, ms / 1000)
+    for token_ms, drafts in ((0.5, True), (6.0, False)):
+        model = DraftModel(RecordingEngine(lambda tokens: 5), vocab_size=16)
+        model.measured(token_ms / 1000)
+        speculator = Speculator(model.drafter([1, 2, 3]), max_draft=8)
+        for _ in range(20):
+            speculator.verified(4, 4)
+        proposal = speculator.draft([], limit=8, rows=1, cost=costs.relative(1, model.token_seconds))
+        assert bool(proposal) == drafts, (token_ms, proposal)
 
 
 # -- the option ----------------------------------------------------------------------------------------------
@@ -225,6 +245,9 @@ def core_for(tiny, graph, draft=None, draft_tokens: int = 4) -> tuple[EngineCore
         return EngineCore(engine, tiny.tokenizer, tiny.eos_ids, hooks=hooks), hooks
     speculation = SpeculationOptions("draft-model", draft_tokens, str(draft))
     draft_model = tiny.draft_model(CoreOptions(threads=2, max_running=8, speculation=speculation))
+    # the policy weighs the draft model's measured calls, and the tiny draft costs about what the
+    # tiny target does: unmeasured, drafting follows acceptance alone, whatever this machine's speed
+    draft_model.measured = lambda seconds: None
     return EngineCore(engine, tiny.tokenizer, tiny.eos_ids, hooks=hooks, speculation=speculation,
                       draft_model=draft_model), hooks
 

@@ -372,8 +372,9 @@ class EngineCore:
         fed = len(decoding)  # tokens the call feeds so far: each row's next one, the drafts chosen before
         for request in decoding:
             if request.speculator is not None and request.state is not None and request.state.tokens_left > 1:
-                draft = request.speculator.draft(request.state.generated_ids, request.state.tokens_left - 1,
-                                                 len(decoding), self._call_costs.relative(fed))
+                speculator = request.speculator
+                cost = self._call_costs.relative(fed, speculator.drafter.token_seconds)
+                draft = speculator.draft(request.state.generated_ids, request.state.tokens_left - 1, len(decoding), cost)
                 if draft:
                     drafts[request.request_id] = draft
                     fed += len(draft)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -50,6 +51,11 @@ class DraftModel:
         self.vocab_size = vocab_size
         self.name = name
         self._ids = itertools.count()
+        self.token_seconds = 0.0  # a one-token call's seconds (decayed mean; 0 before the first)
+
+    def measured(self, seconds: float) -> None:
+        weight = 0.25 if self.token_seconds else 1.0
+        self.token_seconds += weight * (seconds - self.token_seconds)
 
     def drafter(self, prompt_ids: Iterable[int] = ()) -> DraftModelDrafter:
         return DraftModelDrafter(self, prompt_ids)
@@ -74,6 +80,11 @@ class DraftModelDrafter:
         self.cached: list[int] = []
         self.known = 0  # tokens of ``cached`` that are the sequence's own (the drafted ones follow)
         self.stopped = False
+
+    @property
+    def token_seconds(self) -> float:
+        """Seconds of one drafted token's call, measured over the draft model's recent one-token calls."""
+        return self.model.token_seconds
 
     def extend(self, tokens: Iterable[int]) -> None:
         self.tokens.extend(tokens)
@@ -107,7 +118,10 @@ class DraftModelDrafter:
         self.known = len(self.tokens)
         proposal: list[int] = []
         while True:
+            started = time.perf_counter()
             logits = engine.prefill(self.seq, feed)
+            if len(feed) == 1:
+                self.model.measured(time.perf_counter() - started)
             self.cached += feed
             token = int(np.argmax(logits))
             if token >= self.model.vocab_size:

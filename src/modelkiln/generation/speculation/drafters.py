@@ -22,8 +22,11 @@ MIN_NGRAM = 1
 
 class Drafter(Protocol):
     # True where a proposal costs time per token (a model's call each): the speculator asks for as
-    # many as it would verify (at least one, to go on measuring the acceptance)
+    # many as it would verify, and now and then one to go on measuring the acceptance
     costly: bool
+
+    @property
+    def token_seconds(self) -> float: ...  # what a proposed token costs, measured (0: nothing to speak of)
 
     def extend(self, tokens: Iterable[int]) -> None: ...  # tokens appended to the sequence
     def propose(self, k: int) -> list[int]: ...  # at most k tokens to follow the sequence (maybe none)
@@ -36,6 +39,7 @@ class NgramDrafter:
     ``MAX_NGRAM - MIN_NGRAM + 1`` dictionary lookups, and a token as many insertions."""
 
     costly = False
+    token_seconds = 0.0
 
     def __init__(self, tokens: Iterable[int] = (), min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM):
         self.min_n, self.max_n = min_n, max_n

@@ -28,6 +28,9 @@ MAX_ROWS = 2
 # yet: more than measured from 2 to 4 tokens, so that the first drafts are short, then measured.
 VERIFY_TOKEN_COST = 0.15
 COST_WEIGHT = 0.25  # what a new measurement of a call's seconds weighs against the earlier ones
+# A costly drafter (a draft model) whose tokens do not pay is asked for one token every this many
+# steps, to notice when its acceptance rises: each probe costs a draft-model call.
+PROBE_EVERY = 32
 DECAY = 0.9  # what earlier observations of a request's acceptance weigh at each new one
 PRIOR = (1.0, 2.0)  # (accepted, tried) before any observation: one in two
 
@@ -74,10 +77,13 @@ class CallCosts:
             return _linear(tokens)
         return self._seconds[near] * _linear(tokens) / _linear(near)
 
-    def relative(self, base: int) -> Callable[[int], float]:
-        """The cost of a call of ``base + k`` tokens against one of ``base``, as a function of k."""
+    def relative(self, base: int, draft_seconds: float = 0.0) -> Callable[[int], float]:
+        """The cost of a call of ``base + k`` tokens against one of ``base``, as a function of k;
+        ``draft_seconds``: what drafting each of the k tokens costs besides (a draft model's call),
+        counted once a call's seconds are known."""
         unit = self.estimate(base)
-        return lambda k: self.estimate(base + k) / unit
+        extra = draft_seconds if self._seconds else 0.0
+        return lambda k: (self.estimate(base + k) + k * extra) / unit
 
 
 def _linear(tokens: int) -> float:
@@ -93,6 +99,7 @@ class Speculator:
         self._accepted, self._tried = PRIOR
         self._given = 0  # answer tokens handed to the drafter
         self._unverified: int | None = None  # the first token of the last proposal not verified
+        self._steps_since_probe = 0  # a costly drafter's steps without a proposal
 
     @property
     def acceptance(self) -> float:
@@ -103,8 +110,13 @@ class Speculator:
         the decode call's time with k more tokens, relative (``best_length``)."""
         self._follow(answer)
         most = min(self.max_draft, limit)
-        if self.drafter.costly:  # each proposed token costs time: as many as would be verified, one at least
-            most = max(1, best_length(self.acceptance, most, rows, cost))
+        if self.drafter.costly:  # each proposed token costs time: as many as would be verified
+            most = best_length(self.acceptance, most, rows, cost)
+            self._steps_since_probe = 0 if most else self._steps_since_probe + 1
+            if self._steps_since_probe >= PROBE_EVERY:  # one, now and then, to go on measuring the acceptance
+                most, self._steps_since_probe = 1, 0
+            if most == 0:
+                return []
         proposal = self.drafter.propose(most)
         if not proposal:
             return []
