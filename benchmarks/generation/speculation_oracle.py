@@ -33,6 +33,7 @@ class OracleDrafter:
     decided once per position (a seeded draw), so a token refused once is refused again."""
 
     costly = False  # known answers: a proposal costs nothing
+    token_seconds = 0.0
 
     def __init__(self, answer: Sequence[int], share: float, seed: int):
         rng = random.Random(seed)

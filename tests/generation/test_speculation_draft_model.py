@@ -143,6 +143,10 @@ def test_the_draft_models_own_calls_count_in_the_choice():
             speculator.verified(4, 4)
         proposal = speculator.draft([], limit=8, rows=1, cost=costs.relative(1, model.token_seconds))
         assert bool(proposal) == drafts, (token_ms, proposal)
+        if not drafts:  # not even probed: with every draft accepted it would not pay either
+            for _ in range(2 * PROBE_EVERY):
+                assert speculator.draft([], limit=8, rows=1, cost=costs.relative(1, model.token_seconds)) == []
+            assert model.engine.calls == []
 
 
 # -- the option ----------------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ MAX_ROWS = 2
 VERIFY_TOKEN_COST = 0.15
 COST_WEIGHT = 0.25  # what a new measurement of a call's seconds weighs against the earlier ones
 # A costly drafter (a draft model) whose tokens do not pay is asked for one token every this many
-# steps, to notice when its acceptance rises: each probe costs a draft-model call.
+# steps, to notice when its acceptance rises (each probe costs draft-model calls: the tokens since
+# the last one, then the drafted one); never where even every draft accepted would not pay.
 PROBE_EVERY = 32
 DECAY = 0.9  # what earlier observations of a request's acceptance weigh at each new one
 PRIOR = (1.0, 2.0)  # (accepted, tried) before any observation: one in two
@@ -111,12 +112,13 @@ class Speculator:
         self._follow(answer)
         most = min(self.max_draft, limit)
         if self.drafter.costly:  # each proposed token costs time: as many as would be verified
-            most = best_length(self.acceptance, most, rows, cost)
-            self._steps_since_probe = 0 if most else self._steps_since_probe + 1
-            if self._steps_since_probe >= PROBE_EVERY:  # one, now and then, to go on measuring the acceptance
-                most, self._steps_since_probe = 1, 0
-            if most == 0:
-                return []
+            paying = best_length(self.acceptance, most, rows, cost)
+            self._steps_since_probe = 0 if paying else self._steps_since_probe + 1
+            if not paying:  # one now and then, to see whether the acceptance rose: where that could pay
+                if self._steps_since_probe < PROBE_EVERY or best_length(1.0, most, rows, cost) == 0:
+                    return []
+                paying, self._steps_since_probe = 1, 0
+            most = paying
         proposal = self.drafter.propose(most)
         if not proposal:
             return []
