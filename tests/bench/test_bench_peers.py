@@ -15,6 +15,7 @@ import pytest
 from generation_helpers import write_tiny_gguf
 from helpers import SRC, kiln
 from modelkiln.bench.generation_backends import llama_cpp_install_hint
+from modelkiln.machine import cpu_flags, matrix_engine
 from modelkiln.manifest import Manifest
 from test_first_run import kiln_without
 
@@ -79,6 +80,8 @@ def test_a_peer_that_crashes_is_a_note(gguf_artifact, tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert f"llama.cpp (same GGUF): crashed with SIGSEGV; see {log}" in data["notes"]
     assert {c["backend"] for c in data["cells"]} == {"onnxruntime fp32"}
+    # the unit its products ran on, as kiln convert recorded it (fp32: the widest vector unit)
+    assert {c["matrix_engine"] for c in data["cells"]} == {matrix_engine("fp32", "cpu", cpu_flags())}
 
 
 def test_a_peer_that_hangs_is_stopped_at_the_time_limit(gguf_artifact, tmp_path):

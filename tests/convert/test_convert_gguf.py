@@ -21,6 +21,7 @@ from modelkiln.convert.pipeline import ConvertConfig, convert
 from modelkiln.errors import ArtifactError, ModelLoadError, ModelTooLargeError, UnsupportedArchitectureError
 from modelkiln.generation.engines.registry import EngineOptions
 from modelkiln.generation.model import TextGenerationModel
+from modelkiln.machine import cpu_flags, matrix_engine
 from modelkiln.native import LAYOUT
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -178,6 +179,8 @@ def test_blocks_of_32_as_stored_for_the_native_operators(tmp_path):
     assert packed.kept, packed.reason
     for kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         assert packed.details["from_gguf"][kind]["stored"] == f"{kind} blocks as in the file, in tiles of 16 rows (GgufMatMul)"
+    # int8 dot products: VNNI where the CPU has it, AVX2's pair products elsewhere (convert's table names it)
+    assert packed.details["matrix_engine"] == matrix_engine("int8", "cpu", cpu_flags())
     graph = onnx.load(str(out / "model.gguf.onnx"), load_external_data=False).graph
     ops = [n.op_type for n in graph.node]
     assert ops.count("GgufGather") == 1 and "MatMulNBits" not in ops

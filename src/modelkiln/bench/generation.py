@@ -55,6 +55,7 @@ class GenerationCell:
     tokens: int  # prompt length (prefill) or past length (decode)
     stats: Stats  # per call (prefill) or per step (decode), ms
     speedup: float | None = None
+    matrix_engine: str = "—"  # the unit an own variant's products ran on (recorded by kiln convert); peers: unknown
 
     @property
     def tokens_per_s(self) -> float:
@@ -228,12 +229,14 @@ def _run_peer(label: str, peer: dict[str, Any], inputs: GenerationInputs, cfg: G
 OWN_PREFIXES = ("onnxruntime ", "kiln ")
 
 
-def _own_variants(model: TextGenerationModel, cfg: GenerationBenchConfig) -> Iterator[tuple[str, Callable[[], Any]]]:
+def _own_variants(model: TextGenerationModel, cfg: GenerationBenchConfig) -> Iterator[tuple[str, Callable[[], Any], str]]:
+    """(label, the backend's factory, the matrix engine convert recorded: "—" in older artifacts)"""
     for v in model.manifest.kept_variants():
         if v.device != "cpu" or (cfg.variants and v.name not in cfg.variants):
             continue
         label = f"kiln {v.name}" if v.engine == "torch" else f"onnxruntime {v.name}"
-        yield label, partial(OnnxBackend, model, v.name, cfg.threads, max_batch=max(cfg.batches))
+        yield (label, partial(OnnxBackend, model, v.name, cfg.threads, max_batch=max(cfg.batches)),
+               v.details.get("matrix_engine", "—"))
 
 
 def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
@@ -250,10 +253,12 @@ def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
         peer_cells, peer_notes = _run_peer(label, peer, inputs, cfg, steps)
         cells += peer_cells
         notes += peer_notes
-    for label, factory in _own_variants(model, cfg):
+    for label, factory, engine in _own_variants(model, cfg):
         with steps(f"Loading {label}"):
             backend = factory()
         own_cells, own_notes = measure_backend(backend, label, inputs, cfg, steps)
+        for cell in own_cells:
+            cell.matrix_engine = engine
         cells += own_cells
         notes += own_notes
         del backend  # free it before the next variant loads

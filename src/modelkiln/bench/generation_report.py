@@ -17,15 +17,15 @@ from .runner import machine_title
 
 def print_generation_bench(console: Console, result: GenerationBenchResult) -> None:
     table = Table(title=escape(f"{result.model} ({result.task}) — {machine_title(result.machine)}"), title_justify="left")
-    for col in ("phase", "batch", "tokens", "backend", "median ms", "p95 ms", "tokens/s", "speed-up"):
-        table.add_column(col, justify="left" if col in ("phase", "backend") else "right")
+    for col in ("phase", "batch", "tokens", "backend", "matrix engine", "median ms", "p95 ms", "tokens/s", "speed-up"):
+        table.add_column(col, justify="left" if col in ("phase", "backend", "matrix engine") else "right")
     previous = None
     for c in sorted(result.cells, key=lambda c: (c.phase != "prefill", c.batch, c.tokens)):
         key = (c.phase, c.batch, c.tokens)
         if previous is not None and key != previous:
             table.add_section()
         previous = key
-        table.add_row(c.phase, str(c.batch), str(c.tokens), c.backend, f"{c.stats.median:.2f}", f"{c.stats.p95:.2f}",
+        table.add_row(c.phase, str(c.batch), str(c.tokens), c.backend, escape(c.matrix_engine), f"{c.stats.median:.2f}", f"{c.stats.p95:.2f}",
                       f"{c.tokens_per_s:,.1f}", f"{c.speedup:.2f}×" if c.speedup else "—")
     console.print(table)
     console.print("[dim]prefill: one prompt of `tokens` tokens; decode: one step of `batch` sequences, each with a past of "
@@ -44,7 +44,8 @@ def print_generation_bench(console: Console, result: GenerationBenchResult) -> N
 def generation_bench_dict(result: GenerationBenchResult) -> dict:
     return {"model": result.model, "task": result.task, "machine": result.machine, "config": asdict(result.config),
             "notes": result.notes,
-            "cells": [{"backend": c.backend, "phase": c.phase, "batch": c.batch, "tokens": c.tokens, **asdict(c.stats),
+            "cells": [{"backend": c.backend, "matrix_engine": c.matrix_engine, "phase": c.phase, "batch": c.batch,
+                       "tokens": c.tokens, **asdict(c.stats),
                        "tokens_per_s": c.tokens_per_s, "speedup": c.speedup} for c in result.cells]}
 
 

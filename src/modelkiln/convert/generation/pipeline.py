@@ -31,7 +31,7 @@ from ...errors import ConversionError, ModelLoadError, ValidationFailedError
 from ...generation.core import EngineCore, Request, greedy
 from ...generation.engines.registry import ONNX_EXPORT, ONNX_SERVING, TORCH
 from ...generation.model import CoreOptions, TextGenerationModel
-from ...machine import cpu_description
+from ...machine import cpu_description, cpu_flags, matrix_engine
 from ...manifest import Manifest, TokenizerSpec, Variant
 from ...native import LAYOUT as NATIVE_LAYOUT
 from .. import source as src
@@ -302,7 +302,8 @@ def _gate(cfg: Any, artifact: TextGenerationModel, gate: GatePrompts, built: lis
                 reason = _refuse_batch_variant(invariance[b.name], validation, found, reason)
                 variants.append(Variant(b.name, b.precision, options[b.name].device, b.path.name, validation.passed,
                                         reason=reason, validation=validation, latency_ms=latency[b.name],
-                                        latency_shape=[1, 1], details={**b.details, **found, "decode_past": DECODE_PAST},
+                                        latency_shape=[1, 1], details={**b.details, **found, "decode_past": DECODE_PAST,
+                                                                       "matrix_engine": _matrix_engine(b, options[b.name].device)},
                                         engine=b.engine))
     finally:
         for run in runs.values():
@@ -352,6 +353,14 @@ def _default_variant(variants: list[Variant], device: str) -> str:
         return v.latency_ms
 
     return min(close or kept, key=latency).name
+
+
+def _matrix_engine(b: Built, device: str) -> str:
+    """The unit a variant's products run on (``machine.matrix_engine``, named in convert's table):
+    int8 dot products where its activations are quantized to int8 (kiln's native GGUF operators,
+    MatMulNBits at accuracy level 4), else the unit of its float precision."""
+    int8 = "native_ops" in b.details or b.details.get("accuracy_level") == 4
+    return matrix_engine("int8" if int8 else b.precision, device, cpu_flags())
 
 
 def _refuse_batch_variant(invariance: Any, validation: Any, details: dict[str, Any], reason: str) -> str:
