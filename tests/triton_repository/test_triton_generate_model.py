@@ -167,3 +167,33 @@ def test_a_request_past_its_deadline_ends_with_an_error(load_model):
     assert sender.done.wait(60)
     response, flags = sender.responses[-1]
     assert flags and response.error is not None and "timed out" in str(response.error)
+
+
+def test_speculation_settings_reach_the_core(load_model, monkeypatch):
+    """``kiln triton --speculate ngram --draft-tokens N`` writes them as the model's parameters
+    (test_triton_config.py); the model hands them to the core as kiln serve does."""
+    from modelkiln.generation.model import TextGenerationModel
+    from modelkiln.generation.speculation import SpeculationOptions
+
+    seen = []
+    core = TextGenerationModel.core
+    monkeypatch.setattr(TextGenerationModel, "core", lambda self, variant=None, options=None, hooks=None: (
+        seen.append(options), core(self, variant, options, hooks))[1])
+    load_model(max_batch=2)
+    load_model(max_batch=2, speculate="ngram", draft_tokens="5")
+    assert [o.speculation for o in seen] == [SpeculationOptions(), SpeculationOptions("ngram", 5)]
+
+
+def test_kiln_triton_writes_the_speculation_settings(tiny_generation_artifact, tmp_path):
+    from helpers import assert_one_line_error
+
+    repo = tmp_path / "repo"
+    r = kiln("triton", str(tiny_generation_artifact), str(repo), "--speculate", "ngram", "--draft-tokens", "5")
+    assert r.returncode == 0, r.stderr
+    config = (repo / model_name(Manifest.load(tiny_generation_artifact)) / "config.pbtxt").read_text()
+    assert 'key: "speculate" value { string_value: "ngram" }' in config
+    assert 'key: "draft_tokens" value { string_value: "5" }' in config
+    for method, message in (("draft-model", "draft-model is not offered here"), ("medusa", "must be one of")):
+        bad = kiln("triton", str(tiny_generation_artifact), str(tmp_path / method), "--speculate", method)
+        assert_one_line_error(bad, message)
+        assert not (tmp_path / method).exists()

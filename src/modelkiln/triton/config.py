@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..generation.speculation import DEFAULT_DRAFT_TOKENS
 from ..manifest import Manifest
 from ..tasks.tensors import TensorSpec as OipSpec
 from ..tasks import make_task
@@ -115,6 +116,10 @@ class Options:
     instances: int = _option(1, "Instances of each model (instance_group count).")
     kind: str = _option("cpu", "cpu or gpu: where the model instances run (KIND_CPU / KIND_GPU).")
     threads: int = _option(0, "onnxruntime intra-op threads per instance (0: onnxruntime's default).")
+    speculate: str = _option("off", "Text generation: speculative decoding by prompt lookup, answers unchanged: "
+                             "ngram or off (as kiln serve's --speculate; draft-model is kiln serve's and kiln "
+                             "ray's only: its artifact does not travel in the repository).")
+    draft_tokens: int = _option(DEFAULT_DRAFT_TOKENS, "Text generation with --speculate: the most tokens drafted a step.")
 
 
 # OIP datatype → Triton's config DataType.

@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 from ..atomic import atomic_folder
-from ..errors import ArtifactError
+from ..errors import ArtifactError, KilnError
+from ..generation.speculation import SpeculationOptions
 from ..generation.request.settings import SETTINGS
 from ..manifest import Manifest
 from .config import ModelConfig, Options, TensorSpec
@@ -33,15 +34,29 @@ def generation_config(name: str, opts: Options, variant: str) -> ModelConfig:
     parameters = {"max_batch": str(opts.max_batch_size), "variant": variant}
     if opts.threads:
         parameters["threads"] = str(opts.threads)
+    speculation = speculation_options(opts)
+    if speculation.on:  # generate_model.py reads them back into the core's options
+        parameters["speculate"], parameters["draft_tokens"] = speculation.method, str(speculation.draft_tokens)
     # One instance: its scheduler batches every request in flight; a second would split them.
     return ModelConfig(name, 0, INPUTS, OUTPUTS, backend="python", instances=1, kind="cpu",
                        parameters=parameters, decoupled=True)
+
+
+def speculation_options(opts: Options) -> SpeculationOptions:
+    if opts.speculate == "draft-model":
+        raise KilnError("kiln triton: --speculate draft-model is not offered here (the draft model's artifact does not "
+                        "travel in the repository): use ngram, or kiln serve / kiln ray")
+    try:
+        return SpeculationOptions(opts.speculate, opts.draft_tokens)
+    except ValueError as exc:
+        raise KilnError(f"kiln triton: {exc}") from None
 
 
 def write_generation_repository(artifact: Path, out: Path, opts: Options, name: str, variant: str | None,
                                 force: bool) -> Path:
     from ..generation.model import TextGenerationModel
 
+    speculation_options(opts)  # a bad value fails before anything is written
     manifest = Manifest.load(artifact)
     chosen = manifest.variant(variant) if variant else TextGenerationModel(artifact).default_variant("cpu")
     if not chosen.file:

@@ -26,6 +26,7 @@ from modelkiln.errors import KilnError  # noqa: E402
 from modelkiln.generation.core import DEFAULT_MAX_WAITING, DEFAULT_TIMEOUT_S, Request  # noqa: E402
 from modelkiln.generation.driver import CoreDriver  # noqa: E402
 from modelkiln.generation.model import CoreOptions, TextGenerationModel  # noqa: E402
+from modelkiln.generation.speculation import DEFAULT_DRAFT_TOKENS, SpeculationOptions  # noqa: E402
 from modelkiln.generation.request.params import sampling_params  # noqa: E402
 from modelkiln.generation.request.settings import SETTINGS, from_tensor  # noqa: E402
 
@@ -50,7 +51,9 @@ class TritonPythonModel:
         self.timeout_s = float(parameters.get("timeout_s") or DEFAULT_TIMEOUT_S)
         options = CoreOptions(threads=int(parameters.get("threads") or 0) or None,
                               max_running=int(parameters.get("max_batch") or 32),
-                              max_waiting=int(parameters.get("max_queue") or DEFAULT_MAX_WAITING), warm_up=True)
+                              max_waiting=int(parameters.get("max_queue") or DEFAULT_MAX_WAITING), warm_up=True,
+                              speculation=SpeculationOptions(parameters.get("speculate") or "off",
+                                                             int(parameters.get("draft_tokens") or DEFAULT_DRAFT_TOKENS)))
         # the same core kiln serve builds: KV budget from what the engine's memory holds, the queue bound,
         # the prefill chunk, the prefix cache; one thread steps it (abort and deadlines included)
         core = self.model.core(parameters.get("variant") or None, options)
