@@ -1,6 +1,6 @@
 /* onnxruntime operators that compute with a GGUF file's K-quant blocks, their values as stored.
  *
- * GgufMatMul  Y[..., N] = X[..., K] · Wᵀ, W: Q4_K or Q6_K rows in tiles of 16 (convert/gguf_tiles.py)
+ * GgufMatMul  Y[..., N] = X[..., K] · Wᵀ, W: Q4_K or Q6_K rows in tiles of 16 (convert/gguf/tiles.py)
  * GgufGather  Y[..., K] = the rows of W for token ids, dequantized exactly as gguf-py does
  * (domain "kiln.gguf"; attributes ggml_type (12: Q4_K, 14: Q6_K), K and N). The types with a scale
  * per 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are gguf_q32.c's, in tiles of the same shape.
@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "gguf_q32.h"
+#include "gguf_tiles.h"
 #include "ort_abi.h"
 
 #define QK_K 256
@@ -62,11 +63,10 @@ static void quantize_row(const float *x, int64_t k, q8_block *out) {
     }
 }
 
-/* ---- the weights: tiles of sixteen columns (convert/gguf_tiles.py writes them) ----------------- */
+/* ---- the weights: tiles of sixteen columns (convert/gguf/tiles.py writes them) ----------------- */
 /* A tile's super-block holds sixteen columns' blocks with the codes interleaved four at a time,
- * so that each 32-bit lane of a 64-byte vector is one column (offsets below; gguf_tiles.py draws
+ * so that each 32-bit lane of a 64-byte vector is one column (offsets below; tiles.py draws
  * the layout). The values are the file's, moved. */
-#define TILE 16
 enum {  /* byte offsets inside one tile super-block */
     K4_QS = 0, K4_SC = 2048 /* [3 words][16] */, K4_D = 2240, K4_DMIN = 2272, K4_BYTES = 2304,
     K6_QL = 0, K6_QH = 2048, K6_SC = 3072, K6_D = 3328, K6_BYTES = 3360,
@@ -80,32 +80,12 @@ static const size_t TILE_BLOCK_BYTES[15] = {[GGML_Q4_K] = K4_BYTES, [GGML_Q6_K] 
  * the same float operations: acc += dx · (d · sums − dmin · mins). However the integers are formed
  * (how many rows at once, AVX2 or AVX-512) they are the same, so a row's result is the same bits
  * alone, in any batch, on either instruction set: an answer does not depend on its batch. */
-#define MAX_ROWS 4  /* rows of X a tile is multiplied with at once: their sums stay in registers */
 /* Products summed into one register wait for each other (vpdpbusd takes several cycles): with few
  * rows, each row's sums are split over independent registers (exact integers: added back after). */
 #define CHAINS 4
-/* The weights stream from memory once per call: asking for the super-block four ahead keeps enough
- * reads in flight for one row of X to run at the memory's speed (without it, one row ran slower
- * than the per-row kernel this replaced once a matrix left the caches). */
-#define PREFETCH_AHEAD 4
-static inline void prefetch_ahead(const uint8_t *t, int bytes) {
-    for (int line = 0; line < bytes; line += 64) __builtin_prefetch(t + PREFETCH_AHEAD * bytes + line);
-}
 static inline int chains(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 
-static inline float half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
-
-static inline int32_t load32(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
 
 /* -- AVX-512 (VNNI): all sixteen columns in one vector -- */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline

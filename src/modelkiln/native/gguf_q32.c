@@ -30,9 +30,7 @@
 #include <math.h>
 #include <string.h>
 
-#define TILE 16
-#define MAX_ROWS 4
-#define PREFETCH_AHEAD 4  /* blocks: keeps enough reads in flight for one row to run at memory speed */
+#include "gguf_tiles.h"
 
 typedef struct {
     int codes;  /* bytes of codes: 256 (4-bit) or 512 (8-bit) */
@@ -73,16 +71,6 @@ void q32_quantize_row(const float *x, int64_t k, q8_32 *out) {
         o->d = amax / 127.f;
         o->sum = sum;
     }
-}
-
-static inline int32_t load32(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-static inline void prefetch_ahead(const uint8_t *t, int bytes) {
-    for (int line = 0; line < bytes; line += 64) __builtin_prefetch(t + PREFETCH_AHEAD * bytes + line);
 }
 
 /* -- AVX-512 (VNNI): sixteen columns a vector -- */
@@ -250,16 +238,10 @@ void q32_use_avx512(int on) {
 }
 
 /* ---- exact dequantization (the gather): gguf-py's float32 operations, in its order -------------- */
-static inline float half_float(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* Column c of a tile block, as the file's weights 0..31 */
 static void dequantize_column(int type, const uint8_t *t, int c, float *y) {
     const layout L = layout_of(type);
-    const float d = half_float(t + L.d + 2 * c), m = L.m ? half_float(t + L.m + 2 * c) : 0.f;
+    const float d = half(t + L.d + 2 * c), m = L.m ? half(t + L.m + 2 * c) : 0.f;
     for (int j = 0; j < QK32; j++) {
         if (L.codes == 512) {
             y[j] = (float)(int8_t)t[64 * (j / 4) + 4 * c + j % 4] * d;
