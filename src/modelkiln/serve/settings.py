@@ -27,7 +27,7 @@ from pydantic.fields import FieldInfo
 
 from ..cpus import available_cpus
 from ..errors import KilnError
-from ..generation.speculation import DEFAULT_DRAFT_TOKENS, DRAFT_MODEL, DRAFT_MODEL_HELP, DRAFT_TOKENS_HELP, METHOD_HELP
+from ..generation.speculation import DEFAULT_DRAFT_TOKENS, DRAFT_MODEL_HELP, DRAFT_TOKENS_HELP, METHOD_HELP, SpeculationOptions
 
 if TYPE_CHECKING:
     from pydantic.config import JsonDict
@@ -254,9 +254,15 @@ class ServeSettings(BaseModel):
         if self.model_control_mode != "none" and not self.model_repository:
             raise KilnError(f"model_control_mode {self.model_control_mode} needs a model repository "
                             f"({cli_flag('model_repository')} DIR)")
-        if self.speculate == DRAFT_MODEL and not self.draft_model:
-            raise KilnError(f"{cli_flag('speculate')} {DRAFT_MODEL} needs {cli_flag('draft_model')} ARTIFACT (a smaller "
-                            f"text-generation artifact with the same tokenizer)")
+        try:
+            self.speculation  # noqa: B018 - its own rules (draft-model needs --draft-model)
+        except ValueError as exc:
+            raise KilnError(str(exc)) from None
+
+    @property
+    def speculation(self) -> SpeculationOptions:
+        """The generation engines' speculation options, from --speculate, --draft-tokens, --draft-model."""
+        return SpeculationOptions(self.speculate, self.draft_tokens, self.draft_model)
 
 
 # --- what the rest of the code derives from the declaration -----------------------------------

@@ -56,12 +56,11 @@ def write_generation_repository(artifact: Path, out: Path, opts: Options, name: 
                                 force: bool) -> Path:
     from ..generation.model import TextGenerationModel
 
-    speculation_options(opts)  # a bad value fails before anything is written
     manifest = Manifest.load(artifact)
     chosen = manifest.variant(variant) if variant else TextGenerationModel(artifact).default_variant("cpu")
     if not chosen.file:
         raise ArtifactError(f"variant '{chosen.name}' has no file")
-    config = generation_config(name, opts, chosen.name)
+    config = generation_config(name, opts, chosen.name)  # a bad setting fails here, before anything is written
     with atomic_folder(out, force) as tmp:
         tmp.chmod(0o755)
         version_dir = tmp / name / "1"

@@ -42,6 +42,20 @@ def answers(server: Server, **fields) -> list[list[int]]:
     return got
 
 
+def serving(artifact) -> list[str]:
+    return [f"{MODEL}={artifact}", "--variant", "fp32", "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def plain_answers(kiln_attention_artifact) -> dict[str, list[list[int]]]:
+    """The server's answers without speculation, greedy and seeded sampled: what every speculating one must give."""
+    plain = Server(serving(kiln_attention_artifact))
+    try:
+        return {"greedy": answers(plain, temperature=0), "sampled": answers(plain, **SAMPLED)}
+    finally:
+        plain.stop()
+
+
 def counter(server: Server, name: str) -> float:
     for line in httpx.get(server.url + "/metrics").text.splitlines():
         if line.startswith(f'{name}_total{{model_name="{MODEL}"}}'):
@@ -49,14 +63,9 @@ def counter(server: Server, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def test_speculating_server_answers_as_the_plain_one(kiln_attention_artifact):
-    common = [f"{MODEL}={kiln_attention_artifact}", "--variant", "fp32", "--threads", "2"]
-    plain = Server(common)
-    try:
-        expected = {"greedy": answers(plain, temperature=0), "sampled": answers(plain, **SAMPLED)}
-    finally:
-        plain.stop()
-    speculating = Server([*common, "--speculate", "ngram", "--draft-tokens", "4"])
+def test_speculating_server_answers_as_the_plain_one(kiln_attention_artifact, plain_answers):
+    expected = plain_answers
+    speculating = Server([*serving(kiln_attention_artifact), "--speculate", "ngram", "--draft-tokens", "4"])
     try:
         assert answers(speculating, temperature=0) == expected["greedy"]
         assert answers(speculating, **SAMPLED) == expected["sampled"]
@@ -67,15 +76,10 @@ def test_speculating_server_answers_as_the_plain_one(kiln_attention_artifact):
         speculating.stop()
 
 
-def test_a_server_drafting_with_a_draft_model_answers_as_the_plain_one(kiln_attention_artifact):
-    common = [f"{MODEL}={kiln_attention_artifact}", "--variant", "fp32", "--threads", "2"]
-    plain = Server(common)
-    try:
-        expected = {"greedy": answers(plain, temperature=0), "sampled": answers(plain, **SAMPLED)}
-    finally:
-        plain.stop()
-    speculating = Server([*common, "--speculate", "draft-model", "--draft-model", str(kiln_attention_artifact),
-                          "--draft-tokens", "4"])
+def test_a_server_drafting_with_a_draft_model_answers_as_the_plain_one(kiln_attention_artifact, plain_answers):
+    expected = plain_answers
+    speculating = Server([*serving(kiln_attention_artifact), "--speculate", "draft-model", "--draft-model",
+                          str(kiln_attention_artifact), "--draft-tokens", "4"])
     try:
         assert answers(speculating, temperature=0) == expected["greedy"]
         drafted = counter(speculating, "vllm:spec_decode_num_draft_tokens")

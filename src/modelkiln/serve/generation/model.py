@@ -26,7 +26,6 @@ from ...generation.chat.tokens import encode
 from ...generation.core import Request
 from ...generation.model import CoreOptions, TextGenerationModel
 from ...generation.sampling import SamplingParams
-from ...generation.speculation import SpeculationOptions
 from ...generation.sequence import Delta
 from ...tasks import text_generation as contract
 from ..http.json_api import PredictRequest, PredictResponse
@@ -96,7 +95,7 @@ class GenerationModel:
         options = CoreOptions(threads=self.threads, device=s.device, max_running=s.max_batch_size,
                               max_waiting=s.max_queue_size, kv_budget=s.max_kv_tokens, prefill_chunk=s.prefill_chunk,
                               prefix_cache_tokens=s.prefix_cache_tokens, warm_up=s.warmup, kv_share=self.instances,
-                              speculation=SpeculationOptions(s.speculate, s.draft_tokens, s.draft_model))
+                              speculation=s.speculation)
         self.drivers = []
         for replica in range(self.instances):
             core = self.artifact.core(self.variant.name, options, _MetricHooks(self.metrics, self.name, totals, replica))
