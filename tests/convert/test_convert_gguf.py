@@ -40,6 +40,21 @@ def _torch_model(gguf_path):
                                                    dtype=torch.float32).eval()
 
 
+def _assert_logits_near_pytorch(artifact_folder, gguf_path):
+    """The packed variant's logits on PROMPT are PyTorch's on the same file to int8-activation
+    rounding (activations are quantized to int8 per 256 or 32 inputs, as llama.cpp does, layer after
+    layer): relative RMS under 3%, the same argmax at 80% of positions."""
+    import torch
+
+    artifact = TextGenerationModel(artifact_folder)
+    ids = artifact.prompt_ids(PROMPT)
+    with torch.no_grad():
+        expected = _torch_model(gguf_path)(torch.tensor([ids])).logits[0].numpy()
+    got = artifact.engine(None, EngineOptions(threads=1)).prefill("p", ids, all_logits=True)
+    assert np.sqrt(np.mean((got - expected) ** 2)) < 0.03 * np.sqrt(np.mean(expected ** 2))
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.8
+
+
 def _decoder(gguf_path):
     from modelkiln.convert.gguf.decoder import GgufDecoder
     from modelkiln.convert.source import load_gguf_source
@@ -128,7 +143,6 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
     their MatMulNBits form. The logits are PyTorch's to int8-activation rounding, and the gate
     (alone = batched) passes."""
     import onnx
-    import torch
 
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_K", embedding="Q6_K", hidden=256, ff=256,
                                 types={"attn_v": "Q6_K", "ffn_up": "Q5_K"})
@@ -145,14 +159,7 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
     assert ops.count("GgufGather") == 1
     assert ops.count("GgufMatMul") == 2 * 5 + 1  # qk, v, o, gate, down per layer; the tied head
     assert ops.count("MatMulNBits") == 2  # up (Q5_K) per layer
-    artifact = TextGenerationModel(out)
-    ids = artifact.prompt_ids(PROMPT)
-    with torch.no_grad():
-        expected = _torch_model(gguf_path)(torch.tensor([ids])).logits[0].numpy()
-    got = artifact.engine(None, EngineOptions(threads=1)).prefill("p", ids, all_logits=True)
-    # activations are quantized to int8 per 256 inputs (as llama.cpp does), layer after layer
-    assert np.sqrt(np.mean((got - expected) ** 2)) < 0.03 * np.sqrt(np.mean(expected ** 2))
-    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.8
+    _assert_logits_near_pytorch(out, gguf_path)
 
     # a graph of the operators' first layout (the file's rows, recorded as true) is refused, not run
     manifest_file = out / "kiln.json"
@@ -169,7 +176,6 @@ def test_blocks_of_32_as_stored_for_the_native_operators(tmp_path):
     matrices, a Q8_0 embedding tied to the head; and Q4_0, Q5_0, Q5_1), widths that are not a
     multiple of 256 included (the MLP's 480); logits are PyTorch's to int8-activation rounding; the gate passes."""
     import onnx
-    import torch
 
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_1", embedding="Q8_0", hidden=256, ff=480,
                                 types={"attn_v": "Q5_0", "ffn_down": "Q5_1", "ffn_up": "Q4_0"})
@@ -185,13 +191,7 @@ def test_blocks_of_32_as_stored_for_the_native_operators(tmp_path):
     ops = [n.op_type for n in graph.node]
     assert ops.count("GgufGather") == 1 and "MatMulNBits" not in ops
     assert ops.count("GgufMatMul") == 2 * 6 + 1  # qk, v, o, gate, up (apart: Q4_1 and Q4_0), down per layer; the tied head
-    artifact = TextGenerationModel(out)
-    ids = artifact.prompt_ids(PROMPT)
-    with torch.no_grad():
-        expected = _torch_model(gguf_path)(torch.tensor([ids])).logits[0].numpy()
-    got = artifact.engine(None, EngineOptions(threads=1)).prefill("p", ids, all_logits=True)
-    assert np.sqrt(np.mean((got - expected) ** 2)) < 0.03 * np.sqrt(np.mean(expected ** 2))
-    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.8
+    _assert_logits_near_pytorch(out, gguf_path)
 
 
 def test_another_architecture_is_exported_and_packed_by_value(tmp_path):
