@@ -38,8 +38,10 @@
 #include "ort_abi.h"
 
 #define MAX_HEAD_DIM 256
-#define MAX_QUERIES 32      /* queries of one unit: its tokens × the query heads of its key/value head */
-#define MAX_TILE_TOKENS 4   /* tokens of one row sharing a unit (and so each key block's loads) */
+#define MAX_QUERIES 64      /* queries of one unit: its tokens × the query heads of its key/value head */
+/* Tokens of one row sharing a unit, and so each key block's loads and transposition: a prompt chunk
+ * at 8k positions read every block from memory once per 4 tokens (16 here: 1.3-1.5× faster there). */
+#define MAX_TILE_TOKENS 16
 
 typedef struct {
     int64_t row;

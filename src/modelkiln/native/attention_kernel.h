@@ -31,6 +31,30 @@ static inline V16 NAME(exp)(V16 x) {
     return v_zero_below(x, -87.0f, v_mul(y, v_pow2(n)));
 }
 
+/* The weighted values of a block's keys, key by key in position order (one FMA each), into
+ * ``chunks`` (1 or 2: constants once inlined) sixteen-float chunks of each query's accumulator from
+ * dimension d: two chunks keep twice the independent FMAs in flight; a lane's operations are the
+ * same either way. Keys [0, valid[r]) only. */
+static inline __attribute__((always_inline)) void NAME(values)(const int count, const int chunks,
+                                                                const float (*weights)[16], const int *valid, int fewest,
+                                                                int most, const float *v, int head_dim,
+                                                                float *const *state, int d) {
+    V16 acc[2][SCORE_QUERIES];
+    for (int c = 0; c < chunks; c++)
+        for (int r = 0; r < count; r++) acc[c][r] = v_load(state[r] + 32 + d + 16 * c);
+    for (int j = 0; j < most; j++) {
+        V16 vj[2];
+        for (int c = 0; c < chunks; c++) vj[c] = v_load(v + (size_t)j * head_dim + d + 16 * c);
+        for (int r = 0; r < count; r++) {
+            if (j >= fewest && j >= valid[r]) continue;  /* (never taken before ``fewest``) */
+            const V16 w = v_set(weights[r][j]);
+            for (int c = 0; c < chunks; c++) acc[c][r] = v_fma(w, vj[c], acc[c][r]);
+        }
+    }
+    for (int c = 0; c < chunks; c++)
+        for (int r = 0; r < count; r++) v_store(state[r] + 32 + d + 16 * c, acc[c][r]);
+}
+
 /* One key block for ``count`` queries (a constant once inlined: their sums stay in registers).
  *
  * Scores, lanes = the block's keys: for each query two chains over d (the first and the second
@@ -75,20 +99,9 @@ static inline __attribute__((always_inline)) void NAME(block)(const int count, c
         fewest = valid[r] < fewest ? valid[r] : fewest;
         most = valid[r] > most ? valid[r] : most;
     }
-    for (int d = 0; d < head_dim; d += 16) {
-        V16 acc[SCORE_QUERIES];
-        for (int r = 0; r < count; r++) acc[r] = v_load(state[r] + 32 + d);
-        for (int j = 0; j < fewest; j++) {
-            const V16 vj = v_load(v + (size_t)j * head_dim + d);
-            for (int r = 0; r < count; r++) acc[r] = v_fma(v_set(weights[r][j]), vj, acc[r]);
-        }
-        for (int j = fewest; j < most; j++) {
-            const V16 vj = v_load(v + (size_t)j * head_dim + d);
-            for (int r = 0; r < count; r++)
-                if (j < valid[r]) acc[r] = v_fma(v_set(weights[r][j]), vj, acc[r]);
-        }
-        for (int r = 0; r < count; r++) v_store(state[r] + 32 + d, acc[r]);
-    }
+    int d = 0;
+    for (; d + 32 <= head_dim; d += 32) NAME(values)(count, 2, weights, valid, fewest, most, v, head_dim, state, d);
+    for (; d < head_dim; d += 16) NAME(values)(count, 1, weights, valid, fewest, most, v, head_dim, state, d);
 }
 
 static void NAME(blocks)(int count, const float *const *q, const int *valid, float *const *state, const float *kt,
@@ -134,6 +147,10 @@ static void NAME(unit)(const attention_unit *u, const attention_job *job) {
         memset(st + 16, 0, sizeof(float) * (size_t)(16 + head_dim));
     }
     for (int64_t start = 0; start <= last; start += 16) {
+        if (start + 16 <= last) {  /* the next block's keys and values, asked for while this one computes */
+            const char *nk = (const char *)(keys + (size_t)(start + 16) * head_dim), *nv = (const char *)(values + (size_t)(start + 16) * head_dim);
+            for (size_t at = 0; at < 16 * sizeof(float) * (size_t)head_dim; at += 64) __builtin_prefetch(nk + at), __builtin_prefetch(nv + at);
+        }
         transpose16(keys + (size_t)start * head_dim, last - start + 1 < 16 ? (int)(last - start + 1) : 16, head_dim, kt);
         const float *qs[SCORE_QUERIES];
         float *states[SCORE_QUERIES];
