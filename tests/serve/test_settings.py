@@ -176,7 +176,8 @@ def test_tune_sweeps_what_the_declaration_marks(monkeypatch):
     assert sweepable_flags()["max_queue_delay_ms"] == "--max-queue-delay-ms" and "port" not in sweepable_flags()
     # per kind of model: what the declaration's sweep= names for it
     assert list(sweepable_flags("generation")) == ["variant", "threads", "max_batch_size", "generation_replicas",
-                                                   "prefill_chunk"]
+                                                   "prefill_chunk", "speculate", "draft_tokens", "draft_model"]
+    assert sweep_default("speculate", "generation") == ""  # sweepable, but only tried when asked
     assert "prefill_chunk" not in sweepable_flags("encoder") and "instances" in sweepable_flags("encoder")
     assert sweep_default("max_batch_size", "encoder") == "32" and sweep_default("max_batch_size", "generation") == "8,16"
     # marking another field sweepable in the declaration is all it takes: kiln serve's flag for
@@ -197,7 +198,7 @@ def _tune_command():
     return typer.main.get_command(app).commands["tune"]
 
 
-def test_tune_options_are_the_numeric_sweepable_settings():
+def test_tune_options_are_the_sweepable_settings():
     options = {p.name: p for p in _tune_command().derive()}
     numeric = [n for n in sweepable() if n != "variant"]  # variant is tune's own --variants
     assert list(options) == numeric
@@ -207,6 +208,8 @@ def test_tune_options_are_the_numeric_sweepable_settings():
     assert "Default: auto; encoders only." in options["instances"].help
     assert "Default: 1,2 for encoders, auto for text generation." in options["threads"].help
     assert "Default: 32 for encoders, 8,16 for text generation." in options["max_batch_size"].help
+    assert "comma-separated, of off, ngram, draft-model. Default: kiln serve's (off); text generation only." in " ".join(
+        options["speculate"].help.split())
     r = kiln("tune", "--help", env={"COLUMNS": "80"}, timeout=60)
     text = " ".join(r.stdout.split())
     assert r.returncode == 0 and all(f"{cli_flag(n)} <str>" in text for n in numeric)
@@ -221,6 +224,13 @@ def test_tune_values_are_typed_as_declared():
     assert sweep_values("max_padding", "0,0.5") == (0.0, 0.5) and sweep_values("max_batch_size", "8") == (8,)
     with pytest.raises(KilnError, match="--max-batch-size takes comma-separated whole numbers, got 'auto'"):
         sweep_values("max_batch_size", "auto")  # no server default to fall back on
+    # a setting declared with choices takes those words, and nothing else
+    assert sweep_values("speculate", "off, ngram,draft-model") == ("off", "ngram", "draft-model")
+    for text in ("foo", "none,ngram", "auto"):  # kiln serve's word for no speculation is off
+        with pytest.raises(KilnError, match=f"--speculate takes comma-separated values of off, ngram, draft-model, got '{text}'"):
+            sweep_values("speculate", text)
+    assert sweep_values("draft_tokens", "2,4") == (2, 4) and sweep_values("draft_model", "auto,small") == (None, "small")
+    assert sweep_values("speculate", "") == ()  # not given and not swept by default: the server's default
 
 
 def test_grid_combinations_follow_the_declaration():
@@ -233,6 +243,30 @@ def test_grid_combinations_follow_the_declaration():
         Grid({"port": (1, 2)}).combinations()
     combos = Grid({"variant": ("fp32",), "prefill_chunk": (64, 256)}, "generation").combinations()
     assert combos == [{"variant": "fp32", "threads": None, "max_batch_size": None, "generation_replicas": None,
-                       "prefill_chunk": c} for c in (64, 256)]
+                       "prefill_chunk": c, "speculate": None, "draft_tokens": None, "draft_model": None} for c in (64, 256)]
     with pytest.raises(KilnError, match="not sweepable for generation models: instances"):
         Grid({"instances": (1, 2)}, "generation").combinations()
+
+
+def test_grid_runs_a_setting_only_where_it_has_an_effect():
+    """Draft tokens do nothing without speculation and the draft model nothing without draft-model:
+    the grid leaves them to the server's default there, so those grid points are one configuration."""
+    from modelkiln.serve.settings import applies
+
+    assert applies("draft_tokens", {"speculate": "ngram"}) and not applies("draft_tokens", {"speculate": "off"})
+    assert not applies("draft_tokens", {})  # speculate left to the server: off
+    assert applies("draft_model", {"speculate": "draft-model"}) and not applies("draft_model", {"speculate": "ngram"})
+    assert applies("max_batch_size", {})
+    grid = Grid({"variant": ("fp32",), "max_batch_size": (8, 16), "speculate": ("off", "ngram", "draft-model"),
+                 "draft_tokens": (2, 4), "draft_model": ("small",)}, "generation")
+    runs = [(c["max_batch_size"], c["speculate"], c["draft_tokens"], c["draft_model"]) for c in grid.combinations()]
+    assert runs == [(b, *rest) for b in (8, 16) for rest in  # 2 x 5, not 2 x 3 x 2
+                    [("off", None, None), ("ngram", 2, None), ("ngram", 4, None), ("draft-model", 2, "small"),
+                     ("draft-model", 4, "small")]]
+    # every combination is checked as kiln serve would check it, before any server starts
+    with pytest.raises(KilnError, match="--speculate draft-model needs --draft-model ARTIFACT"):
+        Grid({"variant": ("fp32",), "speculate": ("off", "draft-model")}, "generation").combinations()
+    with pytest.raises(KilnError, match="max_batch_size must be greater than 0"):
+        Grid({"variant": ("fp32",), "max_batch_size": (0,)}, "generation").combinations()
+    with pytest.raises(KilnError, match="not sweepable for encoder models: speculate"):
+        Grid({"speculate": ("ngram",)}).combinations()

@@ -9,9 +9,10 @@ import re
 
 import httpx
 import pytest
-from helpers import kiln
+from helpers import assert_one_line_error, kiln
 
 from modelkiln.errors import KilnError
+from modelkiln.native import library_path
 from modelkiln.serve.settings import ServeSettings
 from modelkiln.serve.config_file import read_serve_config, write_serve_config
 
@@ -181,10 +182,75 @@ def test_tune_generation_refuses_what_does_not_apply(tiny_generation_artifact):
              ("--p99-ms", "50"): "--p99-ms: for encoders",
              ("--concurrency", "1,4"): "--concurrency takes one level for text generation",
              ("--protocol", "oip-json"): "openai-chat | openai-completions | generate",
-             ("--max-ppl-increase", "1"): "--max-ppl-increase takes a percentage (1%) or a fraction below 1"}
+             ("--max-ppl-increase", "1"): "--max-ppl-increase takes a percentage (1%) or a fraction below 1",
+             # the speculation settings: checked before any server starts
+             ("--speculate", "off,foo"): "--speculate takes comma-separated values of off, ngram, draft-model, got 'off,foo'",
+             ("--speculate", "ngram,draft-model"): "--speculate draft-model needs --draft-model ARTIFACT",
+             ("--draft-tokens", "2,4"): "--draft-tokens is used only with --speculate ngram or draft-model, which no "
+                                        "configuration runs",
+             ("--speculate", "off,ngram", "--draft-model", "small"): "--draft-model is used only with --speculate "
+                                                                     "draft-model"}
     for args, message in cases.items():
         r = kiln("tune", str(tiny_generation_artifact), *args, timeout=60)
         assert r.returncode == 2 and message in " ".join(r.stderr.split()), (args, r.stdout, r.stderr)
+        assert "tuning" not in r.stderr  # refused before the sweep (and its first server) began
+
+
+def test_tune_refuses_speculation_for_an_encoder(zoo):
+    r = kiln("tune", str(zoo.artifact("bert", "text-classification")), "--speculate", "off,ngram", timeout=60)
+    assert_one_line_error(r, "--speculate: not swept for encoder models")
+
+
+def test_serve_command_names_the_speculation_a_configuration_ran():
+    from modelkiln.tune.report import serve_command
+
+    plain = {"variant": "fp32", "max_batch_size": 8, "speculate": "off", "draft_tokens": None, "draft_model": None}
+    assert serve_command("a", plain) == "kiln serve a --variant fp32 --max-batch-size 8 --speculate off"
+    drafting = {**plain, "speculate": "draft-model", "draft_tokens": 4, "draft_model": "small model"}
+    assert serve_command("a", drafting).endswith("--speculate draft-model --draft-tokens 4 --draft-model 'small model'")
+
+
+@pytest.fixture(scope="module")
+def speculating_artifact(tiny_generation_artifact, tiny_kiln_attention_graph, tmp_path_factory):
+    """The tiny artifact with its fp32 graph built with KilnAttention: an engine that verifies drafts,
+    so the ngram configuration really speculates (and --check compares its answers)."""
+    from generation_helpers import with_graph
+
+    return with_graph(tiny_generation_artifact, tiny_kiln_attention_graph,
+                      tmp_path_factory.mktemp("tune-speculation") / "tiny-kiln-attention")
+
+
+@pytest.mark.skipif(library_path() is None, reason="the native library (KilnAttention) is not built on this machine")
+def test_tune_generation_sweeps_speculation(speculating_artifact, tmp_path):
+    artifact = speculating_artifact
+    at = SHORT_GENERATION_RUN.index("--concurrency") + 1  # 2 streams: speculation drafts while at most 2 decode
+    run = [*SHORT_GENERATION_RUN[:at], "2", *SHORT_GENERATION_RUN[at + 1:]]
+    r = kiln("tune", str(artifact), "--variants", "fp32", "--max-batch-size", "4", "--generation-replicas", "1",
+             "--speculate", "off,ngram", "--draft-tokens", "4", *run, "-o", str(tmp_path / "best.json"),
+             "--json", str(tmp_path / "all.json"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "tuning tiny-llama: 2 configurations" in r.stderr and "note:" not in r.stderr
+    data = json.loads((tmp_path / "all.json").read_text())
+    runs = {c["settings"]["speculate"]: c for c in data["configurations"]}
+    assert set(runs) == {"off", "ngram"}
+    assert runs["off"]["settings"]["draft_tokens"] is None and runs["ngram"]["settings"]["draft_tokens"] == 4
+    for c in runs.values():
+        assert c["error"] is None and c["output_tokens_per_s"] > 0 and c["checked_answers"] > 0
+        assert c["changed_answers"] == 0  # speculation's answers are plain decoding's
+    # the table: a speculate and a draft-tokens column, draft tokens "-" where speculation is off
+    cells = [[c.strip() for c in line.split("│")] for line in r.stdout.splitlines() if line.count("│") > 10]
+    shown = {(row[row.index(method)], row[row.index(method) + 1]) for row in cells for method in ("off", "ngram")
+             if method in row}
+    assert shown == {("off", "-"), ("ngram", "4")}
+    # the chosen one's command and config name its speculation, whichever was faster
+    chosen = data["chosen"]
+    speculation = {"speculate": "off"} if chosen["speculate"] == "off" else {"speculate": "ngram", "draft_tokens": 4}
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in speculation.items())
+    assert data["serve_command"] == (f"kiln serve {artifact} --variant fp32 --max-batch-size 4 --generation-replicas 1 "
+                                     f"--prefill-chunk 128 {flags}")
+    assert f"Chosen: {data['serve_command']}" in r.stdout
+    assert read_serve_config(tmp_path / "best.json") == {"variant": "fp32", "max_batch_size": 4, "generation_replicas": 1,
+                                                         "prefill_chunk": 128, **speculation}
 
 
 def _table_rows(stdout: str) -> list[tuple[str, str]]:

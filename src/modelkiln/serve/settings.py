@@ -5,7 +5,7 @@ enums) and whether ``kiln tune`` may sweep it; everything else is derived from t
 - the ``kiln serve`` flags and their help (``serve/command.py``: ``cli_flag``, ``help_line``),
 - the ``--config`` file's validation (``serve/config_file.py``),
 - ``kiln tune``'s options and the flags it sweeps for each kind of model (``sweepable``,
-  ``sweep_default``: ``tune/``).
+  ``sweep_default``, ``applies``: ``tune/``).
 
 A frozen pydantic model rather than pydantic-settings' ``BaseSettings``: ``BaseSettings`` reads
 ``os.environ`` on every construction, so ``ServeSettings()`` in a test or a library caller would
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional, cast
 
@@ -27,7 +27,8 @@ from pydantic.fields import FieldInfo
 
 from ..cpus import available_cpus
 from ..errors import KilnError
-from ..generation.speculation import DEFAULT_DRAFT_TOKENS, DRAFT_MODEL_HELP, DRAFT_TOKENS_HELP, METHOD_HELP, SpeculationOptions
+from ..generation.speculation import (DEFAULT_DRAFT_TOKENS, DRAFT_MODEL, DRAFT_MODEL_HELP, DRAFT_TOKENS_HELP, METHOD_HELP,
+                                      METHODS, SpeculationOptions)
 
 if TYPE_CHECKING:
     from pydantic.config import JsonDict
@@ -47,15 +48,18 @@ class ModelSpec:
 MODEL_KINDS = ("encoder", "generation")  # what kiln tune sweeps differs between them (``sweep=``)
 
 
-def setting(default: Any, help: str, *, sweep: str | Mapping[str, str] | None = None, flag: str | None = None,
+def setting(default: Any, help: str, *, sweep: str | Mapping[str, str] | None = None,
+            used_with: Mapping[str, Sequence[str]] | None = None, flag: str | None = None,
             shown_default: str | None = None, **checks: Any) -> Any:
     """A declared setting. ``help`` is the flag's help (env var and default are appended);
     ``sweep``: ``kiln tune`` may try several values of it, by default these (comma-separated;
-    ``auto``: the server's default; ``kept``: every kept CPU variant), for every model kind, or
-    ``{kind: values}`` for the kinds of ``MODEL_KINDS`` it applies to; ``flag``: the CLI flag
-    when it is not ``--field-name``; ``shown_default``: how help shows a default of None
-    ("cores / instances"); ``checks``: pydantic constraints (ge, gt, le)."""
-    extra = {"sweep": sweep, "flag": flag, "shown_default": shown_default}
+    ``auto``: the server's default; ``kept``: every kept CPU variant; empty: none, the server's
+    default runs unless values are given), for every model kind, or ``{kind: values}`` for the
+    kinds of ``MODEL_KINDS`` it applies to; ``used_with``: ``{other setting: its values}`` where
+    this one has an effect only while the other takes one of those values (``applies``);
+    ``flag``: the CLI flag when it is not ``--field-name``; ``shown_default``: how help shows a
+    default of None ("cores / instances"); ``checks``: pydantic constraints (ge, gt, le)."""
+    extra = {"sweep": sweep, "used_with": used_with, "flag": flag, "shown_default": shown_default}
     # the declaration's own metadata (read back by _meta): strings and a {kind: values} mapping, JSON all the same
     return Field(default, description=help, json_schema_extra=cast("JsonDict", extra), **checks)
 
@@ -134,10 +138,17 @@ class ServeSettings(BaseModel):
     prefill_chunk: Optional[int] = setting(
         None, "Generation: prompt tokens prefilled per scheduler step (running streams get a token between "
               "chunks).", sweep={"generation": "128"}, gt=0, shown_default="128; 2048 for a torch variant on CUDA")
-    # answers are the same with or without (generation/speculation/); the choices are METHODS there
-    speculate: Literal["off", "ngram", "draft-model"] = setting("off", "Generation: " + METHOD_HELP)
-    draft_tokens: int = setting(DEFAULT_DRAFT_TOKENS, "Generation: " + DRAFT_TOKENS_HELP, gt=0)
-    draft_model: Optional[str] = setting(None, "Generation: " + DRAFT_MODEL_HELP, shown_default="none")
+    # Answers are the same with or without (generation/speculation/); the choices are METHODS there.
+    # kiln tune sweeps these only when asked (sweep ""): its default load runs 16 streams, where
+    # speculation drafts nothing (it drafts while at most 2 streams decode: speculation/policy.py,
+    # MAX_ROWS), and variants without KilnAttention ignore it, so trying "off,ngram" by default would
+    # double a default grid whose configurations take 2-4 minutes each, to measure the same server twice.
+    speculate: Literal["off", "ngram", "draft-model"] = setting("off", "Generation: " + METHOD_HELP,
+                                                               sweep={"generation": ""})
+    draft_tokens: int = setting(DEFAULT_DRAFT_TOKENS, "Generation: " + DRAFT_TOKENS_HELP, gt=0, sweep={"generation": ""},
+                                used_with={"speculate": [m for m in METHODS if m != "off"]})
+    draft_model: Optional[str] = setting(None, "Generation: " + DRAFT_MODEL_HELP, shown_default="none",
+                                         sweep={"generation": ""}, used_with={"speculate": [DRAFT_MODEL]})
     generation_timeout_s: float = setting(600.0, "Generation: seconds per request, waiting and generating.",
                                           flag="--generation-timeout", gt=0)
     truncate_prompt: bool = setting(False, "Generation: cut prompts longer than the context from the left "
@@ -315,6 +326,27 @@ def shown_default(name: str) -> str:
 def help_line(name: str) -> str:
     """The flag's help: what it does, its env var and its default."""
     return f"{ServeSettings.model_fields[name].description} (env {env_var(name)}, default {shown_default(name)})"
+
+
+def choices(name: str) -> tuple[Any, ...] | None:
+    """The values a setting declared as a ``Literal`` may take (None: not a choice)."""
+    kind = value_type(name)
+    return typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+
+
+def used_with(name: str) -> Mapping[str, Sequence[Any]]:
+    """The other settings ``name`` has an effect with, each with the values it needs (empty: always)."""
+    return _meta(ServeSettings.model_fields[name]).get("used_with") or {}
+
+
+def applies(name: str, values: Mapping[str, Any]) -> bool:
+    """Whether the setting ``name`` has an effect beside these ``values`` of the others (absent or
+    None: the other's default): ``draft_tokens`` only while ``speculate`` is not off."""
+    for other, needed in used_with(name).items():
+        value = values.get(other)
+        if (ServeSettings.model_fields[other].default if value is None else value) not in needed:
+            return False
+    return True
 
 
 def sweepable(kind: str | None = None) -> tuple[str, ...]:

@@ -32,7 +32,7 @@ def tune(
     max_ppl_increase: Optional[str] = typer.Option(None, "--max-ppl-increase", help="Text generation: exclude variants whose perplexity, as the conversion gate measured it, is more than this above PyTorch's (1% or 0.01)."),
     out: Path = typer.Option(Path("kiln-serve.json"), "--out", "-o", help="Config file to write (for `kiln serve --config`)."),
     variants: Optional[str] = typer.Option(None, help="Variants to try (default: every kept CPU variant)."),
-    # here TuneCommand adds one option per numeric setting the declaration marks sweepable
+    # here TuneCommand adds one option per setting the declaration marks sweepable (but the variant)
     concurrency: Optional[str] = typer.Option(None, help=f"Closed-loop load per combination. Encoders: levels (default {E['concurrency']}; stops once p99 exceeds the budget); text generation: one level (default {G['concurrency']})."),
     protocol: Optional[str] = typer.Option(None, help=f"Encoders: oip-json | oip-binary | task (default {E['protocol']}). Text generation: openai-chat | openai-completions | generate (default {G['protocol']})."),
     inputs: Optional[str] = typer.Option(None, help=f"samples | sts | squad | a text file (default {E['inputs']}; text generation {G['inputs']}, each text the user message of a chat)."),
@@ -53,17 +53,18 @@ def tune(
 
     Encoders: rank by throughput within a p99 budget (--p99-ms). Text generation: sweep the
     variant, --max-batch-size (sequences running together) and --prefill-chunk (prompt tokens per
-    scheduler step); drive each configuration with --concurrency streams of --max-tokens answers
-    under `kiln loadtest --check`, and pick the best output tokens/s among those with no failed
-    request, no changed answer, TTFT p99 within --ttft-p99-ms and the variant's perplexity change
-    (the conversion gate's) within --max-ppl-increase. A generation configuration takes minutes
+    scheduler step), and --speculate / --draft-tokens when given; drive each configuration with
+    --concurrency streams of --max-tokens answers under `kiln loadtest --check`, and pick the
+    best output tokens/s among those with no failed request, no changed answer, TTFT p99 within
+    --ttft-p99-ms and the variant's perplexity change (the conversion gate's) within
+    --max-ppl-increase. A generation configuration takes minutes
     (SmolLM2-135M, 2 shared cores, the defaults: 2 to 4 minutes, --check's answers alone
     included), so the default grid is small: every kept variant × the --max-batch-size and
     --prefill-chunk values below. Details: docs/tune.md."""
     from ..errors import KilnError
     from ..manifest import Manifest, is_artifact
     from ..option_lists import split_list
-    from ..serve.settings import cli_flag, sweep_default, sweepable
+    from ..serve.settings import applies, cli_flag, sweep_default, sweepable, used_with
     from ..tasks.text_generation import is_generation
     from .sweep import Grid
 
@@ -82,11 +83,17 @@ def tune(
         raise KilnError(f"{', '.join(other)}: not swept for {kind} models "
                         f"(kiln tune sweeps {', '.join(cli_flag(n) for n in sweepable(kind))} for them)")
     values = {}
-    for name in swept_numbers(kind):
+    for name in swept_options(kind):
         text = given.get(name) or sweep_default(name, kind)
-        assert text is not None  # swept_numbers(kind): the settings with values to try for this kind
+        assert text is not None  # swept_options(kind): the settings with values to try for this kind
         values[name] = sweep_values(name, text)
     grid = Grid({"variant": tuple(chosen), **values}, kind)
+    combos = grid.combinations()  # checks every one, before any server starts
+    unused = [name for name in given if not any(applies(name, c) for c in combos)]
+    if unused:  # given, yet every configuration would leave it out: say what it needs
+        raise KilnError("; ".join(f"{cli_flag(name)} is used only with "
+                                  + " and ".join(f"{cli_flag(o)} {' or '.join(v)}" for o, v in used_with(name).items())
+                                  + ", which no configuration runs" for name in unused))
     defaults = LOAD_DEFAULTS[kind]
     options: dict[str, Any]  # the load options both sweeps take, as keywords
     options = dict(concurrency=concurrency or defaults["concurrency"], protocol=protocol or defaults["protocol"],
@@ -182,6 +189,7 @@ def _tune_generation(artifact: Path, manifest: Any, grid: Any, out: Path, ttft_p
     from rich.markup import escape
 
     from ..errors import KilnError
+    from ..generation.speculation import MAX_ROWS
     from ..loadtest.api import LoadtestOptions
     from ..loadtest.runner import Load, parse_levels
     from .generation import GenerationTrial, Limits, parse_fraction, run_generation_sweep
@@ -198,9 +206,13 @@ def _tune_generation(artifact: Path, manifest: Any, grid: Any, out: Path, ttft_p
                            max_tokens=max_tokens, ignore_eos=True, check=True, warmup_s=warmup, window_s=window,
                            stable_windows=2, max_windows=max(2, max_windows), timeout_s=300.0)
     err, out_console = _consoles()
-    total = len(grid.combinations())
+    combos = grid.combinations()
+    total = len(combos)
     err.print(f"tuning {escape(manifest.name)}: {total} configuration{'s' if total != 1 else ''} ({escape(describe_limits(limits))}); "
               f"each first answers its {max_inputs} prompts alone (--check), then runs {load.loads[0].label}")
+    if int(levels[0]) > MAX_ROWS and any(c["speculate"] not in (None, "off") for c in combos):
+        err.print(f"[yellow]note:[/] speculation drafts only while at most {MAX_ROWS} streams decode: at --concurrency "
+                  f"{int(levels[0])} its configurations measure mostly plain decoding")
 
     def on_trial(i: int, n: int, trial: GenerationTrial) -> None:
         settings = escape(", ".join(f"{k}={v}" for k, v in trial.settings.items() if v is not None))
@@ -227,28 +239,31 @@ def _tune_generation(artifact: Path, manifest: Any, grid: Any, out: Path, ttft_p
 
 
 class TuneCommand(DerivedOptionsCommand):
-    """``kiln tune``: its own options plus, for each numeric setting that the ServeSettings
-    declaration marks sweepable, ``--<its kiln serve flag> VALUES``; its help gives the values
-    declared for each kind of model, tried when the option is not given."""
+    """``kiln tune``: its own options plus, for each setting that the ServeSettings declaration
+    marks sweepable, ``--<its kiln serve flag> VALUES``; its help gives the values declared for
+    each kind of model, tried when the option is not given."""
 
     insert_before = "concurrency"
 
     def derive(self) -> list[Any]:
-        from ..serve.settings import MODEL_KINDS, ServeSettings, cli_flag, sweep_default
+        from ..serve.settings import MODEL_KINDS, ServeSettings, choices, cli_flag, shown_default, sweep_default
 
         params = []
-        for name in swept_numbers():
+        for name in swept_options():
             flag = cli_flag(name)
             field = ServeSettings.model_fields[name]
             auto = "; auto = the server's default" if field.default is None else ""
-            kinds = {KIND_NAMES[k]: swept for k in MODEL_KINDS if (swept := sweep_default(name, k)) is not None}
+            allowed = choices(name)
+            of = f", of {', '.join(allowed)}" if allowed else ""
+            kinds = {KIND_NAMES[k]: swept or f"kiln serve's ({shown_default(name)})"
+                     for k in MODEL_KINDS if (swept := sweep_default(name, k)) is not None}
             if len(kinds) == 1:
                 default = "{1}; {0} only".format(*next(iter(kinds.items())))
             elif len(set(kinds.values())) == 1:
                 default = next(iter(kinds.values()))
             else:
                 default = ", ".join(f"{values} for {kind}" for kind, values in kinds.items())
-            help = f"{field.description} Values to try (kiln serve {flag}), comma-separated{auto}. Default: {default}."
+            help = f"{field.description} Values to try (kiln serve {flag}), comma-separated{of}{auto}. Default: {default}."
             params.append(keyword(name, Optional[str], typer.Option(None, flag, help=help, show_default=False)))
         return typer_params(params)
 
@@ -256,24 +271,33 @@ class TuneCommand(DerivedOptionsCommand):
 KIND_NAMES = {"encoder": "encoders", "generation": "text generation"}
 
 
-def swept_numbers(kind: Optional[str] = None) -> list[str]:
-    """The numeric settings kiln tune sweeps (each its own option) for ``kind`` (None: any); the
-    variant, a string, is ``--variants``."""
-    from ..serve.settings import sweepable, value_type
+def swept_options(kind: Optional[str] = None) -> list[str]:
+    """The settings kiln tune sweeps, each its own option, for ``kind`` (None: any): every one
+    the declaration marks sweepable but the variant, which is ``--variants`` (by default the
+    artifact's kept variants, which the declaration cannot list)."""
+    from ..serve.settings import sweepable
 
-    return [name for name in sweepable(kind) if value_type(name) in (int, float)]
+    return [name for name in sweepable(kind) if name != "variant"]
 
 
 def sweep_values(name: str, text: str) -> tuple[Any, ...]:
-    """``"1,2"`` → (1, 2) for the setting ``name``, typed as declared; ``auto`` → None (the
-    server's default). For settings whose default is None and that cannot be 0 (instances,
+    """``"1,2"`` → (1, 2) for the setting ``name``, typed as declared (numbers; one of a
+    ``Literal``'s choices; other words as given); ``auto`` → None (the server's default) where
+    the default is None. For numbers whose default is None and that cannot be 0 (instances,
     threads, max_batch_tokens), 0 also means the server's default, as it always did here."""
     from pydantic import ValidationError
 
-    from ..option_lists import number_list
-    from ..serve.settings import ServeSettings, cli_flag, value_type
+    from ..errors import KilnError
+    from ..option_lists import number_list, split_list
+    from ..serve.settings import ServeSettings, choices, cli_flag, value_type
 
     optional = ServeSettings.model_fields[name].default is None
+    if value_type(name) not in (int, float):
+        words = split_list(text) or []
+        allowed = choices(name)
+        if allowed and any(w not in allowed for w in words):
+            raise KilnError(f"{cli_flag(name)} takes comma-separated values of {', '.join(allowed)}, got '{text}'")
+        return tuple(None if optional and w == "auto" else w for w in words)
     values = number_list(text, cli_flag(name), value_type(name), auto=optional)
     if optional:
         try:

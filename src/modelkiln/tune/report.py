@@ -20,10 +20,18 @@ def _f(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _auto(value: Any) -> str:
-    """A setting's value in the table: None is the server's default."""
+def _cell(name: str, settings: dict[str, Any]) -> str:
+    """A setting's value in a table: None is the server's default (``auto`` where that is worked
+    out at start, else the declared default); ``-`` where it has no effect beside the others."""
+    from ..serve.settings import ServeSettings, applies
+
+    if not applies(name, settings):
+        return "-"
+    value = settings.get(name)
     if value is None:
-        return "auto"
+        value = ServeSettings.model_fields[name].default
+        if value is None:
+            return "auto"
     return value if isinstance(value, str) else f"{value:g}"
 
 
@@ -40,7 +48,7 @@ def print_ranking(console: Any, result: TuneResult) -> None:
         s = t.settings
         b = t.best
         status = t.error[:40] if t.error else ("ok" if t.within_budget else "over")
-        table.add_row(str(rank), *(_auto(s.get(name)) for name in swept), b.load.label if b else "-",
+        table.add_row(str(rank), *(_cell(name, s) for name in swept), b.load.label if b else "-",
                       _f(b.throughput if b else None), _f(b.inputs_per_s if b else None),
                       _f(b.latency.p50 if b and b.latency else None, 2), _f(t.p99_ms, 2),
                       _f(b.server.batch_size if b and b.server else None), _f(t.peak_rss_mb, 0), status)
@@ -102,7 +110,9 @@ def print_generation_table(console: Any, model: str, trials: list[GenerationTria
 
     table = Table(title=escape(f"kiln tune {model} ({describe_limits(limits)}; {describe_load(load)}), best first"),
                   title_justify="left")
-    swept = list(sweepable_flags("generation"))
+    # a column per setting some configuration sets: the speculation settings, swept only when
+    # asked, would otherwise be three columns of defaults in every run
+    swept = [name for name in sweepable_flags("generation") if any(t.settings.get(name) is not None for t in trials)]
     for name in ("#", *(n.replace("_", " ") for n in swept), "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
                  "ITL p50 ms", "failed", "changed", "ppl Δ", "peak RSS MB"):
         table.add_column(name, justify="right")
@@ -112,7 +122,7 @@ def print_generation_table(console: Any, model: str, trials: list[GenerationTria
         ppl = f"{t.perplexity_change * 100:+.2f}%" if t.perplexity_change is not None else "-"
         verdict = "[bold green]◀ chosen[/]" if t.chosen else (
             f"[yellow]excluded:[/] {escape('; '.join(t.excluded))}" if t.excluded else "ok")
-        table.add_row(str(rank), *(_auto(t.settings.get(name)) for name in swept), _f(t.output_tokens_per_s),
+        table.add_row(str(rank), *(_cell(name, t.settings) for name in swept), _f(t.output_tokens_per_s),
                       _f(t.ttft_p50_ms), _f(t.ttft_p99_ms), _f(t.itl_p50_ms),
                       str(sum(t.failures.values())) if t.step else "-", changed, ppl, _f(t.peak_rss_mb, 0), verdict)
     console.print(table)

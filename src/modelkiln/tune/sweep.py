@@ -44,13 +44,29 @@ class Grid:
     kind: str = "encoder"
 
     def combinations(self) -> list[dict[str, Any]]:
+        """Every combination once, each a valid ServeSettings (checked here, before any server
+        starts: a bad value or a rule across settings is a KilnError). A setting with no effect
+        beside the others (``applies``: draft tokens where speculation is off) is left to the
+        server's default, so combinations that differ only in it are one configuration, not
+        several runs of the same server."""
+        from ..serve.settings import ServeSettings, applies
+
         keys = tuple(sweepable_flags(self.kind))
         unknown = sorted(set(self.values) - set(keys))
         if unknown:
             raise KilnError(f"not sweepable for {self.kind} models: {', '.join(unknown)} "
                             f"(sweepable: {', '.join(keys)})")
         axes = [tuple(self.values.get(k) or (None,)) for k in keys]
-        return [dict(zip(keys, combo)) for combo in itertools.product(*axes)]
+        combos: list[dict[str, Any]] = []
+        for combo in itertools.product(*axes):
+            given = dict(zip(keys, combo))
+            settings = {k: v if applies(k, given) else None for k, v in given.items()}
+            if settings not in combos:
+                combos.append(settings)
+        defaults = ServeSettings()
+        for settings in combos:
+            defaults.replace(**{k: v for k, v in settings.items() if v is not None}).check()
+        return combos
 
 
 @dataclass
