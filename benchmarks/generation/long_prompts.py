@@ -5,8 +5,8 @@ after it, kiln serve against llama-server on the same GGUF file, one request at 
         [--lengths 4096,8192] [--new-tokens 32] [--rounds 2] [--out FILE]
 
 The prompts are SQuAD dev paragraphs (../shared/data) one after another, each request its own stretch of exactly
-that many token ids of the GGUF's tokenizer (none a prefix of another, so no prompt cache helps), sent as token ids to each server's OpenAI completions route (streamed, greedy, end of
-sequence ignored). Per server and length: prefill tokens/s = prompt tokens / time to the first token, and
+that many token ids of the GGUF's tokenizer, starting where no other does (so no prompt cache helps), sent as token
+ids to each server's OpenAI completions route (streamed, greedy, end of sequence ignored). Per server and length: prefill tokens/s = prompt tokens / time to the first token, and
 decode tokens/s = (new tokens - 1) / (last chunk's time - first chunk's). The servers take turns, the order
 turned every round; medians of the rounds."""
 
@@ -65,15 +65,14 @@ def main() -> None:
     contexts, _ = read_squad()
     text = "\n\n".join(dict.fromkeys(contexts))
     ids = tokenizer.encode(text, add_special_tokens=False).ids
-    # each request its own stretch of the text, none a prefix of another: no server's prompt cache can help
-    needed = 256 + args.rounds * sum(lengths)
-    if len(ids) < needed:
-        raise SystemExit(f"the SQuAD subset holds {len(ids)} tokens, fewer than the {needed} these requests take")
-    stretches, at = {}, 256
-    for round_ in range(args.rounds):
-        for n in lengths:
-            stretches[round_, n] = ids[at:at + n]
-            at += n
+    # each request its own stretch of the text, starting where no other does, so none shares a first
+    # token with another and no server's prompt cache (a common prefix) can help; stretches may overlap
+    starts = [256 + 509 * i for i in range(args.rounds * len(lengths))]
+    if starts[-1] + max(lengths) > len(ids):
+        raise SystemExit(f"the SQuAD subset holds {len(ids)} tokens, fewer than these requests take")
+    stretches = {(round_, n): ids[starts[round_ * len(lengths) + i]:][:n]
+                 for round_ in range(args.rounds) for i, n in enumerate(lengths)}
+    assert len({tuple(s[:64]) for s in stretches.values()}) == len(stretches)  # no shared beginnings
     context = max(lengths) + args.new_tokens + 64
     kiln_port, llama_port = free_port(), free_port()
     commands = {  # (command, its readiness route, its port)
