@@ -110,6 +110,11 @@ AVX512 void k4_scales_mins_512(const uint8_t *t, __m512i sc[2], __m512i mn[2]) {
     mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), two), 4));
 }
 
+/* acc += codes · (the four int8 at p, broadcast to every lane): vpdpbusd written out, because GCC's
+ * intrinsic copies the accumulator to another register and back around each product, which
+ * doubled the instructions of the kernels' inner loops (the bits are the instruction's either way) */
+#define DPBUSD_BCAST(acc, codes, p) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const int32_t *)(p)))
+
 /* Four codes of sixteen columns at k4 groups v (first) and v + 32 (second) against each row's
  * four codes there, into the row's sums of chain c. Two forms of the same instructions: Q4_K's
  * loop runs faster with the product written out (DPBUSD_BCAST: one row 1.4x from memory, 4-128

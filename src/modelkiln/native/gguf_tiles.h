@@ -33,9 +33,4 @@ static inline int32_t load32(const void *p) {  /* four int8 codes as one int32, 
     return v;
 }
 
-/* acc += codes · (the four int8 at p, broadcast to every lane): vpdpbusd written out, because GCC's
- * intrinsic copies the accumulator to another register and back around each product, which
- * doubled the instructions of the kernels' inner loops (the bits are the instruction's either way) */
-#define DPBUSD_BCAST(acc, codes, p) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const int32_t *)(p)))
-
 #endif
