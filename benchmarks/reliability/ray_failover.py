@@ -339,8 +339,13 @@ async def faults(cluster: LocalCluster, url: str, load: Load, plan: Plan, rng: r
         node = await asyncio.to_thread(busiest_chat_node, cluster, load, rng)
         continued = await asyncio.to_thread(metric, url, "kiln_streams_resumed_total")
         apps = sorted(r.app for r in await asyncio.to_thread(cluster.replicas) if r.node is node)
-        fault = Fault(kind, time.monotonic(), node.name, apps)
-        await asyncio.to_thread(cluster.kill if kind == "kill" else cluster.drain, node)
+        if kind == "kill":  # its processes found first: the fault's moment is the first SIGKILL, not the search
+            pids = await asyncio.to_thread(node.pids)
+            fault = Fault(kind, time.monotonic(), node.name, apps)
+            await asyncio.to_thread(cluster.kill, node, pids)
+        else:
+            fault = Fault(kind, time.monotonic(), node.name, apps)
+            await asyncio.to_thread(cluster.drain, node)
         done.append(fault)
         print(f"  {kind} {node.name} ({', '.join(fault.replicas)}) at {fault.at - START:.1f}s", flush=True)
         if kind == "drain":  # Serve starts its replicas elsewhere, then stops these gracefully

@@ -467,35 +467,50 @@ def test_the_fault_benchmark_loses_nothing(emb, slow_generation_artifact, tmp_pa
 class _Call:
     """A stand-in for a streaming handle call on a replica: the real replica side
     (``replica_deltas`` over an in-process kiln serve model), lost after ``lose_after`` deltas
-    (None: never), or ``hang`` (no replica takes it), or refused with ``error``."""
+    (None: never), or ``hang`` (no replica takes it), or refused with ``error``; ``beacon``: the
+    replica's ``liveness.Beacon``, and ``die_after``: after that many deltas the replica's process
+    dies without a word from Ray (the beacon closes, the call stalls until cancelled)."""
 
-    def __init__(self, plane, args, lose_after=None, hang=False, error=None):
-        from modelkiln.ray.remote_generation import replica_deltas
-
-        self.args, self.lose_after, self.hang, self.error = args, lose_after, hang, error
-        self.items = replica_deltas(plane, "stand-in", *args)
+    def __init__(self, plane, args, lose_after=None, hang=False, error=None, beacon=None, die_after=None):
+        self.plane, self.args, self.lose_after, self.hang, self.error = plane, args, lose_after, hang, error
+        self.beacon, self.die_after = beacon, die_after
+        self.items = None
         self.deltas = 0
         self.cancelled = False
+        self._cancel = asyncio.Event()
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
         from ray.exceptions import ActorUnavailableError, RayTaskError
+        from ray.serve.exceptions import RequestCancelledError
 
-        if self.hang:
-            await asyncio.Event().wait()
+        from modelkiln.ray.remote_generation import Taken, replica_deltas
+
+        if self.items is None:
+            taken = Taken("stand-in", await self.beacon.address() if self.beacon else None)
+            self.items = replica_deltas(self.plane, taken, *self.args)
+        if self.hang or (self.die_after is not None and self.deltas >= self.die_after):
+            if self.die_after is not None:
+                while not self.beacon.connections:  # the router connects once the request was taken
+                    await asyncio.sleep(0.005)
+                self.beacon.close()  # what the process's end does to its sockets
+            await self._cancel.wait()  # Ray says nothing; only a cancel ends the wait (as Serve's calls)
+            await self.items.aclose()
+            raise RequestCancelledError("stand-in")
         if self.error is not None:
             raise RayTaskError("generate", "", self.error).as_instanceof_cause()
         if self.lose_after is not None and self.deltas >= self.lose_after:
             await self.items.aclose()
             raise ActorUnavailableError("RPC error: Socket closed", None)
         item = await self.items.__anext__()
-        self.deltas += len(item) if isinstance(item, list) else 0  # the first item is the replica's id
+        self.deltas += len(item) if isinstance(item, list) else 0  # the first item: Taken
         return item
 
     def cancel(self):
         self.cancelled = True
+        self._cancel.set()
 
 
 class _Handle:
@@ -578,6 +593,41 @@ def test_a_stream_whose_replica_is_lost_goes_on_as_the_uninterrupted_answer(loca
         assert _counter(model, "streams_resumed") == resumed
         assert _counter(model, "retries") == len(script) - resumed
     assert local.in_flight == 0
+
+
+def test_a_replica_whose_process_dies_loses_its_streams_at_once_not_when_ray_says(local_plane):
+    """The replica's beacon connection ends (its process died) while Ray reports nothing: the router
+    cancels the stalled call and the stream goes on on another replica, the uninterrupted answer,
+    long before the request's timeout. A live replica's beacon moves nothing."""
+    from modelkiln.generation.sampling import SamplingParams
+    from modelkiln.ray.liveness import Beacon
+
+    ids = local_plane.models["gen"].tokenizer.encode("The quick brown fox").ids
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95)
+    whole, first = _answer(_remote(local_plane, [])[0], ids, params)
+
+    async def run(script):
+        model, handle = _remote(local_plane, script)
+        started = time.monotonic()
+        stream = model.generate(ids, params, timeout_s=60, seed=first.seed)
+        async with stream:
+            deltas = [delta async for delta in stream]
+        return deltas, time.monotonic() - started, model, handle
+
+    async def both():
+        dying, live = Beacon("127.0.0.1"), Beacon("127.0.0.1")
+        # bounded: without the beacon's word the stalled call would wait for ever (Ray says nothing here)
+        moved = await asyncio.wait_for(run([{"beacon": dying, "die_after": 9}, {"beacon": live}]), 30)
+        stayed = await asyncio.wait_for(run([{"beacon": live}]), 30)
+        return moved, stayed
+
+    (deltas, seconds, model, handle), (kept, _, kept_model, kept_handle) = asyncio.run(both())
+    assert [d.token_id for d in deltas] == [d.token_id for d in whole]
+    assert "".join(d.text for d in deltas) == "".join(d.text for d in whole)
+    assert seconds < 10 and len(handle.calls) == 2 and handle.calls[0].cancelled
+    assert [len(c.args[3]) for c in handle.calls] == [0, 9] and _counter(model, "streams_resumed") == 1
+    assert [d.token_id for d in kept] == [d.token_id for d in whole] and len(kept_handle.calls) == 1
+    assert _counter(kept_model, "streams_resumed") == 0 and local_plane.models["gen"].in_flight == 0
 
 
 def test_no_live_replica_within_the_window_ends_the_stream_cleanly(local_plane):

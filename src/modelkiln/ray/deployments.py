@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, cast
 
+import ray
 from ray import serve
 
 from ..generation.sampling import SamplingParams
@@ -27,7 +28,8 @@ from ..serve.dataplane import DataPlane, build_dataplane
 from ..serve.settings import ModelSpec, ServeSettings
 from .ingress import RouterApp, without_request_id
 from .plan import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT, Failover
-from .remote_generation import replica_deltas
+from .liveness import Beacon
+from .remote_generation import Taken, replica_deltas
 
 log = logging.getLogger("modelkiln.ray")
 
@@ -50,6 +52,7 @@ class ModelReplica:
         self.settings = replica_settings(settings, model)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.plane: DataPlane | None = None
+        self.beacon = Beacon(ray.util.get_node_ip_address())  # the router's connection to it ends with this process
 
     def __serve_build_asgi_app__(self) -> Any:
         # Blocking (loads and warms the model) before the replica takes requests, as kiln serve does
@@ -64,11 +67,12 @@ class ModelReplica:
         return self.plane is not None and self.plane.ready()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, seed: int, resume_ids: list[int],
-                       timeout_s: float) -> AsyncIterator[str | list[Delta]]:
+                       timeout_s: float) -> AsyncIterator[Taken | list[Delta]]:
         """One generation request of the router's ``RemoteStream`` (``remote_generation.replica_deltas``).
         ``resume_ids``: the answer's tokens already sent, by a lost replica or the client."""
         assert self.plane is not None
-        items = replica_deltas(self.plane, self.replica, prompt_ids, params, seed, resume_ids, timeout_s)
+        taken = Taken(self.replica, await self.beacon.address())
+        items = replica_deltas(self.plane, taken, prompt_ids, params, seed, resume_ids, timeout_s)
         async with aclosing(items):
             async for item in items:  # a cancelled call closes them now, which cancels the sequence
                 yield item

@@ -12,8 +12,10 @@ prompt + the tokens it has passed on (``resume_ids``), with the same seed and de
 pulling: the client's connection stays open, and what it receives is the uninterrupted answer,
 token for token (every draw is keyed by (seed, token index), and the replica replays the text
 state through the resumed tokens: ``serve/generation/resume.py``). Nothing is sent twice: the
-tokens passed on are exactly those in ``resume_ids``. The gap is the loss's detection, the new
-replica's queue and its recompute: the prompt's prefill, then a decode step per token sent."""
+tokens passed on are exactly those in ``resume_ids``. The gap is the loss's detection (the replica's
+beacon connection ending, ``liveness.py``, else Ray's report), the new replica's queue and its
+recompute: the prompt and the tokens sent prefilled in chunks (a decode step per token sent where
+the serving graph computes a prompt's positions otherwise than decode steps)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import KilnError
 from ..generation.sampling import SamplingParams
@@ -34,9 +36,17 @@ from ..serve.generation.model import GenerationModel, OpenStream
 from ..serve.metrics import Metrics
 from ..serve.settings import ModelSpec, ServeSettings
 from .failover import Retry, replica_lost, unwrap
+from .liveness import Watch
 from .plan import Failover
 
 log = logging.getLogger("modelkiln.ray")
+
+
+class Taken(NamedTuple):
+    """A replica's first item of a stream: it accepted the request; ``beacon``: where the router
+    connects to see it die (``liveness.Beacon``), or None."""
+    replica: str
+    beacon: str | None
 
 class RemoteGenerationModel(GenerationModel):
     def __init__(self, spec: ModelSpec, settings: ServeSettings, metrics: Metrics, handle: Any, failover: Failover):
@@ -44,6 +54,7 @@ class RemoteGenerationModel(GenerationModel):
         self.handle = handle.options(stream=True)
         self.failover = failover
         self.kv_budget = None  # the replicas' (their metadata says)
+        self.watch = Watch()
 
     def load(self) -> None:
         self.ready = True
@@ -96,6 +107,8 @@ class RemoteStream(OpenStream):
         self._retry = Retry(model.failover, model.name, model.metrics, deadline)
         self._accepted = False
         self._lost_at = 0.0
+        self._gone = False  # the replica's beacon connection ended: its call was cancelled for that
+        self._unwatch = _nothing
         self._open = True
         model.in_flight += 1
         self._call = self._submit()
@@ -103,6 +116,7 @@ class RemoteStream(OpenStream):
     def _submit(self) -> Any:
         """The request (prompt + the tokens passed on so far) on a replica Serve chooses."""
         self._accepted = False
+        self._gone = False
         timeout_s = max(0.001, self.deadline - time.monotonic())
         params = self.params
         if params.constraint is not None:  # the replica compiles it (cached there by its spec)
@@ -149,12 +163,14 @@ class RemoteStream(OpenStream):
                     item = await self._call.__anext__()
                 else:  # no replica has it: wait for one at most until the window's end
                     item = await asyncio.wait_for(self._call.__anext__(), self._retry.remaining())
-                if isinstance(item, str):  # the replica's id: it accepted the request
+                if isinstance(item, Taken):  # the replica accepted the request
                     if self.attempts > 1:
                         log.info("model %s: %s taken by replica %s after %d token(s) (attempt %d, %.2f s after the "
-                                 "loss of %s)", self.model.name, "answer" if self.sent else "request", item,
+                                 "loss of %s)", self.model.name, "answer" if self.sent else "request", item.replica,
                                  len(self.sent), self.attempts, time.monotonic() - self._lost_at, self.replica)
-                    self.replica, self._accepted = item, True
+                    self.replica, self._accepted = item.replica, True
+                    if item.beacon is not None:
+                        self._unwatch = self.model.watch.on_loss(item.beacon, self._replica_gone)
                     return []
                 return item
             except asyncio.TimeoutError:
@@ -163,9 +179,10 @@ class RemoteStream(OpenStream):
             except StopAsyncIteration:  # the replica ended the call without the answer's end
                 raise KilnError(f"model '{self.model.name}': the replica ended the answer early") from None
             except Exception as exc:
-                if not replica_lost(exc):
+                if not (self._gone or replica_lost(exc)):
                     error = unwrap(exc)
                     raise error if isinstance(error, KilnError) else exc
+                self._unwatch()
                 self._call.cancel()
                 self._lost_at = time.monotonic()
                 log.warning("model %s: replica %s lost under a request after %d token(s) (%s); sending it to another",
@@ -174,13 +191,23 @@ class RemoteStream(OpenStream):
                 self.attempts += 1
                 self._call = self._submit()
 
+    def _replica_gone(self) -> None:
+        """The replica's beacon connection ended (its process died): the call is cancelled, and the
+        next item awaited raises, which sends the request to another replica (``_next_item``)."""
+        self._gone = True
+        self._call.cancel()
+
+    def _close(self, cancel: bool) -> None:
+        self._unwatch()
+        super()._close(cancel)
+
     def _cancel(self) -> None:
         self._call.cancel()
 
 
-async def replica_deltas(plane: DataPlane, replica: str, prompt_ids: list[int], params: SamplingParams, seed: int,
-                         resume_ids: list[int], timeout_s: float) -> AsyncGenerator[str | list[Delta], None]:
-    """A replica's side of a ``RemoteStream`` (``ModelReplica.generate``): the replica's id once its
+async def replica_deltas(plane: DataPlane, taken: Taken, prompt_ids: list[int], params: SamplingParams, seed: int,
+                         resume_ids: list[int], timeout_s: float) -> AsyncGenerator[Taken | list[Delta], None]:
+    """A replica's side of a ``RemoteStream`` (``ModelReplica.generate``): ``taken`` once its
     model accepted the request (a refusal, a full queue or a model stopping, is raised before), then
     the deltas. Closing it early (the router cancels the call: its client left) cancels the sequence."""
     model = plane.generation_model(None)
@@ -188,6 +215,10 @@ async def replica_deltas(plane: DataPlane, replica: str, prompt_ids: list[int], 
         params = replace(params, constraint=await asyncio.to_thread(model.grammars.compile, *params.constraint))
     stream = model.generate(prompt_ids, params, timeout_s, resume_ids, seed)
     async with stream:
-        yield replica
+        yield taken
         async for delta in stream:
             yield [delta]
+
+
+def _nothing() -> None:
+    pass
