@@ -53,6 +53,8 @@ class OracleDrafter:
 class OracleSpeculation:
     """What the core asks of its speculation settings, with an oracle for each prompt."""
 
+    method = "ngram"  # a drafter without a model of its own (the core opens none)
+
     def __init__(self, answers: dict[tuple[int, ...], list[int]], share: float, draft_tokens: int):
         self.answers, self.share, self.draft_tokens = answers, share, draft_tokens
         self.on = True
