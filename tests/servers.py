@@ -59,3 +59,15 @@ class GrpcServer(Server):
         self.grpc_port = free_port()
         super().__init__([*args, "--grpc-port", str(self.grpc_port)], **kwargs)
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The ``data:`` payloads of an SSE response, checking the framing (blank line after each)."""
+    events, lines = [], list(response.iter_lines())
+    for i, line in enumerate(lines):
+        if line.startswith("data: "):
+            assert i + 1 < len(lines) and lines[i + 1] == "", f"event not followed by a blank line: {line!r}"
+            events.append(line[len("data: "):])
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return events

@@ -279,7 +279,7 @@ def test_generation_routes_equal_kiln_serve(cluster, reference_server):
     """A text-generation model under Ray: Triton's generate and generate_stream and OpenAI completions,
     streamed too (all run by the router over the replicas), give kiln serve's greedy text."""
     import openai
-    from test_serve_generation import sse_events
+    from servers import sse_events
 
     body = {"text_input": "The quick brown fox", "parameters": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}}
     texts: dict[str, list[str]] = {}

@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from servers import GrpcServer
+from servers import GrpcServer, sse_events
 
 PROMPT = "The quick brown fox"
 MODEL = "tiny"
@@ -45,18 +45,6 @@ def client(server):
 
 def greedy(client, prompt: str = PROMPT, **kw) -> openai.types.Completion:
     return client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
-
-
-def sse_events(response: httpx.Response) -> list[str]:
-    """The ``data:`` payloads of an SSE response, checking the framing (blank line after each)."""
-    events, lines = [], list(response.iter_lines())
-    for i, line in enumerate(lines):
-        if line.startswith("data: "):
-            assert i + 1 < len(lines) and lines[i + 1] == "", f"event not followed by a blank line: {line!r}"
-            events.append(line[len("data: "):])
-        else:
-            assert line == "", f"unexpected SSE line {line!r}"
-    return events
 
 
 def metric(server, name: str) -> float:
