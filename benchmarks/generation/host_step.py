@@ -12,16 +12,21 @@ here is the host's cost of dispatching each operation, as a GPU's launches are.
 
 Phases (exclusive time, each a median over the steps): ``plan`` the core's scheduling (drop,
 admit, plan, masks; everything outside the other phases), ``inputs`` packing the step's token ids,
-positions and slots for the device, ``forward`` the replaced forward (~0), ``sampling`` the
-engine's choice of tokens and its bookkeeping (the sampler's calls, the copy of the tokens to the
-host), ``update`` the engine's and the core's state after a step, ``delivery`` turning the tokens
-into what the clients get (detokenization, stop strings, result objects). ``total`` is a step's
-wall time in a run without the phase timers (they cost ~1 us a call). ``ops`` and ``ops ms``: the
-tensor operations a step runs (each a kernel launch on a GPU) and the time spent inside them here,
-measured in a third run (a TorchDispatchMode): that time includes what the CPU computes for them
-(the sampler's sort over [rows, vocab] at 256 sampled rows), which on a GPU is the device's work.
+positions and slots for the device, ``forward`` the replaced forward (~0), ``graph`` a decode step
+graph's choice of its rows' tokens (captured with the forward pass: on a GPU the device's work, one
+replay), ``sampling`` the engine's choice of tokens outside a graph and its bookkeeping (the
+sampler's calls, the copy of the tokens to the host), ``update`` the engine's and the core's state
+after a step, ``delivery`` turning the tokens into what the clients get (detokenization, stop
+strings, result objects). ``total`` is a step's wall time in a run without the phase timers (they
+cost ~1 us a call); ``host`` is ``total`` less ``graph``: what the host does in a step when the
+device runs the graph. ``ops`` and ``ops ms``: the tensor operations a step runs outside the graphs'
+replays (each a kernel launch on a GPU) and the time spent inside them here, measured in a third run
+(a TorchDispatchMode): that time includes what the CPU computes for them, on a GPU the device's work.
 
-    python benchmarks/generation/host_step.py [--tokenizer /work/art/smollm2] [--rows 1 256]
+    python benchmarks/generation/host_step.py [--tokenizer /work/art/smollm2] [--rows 1 256] [--graph-stand-in]
+
+``--graph-stand-in`` replaces the decode graphs' choice of tokens by one argmax: on this CPU the graph's
+work runs on the host and evicts its caches, which a GPU's would not (``stand_in_graph_choice``).
 
 Budgets: 0.25 ms a step at 1 row, 1.0 ms at 256 rows."""
 
@@ -50,7 +55,7 @@ from modelkiln.generation.plan import EngineOptions, ModelShape  # noqa: E402
 from modelkiln.generation.sampling import SamplingParams  # noqa: E402
 from modelkiln.machine import cpu_description  # noqa: E402
 
-PHASES = ("plan", "inputs", "forward", "sampling", "update", "delivery")
+PHASES = ("plan", "inputs", "forward", "graph", "sampling", "update", "delivery")
 BUDGET_MS = {1: 0.25, 256: 1.0}
 CONTEXT = 1024
 ANSWER = 900  # tokens asked for: no answer ends while a case runs (~470 steps), none passes the context
@@ -69,6 +74,19 @@ def tiny_llama(folder: Path, vocab: int) -> Path:
     model.config.save_pretrained(folder)
     save_weights(model, folder / "model.torch-fp32.safetensors", "fp32")
     return folder / "model.torch-fp32.safetensors"
+
+
+def stand_in_graph_choice(engine: TorchEngine) -> None:
+    """The decode graphs' choice of tokens replaced by one argmax (each row's best token, status 0): what
+    the host sees when a GPU computes the graph, whose work then neither takes the host's time nor
+    evicts the host's data from its caches (on this CPU the full choice, ~2.8 ms at 256 rows over
+    [256, 128] float64, slowed the host's own phases after it by ~30%). The tokens differ from a real
+    draw's; their cost to the host does not."""
+    def choice(index: torch.Tensor, logits: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        return torch.stack([tokens, torch.zeros_like(tokens)])
+
+    engine.sampler.graph_choice = choice  # type: ignore[method-assign]
 
 
 def engine_with_idle_forward(weights: Path, rows: int, vocab: int) -> TorchEngine:
@@ -145,6 +163,8 @@ def phase_targets(engine: TorchEngine) -> list[tuple[object, str, str]]:
         (engine, "execute", "update"), (engine, "_run", "inputs"), (engine.decoder, "forward", "forward"),
         (engine, "_choose", "sampling"), (core_module.EngineCore, "_update", "update"),
     ]
+    if hasattr(engine.sampler, "graph_choice"):  # a decode step graph's choice of tokens: the graph's own work
+        targets.append((engine.sampler, "graph_choice", "graph"))
     if engine.graphs is not None:
         targets.append((engine.graphs, "run", "inputs"))
     if hasattr(core_module.EngineCore, "_deliver"):
@@ -155,19 +175,48 @@ def phase_targets(engine: TorchEngine) -> list[tuple[object, str, str]]:
 
 
 class OpTimer(TorchDispatchMode):
-    """Counts the tensor operations run and the time spent inside them."""
+    """Counts the tensor operations run outside the step graphs' replays (each one a launch of its own
+    on a GPU, where a replay is one) and the time spent inside them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count, self.seconds = 0, 0.0
+        self.replaying = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.replaying:
+            return func(*args, **(kwargs or {}))
         started = time.perf_counter()
         try:
             return func(*args, **(kwargs or {}))
         finally:
             self.seconds += time.perf_counter() - started
             self.count += 1
+
+
+@contextlib.contextmanager
+def replays_uncounted(engine: TorchEngine, timer: OpTimer) -> Iterator[None]:
+    """The step graphs' replays run without ``timer`` counting their operations."""
+    graphs = engine.graphs
+    if graphs is None:
+        yield
+        return
+    originals = dict(graphs.replays)
+
+    def uncounted(replay: Callable) -> Callable:
+        def run():
+            timer.replaying = True
+            try:
+                return replay()
+            finally:
+                timer.replaying = False
+        return run
+
+    graphs.replays.update({bucket: uncounted(replay) for bucket, replay in originals.items()})
+    try:
+        yield
+    finally:
+        graphs.replays.update(originals)
 
 
 def run_case(engine: TorchEngine, tokenizer: Tokenizer, rows: int, sampled: bool, steps: int) -> dict[str, float]:
@@ -196,7 +245,7 @@ def run_case(engine: TorchEngine, tokenizer: Tokenizer, rows: int, sampled: bool
                 per_phase[phase].append(timer.seconds.get(phase, 0.0))
     ops, op_seconds = [], []
     for _ in range(steps // 4):
-        with OpTimer() as timer_ops:
+        with OpTimer() as timer_ops, replays_uncounted(engine, timer_ops):
             core.step()
         ops.append(timer_ops.count)
         op_seconds.append(timer_ops.seconds)
@@ -206,6 +255,7 @@ def run_case(engine: TorchEngine, tokenizer: Tokenizer, rows: int, sampled: bool
         core.step()
     result = {phase: statistics.median(per_phase[phase]) * 1e3 for phase in PHASES}
     result["total"] = statistics.median(took) * 1e3
+    result["host"] = result["total"] - result["graph"]
     result["ops"], result["ops ms"] = statistics.median(ops), statistics.median(op_seconds) * 1e3
     return result
 
@@ -216,24 +266,30 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--graph-stand-in", action="store_true",
+                        help="replace the decode graphs' choice of tokens by one argmax (the device's work on a GPU)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
     cpu = cpu_description()
     print(f"CPU: {cpu['cpu']} ({cpu['isa']}, {cpu['cores']} cores); torch {torch.__version__}, 1 thread")
+    if args.graph_stand_in:
+        print("decode graphs' choice of tokens: a stand-in (one argmax), as the host sees a GPU's graph")
     print(f"tokenizer: {args.tokenizer} ({tokenizer.get_vocab_size()} tokens); logits {args.vocab} wide; "
           f"median of {args.steps} decode steps; ms a step")
-    print(f"{'rows':>5} {'sampling':<8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'total':>9} {'budget':>7}"
+    print(f"{'rows':>5} {'sampling':<8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'total':>9} {'host':>9} {'budget':>7}"
           f" {'ops':>5} {'ops ms':>7}")
     with tempfile.TemporaryDirectory() as folder:
         weights = tiny_llama(Path(folder), args.vocab)
         for rows in args.rows:
             engine = engine_with_idle_forward(weights, rows, args.vocab)
+            if args.graph_stand_in:
+                stand_in_graph_choice(engine)
             for sampled in (False, True):
                 got = run_case(engine, tokenizer, rows, sampled, args.steps)
                 budget = BUDGET_MS.get(rows)
                 print(f"{rows:>5} {'top_p' if sampled else 'greedy':<8} "
-                      + " ".join(f"{got[p]:>9.3f}" for p in PHASES) + f" {got['total']:>9.3f} "
+                      + " ".join(f"{got[p]:>9.3f}" for p in PHASES) + f" {got['total']:>9.3f} {got['host']:>9.3f} "
                       + (f"{budget:>7.2f}" if budget else f"{'':>7}") + f" {got['ops']:>5.0f} {got['ops ms']:>7.3f}",
                       flush=True)
 

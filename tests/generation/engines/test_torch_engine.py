@@ -138,7 +138,8 @@ def test_replays_in_padded_buckets_change_no_bit(tiny_torch_artifact):
     """The CUDA graphs' buckets, exercised eagerly on the CPU: a decode step of n rows runs at the
     next batch bucket (padding rows in the spare slot), and a step with prompt chunks at the next token
     bucket (padding tokens without a slot, padding selections), whatever its rows' lengths; answers
-    keep their bits. Prompts arrive while others decode, so steps mix chunks and decode rows."""
+    keep their bits, greedy and sampled (a decode step graph chooses its rows' tokens itself). Prompts
+    arrive while others decode, so steps mix chunks and decode rows."""
     model = TextGenerationModel(tiny_torch_artifact)
     plain = model.core(None, CoreOptions(threads=1, max_running=8, prefill_chunk=32, keep_logits=True))
     bucketed = model.core(None, CoreOptions(threads=1, max_running=8, prefill_chunk=32, keep_logits=True))
@@ -150,7 +151,8 @@ def test_replays_in_padded_buckets_change_no_bit(tiny_torch_artifact):
     run, run_step = graphs.run, graphs.run_step
     graphs.run = lambda ids, *rest: (replayed.append(len(ids)), run(ids, *rest))[1]
     graphs.run_step = lambda ids, *rest: (stepped.append(len(ids)), run_step(ids, *rest))[1]
-    requests = [Request(i, p, greedy(9)) for i, p in enumerate(PROMPTS[:6])]
+    sampled = [SamplingParams(max_new_tokens=9, seed=50 + i, **SETTINGS[i]) for i in range(len(SETTINGS))]
+    requests = [Request(i, p, greedy(9) if i % 2 == 0 else sampled[i]) for i, p in enumerate(PROMPTS[:6])]
     expected = [complete(plain, [r])[0] for r in requests]
     answers: dict = {r.request_id: ([], []) for r in requests}
     arrivals = {0: requests[:3], 6: requests[3:]}  # step: requests
@@ -221,6 +223,37 @@ def test_the_device_sampler_chooses_what_token_chooser_chooses():
         assert not choice.errors
         expected = [c.choose(logits[r], masks[r]) for r, c in enumerate(choosers)]
         assert choice.tokens == expected, f"step {step}"
+
+
+def test_the_step_graphs_choice_is_the_samplers_row_by_row():
+    """``graph_choice`` (what a decode step graph runs after its forward pass: every setting applied
+    to every row, no branch on the rows' settings) gives each row the token ``choose`` gives it, step
+    after step (penalties' state, positions), whatever else shares the step: greedy rows, rows of other
+    settings, and the graph's padding rows in the spare slot."""
+    vocab, rng = 300, np.random.default_rng(5)
+    rows = len(SETTINGS)
+    spare = rows
+    samplers = [DeviceSampler(rows + 1, vocab, torch.device("cpu")) for _ in range(2)]
+    for slot, settings in enumerate(SETTINGS):
+        params = SamplingParams(max_new_tokens=50, seed=200 + slot, **settings)
+        prompt, generated = rng.integers(0, vocab, 12).tolist(), rng.integers(0, vocab, 3).tolist()
+        for sampler in samplers:
+            sampler.start(slot, params, 200 + slot, prompt + generated, generated)
+    by_choose, by_graph = samplers
+    for step in range(40):
+        logits = torch.from_numpy((rng.standard_normal((rows, vocab)) * 3).astype(np.float32))
+        if step % 4 == 0:  # ties at the top
+            logits[:, 7] = logits[:, 9] = logits.max() + 1
+        slots = list(range(rows))
+        expected = by_choose.choose(slots, logits, [None] * rows)
+        padded = slots + [spare] * 3
+        index = torch.tensor(padded)
+        chosen = by_graph.graph_choice(index, torch.cat([logits, logits[:3]]),
+                                       torch.from_numpy(by_graph.draws(padded)))[:, :rows]
+        got = by_graph.settle(slots, logits, index[:rows], chosen,
+                              lambda: by_graph.processed(logits, index[:rows], [by_graph.params(s) for s in slots]))
+        assert not expected.errors and not got.errors
+        assert got.tokens == expected.tokens, f"step {step}"
 
 
 def test_sampling_errors_are_the_rows_own():

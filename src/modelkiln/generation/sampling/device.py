@@ -9,6 +9,12 @@ first run would have. The state the penalties need (tokens seen, how often each 
 bias) stays on the device, one row per slot, and is updated there; a row whose settings do not ask
 for it adds exact zeros.
 
+The decode step graphs choose their rows' tokens themselves, captured with the forward pass
+(``graph_choice``): every setting is applied to every row from the slots' settings on the device, with
+no branch on the rows' settings and no host value, and gives each row the bits ``choose`` gives it
+(a row's neutral settings add exact zeros and divide by one). ``settle`` is the host's part of
+either.
+
 A step waits on the device once: the chosen tokens come back with one status word per row (its
 settings gave no probabilities, its grammar allows no token, its best score overflowed) in one copy
 (``engines/torch/transfers.py``). Only rows that need more on the host wait again: those asking for
@@ -17,7 +23,7 @@ tokens at the top, made on the host)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +39,32 @@ from .params import SamplingParams
 NO_PROBABILITIES = 1  # its settings gave no probabilities (an error of its own)
 NOTHING_ALLOWED = 2  # its grammar allows no token here (an error of its own)
 OVERFLOWED = 4  # its best score is not finite: the token is chosen on the host (_fallback_row)
+
+
+# a slot's settings that change nothing: temperature 1, top_p 1, min_p 0; repetition 1, frequency and presence 0
+_NEUTRAL_DRAW = [1.0, 1.0, 0.0]
+_NEUTRAL_PENALTIES = [1.0, 0.0, 0.0]
+
+
+@dataclass(frozen=True)
+class _Used:
+    """Which settings some row of a choice asks for: only those are applied (each costs operations);
+    a row that does not ask for one gets the same bits either way."""
+
+    bias: bool
+    penalties: bool
+    top_k: bool
+    top_p: bool
+    min_p: bool
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams]) -> _Used:
+        return _Used(any(p.logit_bias for p in params),
+                     any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params),
+                     any(p.top_k for p in params), any(p.top_p < 1.0 for p in params), any(p.min_p > 0.0 for p in params))
+
+
+_EVERY = _Used(True, True, True, True, True)  # the step graphs' choice: no branch on the rows' settings
 
 
 @dataclass
@@ -57,6 +89,12 @@ class DeviceSampler:
         self.counts = torch.zeros(slots, vocab, dtype=torch.float32, device=device)
         self.bias = torch.zeros(slots, vocab, dtype=torch.float32, device=device)
         self._biased: set[int] = set()
+        # each slot's settings as the step graphs' choice reads them (``graph_choice``); a slot no
+        # sequence took (the graphs' spare one) chooses greedily, with no penalty
+        self.greedy = torch.ones(slots, dtype=torch.bool, device=device)
+        self.draw_settings = torch.tensor([_NEUTRAL_DRAW] * slots, dtype=torch.float64, device=device)
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=device)
+        self.penalties = torch.tensor([_NEUTRAL_PENALTIES] * slots, dtype=torch.float32, device=device)
 
     def start(self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int],
               generated: Sequence[int]) -> None:
@@ -74,6 +112,12 @@ class DeviceSampler:
         if slot in self._biased:
             self.bias[slot] = 0.0
             self._biased.discard(slot)
+        self.greedy[slot] = params.greedy
+        self.draw_settings[slot] = to_device(_NEUTRAL_DRAW if params.greedy else
+                                             [params.temperature, params.top_p, params.min_p], torch.float64, self.device)
+        self.top_k[slot] = params.top_k if params.top_k and params.top_k < self.vocab else 0
+        self.penalties[slot] = to_device([params.repetition_penalty, params.frequency_penalty, params.presence_penalty],
+                                         torch.float32, self.device)
         if params.logit_bias:
             bias = np.zeros(self.vocab, dtype=np.float32)
             for token, value in params.logit_bias:  # as numpy's ``scores[ids] += bias``: the last of a repeated id counts
@@ -97,33 +141,71 @@ class DeviceSampler:
         params = [s.params for s in states]
         index = to_device(slots, torch.long, self.device)
         allowed = self._mask_rows(masks) if any(m is not None for m in masks) else None
-        scores = self._processed(logits, index, params, allowed)
+        scores = self._processed(logits, index, _Used.of(params), allowed)
         sampled = [r for r, p in enumerate(params) if not p.greedy]
         if len(sampled) == rows:
-            tokens, status = self._draw(scores, params, self._uniforms(states))
+            tokens, status = self._draw(scores, index, _Used.of(params), self._uniforms(states))
         else:
             tokens = scores.argmax(dim=-1)
             status = torch.zeros_like(tokens)
             if sampled:
                 picked = to_device(sampled, torch.long, self.device)
-                chosen, flags = self._draw(scores.index_select(0, picked), [params[r] for r in sampled],
+                chosen, flags = self._draw(scores.index_select(0, picked), index.index_select(0, picked),
+                                           _Used.of([params[r] for r in sampled]),
                                            self._uniforms([states[r] for r in sampled]))
                 tokens.index_copy_(0, picked, chosen)
                 status.index_copy_(0, picked, flags)
         if allowed is not None:
             status |= torch.where(allowed.gather(1, tokens[:, None])[:, 0], 0, NOTHING_ALLOWED)
+        return self.settle(slots, logits, index, torch.stack([tokens, status]), lambda: scores)
+
+    def graph_choice(self, index: torch.Tensor, logits: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+        """``choose``'s tokens and status words ([2, rows]) for rows without a grammar mask, computed
+        from the slots' settings on the device alone: no host value, no branch on the rows' settings,
+        so the step graphs capture it with the forward pass. Every step applies every setting (a row's
+        own neutral values add exact zeros, divide by one), so each row gets the bits ``choose`` gives
+        it; ``draws``: each row's uniform (``draws``), any value for greedy rows."""
+        scores = self._processed(logits, index, _EVERY, None)
+        drawn, status = self._draw(scores, index, _EVERY, draws)
+        greedy = self.greedy.index_select(0, index)
+        return torch.stack([torch.where(greedy, scores.argmax(dim=-1), drawn), torch.where(greedy, 0, status)])
+
+    def processed(self, logits: torch.Tensor, index: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The rows' scores as ``choose`` draws from them (no grammar mask)."""
+        return self._processed(logits, index, _Used.of(params), None)
+
+    def draws(self, slots: Sequence[int]) -> np.ndarray:
+        """The uniforms of these slots' next tokens for ``graph_choice`` (0.5 for greedy rows)."""
+        values = np.full(len(slots), 0.5)
+        drawn = [(r, state) for r, state in enumerate(map(self._slots.get, slots))
+                 if state is not None and not state.params.greedy]
+        if drawn:
+            values[[r for r, _ in drawn]] = uniforms([s.seed for _, s in drawn], [s.position for _, s in drawn])
+        return values
+
+    def settle(self, slots: Sequence[int], logits: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor,
+               scores: Callable[[], torch.Tensor]) -> Choice:
+        """The host's part of a choice, after the device's (``chosen``: tokens and status words, by
+        ``choose`` or a step graph's ``graph_choice``): the penalties' state, the step's one wait,
+        each row's error or overflow fallback, positions, log-probabilities. ``scores``: the rows'
+        processed scores (needed only for an overflowed row)."""
+        states = [self._slots[s] for s in slots]
+        params = [s.params for s in states]
+        rows = len(slots)
+        tokens, status = chosen[0], chosen[1]
         kept = (status & (NO_PROBABILITIES | NOTHING_ALLOWED)) == 0
         self._count(index, tokens, kept, params)
-        host_tokens, host_status = to_host(torch.stack([tokens, status])).tolist()  # the step's one wait
+        host_tokens, host_status = to_host(chosen).tolist()  # the step's one wait
         errors: dict[int, Exception] = {}
-        for r, flags in enumerate(host_status):
+        for r in (r for r, flags in enumerate(host_status) if flags) if any(host_status) else ():
+            flags = host_status[r]
             if flags & NO_PROBABILITIES:
                 errors[r] = InvalidInputError(
                     f"the sampling settings give no probabilities (temperature {params[r].temperature})")
             elif flags & NOTHING_ALLOWED:
                 errors[r] = InvalidInputError("the grammar allows no token here")
             elif flags & OVERFLOWED:
-                host_tokens[r] = self._fallback_row(scores[r], states[r])
+                host_tokens[r] = self._fallback_row(scores()[r], states[r])
         for r, state in enumerate(states):
             if r not in errors:
                 state.position += 1
@@ -149,20 +231,19 @@ class DeviceSampler:
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             self.counts[index, tokens] += kept.float()
 
-    def _processed(self, logits: torch.Tensor, index: torch.Tensor, params: list[SamplingParams],
+    def _processed(self, logits: torch.Tensor, index: torch.Tensor, used: _Used,
                    allowed: torch.Tensor | None) -> torch.Tensor:
-        """Logit bias, penalties and the grammar's mask, in TokenChooser's order (fp32)."""
+        """Logit bias, penalties and the grammar's mask, in TokenChooser's order (fp32); ``used``: the
+        settings some row asks for (a row's neutral values change none of its bits)."""
         scores = logits
-        if any(p.logit_bias for p in params):
+        if used.bias:
             scores = scores + self.bias.index_select(0, index)
-        if any(p.repetition_penalty != 1.0 for p in params):
-            penalty = _column([p.repetition_penalty for p in params], torch.float32, self.device)
+        if used.penalties:
+            penalties = self.penalties.index_select(0, index)
+            penalty, frequency, presence = penalties[:, 0:1], penalties[:, 1:2], penalties[:, 2:3]
             seen = self.seen.index_select(0, index)
             scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
-        if any(p.frequency_penalty or p.presence_penalty for p in params):
             counts = self.counts.index_select(0, index)
-            frequency = _column([p.frequency_penalty for p in params], torch.float32, self.device)
-            presence = _column([p.presence_penalty for p in params], torch.float32, self.device)
             scores = scores - (counts * frequency + (counts > 0).float() * presence)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
@@ -180,32 +261,31 @@ class DeviceSampler:
         bits = to_device(packed, torch.int32, self.device).unsqueeze(-1) >> shifts
         return (bits & 1).bool().view(len(masks), words * 32)[:, :self.vocab]
 
-    def _draw(self, scores: torch.Tensor, params: list[SamplingParams],
+    def _draw(self, scores: torch.Tensor, index: torch.Tensor, used: _Used,
               draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """TokenChooser._draw for several rows: (tokens, status words: NO_PROBABILITIES where the
-        settings gave none, OVERFLOWED where the best score is not finite, left to ``_fallback_row``)."""
+        """TokenChooser._draw for several rows (the settings of their slots ``index``): (tokens, status
+        words: NO_PROBABILITIES where the settings gave none, OVERFLOWED where the best score is not
+        finite, left to ``_fallback_row``)."""
         scores = scores.double()
         best = scores.max(dim=-1, keepdim=True).values
         finite = torch.isfinite(best)
-        temperature = _column([p.temperature for p in params], torch.float64, self.device)
+        settings = self.draw_settings.index_select(0, index)
+        temperature, top_p, min_p = settings[:, 0:1], settings[:, 1:2], settings[:, 2:3]
         scores = torch.where(finite, (scores - best) / temperature, scores)
-        top_k = [p.top_k if p.top_k and p.top_k < self.vocab else 0 for p in params]
-        if any(top_k):
-            k = to_device(top_k, torch.long, self.device)
+        if used.top_k:
+            k = self.top_k.index_select(0, index)
             ordered = scores.sort(dim=-1, descending=True).values
             kth = ordered.gather(1, (k - 1).clamp(min=0)[:, None])
             scores = torch.where((k[:, None] > 0) & (scores < kth), float("-inf"), scores)
         exp = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
         probs = exp / exp.sum(dim=-1, keepdim=True)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = _column([p.top_p for p in params], torch.float64, self.device)
+        if used.top_p:
             ordered, order = probs.sort(dim=-1, descending=True, stable=True)
             keep = (ordered.cumsum(dim=-1) < top_p).sum(dim=-1, keepdim=True) + 1
             ranks = torch.arange(self.vocab, device=self.device)[None, :]
             kept = torch.zeros_like(probs).scatter(1, order, torch.where(ranks < keep, ordered, 0.0))
             probs = torch.where(top_p < 1.0, kept / kept.sum(dim=-1, keepdim=True), probs)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = _column([p.min_p for p in params], torch.float64, self.device)
+        if used.min_p:
             kept = torch.where(probs >= min_p * probs.max(dim=-1, keepdim=True).values, probs, 0.0)
             probs = torch.where(min_p > 0.0, kept / kept.sum(dim=-1, keepdim=True), probs)
         cumulative = probs.cumsum(dim=-1)
@@ -237,6 +317,3 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
     return [(chosen[r], [(int(best_ids[r][j]), float(best_values[r][j])) for j in range(top)])
             for r, top in enumerate(tops)]
 
-
-def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return to_device(values, dtype, device)[:, None]

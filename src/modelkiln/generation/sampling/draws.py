@@ -29,7 +29,8 @@ def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
     [0, 2**64) is numpy's error (a ValueError), never a wrapped number."""
     library = sampling_library()
     # numpy's own form: without the library, and where a seed or position is out of its range (numpy's error)
-    if library is None or any(not 0 <= v < 2**64 for v in (*seeds, *positions)):
+    if library is None or not seeds or min(seeds) < 0 or min(positions) < 0 or max(seeds) >= 2**64 \
+            or max(positions) >= 2**64:  # min and max: a step's rows checked without a Python loop
         return np.asarray([numpy_uniform(s, p) for s, p in zip(seeds, positions)], dtype=np.float64)
     keys = np.asarray(seeds, dtype=np.uint64)
     counters = np.asarray(positions, dtype=np.uint64)

@@ -13,7 +13,10 @@ KV cache preallocated there, tokens chosen there (``sampling/device.py``), behin
   budget is slots × ``max_length``.
 - **CUDA graphs** (CUDA only): a decode-only step replays a graph captured at ``warm_up`` for its
   batch size rounded up to a bucket (1, 2, 4, ... ``max_rows``), whatever its rows' lengths (attention
-  reads each row's positions from the device); padding rows write into a spare slot. A step with
+  reads each row's positions from the device); padding rows write into a spare slot. The graph also
+  chooses its rows' tokens (``DeviceSampler.graph_choice``: the slots' settings live on the device,
+  the rows' uniforms come in the step's one input copy), so the host waits once, for the tokens; a
+  step with a grammar mask chooses after the replay (``DeviceSampler.choose``). A step with
   prompt chunks replays one captured for its tokens rounded up to a bucket (64, 128, ... up to the
   prompt chunk and ``max_rows`` more), its padding tokens without a slot (they write and read
   nothing); only a step larger than that, or one whose every prompt position is scored, runs eagerly.
@@ -125,7 +128,8 @@ class TorchEngine:
         self.spare_slot = max_rows  # padding rows of a graph write here
         self._free = list(range(max_rows))
         self._sequences: dict[SeqId, _Sequence] = {}
-        self.sampler = DeviceSampler(max_rows, decoder.config.vocab, self.device)
+        self.sampler = DeviceSampler(max_rows + 1, decoder.config.vocab, self.device)  # and the spare slot
+        self._graph_choice: torch.Tensor | None = None  # a step graph's choice of this step's decode rows
         # step graphs: on CUDA by default; on the CPU only when asked (eager replays of the same buckets)
         use_graphs = self.device.type == "cuda" if step_graphs is None else step_graphs
         self.graphs = StepGraphs(self, GPU_PREFILL_CHUNK) if use_graphs else None
@@ -195,6 +199,7 @@ class TorchEngine:
     # -- the seam ------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         result = begin_step(plan, self._leave, self._start)
+        self._graph_choice = None
         chunks: list[Chunk] = []
         restored: list[Chunk] = []  # whole prompts from the prefix cache: their first token to choose
         for chunk in plan.chunks:
@@ -229,6 +234,7 @@ class TorchEngine:
                 choosing.append((chunk.seq, first + count - 1))
                 self._remember(state, logits[first + count - 1])
         if restored:  # their stored logits as rows after the forward pass's
+            self._graph_choice = None  # the step graph chose none of them: the sampler chooses every row
             stored: list[torch.Tensor] = []
             for chunk in restored:
                 state = self._sequences[chunk.seq]
@@ -303,7 +309,8 @@ class TorchEngine:
 
     def _run(self, decode: list[SeqId], chunks: list[Chunk]) -> tuple[torch.Tensor, dict[SeqId, tuple[int, int]]]:
         """The forward pass: logits of the positions wanted, and each sequence's (first row, rows) in
-        them: a decode row's one, a chunk's every position (scored) or its last (ending its prompt)."""
+        them: a decode row's one, a chunk's every position (scored) or its last (ending its prompt).
+        A decode-only step replayed from a step graph also chose its rows' tokens (``_graph_choice``)."""
         states = [self._sequences[seq] for seq in decode]
         ids = [s.next_token for s in states if s.next_token is not None]  # every one: execute checked
         assert len(ids) == len(states)
@@ -311,7 +318,8 @@ class TorchEngine:
         slots = [s.slot for s in states]
         rows = {seq: (i, 1) for i, seq in enumerate(decode)}
         if not chunks and self.graphs is not None and self.graphs.covers(len(decode)):
-            return self.graphs.run(ids, positions, slots), rows
+            logits, self._graph_choice = self.graphs.run(ids, positions, slots, self.sampler.draws(slots))
+            return logits, rows
         select = list(range(len(decode)))
         for chunk in chunks:
             offset, count = len(ids), len(chunk.token_ids)
@@ -354,10 +362,20 @@ class TorchEngine:
         choosing = [(seq, row) for seq, row in choosing if seq not in fed]
         if not choosing:
             return
-        rows = to_device([row for _, row in choosing], torch.long, self.device)
-        chosen_logits = logits.index_select(0, rows)
+        every = len(choosing) == logits.shape[0]  # every row, in order (a decode step without a resumed token)
+        rows = None if every else to_device([row for _, row in choosing], torch.long, self.device)
+        chosen_logits = logits if rows is None else logits.index_select(0, rows)
         slots = [self._sequences[seq].slot for seq, _ in choosing]
-        choice = self.sampler.choose(slots, chosen_logits, [masks.get(seq) for seq, _ in choosing])
+        row_masks = [masks.get(seq) for seq, _ in choosing] if masks else [None] * len(choosing)
+        graph_choice = self._graph_choice
+        if graph_choice is not None and not masks:  # the step graph chose them (decode rows only)
+            index = to_device(slots, torch.long, self.device)
+            chosen = graph_choice if rows is None else graph_choice.index_select(1, rows)
+            choice = self.sampler.settle(slots, chosen_logits, index, chosen,
+                                         lambda: self.sampler.processed(chosen_logits, index,
+                                                                        [self.sampler.params(s) for s in slots]))
+        else:
+            choice = self.sampler.choose(slots, chosen_logits, row_masks)
         kept_logits = to_host(chosen_logits) if self.keep_logits else None  # the gate's: a wait of its own
         for r, (seq, _) in enumerate(choosing):
             if r in choice.errors:
@@ -388,8 +406,10 @@ class StepGraphs:
         self.token_buckets = _buckets(min(PROMPT_BUCKET, prompt_tokens), prompt_tokens + engine.max_rows)
         self.most_selected = 2 * engine.max_rows  # each decode row, and the last token of each chunk ending a prompt
         width = max(self.batches[-1], self.token_buckets[-1])
-        self.inputs = torch.zeros(4, width, dtype=torch.long, device=engine.device)  # ids, positions, slots, select
-        self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+        # ids, positions, slots, select, and the decode rows' draws (float64 bits): one copy in a step
+        self.inputs = torch.zeros(5, width, dtype=torch.long, device=engine.device)
+        self.draws = self.inputs[4].view(torch.float64)
+        self.replays: dict[int, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {}
         self.step_replays: dict[int, Callable[[], torch.Tensor]] = {}
 
     def covers(self, rows: int) -> bool:
@@ -412,20 +432,31 @@ class StepGraphs:
         for tokens in reversed(self.token_buckets):
             step = StepTokens(self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens],
                               select=self.inputs[3, :self.selects(tokens)])
-            self.step_replays[tokens] = self._cuda_graph(step, pool) if pool is not None else self._eager(step)
+            forward = self._forward(step)
+            self.step_replays[tokens] = self._cuda_graph(forward, pool) if pool is not None else self._eager(forward)
         self.inputs[2].fill_(self.engine.spare_slot)
         for rows in reversed(self.batches):
-            step = StepTokens(self.inputs[0, :rows], self.inputs[1, :rows], self.inputs[2, :rows])
-            self.replays[rows] = self._cuda_graph(step, pool) if pool is not None else self._eager(step)
+            choosing = self._forward_and_choice(StepTokens(self.inputs[0, :rows], self.inputs[1, :rows],
+                                                           self.inputs[2, :rows]), self.draws[:rows])
+            self.replays[rows] = self._cuda_graph(choosing, pool) if pool is not None else self._eager(choosing)
         log.info("captured %d decode steps (batch %s) and %d prompt steps (tokens %s)", len(self.replays),
                  self.batches, len(self.step_replays), self.token_buckets)
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+    def run(self, ids: list[int], positions: list[int], slots: list[int],
+            draws: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-only step: its rows' logits and the tokens and status words the graph chose for
+        them ([2, rows], ``DeviceSampler.graph_choice``, with ``draws``: the rows' uniforms)."""
         rows = len(ids)
         bucket = next(b for b in self.batches if b >= rows)
         pad = bucket - rows
-        self._copy_in([ids + [0] * pad, positions + [0] * pad, slots + [self.engine.spare_slot] * pad])
-        return self.replays[bucket]()[:rows]
+        packed = np.empty((5, bucket), dtype=np.int64)
+        packed[0, :rows], packed[1, :rows], packed[2, :rows] = ids, positions, slots
+        packed[:3, rows:] = [[0], [0], [self.engine.spare_slot]]
+        packed[3] = 0
+        packed[4, :rows], packed[4, rows:] = draws.view(np.int64), np.float64(0.5).view(np.int64)
+        self._copy_in(packed)
+        logits, chosen = self.replays[bucket]()
+        return logits[:rows], chosen[:, :rows]
 
     def run_step(self, ids: list[int], positions: list[int], slots: list[int], select: list[int]) -> torch.Tensor:
         """A step with prompt chunks (``covers_step``): the logits of the ``select`` tokens."""
@@ -438,33 +469,48 @@ class StepGraphs:
     def _bucket(self, tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= tokens)
 
-    def _copy_in(self, rows: list[list[int]]) -> None:
-        host = torch.tensor(rows, dtype=torch.long)
+    def _copy_in(self, rows: list[list[int]] | np.ndarray) -> None:
+        host = torch.from_numpy(rows) if isinstance(rows, np.ndarray) else torch.tensor(rows, dtype=torch.long)
         if self.engine.device.type == "cuda":  # pragma: no cover - CUDA
             host = host.pin_memory()
         self.inputs[:len(rows), :host.shape[1]].copy_(host, non_blocking=True)
 
-    def _eager(self, step: StepTokens) -> Callable[[], torch.Tensor]:
-        def replay() -> torch.Tensor:
+    def _forward(self, step: StepTokens) -> Callable[[], torch.Tensor]:
+        engine = self.engine
+        return lambda: engine.decoder.forward(step, engine.cache)
+
+    def _forward_and_choice(self, step: StepTokens, draws: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """A decode step's forward pass and its rows' choice of tokens, one graph: the host then waits
+        once, for the tokens."""
+        engine = self.engine
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            logits = engine.decoder.forward(step, engine.cache)
+            return logits, engine.sampler.graph_choice(step.slots, logits, draws)
+        return run
+
+    @staticmethod
+    def _eager(run: Callable[[], Any]) -> Callable[[], Any]:
+        def replay() -> Any:
             with torch.inference_mode():
-                return self.engine.decoder.forward(step, self.engine.cache)
+                return run()
         return replay
 
-    def _cuda_graph(self, step: StepTokens, pool: Any) -> Callable[[], torch.Tensor]:  # pragma: no cover - CUDA
-        engine = self.engine
+    @staticmethod
+    def _cuda_graph(run: Callable[[], Any], pool: Any) -> Callable[[], Any]:  # pragma: no cover - CUDA
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():  # the first runs allocate outside the graph
             for _ in range(2):
-                engine.decoder.forward(step, engine.cache)
+                run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-            logits = engine.decoder.forward(step, engine.cache)
+            outputs = run()
 
-        def replay() -> torch.Tensor:
+        def replay() -> Any:
             graph.replay()
-            return logits
+            return outputs
         return replay
 
 
