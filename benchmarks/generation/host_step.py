@@ -201,7 +201,8 @@ def replays_uncounted(engine: TorchEngine, timer: OpTimer) -> Iterator[None]:
     if graphs is None:
         yield
         return
-    originals = dict(graphs.replays)
+    kinds = [graphs.replays, *([graphs.sampled_replays] if hasattr(graphs, "sampled_replays") else [])]
+    originals = [dict(replays) for replays in kinds]
 
     def uncounted(replay: Callable) -> Callable:
         def run():
@@ -212,11 +213,13 @@ def replays_uncounted(engine: TorchEngine, timer: OpTimer) -> Iterator[None]:
                 timer.replaying = False
         return run
 
-    graphs.replays.update({bucket: uncounted(replay) for bucket, replay in originals.items()})
+    for replays in kinds:
+        replays.update({bucket: uncounted(replay) for bucket, replay in replays.items()})
     try:
         yield
     finally:
-        graphs.replays.update(originals)
+        for replays, original in zip(kinds, originals):
+            replays.update(original)
 
 
 def run_case(engine: TorchEngine, tokenizer: Tokenizer, rows: int, sampled: bool, steps: int) -> dict[str, float]:

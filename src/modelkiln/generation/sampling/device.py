@@ -159,28 +159,34 @@ class DeviceSampler:
             status |= torch.where(allowed.gather(1, tokens[:, None])[:, 0], 0, NOTHING_ALLOWED)
         return self.settle(slots, logits, index, torch.stack([tokens, status]), lambda: scores)
 
-    def graph_choice(self, index: torch.Tensor, logits: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    def graph_choice(self, index: torch.Tensor, logits: torch.Tensor, draws: torch.Tensor | None) -> torch.Tensor:
         """``choose``'s tokens and status words ([2, rows]) for rows without a grammar mask, computed
         from the slots' settings on the device alone: no host value, no branch on the rows' settings,
         so the step graphs capture it with the forward pass. Every step applies every setting (a row's
         own neutral values add exact zeros, divide by one), so each row gets the bits ``choose`` gives
-        it; ``draws``: each row's uniform (``draws``), any value for greedy rows."""
+        it; ``draws``: each row's uniform (``draws``), any value for greedy rows; None where every row
+        is greedy (the graph for such steps leaves the draw, and its sorts over the vocabulary, out)."""
         scores = self._processed(logits, index, _EVERY, None)
+        best = scores.argmax(dim=-1)
+        if draws is None:
+            return torch.stack([best, torch.zeros_like(best)])
         drawn, status = self._draw(scores, index, _EVERY, draws)
         greedy = self.greedy.index_select(0, index)
-        return torch.stack([torch.where(greedy, scores.argmax(dim=-1), drawn), torch.where(greedy, 0, status)])
+        return torch.stack([torch.where(greedy, best, drawn), torch.where(greedy, 0, status)])
 
     def processed(self, logits: torch.Tensor, index: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """The rows' scores as ``choose`` draws from them (no grammar mask)."""
         return self._processed(logits, index, _Used.of(params), None)
 
-    def draws(self, slots: Sequence[int]) -> np.ndarray:
-        """The uniforms of these slots' next tokens for ``graph_choice`` (0.5 for greedy rows)."""
-        values = np.full(len(slots), 0.5)
+    def draws(self, slots: Sequence[int]) -> np.ndarray | None:
+        """The uniforms of these slots' next tokens for ``graph_choice`` (0.5 for greedy rows); None
+        when every row is greedy."""
         drawn = [(r, state) for r, state in enumerate(map(self._slots.get, slots))
                  if state is not None and not state.params.greedy]
-        if drawn:
-            values[[r for r, _ in drawn]] = uniforms([s.seed for _, s in drawn], [s.position for _, s in drawn])
+        if not drawn:
+            return None
+        values = np.full(len(slots), 0.5)
+        values[[r for r, _ in drawn]] = uniforms([s.seed for _, s in drawn], [s.position for _, s in drawn])
         return values
 
     def settle(self, slots: Sequence[int], logits: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor,

@@ -15,7 +15,8 @@ KV cache preallocated there, tokens chosen there (``sampling/device.py``), behin
   batch size rounded up to a bucket (1, 2, 4, ... ``max_rows``), whatever its rows' lengths (attention
   reads each row's positions from the device); padding rows write into a spare slot. The graph also
   chooses its rows' tokens (``DeviceSampler.graph_choice``: the slots' settings live on the device,
-  the rows' uniforms come in the step's one input copy), so the host waits once, for the tokens; a
+  the rows' uniforms come in the step's one input copy; a bucket has a graph for all-greedy steps,
+  without the draw, and one for steps with sampled rows), so the host waits once, for the tokens; a
   step with a grammar mask chooses after the replay (``DeviceSampler.choose``). A step with
   prompt chunks replays one captured for its tokens rounded up to a bucket (64, 128, ... up to the
   prompt chunk and ``max_rows`` more), its padding tokens without a slot (they write and read
@@ -409,7 +410,9 @@ class StepGraphs:
         # ids, positions, slots, select, and the decode rows' draws (float64 bits): one copy in a step
         self.inputs = torch.zeros(5, width, dtype=torch.long, device=engine.device)
         self.draws = self.inputs[4].view(torch.float64)
+        # per batch bucket: steps whose rows are all greedy (no draw), and steps with sampled rows
         self.replays: dict[int, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.sampled_replays: dict[int, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {}
         self.step_replays: dict[int, Callable[[], torch.Tensor]] = {}
 
     def covers(self, rows: int) -> bool:
@@ -436,16 +439,18 @@ class StepGraphs:
             self.step_replays[tokens] = self._cuda_graph(forward, pool) if pool is not None else self._eager(forward)
         self.inputs[2].fill_(self.engine.spare_slot)
         for rows in reversed(self.batches):
-            choosing = self._forward_and_choice(StepTokens(self.inputs[0, :rows], self.inputs[1, :rows],
-                                                           self.inputs[2, :rows]), self.draws[:rows])
-            self.replays[rows] = self._cuda_graph(choosing, pool) if pool is not None else self._eager(choosing)
+            step = StepTokens(self.inputs[0, :rows], self.inputs[1, :rows], self.inputs[2, :rows])
+            for replays, draws in ((self.replays, None), (self.sampled_replays, self.draws[:rows])):
+                choosing = self._forward_and_choice(step, draws)
+                replays[rows] = self._cuda_graph(choosing, pool) if pool is not None else self._eager(choosing)
         log.info("captured %d decode steps (batch %s) and %d prompt steps (tokens %s)", len(self.replays),
                  self.batches, len(self.step_replays), self.token_buckets)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
-            draws: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+            draws: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode-only step: its rows' logits and the tokens and status words the graph chose for
-        them ([2, rows], ``DeviceSampler.graph_choice``, with ``draws``: the rows' uniforms)."""
+        them ([2, rows], ``DeviceSampler.graph_choice``, with ``draws``: the rows' uniforms, None when
+        every row is greedy)."""
         rows = len(ids)
         bucket = next(b for b in self.batches if b >= rows)
         pad = bucket - rows
@@ -453,9 +458,10 @@ class StepGraphs:
         packed[0, :rows], packed[1, :rows], packed[2, :rows] = ids, positions, slots
         packed[:3, rows:] = [[0], [0], [self.engine.spare_slot]]
         packed[3] = 0
-        packed[4, :rows], packed[4, rows:] = draws.view(np.int64), np.float64(0.5).view(np.int64)
-        self._copy_in(packed)
-        logits, chosen = self.replays[bucket]()
+        if draws is not None:
+            packed[4, :rows], packed[4, rows:] = draws.view(np.int64), np.float64(0.5).view(np.int64)
+        self._copy_in(packed if draws is not None else packed[:4])
+        logits, chosen = (self.replays if draws is None else self.sampled_replays)[bucket]()
         return logits[:rows], chosen[:, :rows]
 
     def run_step(self, ids: list[int], positions: list[int], slots: list[int], select: list[int]) -> torch.Tensor:
@@ -479,7 +485,8 @@ class StepGraphs:
         engine = self.engine
         return lambda: engine.decoder.forward(step, engine.cache)
 
-    def _forward_and_choice(self, step: StepTokens, draws: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    def _forward_and_choice(self, step: StepTokens,
+                            draws: torch.Tensor | None) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """A decode step's forward pass and its rows' choice of tokens, one graph: the host then waits
         once, for the tokens."""
         engine = self.engine
