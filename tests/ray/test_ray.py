@@ -130,6 +130,9 @@ def test_kiln_ray_config_writes_a_kuberay_rayservice(emb, cls, tmp_path):
     workers = cluster["workerGroupSpecs"][0]
     container = workers["template"]["spec"]["containers"][0]
     assert workers["replicas"] == 3 and container["resources"]["limits"]["cpu"] == "2"
+    # replicas and router at the default priority (Ray's default would be nice 15), on every pod
+    for pod in (cluster["headGroupSpec"], workers):
+        assert {"name": "RAY_worker_niceness", "value": "0"} in pod["template"]["spec"]["containers"][0]["env"]
     mount = container["volumeMounts"][0]["mountPath"]
     assert all(str(Path(a.args["model"]["path"])).startswith(mount + "/") for a in parsed.applications[:2])
     assert workers["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"

@@ -19,6 +19,7 @@ def serve_until_interrupted(config: dict[str, Any], address: str | None, num_cpu
     except ImportError:
         raise KilnError(f"kiln ray needs Ray Serve: {install_hint('ray')}") from None
     from .deployments import build
+    from .plan import WORKER_NICENESS
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -26,8 +27,11 @@ def serve_until_interrupted(config: dict[str, Any], address: str | None, num_cpu
     local = address is None
     # "local": always a new cluster of our own. None would attach to whatever cluster this machine ran
     # last (RAY_ADDRESS, /tmp/ray/ray_current_cluster), even a stopped one.
+    # a local cluster's workers (the replicas, the router) at the default priority, not Ray's nice 15
+    # (plan.WORKER_NICENESS says why); a running cluster keeps what its nodes were started with
     ray.init(address="local" if local else address, num_cpus=num_cpus if local else None,
-             include_dashboard=False, log_to_driver=False, configure_logging=False)
+             include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _system_config={"worker_niceness": int(WORKER_NICENESS)} if local else None)
     deployed: list[str] = []
     try:
         http = config["http_options"]

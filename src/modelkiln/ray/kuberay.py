@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from ..errors import KilnError
+from .plan import WORKER_NICENESS
 
 API_VERSION = "ray.io/v1"
 SERVE_PORT = 8000
@@ -37,6 +38,8 @@ def rayservice(config: dict[str, Any], name: str, image: str, workers: int, work
     def pod(container: str, cpus: int, memory: str, ports: list[dict[str, Any]]) -> dict[str, Any]:
         spec: dict[str, Any] = {"containers": [{
             "name": container, "image": image, "ports": ports, "volumeMounts": mounts,
+            # the replicas and the router at the default priority, not Ray's nice 15 (plan.WORKER_NICENESS)
+            "env": [{"name": "RAY_worker_niceness", "value": WORKER_NICENESS}],
             "resources": {"requests": {"cpu": str(cpus), "memory": memory},
                           "limits": {"cpu": str(cpus), "memory": memory}}}]}
         if volumes:

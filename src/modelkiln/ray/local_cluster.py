@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import KilnError
 from ..net import child_environment, free_port
+from .plan import WORKER_NICENESS
 from .process import session_pids
 
 HOST = "127.0.0.1"
@@ -77,7 +78,7 @@ class LocalCluster:
         # changes: a node started while a benchmark loads the same 2 cores failed that way, three times out
         # of four; start the nodes a run needs before its load.)
         self.env = child_environment(RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s=str(int(timeout)),
-                                     **(env or {}))
+                                     RAY_worker_niceness=WORKER_NICENESS, **(env or {}))
         self.timeout = timeout
         self.nodes: list[Node] = []
         self._count = 0

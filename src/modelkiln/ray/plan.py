@@ -142,6 +142,14 @@ class Scaling:
 # its replica's node is lost: 1.75 s with the default, 0.17 s with 100 ms (a SIGKILLed node, one machine).
 DEATH_INFO_WAIT_MS = "100"
 
+# Ray starts its worker processes (Serve's replicas, kiln's router, Serve's proxy and controller) at
+# nice 15, below its own daemons, so that they stay responsive under batch work. For serving it is the
+# other way round: on the fault benchmark's 2 shared cores, every stream stalled together for seconds
+# while Ray's daemons worked on a node's loss and a replacement's start. So workers run at the default
+# priority, as kiln serve does: kiln ray's local cluster, LocalCluster's nodes and the KubeRay manifest
+# set it (a running cluster given by --address keeps what its nodes were started with).
+WORKER_NICENESS = "0"
+
 
 def router_deployment() -> dict[str, Any]:
     # It reads requests, tokenizes generation prompts and awaits model replicas: no CPU reserved, so
