@@ -37,9 +37,12 @@ def replay(prompt: list[int], answer: list[int], speculator, cost: Callable[[int
     """Seconds, drafted and accepted tokens of speculating ``answer`` (its first token is the
     prompt's); ``cut``: every proposal cut to the tokens that will be accepted."""
     seconds, drafted, accepted, at = 0.0, 0, 0, 1
+
+    def relative(k: int) -> float:
+        return cost(1 + k) / cost(1)
+
     while at < len(answer):
         left = len(answer) - at - 1
-        relative = lambda k: cost(1 + k) / cost(1)  # noqa: E731
         draft = speculator.draft(answer[:at], min(16, left), 1, relative) if left > 0 else []
         match = 0
         while match < len(draft) and draft[match] == answer[at + match]:

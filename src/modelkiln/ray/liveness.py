@@ -75,23 +75,17 @@ class Watch:
     to call when it ends (the returned function unregisters it)."""
 
     def __init__(self) -> None:
-        self._watchers: dict[str, dict[int, Callable[[], None]]] = {}
+        self._watchers: dict[str, set[Callable[[], None]]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._failed_at: dict[str, float] = {}
-        self._next_key = 0
 
     def on_loss(self, address: str, callback: Callable[[], None]) -> Callable[[], None]:
         if time.monotonic() - self._failed_at.get(address, -RETRY_AFTER_S) < RETRY_AFTER_S:
             return lambda: None  # no connection to that replica: Ray's report will do
-        key, self._next_key = self._next_key, self._next_key + 1
-        self._watchers.setdefault(address, {})[key] = callback
+        self._watchers.setdefault(address, set()).add(callback)
         if address not in self._tasks:
             self._tasks[address] = asyncio.get_running_loop().create_task(self._follow(address))
-
-        def forget() -> None:
-            self._watchers.get(address, {}).pop(key, None)
-
-        return forget
+        return lambda: self._watchers.get(address, set()).discard(callback)
 
     async def _follow(self, address: str) -> None:
         host, port = address.rsplit(":", 1)
@@ -110,8 +104,8 @@ class Watch:
         finally:
             writer.close()
             self._tasks.pop(address, None)
-            watchers = self._watchers.pop(address, {})
+            watchers = self._watchers.pop(address, set())
         if watchers:
             log.warning("replica beacon %s: connection lost; moving its %d stream(s)", address, len(watchers))
-        for callback in list(watchers.values()):
+        for callback in watchers:
             callback()

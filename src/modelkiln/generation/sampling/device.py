@@ -23,7 +23,7 @@ tokens at the top, made on the host)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,10 +141,11 @@ class DeviceSampler:
         params = [s.params for s in states]
         index = to_device(slots, torch.long, self.device)
         allowed = self._mask_rows(masks) if any(m is not None for m in masks) else None
-        scores = self._processed(logits, index, _Used.of(params), allowed)
+        used = _Used.of(params)
+        scores = self._processed(logits, index, used, allowed)
         sampled = [r for r, p in enumerate(params) if not p.greedy]
         if len(sampled) == rows:
-            tokens, status = self._draw(scores, index, _Used.of(params), self._uniforms(states))
+            tokens, status = self._draw(scores, index, used, self._uniforms(states))
         else:
             tokens = scores.argmax(dim=-1)
             status = torch.zeros_like(tokens)
@@ -157,7 +158,7 @@ class DeviceSampler:
                 status.index_copy_(0, picked, flags)
         if allowed is not None:
             status |= torch.where(allowed.gather(1, tokens[:, None])[:, 0], 0, NOTHING_ALLOWED)
-        return self.settle(slots, logits, index, torch.stack([tokens, status]), lambda: scores)
+        return self.settle(slots, logits, index, torch.stack([tokens, status]), scores)
 
     def graph_choice(self, index: torch.Tensor, logits: torch.Tensor, draws: torch.Tensor | None) -> torch.Tensor:
         """``choose``'s tokens and status words ([2, rows]) for rows without a grammar mask, computed
@@ -174,10 +175,6 @@ class DeviceSampler:
         greedy = self.greedy.index_select(0, index)
         return torch.stack([torch.where(greedy, best, drawn), torch.where(greedy, 0, status)])
 
-    def processed(self, logits: torch.Tensor, index: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """The rows' scores as ``choose`` draws from them (no grammar mask)."""
-        return self._processed(logits, index, _Used.of(params), None)
-
     def draws(self, slots: Sequence[int]) -> np.ndarray | None:
         """The uniforms of these slots' next tokens for ``graph_choice`` (0.5 for greedy rows); None
         when every row is greedy."""
@@ -190,11 +187,12 @@ class DeviceSampler:
         return values
 
     def settle(self, slots: Sequence[int], logits: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor,
-               scores: Callable[[], torch.Tensor]) -> Choice:
+               scores: torch.Tensor | None = None) -> Choice:
         """The host's part of a choice, after the device's (``chosen``: tokens and status words, by
         ``choose`` or a step graph's ``graph_choice``): the penalties' state, the step's one wait,
         each row's error or overflow fallback, positions, log-probabilities. ``scores``: the rows'
-        processed scores (needed only for an overflowed row)."""
+        processed scores, where the choice has them (an overflowed row needs them; else they are
+        computed from ``logits`` then)."""
         states = [self._slots[s] for s in slots]
         params = [s.params for s in states]
         rows = len(slots)
@@ -203,15 +201,16 @@ class DeviceSampler:
         self._count(index, tokens, kept, params)
         host_tokens, host_status = to_host(chosen).tolist()  # the step's one wait
         errors: dict[int, Exception] = {}
-        for r in (r for r, flags in enumerate(host_status) if flags) if any(host_status) else ():
-            flags = host_status[r]
+        for r, flags in [(r, flags) for r, flags in enumerate(host_status) if flags]:
             if flags & NO_PROBABILITIES:
                 errors[r] = InvalidInputError(
                     f"the sampling settings give no probabilities (temperature {params[r].temperature})")
             elif flags & NOTHING_ALLOWED:
                 errors[r] = InvalidInputError("the grammar allows no token here")
             elif flags & OVERFLOWED:
-                host_tokens[r] = self._fallback_row(scores()[r], states[r])
+                if scores is None:
+                    scores = self._processed(logits, index, _Used.of(params), None)
+                host_tokens[r] = self._fallback_row(scores[r], states[r])
         for r, state in enumerate(states):
             if r not in errors:
                 state.position += 1

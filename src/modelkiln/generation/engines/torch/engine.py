@@ -367,16 +367,15 @@ class TorchEngine:
         rows = None if every else to_device([row for _, row in choosing], torch.long, self.device)
         chosen_logits = logits if rows is None else logits.index_select(0, rows)
         slots = [self._sequences[seq].slot for seq, _ in choosing]
-        row_masks = [masks.get(seq) for seq, _ in choosing] if masks else [None] * len(choosing)
         graph_choice = self._graph_choice
         if graph_choice is not None and not masks:  # the step graph chose them (decode rows only)
-            index = to_device(slots, torch.long, self.device)
+            assert self.graphs is not None  # a graph's choice comes from one
+            step_slots = self.graphs.inputs[2, :logits.shape[0]]  # on the device already: the step's input copy
+            index = step_slots if rows is None else step_slots.index_select(0, rows)
             chosen = graph_choice if rows is None else graph_choice.index_select(1, rows)
-            choice = self.sampler.settle(slots, chosen_logits, index, chosen,
-                                         lambda: self.sampler.processed(chosen_logits, index,
-                                                                        [self.sampler.params(s) for s in slots]))
+            choice = self.sampler.settle(slots, chosen_logits, index, chosen)
         else:
-            choice = self.sampler.choose(slots, chosen_logits, row_masks)
+            choice = self.sampler.choose(slots, chosen_logits, [masks.get(seq) for seq, _ in choosing])
         kept_logits = to_host(chosen_logits) if self.keep_logits else None  # the gate's: a wait of its own
         for r, (seq, _) in enumerate(choosing):
             if r in choice.errors:
