@@ -23,7 +23,10 @@ device runs the graph. ``ops`` and ``ops ms``: the tensor operations a step runs
 replays (each a kernel launch on a GPU) and the time spent inside them here, measured in a third run
 (a TorchDispatchMode): that time includes what the CPU computes for them, on a GPU the device's work.
 
-    python benchmarks/generation/host_step.py [--tokenizer /work/art/smollm2] [--rows 1 256] [--graph-stand-in]
+    python benchmarks/generation/host_step.py [--tokenizer /work/art/smollm2] [--rows 1 256] [--graph-stand-in] [--overlap]
+
+``--overlap`` runs the core's overlapped steps (``EngineCore(overlap=True)``): the host's work per step is
+the same kind, but on a GPU it runs while the device computes the step launched before it.
 
 ``--graph-stand-in`` replaces the decode graphs' choice of tokens by one argmax: on this CPU the graph's
 work runs on the host and evicts its caches, which a GPU's would not (``stand_in_graph_choice``).
@@ -163,6 +166,9 @@ def phase_targets(engine: TorchEngine) -> list[tuple[object, str, str]]:
         (engine, "execute", "update"), (engine, "_run", "inputs"), (engine.decoder, "forward", "forward"),
         (engine, "_choose", "sampling"), (core_module.EngineCore, "_update", "update"),
     ]
+    if hasattr(engine, "launch"):  # overlapped steps: the engine's two halves, the core's collect
+        targets += [(engine, "launch", "update"), (engine, "collect", "update"),
+                    (core_module.EngineCore, "_collect", "update")]
     if hasattr(engine.sampler, "graph_choice"):  # a decode step graph's choice of tokens: the graph's own work
         targets.append((engine.sampler, "graph_choice", "graph"))
     if engine.graphs is not None:
@@ -222,8 +228,9 @@ def replays_uncounted(engine: TorchEngine, timer: OpTimer) -> Iterator[None]:
             replays.update(original)
 
 
-def run_case(engine: TorchEngine, tokenizer: Tokenizer, rows: int, sampled: bool, steps: int) -> dict[str, float]:
-    core = EngineCore(engine, tokenizer, max_running=rows)
+def run_case(engine: TorchEngine, tokenizer: Tokenizer, rows: int, sampled: bool, steps: int,
+             overlap: bool = False) -> dict[str, float]:
+    core = EngineCore(engine, tokenizer, max_running=rows, **({"overlap": True} if overlap else {}))
     for i in range(rows):
         params = (SamplingParams(max_new_tokens=ANSWER, temperature=0.7, top_p=0.95, seed=i, ignore_eos=True)
                   if sampled else greedy(ANSWER))
@@ -269,6 +276,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--overlap", action="store_true",
+                        help="overlapped steps: the core launches step N+1 before it collects step N")
     parser.add_argument("--graph-stand-in", action="store_true",
                         help="replace the decode graphs' choice of tokens by one argmax (the device's work on a GPU)")
     args = parser.parse_args()
@@ -278,6 +287,9 @@ def main() -> None:
     print(f"CPU: {cpu['cpu']} ({cpu['isa']}, {cpu['cores']} cores); torch {torch.__version__}, 1 thread")
     if args.graph_stand_in:
         print("decode graphs' choice of tokens: a stand-in (one argmax), as the host sees a GPU's graph")
+    if args.overlap:
+        print("overlapped steps: each step launches the next before collecting its own (host time is what a GPU's "
+              "step hides)")
     print(f"tokenizer: {args.tokenizer} ({tokenizer.get_vocab_size()} tokens); logits {args.vocab} wide; "
           f"median of {args.steps} decode steps; ms a step")
     print(f"{'rows':>5} {'sampling':<8} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'total':>9} {'host':>9} {'budget':>7}"
@@ -289,7 +301,7 @@ def main() -> None:
             if args.graph_stand_in:
                 stand_in_graph_choice(engine)
             for sampled in (False, True):
-                got = run_case(engine, tokenizer, rows, sampled, args.steps)
+                got = run_case(engine, tokenizer, rows, sampled, args.steps, args.overlap)
                 budget = BUDGET_MS.get(rows)
                 print(f"{rows:>5} {'top_p' if sampled else 'greedy':<8} "
                       + " ".join(f"{got[p]:>9.3f}" for p in PHASES) + f" {got['total']:>9.3f} {got['host']:>9.3f} "

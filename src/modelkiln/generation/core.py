@@ -21,6 +21,17 @@ One ``step()`` schedules, executes and updates (vLLM v1's ``schedule()`` → ``e
 The engine (``plan.Engine``) executes each plan and returns the tokens it chose; the core turns them
 into text (``sequence.SequenceState``), applies stop rules and grammars, and reports.
 
+**Overlapped steps** (``overlap``, engines that say ``overlaps``: the torch engine on a GPU; vLLM v1's
+async scheduling, SGLang's overlap scheduler): the core launches step N+1 before it collects step N,
+so the host's planning, detokenizing and delivering run while the device computes. Step N+1 is planned
+from what was known before N's tokens: a sequence whose prompt ends in N decodes in N+1 (its first
+token is its input there, on the device); a sequence that N ends (a stop, an end of sequence, an
+error) already has a row in N+1, whose token is dropped, and it leaves the engine at N+2, after the
+step that holds it is collected (its row counts as taken until then); no sequence is planned past
+its ``max_new_tokens``. A sequence whose next step needs the host's view of the last one (a
+grammar's mask, log-probabilities, prompt scores) makes the steps around it synchronous. Nothing a
+sequence computes depends on this: its tokens are the same either way.
+
 Chunk boundaries are fixed (tokens 0-127, 128-255, ...) whatever the load, so a prompt's cache is
 computed the same way alone and under load: an answer does not depend on what else runs (with the
 serving graph, bit for bit; the gate checks it through this same code)."""
@@ -40,7 +51,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..errors import InvalidInputError, KilnError, OverloadedError, RequestTimeoutError
-from .plan import DEFAULT_MAX_RUNNING, Chunk, Engine, Sampled, SeqStart, StepPlan, StepResult
+from .plan import DEFAULT_MAX_RUNNING, Chunk, Engine, Launched, OverlappingEngine, Sampled, SeqStart, StepPlan, StepResult
 from .sampling import SamplingParams
 from .sequence import Delta, SequenceState
 from .speculation import MAX_ROWS as SPECULATE_MAX_ROWS, DRAFT_MODEL, CallCosts, DraftModel, SpeculationOptions, Speculator
@@ -123,7 +134,7 @@ class EngineCore:
                  max_running: int = DEFAULT_MAX_RUNNING, max_waiting: int | None = None,
                  kv_budget: int | None = None, prefill_chunk: int | None = None,
                  hooks: CoreHooks | None = None, speculation: SpeculationOptions = SpeculationOptions(),
-                 draft_model: DraftModel | None = None):
+                 draft_model: DraftModel | None = None, overlap: bool = False):
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
@@ -146,8 +157,12 @@ class EngineCore:
         self._prefilling: list[Request] = []  # admitted, prompt not all in the cache yet
         self._running: dict[Hashable, Request] = {}  # decoding
         self._leaving: list[Hashable] = []  # sequences the engine still holds and must free at its next call
+        self._leaving_reserves: dict[Hashable, int] = {}  # of those, ones a launched step may still hold
         self._masker: ThreadPoolExecutor | None = None  # grammar masks, computed while the model runs
         self._mask_seconds = 0.0  # what the last step's masks took
+        # overlapped steps: where the engine can, and not while speculating (drafts need the last tokens)
+        self.overlap = overlap and engine.capabilities.overlaps and not self.speculation.on
+        self._in_flight: _InFlight | None = None  # the step launched and not yet collected
 
     # -- from any thread ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -172,7 +187,8 @@ class EngineCore:
             self._aborted.add(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._arrived or self._aborted or self._waiting or self._prefilling or self._running)
+        return bool(self._arrived or self._aborted or self._waiting or self._prefilling or self._running
+                    or self._in_flight)
 
     @property
     def waiting(self) -> int:
@@ -199,7 +215,10 @@ class EngineCore:
         second sends a new request its first token a decode step earlier (a whole step of every running
         sequence: 9 ms alone, 45 ms among 16 on SmolLM2). Ask for both parts: the decode runs only then.
         An engine that runs chunks and decode rows in one call (``mixed_steps``) gets one plan, and both
-        parts come after it."""
+        parts come after it. Overlapped (``overlap``): one part, after the next step is launched."""
+        if self.overlap:
+            yield self._overlapped_step()
+            return
         outputs: list[Output] = []
         with self._lock:
             self._waiting.extend(self._arrived)
@@ -235,6 +254,7 @@ class EngineCore:
 
     def fail_all(self, error: KilnError) -> list[Output]:
         """End every request, waiting or active, with ``error`` (shutdown)."""
+        self._forget_in_flight()
         with self._lock:
             self._waiting.extend(self._arrived)
             self._arrived.clear()
@@ -249,6 +269,101 @@ class EngineCore:
             _close_speculator(request)
         self._free_leaving()
         return outputs
+
+    # -- overlapped steps --------------------------------------------------------------------------------
+    def _overlapped_step(self) -> list[Output]:
+        """Plan and launch step N+1, then collect step N: its outputs."""
+        outputs: list[Output] = []
+        with self._lock:
+            self._waiting.extend(self._arrived)
+            self._arrived.clear()
+            aborted, self._aborted = self._aborted, set()
+        try:
+            self._drop(aborted, outputs)
+            if self._in_flight is not None and any(map(_needs_host, [*self._prefilling, *self._running.values()])):
+                self._collect(outputs)  # its next step needs this one's tokens on the host first
+            plan = self._plan_prompts(outputs)
+            chunked = [r for r in self._prefilling if r.request_id in _chunked(plan)]
+            pending = self._in_flight.choosing if self._in_flight is not None else set()
+            # no row past its last token: one whose token in flight may be its last waits for it
+            decoding = [r for r in self._running.values()
+                        if r.state is not None and r.state.tokens_left > (r.request_id in pending)]
+            plan.decode = [r.request_id for r in decoding]
+            if not plan.empty:
+                self._launch(plan, chunked + decoding)
+            if self._in_flight is not None and self._in_flight.previous is not None:
+                self._collect(outputs, self._in_flight.previous)
+            if self._in_flight is not None and (plan.empty or any(map(_needs_host, chunked + decoding))):
+                self._collect(outputs)  # nothing to overlap it with, or its rows' logits are read on the host
+        except Exception as exc:  # a bug or an engine failure: fail what is active, keep going
+            self._fail_active(exc, outputs)
+        if self._leaving and self._in_flight is None:  # finished ones give their memory back now
+            self._free_leaving()
+        self.hooks.iteration(self.running, self.waiting, self.engine.cache_tokens)
+        return outputs
+
+    def _launch(self, plan: StepPlan, requests: list[Request]) -> None:
+        """Queue ``plan`` on the engine; what it changes is known now (a prompt's chunks are in, a
+        prompt's end makes its sequence decode from the next step), its tokens at ``_collect``."""
+        engine: OverlappingEngine = self.engine  # type: ignore[assignment]  # self.overlap: it overlaps
+        plan.masks = self._masks([r for r in requests if r.request_id in self._running or _ends_prompt(plan, r.request_id)])
+        launched = engine.launch(plan)
+        by_id = {r.request_id: r for r in requests}
+        choosing = set(plan.decode)
+        for chunk in plan.chunks:
+            request = by_id[chunk.seq]
+            request.prefilled = chunk.start + len(chunk.token_ids)
+            if chunk.last:
+                choosing.add(chunk.seq)
+                self._prefilling.remove(request)
+                self._running[chunk.seq] = request
+        self._in_flight = _InFlight(plan, by_id, launched, choosing, previous=self._in_flight)
+
+    def _collect(self, outputs: list[Output], step: _InFlight | None = None) -> None:
+        """A launched step's result (default: the last one launched, with the one before it). Its
+        tokens go to requests still active; a request it ended leaves the engine with the next plan."""
+        step = step or self._in_flight
+        assert step is not None
+        if step is self._in_flight:
+            self._in_flight = None
+            if step.previous is not None:
+                self._collect(outputs, step.previous)
+        elif self._in_flight is not None and self._in_flight.previous is step:
+            self._in_flight.previous = None
+        engine: OverlappingEngine = self.engine  # type: ignore[assignment]
+        result = engine.collect(step.launched)
+        active = {seq: request for seq, request in step.by_id.items()
+                  if self._running.get(seq) is request or request in self._prefilling}
+        for seq, error in result.errors.items():
+            if seq in active:
+                self._leave(active.pop(seq))
+                outputs.append(Output(step.by_id[seq], error=_kiln_error(error)))
+        for chunk in step.plan.chunks:
+            request = active.get(chunk.seq)
+            if request is not None:
+                request.prompt_logprobs += result.prompt_logprobs.get(chunk.seq, [])
+                if chunk.seq in result.prompt_logits:
+                    request.prompt_logits.append(result.prompt_logits[chunk.seq])
+        self._deliver([s for s in result.sampled if s.seq in active], active, outputs)
+
+    def _held(self) -> set[Hashable]:
+        """Sequences a launched, uncollected step still computes for: they cannot leave the engine yet."""
+        held: set[Hashable] = set()
+        step = self._in_flight
+        while step is not None:
+            held |= step.by_id.keys()
+            step = step.previous
+        return held
+
+    def _forget_in_flight(self) -> None:
+        """After a failure: the launched steps' results are not wanted (collected, so the engine is idle)."""
+        step, self._in_flight = self._in_flight, None
+        while step is not None:
+            try:
+                self.engine.collect(step.launched)  # type: ignore[attr-defined]  # only an overlapping engine launches
+            except Exception:  # noqa: BLE001 - the engine failed: its requests are failed already
+                pass
+            step = step.previous
 
     # -- scheduling --------------------------------------------------------------------------------------
     def _drop(self, aborted: set[Hashable], outputs: list[Output]) -> None:
@@ -272,6 +387,9 @@ class EngineCore:
 
     def _admit(self, outputs: list[Output]) -> list[Request]:
         active = [r.reserve for r in [*self._prefilling, *self._running.values()]]
+        if self._in_flight is not None:  # rows that ended but that a launched step still holds
+            held = self._held()
+            active += [self._leaving_reserves[seq] for seq in self._leaving if seq in held and seq in self._leaving_reserves]
         admitted: list[Request] = []
         # A prompt another request is still computing waits for it to be in the prefix cache: the answers
         # to one prompt (OpenAI's n) then compute it once, and the others take their first token from it.
@@ -339,7 +457,7 @@ class EngineCore:
             budget -= n
             if budget <= 0:
                 break
-        plan.finished, self._leaving = self._leaving, []
+        plan.finished = self._take_leaving()
         return plan
 
     def _chunk_end(self, request: Request) -> int:
@@ -351,7 +469,7 @@ class EngineCore:
     def _execute(self, plan: StepPlan, requests: list[Request], outputs: list[Output]) -> None:
         """Run ``plan``; ``requests`` are those whose chunk or decode row is in it."""
         if not plan.finished:
-            plan.finished, self._leaving = self._leaving, []
+            plan.finished = self._take_leaving()
         by_id = {r.request_id: r for r in requests}
         choosing = [r for r in requests if r.request_id in self._running or _ends_prompt(plan, r.request_id)]
         plan.masks = self._masks(choosing)
@@ -461,16 +579,28 @@ class EngineCore:
         if request in self._prefilling:
             self._prefilling.remove(request)
         self._leaving.append(request.request_id)
+        if self._in_flight is not None:  # it may hold its row a step longer (_take_leaving)
+            self._leaving_reserves[request.request_id] = request.reserve
         _close_speculator(request)
 
+    def _take_leaving(self) -> list[Hashable]:
+        """The sequences that leave the engine with the next plan: those that ended, less those a
+        launched step still computes for (they leave after it is collected, their rows held till then)."""
+        held = self._held() if self._in_flight is not None else set()
+        leaving = [seq for seq in self._leaving if seq not in held]
+        self._leaving = [seq for seq in self._leaving if seq in held]
+        self._leaving_reserves = {seq: self._leaving_reserves[seq] for seq in self._leaving}
+        return leaving
+
     def _free_leaving(self) -> None:
-        leaving, self._leaving = self._leaving, []
+        leaving = self._take_leaving()
         try:
             self.engine.execute(StepPlan(finished=leaving))
         except Exception:  # noqa: BLE001 - the engine is in a bad state; the next requests start afresh
             pass
 
     def _fail_active(self, exc: Exception, outputs: list[Output]) -> None:
+        self._forget_in_flight()
         error = _kiln_error(exc)
         failed = [*self._prefilling, *self._running.values()]
         self._prefilling.clear()
@@ -480,6 +610,26 @@ class EngineCore:
         for request in failed:
             _close_speculator(request)
         self._free_leaving()
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A step launched on an overlapping engine and not yet collected: its plan, its requests,
+    the sequences that choose a token in it, and the step launched before it, if still uncollected."""
+
+    plan: StepPlan
+    by_id: dict[Hashable, Request]
+    launched: Launched
+    choosing: set[Hashable]
+    previous: _InFlight | None = None
+
+
+def _needs_host(request: Request) -> bool:
+    """Whether its next step needs this one's results on the host, or its logits read there before
+    another step runs: a grammar's mask, log-probabilities, prompt scores."""
+    params = request.params
+    return (request.state is not None and request.state.matcher is not None) or params.logprobs is not None \
+        or params.prompt_logprobs is not None or request.score
 
 
 def _close_speculator(request: Request) -> None:

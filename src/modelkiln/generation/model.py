@@ -148,7 +148,8 @@ class TextGenerationModel:
         drafting = o.speculation.method == DRAFT_MODEL and engine.capabilities.verifies_drafts
         return EngineCore(engine, self.tokenizer, self.eos_ids, max_running=o.max_running, max_waiting=o.max_waiting,
                           kv_budget=budget, prefill_chunk=o.prefill_chunk, hooks=hooks, speculation=o.speculation,
-                          draft_model=self.draft_model(o) if drafting else None)
+                          draft_model=self.draft_model(o) if drafting else None,
+                          overlap=_overlaps(o, engine))
 
     # -- a draft model (speculative decoding) ------------------------------------------------
     def draft_artifact(self, folder: Path | str) -> TextGenerationModel:
@@ -188,7 +189,9 @@ class CoreOptions:
     engine once before the first request; ``batch_invariant``: the torch engine's invariant kernels
     (EngineOptions); ``kv_share``: cores sharing that budget (a server's engine replicas), each
     getting its fraction; ``speculation``: drafted tokens verified where the engine can (answers
-    unchanged)."""
+    unchanged); ``overlap``: the core plans and launches a step while the device runs the one before,
+    where the engine can (``EngineCore``; None: on a GPU, where the host's work then hides behind the
+    device's; on the CPU the host is the device, and there is nothing to hide it behind)."""
 
     threads: int | None = None
     device: str = "cpu"
@@ -203,6 +206,7 @@ class CoreOptions:
     batch_invariant: bool = True
     kv_share: int = 1
     speculation: SpeculationOptions = SpeculationOptions()  # answers are the same with or without
+    overlap: bool | None = None  # answers are the same with or without
 
 
 # The default prefix cache: 1/8 of the KV budget, at most 2048 tokens. A bound that a busy server reaches
@@ -210,6 +214,14 @@ class CoreOptions:
 # every prompt's last blocks.
 PREFIX_CACHE_SHARE = 8
 PREFIX_CACHE_MAX_TOKENS = 2048
+
+
+def _overlaps(options: CoreOptions, engine: Engine) -> bool:
+    """Whether the core overlaps its steps (``CoreOptions.overlap``); never where every token keeps its
+    logits (the gate's): they are read on the host after the step, before the next one may run."""
+    if options.keep_logits:
+        return False
+    return options.overlap if options.overlap is not None else engine.capabilities.device == "cuda"
 
 
 def default_prefix_cache(kv_budget: int) -> int:

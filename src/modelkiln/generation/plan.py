@@ -117,7 +117,8 @@ class EngineCapabilities:
     whether it is computed in a decode step or in a prompt chunk of any length (the serving graph
     with KilnAttention), so a resumed request's sent tokens may be prefilled in chunks
     (``SeqStart.prefill_generated``); ``verifies_drafts``: a decode row may carry drafted tokens
-    (``StepPlan.drafts``)."""
+    (``StepPlan.drafts``); ``overlaps``: it is an ``OverlappingEngine`` (a plan may be launched before
+    the one before it is collected)."""
 
     device: str = "cpu"
     max_rows: int = DEFAULT_MAX_RUNNING
@@ -126,6 +127,7 @@ class EngineCapabilities:
     prefill_chunk: int | None = None
     prefill_is_decode: bool = False
     verifies_drafts: bool = False
+    overlaps: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,21 @@ class Engine(Protocol):
     def kv_capacity(self) -> int: ...  # tokens of KV its device can hold
     def warm_up(self) -> None: ...  # the first requests should not pay for the first runs
     def __contains__(self, seq: SeqId) -> bool: ...
+
+
+class Launched(Protocol):
+    """A plan an ``OverlappingEngine`` has queued on its device."""
+
+
+class OverlappingEngine(Engine, Protocol):
+    """An engine that queues a plan's work on its device and returns (``launch``), and waits for its
+    result when asked (``collect``), so the core plans and launches the next step while the device
+    runs this one. A decode row of a plan launched before the last one was collected feeds the token
+    the last one chose, which the engine keeps on its device; a sequence leaves only after every
+    plan with it was collected. ``execute`` is ``collect(launch(plan))``."""
+
+    def launch(self, plan: StepPlan) -> Launched: ...
+    def collect(self, launched: Launched) -> StepResult: ...
 
 
 def begin_step(plan: StepPlan, leave: Callable[[SeqId], None], start: Callable[[SeqStart], None]) -> StepResult:

@@ -250,7 +250,8 @@ def test_the_step_graphs_choice_is_the_samplers_row_by_row():
         index = torch.tensor(padded)
         chosen = by_graph.graph_choice(index, torch.cat([logits, logits[:3]]),
                                        torch.from_numpy(by_graph.draws(padded)))[:, :rows]
-        got = by_graph.settle(slots, logits, index[:rows], chosen)
+        by_graph.commit(slots, index[:rows], chosen)
+        got = by_graph.settle(slots, logits, chosen.numpy())
         assert not expected.errors and not got.errors
         assert got.tokens == expected.tokens, f"step {step}"
 

@@ -33,7 +33,7 @@ WAITING_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "nonzero_
 class WaitingOps(TorchDispatchMode):
     """Records every operator that makes the host wait for the device (a boolean mask as an index
     is a ``nonzero``), and every ``.tolist()``, ``.numpy()`` or ``.cpu()`` of a tensor called from
-    anywhere but ``transfers.to_host`` (on a GPU each is a wait of its own). What runs inside an
+    anywhere but ``transfers.HostCopy.result`` (on a GPU each is a wait of its own). What runs inside an
     operator is the device's own (a custom kernel's CPU form reads its tensors: on CUDA a kernel runs)."""
 
     def __init__(self) -> None:
@@ -59,7 +59,7 @@ class WaitingOps(TorchDispatchMode):
 
         def counted(name):
             def read(tensor, *args, **kwargs):
-                if not self._inside and sys._getframe(1).f_code is not transfers.to_host.__code__:
+                if not self._inside and sys._getframe(1).f_code is not transfers.HostCopy.result.__code__:
                     self.found.append(f"Tensor.{name}")
                 return originals[name](tensor, *args, **kwargs)
             return read
@@ -149,10 +149,9 @@ def test_rows_that_want_logits_on_the_host_wait_again(core):
 
 def test_the_counted_copy_is_the_tokens(core, monkeypatch):
     """What comes back is what the step chose: the tokens and a status word a row, in one array."""
-    from modelkiln.generation.sampling import device
-
     copies = []
-    monkeypatch.setattr(device, "to_host", lambda tensor: copies.append(transfers.to_host(tensor)) or copies[-1])
+    result = transfers.HostCopy.result
+    monkeypatch.setattr(transfers.HostCopy, "result", lambda copy: copies.append(result(copy)) or copies[-1])
     outputs = list(run_to_completion(core, [Request("g", [5, 6, 7], greedy(3))]))
     assert [c.shape for c in copies] == [(2, 1)] * 3
     assert [int(c[0, 0]) for c in copies] == [o.delta.token_id for o in outputs]

@@ -15,11 +15,14 @@ no branch on the rows' settings and no host value, and gives each row the bits `
 (a row's neutral settings add exact zeros and divide by one). ``settle`` is the host's part of
 either.
 
-A step waits on the device once: the chosen tokens come back with one status word per row (its
-settings gave no probabilities, its grammar allows no token, its best score overflowed) in one copy
-(``engines/torch/transfers.py``). Only rows that need more on the host wait again: those asking for
-log-probabilities, and a row whose best score overflowed (TokenChooser's uniform choice among the
-tokens at the top, made on the host)."""
+A step's choice is two parts: the device's (``choice`` or a graph's ``graph_choice``, then ``commit``:
+the penalties' state and the draws' positions advance, queued behind the choice, so the next step
+may be queued before the host has seen this one's tokens) and the host's (``settle``: errors and
+log-probabilities, once the tokens came back in their one copy, ``engines/torch/transfers.py``). A
+row whose best score overflowed (a bias or penalty of float range) takes TokenChooser's uniform
+choice among the tokens at the top on the device too, so no token is corrected on the host after
+the next step used it. Only rows that need more on the host wait again: those asking for
+log-probabilities."""
 
 from __future__ import annotations
 
@@ -32,13 +35,12 @@ import torch
 from ...errors import InvalidInputError
 from ..engines.torch.transfers import to_device, to_host
 from ..structured_output import bitmask
-from .draws import uniform, uniforms
+from .draws import uniforms
 from .params import SamplingParams
 
 # A row's status word after a choice, bit by bit
 NO_PROBABILITIES = 1  # its settings gave no probabilities (an error of its own)
 NOTHING_ALLOWED = 2  # its grammar allows no token here (an error of its own)
-OVERFLOWED = 4  # its best score is not finite: the token is chosen on the host (_fallback_row)
 
 
 # a slot's settings that change nothing: temperature 1, top_p 1, min_p 0; repetition 1, frequency and presence 0
@@ -134,8 +136,15 @@ class DeviceSampler:
 
     # -- choosing --------------------------------------------------------------------------------
     def choose(self, slots: Sequence[int], logits: torch.Tensor, masks: Sequence[np.ndarray | None]) -> Choice:
-        """One token per row: ``logits`` [rows, vocab] (the model's, fp32) of the sequences in ``slots``;
-        ``masks``: each row's grammar bitmask (int32 words) or None."""
+        """One token per row, both parts at once (``choice``, ``commit``, ``settle``): ``logits``
+        [rows, vocab] (the model's, fp32) of the sequences in ``slots``; ``masks``: each row's grammar
+        bitmask (int32 words) or None."""
+        chosen = self.choice(slots, logits, masks)
+        self.commit(slots, to_device(slots, torch.long, self.device), chosen)
+        return self.settle(slots, logits, to_host(chosen))
+
+    def choice(self, slots: Sequence[int], logits: torch.Tensor, masks: Sequence[np.ndarray | None]) -> torch.Tensor:
+        """The device's part of ``choose``: tokens and status words [2, rows], nothing waited for."""
         rows = len(slots)
         states = [self._slots[s] for s in slots]
         params = [s.params for s in states]
@@ -158,7 +167,7 @@ class DeviceSampler:
                 status.index_copy_(0, picked, flags)
         if allowed is not None:
             status |= torch.where(allowed.gather(1, tokens[:, None])[:, 0], 0, NOTHING_ALLOWED)
-        return self.settle(slots, logits, index, torch.stack([tokens, status]), scores)
+        return torch.stack([tokens, status])
 
     def graph_choice(self, index: torch.Tensor, logits: torch.Tensor, draws: torch.Tensor | None) -> torch.Tensor:
         """``choose``'s tokens and status words ([2, rows]) for rows without a grammar mask, computed
@@ -186,35 +195,31 @@ class DeviceSampler:
         values[[r for r, _ in drawn]] = uniforms([s.seed for _, s in drawn], [s.position for _, s in drawn])
         return values
 
-    def settle(self, slots: Sequence[int], logits: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor,
-               scores: torch.Tensor | None = None) -> Choice:
-        """The host's part of a choice, after the device's (``chosen``: tokens and status words, by
-        ``choose`` or a step graph's ``graph_choice``): the penalties' state, the step's one wait,
-        each row's error or overflow fallback, positions, log-probabilities. ``scores``: the rows'
-        processed scores, where the choice has them (an overflowed row needs them; else they are
-        computed from ``logits`` then)."""
+    def commit(self, slots: Sequence[int], index: torch.Tensor, chosen: torch.Tensor) -> None:
+        """The device's state after a choice (``chosen``: tokens and status words of the rows in
+        ``slots``, ``index`` those slots on the device): the penalties count the tokens of the rows
+        without an error, and each row's next draw is its answer's next position. Queued behind the
+        choice: nothing is waited for."""
         states = [self._slots[s] for s in slots]
-        params = [s.params for s in states]
-        rows = len(slots)
         tokens, status = chosen[0], chosen[1]
-        kept = (status & (NO_PROBABILITIES | NOTHING_ALLOWED)) == 0
-        self._count(index, tokens, kept, params)
-        host_tokens, host_status = to_host(chosen).tolist()  # the step's one wait
+        self._count(index, tokens, (status & (NO_PROBABILITIES | NOTHING_ALLOWED)) == 0, [s.params for s in states])
+        for state in states:  # a row with an error leaves: its position no longer matters
+            state.position += 1
+
+    def settle(self, slots: Sequence[int], logits: torch.Tensor, chosen: np.ndarray) -> Choice:
+        """The host's part of a choice, once its tokens and status words came back (``chosen``
+        [2, rows]): each row's error, and the log-probabilities of the rows that ask (``logits``:
+        the rows' own; read only for those)."""
+        params = [self._slots[s].params for s in slots]
+        host_tokens, host_status = chosen.tolist()
         errors: dict[int, Exception] = {}
         for r, flags in [(r, flags) for r, flags in enumerate(host_status) if flags]:
             if flags & NO_PROBABILITIES:
                 errors[r] = InvalidInputError(
                     f"the sampling settings give no probabilities (temperature {params[r].temperature})")
-            elif flags & NOTHING_ALLOWED:
+            else:
                 errors[r] = InvalidInputError("the grammar allows no token here")
-            elif flags & OVERFLOWED:
-                if scores is None:
-                    scores = self._processed(logits, index, _Used.of(params), None)
-                host_tokens[r] = self._fallback_row(scores[r], states[r])
-        for r, state in enumerate(states):
-            if r not in errors:
-                state.position += 1
-        asking = [r for r in range(rows) if r not in errors and params[r].logprobs is not None]
+        asking = [r for r in range(len(slots)) if r not in errors and params[r].logprobs is not None]
         logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}
         if asking:  # waits on the device again: these rows' log-probabilities come to the host
             found = token_logprobs(logits.index_select(0, to_device(asking, torch.long, self.device)),
@@ -269,11 +274,15 @@ class DeviceSampler:
     def _draw(self, scores: torch.Tensor, index: torch.Tensor, used: _Used,
               draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """TokenChooser._draw for several rows (the settings of their slots ``index``): (tokens, status
-        words: NO_PROBABILITIES where the settings gave none, OVERFLOWED where the best score is not
-        finite, left to ``_fallback_row``)."""
+        words: NO_PROBABILITIES where the settings gave none). A row whose best score is not finite
+        takes the reference's rule: a uniform choice among the tokens at the top (none where it is NaN)."""
         scores = scores.double()
         best = scores.max(dim=-1, keepdim=True).values
         finite = torch.isfinite(best)
+        top = scores == best
+        ties = top.sum(dim=-1)
+        nth = torch.minimum((draws * ties.double()).floor().long(), ties - 1)  # the reference's int(u * len(top))
+        at_top = (top.cumsum(dim=-1) > nth[:, None]).int().argmax(dim=-1)  # the tie of that rank
         settings = self.draw_settings.index_select(0, index)
         temperature, top_p, min_p = settings[:, 0:1], settings[:, 1:2], settings[:, 2:3]
         scores = torch.where(finite, (scores - best) / temperature, scores)
@@ -297,15 +306,9 @@ class DeviceSampler:
         total = cumulative[:, -1:]
         targets = (draws[:, None] * total).contiguous()
         tokens = torch.searchsorted(cumulative, targets, right=True)[:, 0].clamp(max=self.vocab - 1)
-        failed = ~(total[:, 0] > 0) & finite[:, 0]
-        return tokens, torch.where(failed, NO_PROBABILITIES, 0) | torch.where(finite[:, 0], 0, OVERFLOWED)
-
-    def _fallback_row(self, scores: torch.Tensor, state: _Slot) -> int:
-        """A row whose best score overflowed: a uniform choice among the tokens at the top
-        (TokenChooser's rule), on the host (a wait of its own: such rows are rare)."""
-        top = np.flatnonzero(to_host(scores == scores.max()))
-        u = uniform(state.seed, state.position)
-        return int(top[min(int(u * len(top)), len(top) - 1)])
+        finite = finite[:, 0]
+        failed = torch.where(finite, ~(total[:, 0] > 0), ties == 0)
+        return torch.where(finite, tokens, at_top), torch.where(failed, NO_PROBABILITIES, 0)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],

@@ -51,7 +51,7 @@ from ...plan import (Chunk, EngineCapabilities, EngineOptions, ModelShape, Sampl
 from ...sampling import SamplingParams
 from .decoder import StepTokens, TorchDecoder, load_config
 from .ops import Kernels
-from .transfers import to_device, to_host
+from .transfers import HostCopy, to_device, to_host
 from ...sampling.device import DeviceSampler, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class KVCache:
 class _Sequence:
     slot: int
     length: int = 0  # tokens in its cache
-    next_token: int | None = None  # what its next decode step feeds (once its prompt is in)
+    decoding: bool = False  # its prompt is in: its next input is its slot's in ``next_ids``
     forced: list[int] = field(default_factory=list)  # a resumed answer's tokens, fed instead of chosen
     prompt: list[int] | None = None  # until its prompt is in the cache: the prefix cache keeps it
     stored_logits: torch.Tensor | None = None  # a whole prompt restored from the prefix cache: its last logits
@@ -125,12 +125,14 @@ class TorchEngine:
         self.max_context = min(max_context or self.max_length, self.max_length)
         self.keep_logits = keep_logits
         self.capabilities = EngineCapabilities(self.device.type, max_rows, mixed_steps=True, prefix_cache=False,
-                                               prefill_chunk=GPU_PREFILL_CHUNK if self.device.type == "cuda" else None)
+                                               prefill_chunk=GPU_PREFILL_CHUNK if self.device.type == "cuda" else None,
+                                               overlaps=True)
         self.spare_slot = max_rows  # padding rows of a graph write here
         self._free = list(range(max_rows))
         self._sequences: dict[SeqId, _Sequence] = {}
         self.sampler = DeviceSampler(max_rows + 1, decoder.config.vocab, self.device)  # and the spare slot
-        self._graph_choice: torch.Tensor | None = None  # a step graph's choice of this step's decode rows
+        # each slot's next input token, written where it is chosen: a decode step reads it on the device
+        self.next_ids = torch.zeros(max_rows + 1, dtype=torch.long, device=self.device)
         # step graphs: on CUDA by default; on the CPU only when asked (eager replays of the same buckets)
         use_graphs = self.device.type == "cuda" if step_graphs is None else step_graphs
         self.graphs = StepGraphs(self, GPU_PREFILL_CHUNK) if use_graphs else None
@@ -199,8 +201,15 @@ class TorchEngine:
 
     # -- the seam ------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """Queue a plan's work on the device: the forward pass, the choice of tokens, and what the next
+        step reads of it (each chosen token as its sequence's next input, the penalties' counts, the
+        draws' positions), then the copy of the tokens to the host; wait for none of it. The next plan
+        may be launched before this one is collected (overlapped scheduling): its decode rows feed the
+        tokens this one chooses, from the device. Its sequences must not leave before it is collected."""
         result = begin_step(plan, self._leave, self._start)
-        self._graph_choice = None
         chunks: list[Chunk] = []
         restored: list[Chunk] = []  # whole prompts from the prefix cache: their first token to choose
         for chunk in plan.chunks:
@@ -214,14 +223,16 @@ class TorchEngine:
         decode = list(plan.decode)
         for seq in decode:
             state = self._sequences.get(seq)
-            if state is None or state.next_token is None:
+            if state is None or not state.decoding:
                 raise KilnError(f"the plan decodes {seq!r}, which is not running in the engine")
             if state.length + 1 > self.max_length:
                 raise InvalidInputError(f"{state.length + 1} tokens exceed the engine's {self.max_length}-token rows")
+        launched = Launched(result)
         if not decode and not chunks and not restored:
-            return result
+            return launched
+        graph_choice = None  # a decode step graph's choice of its rows' tokens
         if decode or chunks:
-            logits, rows = self._run(decode, chunks)
+            logits, rows, graph_choice = self._run(decode, chunks)
         else:
             logits, rows = torch.empty(0, self.decoder.config.vocab, device=self.device), {}
         choosing: list[tuple[SeqId, int]] = [(seq, rows[seq][0]) for seq in decode]
@@ -235,7 +246,7 @@ class TorchEngine:
                 choosing.append((chunk.seq, first + count - 1))
                 self._remember(state, logits[first + count - 1])
         if restored:  # their stored logits as rows after the forward pass's
-            self._graph_choice = None  # the step graph chose none of them: the sampler chooses every row
+            graph_choice = None  # the step graph chose none of them: the sampler chooses every row
             stored: list[torch.Tensor] = []
             for chunk in restored:
                 state = self._sequences[chunk.seq]
@@ -248,7 +259,25 @@ class TorchEngine:
             self._sequences[seq].length += 1
         if choosing:
             masks = plan.masks() if plan.masks is not None else {}
-            self._choose(choosing, logits, masks, result)
+            self._choose(choosing, logits, graph_choice, masks, launched)
+        return launched
+
+    def collect(self, launched: Launched) -> StepResult:
+        """A launched plan's result: waits for its tokens (the step's one wait on the device)."""
+        result = launched.result
+        if launched.tokens is None:
+            return result
+        assert launched.logits is not None
+        choice = self.sampler.settle(launched.slots, launched.logits, launched.tokens.result())
+        kept_logits = to_host(launched.logits) if self.keep_logits else None  # the gate's: a wait of its own
+        for r, seq in enumerate(launched.choosing):
+            if r in choice.errors:
+                result.errors[seq] = choice.errors[r]
+                continue
+            sampled = Sampled(seq, choice.tokens[r], logits=kept_logits[r].copy() if kept_logits is not None else None)
+            if r in choice.logprobs:
+                sampled.logprob, sampled.top_logprobs = choice.logprobs[r]
+            result.sampled.append(sampled)
         return result
 
     def warm_up(self) -> None:
@@ -308,19 +337,20 @@ class TorchEngine:
         self._free.append(state.slot)
         self._free.sort()
 
-    def _run(self, decode: list[SeqId], chunks: list[Chunk]) -> tuple[torch.Tensor, dict[SeqId, tuple[int, int]]]:
-        """The forward pass: logits of the positions wanted, and each sequence's (first row, rows) in
-        them: a decode row's one, a chunk's every position (scored) or its last (ending its prompt).
-        A decode-only step replayed from a step graph also chose its rows' tokens (``_graph_choice``)."""
+    def _run(self, decode: list[SeqId],
+             chunks: list[Chunk]) -> tuple[torch.Tensor, dict[SeqId, tuple[int, int]], torch.Tensor | None]:
+        """The forward pass: logits of the positions wanted, each sequence's (first row, rows) in them
+        (a decode row's one, a chunk's every position (scored) or its last (ending its prompt)), and,
+        for a decode-only step replayed from a step graph, the tokens it chose for its rows. A decode
+        row's input is its sequence's next token on the device (``next_ids``)."""
         states = [self._sequences[seq] for seq in decode]
-        ids = [s.next_token for s in states if s.next_token is not None]  # every one: execute checked
-        assert len(ids) == len(states)
         positions = [s.length for s in states]
         slots = [s.slot for s in states]
         rows = {seq: (i, 1) for i, seq in enumerate(decode)}
         if not chunks and self.graphs is not None and self.graphs.covers(len(decode)):
-            logits, self._graph_choice = self.graphs.run(ids, positions, slots, self.sampler.draws(slots))
-            return logits, rows
+            logits, choice = self.graphs.run(positions, slots, self.sampler.draws(slots))
+            return logits, rows, choice
+        ids = [0] * len(decode)  # from_slot: read from next_ids
         select = list(range(len(decode)))
         for chunk in chunks:
             offset, count = len(ids), len(chunk.token_ids)
@@ -335,13 +365,20 @@ class TorchEngine:
                 select.append(offset + count - 1)
             else:
                 rows[chunk.seq] = (len(select), 0)
+        from_slot = [1] * len(decode) + [0] * (len(ids) - len(decode))
         if self.graphs is not None and self.graphs.covers_step(len(ids), len(select)):
-            return self.graphs.run_step(ids, positions, slots, select), rows
-        tokens = to_device(np.array([ids, positions, slots], dtype=np.int64), torch.long, self.device)
-        step = StepTokens(tokens[0], tokens[1], tokens[2], select=to_device(select, torch.long, self.device))
+            return self.graphs.run_step(ids, positions, slots, select, from_slot), rows, None
+        tokens = to_device(np.array([ids, positions, slots, from_slot], dtype=np.int64), torch.long, self.device)
+        step = StepTokens(self.input_ids(tokens[0], tokens[2], tokens[3]), tokens[1], tokens[2],
+                          select=to_device(select, torch.long, self.device))
         with torch.inference_mode():
             logits = self.decoder.forward(step, self.cache)
-        return logits, rows
+        return logits, rows, None
+
+    def input_ids(self, ids: torch.Tensor, slots: torch.Tensor, from_slot: torch.Tensor) -> torch.Tensor:
+        """A step's token ids: a decode row's (``from_slot``) is its sequence's next token, chosen by
+        the step before on the device, the others' are ``ids``."""
+        return torch.where(from_slot != 0, self.next_ids.index_select(0, slots.clamp(min=0)), ids)
 
     def _prompt_outputs(self, chunk: Chunk, logits: torch.Tensor, result: StepResult) -> None:
         """A scored chunk's logits or log-probabilities: each a wait on the device of its own."""
@@ -353,40 +390,52 @@ class TorchEngine:
             scored = token_logprobs(logits, targets, [top] * len(targets))
             result.prompt_logprobs[chunk.seq] = scored[:len(chunk.targets)]
 
-    def _choose(self, choosing: list[tuple[SeqId, int]], logits: torch.Tensor, masks: dict, result: StepResult) -> None:
-        fed = set()
+    def _choose(self, choosing: list[tuple[SeqId, int]], logits: torch.Tensor, graph_choice: torch.Tensor | None,
+                masks: dict, launched: Launched) -> None:
+        """The rows' tokens, chosen and committed on the device (each one its sequence's next input),
+        their copy to the host queued: ``collect`` reads them."""
+        fed = []
         for seq, _ in choosing:  # a resumed token, already sent: the next step's input, nothing to report
             state = self._sequences[seq]
+            state.decoding = True
             if state.forced:
-                state.next_token = state.forced.pop()
-                fed.add(seq)
-        choosing = [(seq, row) for seq, row in choosing if seq not in fed]
-        if not choosing:
-            return
-        every = len(choosing) == logits.shape[0]  # every row, in order (a decode step without a resumed token)
-        rows = None if every else to_device([row for _, row in choosing], torch.long, self.device)
-        chosen_logits = logits if rows is None else logits.index_select(0, rows)
-        slots = [self._sequences[seq].slot for seq, _ in choosing]
-        graph_choice = self._graph_choice
-        if graph_choice is not None and not masks:  # the step graph chose them (decode rows only)
-            assert self.graphs is not None  # a graph's choice comes from one
-            step_slots = self.graphs.inputs[2, :logits.shape[0]]  # on the device already: the step's input copy
-            index = step_slots if rows is None else step_slots.index_select(0, rows)
-            chosen = graph_choice if rows is None else graph_choice.index_select(1, rows)
-            choice = self.sampler.settle(slots, chosen_logits, index, chosen)
-        else:
-            choice = self.sampler.choose(slots, chosen_logits, [masks.get(seq) for seq, _ in choosing])
-        kept_logits = to_host(chosen_logits) if self.keep_logits else None  # the gate's: a wait of its own
-        for r, (seq, _) in enumerate(choosing):
-            if r in choice.errors:
-                result.errors[seq] = choice.errors[r]
-                continue
-            token = choice.tokens[r]
-            self._sequences[seq].next_token = token
-            sampled = Sampled(seq, token, logits=kept_logits[r].copy() if kept_logits is not None else None)
-            if r in choice.logprobs:
-                sampled.logprob, sampled.top_logprobs = choice.logprobs[r]
-            result.sampled.append(sampled)
+                fed.append((state.slot, state.forced.pop()))
+        fed_slots = {slot for slot, _ in fed}
+        choosing = [(seq, row) for seq, row in choosing if self._sequences[seq].slot not in fed_slots]
+        if choosing:
+            every = len(choosing) == logits.shape[0]  # every row, in order (a decode step without a resumed token)
+            rows = None if every else to_device([row for _, row in choosing], torch.long, self.device)
+            chosen_logits = logits if rows is None else logits.index_select(0, rows)
+            slots = [self._sequences[seq].slot for seq, _ in choosing]
+            if graph_choice is not None and not masks:  # the step graph chose them (decode rows only)
+                assert self.graphs is not None  # a graph's choice comes from one
+                step_slots = self.graphs.inputs[2, :logits.shape[0]]  # on the device already: the step's input copy
+                index = step_slots if rows is None else step_slots.index_select(0, rows)
+                chosen = graph_choice if rows is None else graph_choice.index_select(1, rows)
+            else:
+                index = to_device(slots, torch.long, self.device)
+                chosen = self.sampler.choice(slots, chosen_logits, [masks.get(seq) for seq, _ in choosing])
+            self.sampler.commit(slots, index, chosen)
+            self.next_ids.index_copy_(0, index, chosen[0])
+            launched.choosing, launched.slots, launched.logits = [seq for seq, _ in choosing], slots, chosen_logits
+            launched.tokens = HostCopy(chosen)
+        for slot, token in fed:  # after the choice's write: the resumed token is the next input
+            self.next_ids[slot] = token
+
+
+@dataclass
+class Launched:
+    """A plan on its way (``TorchEngine.launch``): its result so far (starts' and chunks' errors,
+    prompt outputs), and the rows that chose a token, their slots and logits, and the tokens' copy
+    to the host (None: no row chose). ``logits`` stay valid until the next launch (a step graph's
+    replay writes the same buffers): a row that reads them on the host (log-probabilities, kept
+    logits) is collected before the next plan is launched."""
+
+    result: StepResult
+    choosing: list[SeqId] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    tokens: HostCopy | None = None
 
 
 class StepGraphs:
@@ -434,7 +483,7 @@ class StepGraphs:
         for tokens in reversed(self.token_buckets):
             step = StepTokens(self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens],
                               select=self.inputs[3, :self.selects(tokens)])
-            forward = self._forward(step)
+            forward = self._forward(step, from_slot=self.inputs[4, :tokens])
             self.step_replays[tokens] = self._cuda_graph(forward, pool) if pool is not None else self._eager(forward)
         self.inputs[2].fill_(self.engine.spare_slot)
         for rows in reversed(self.batches):
@@ -445,30 +494,30 @@ class StepGraphs:
         log.info("captured %d decode steps (batch %s) and %d prompt steps (tokens %s)", len(self.replays),
                  self.batches, len(self.step_replays), self.token_buckets)
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int],
-            draws: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode-only step: its rows' logits and the tokens and status words the graph chose for
-        them ([2, rows], ``DeviceSampler.graph_choice``, with ``draws``: the rows' uniforms, None when
-        every row is greedy)."""
-        rows = len(ids)
+    def run(self, positions: list[int], slots: list[int], draws: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-only step (each row's input is its slot's next token, on the device): its rows'
+        logits and the tokens and status words the graph chose for them ([2, rows],
+        ``DeviceSampler.graph_choice``, with ``draws``: the rows' uniforms, None when every row is greedy)."""
+        rows = len(slots)
         bucket = next(b for b in self.batches if b >= rows)
-        pad = bucket - rows
         packed = np.empty((5, bucket), dtype=np.int64)
-        packed[0, :rows], packed[1, :rows], packed[2, :rows] = ids, positions, slots
-        packed[:3, rows:] = [[0], [0], [self.engine.spare_slot]]
-        packed[3] = 0
+        packed[[0, 3]] = 0
+        packed[1, :rows], packed[2, :rows] = positions, slots
+        packed[1:3, rows:] = [[0], [self.engine.spare_slot]]
         if draws is not None:
             packed[4, :rows], packed[4, rows:] = draws.view(np.int64), np.float64(0.5).view(np.int64)
         self._copy_in(packed if draws is not None else packed[:4])
         logits, chosen = (self.replays if draws is None else self.sampled_replays)[bucket]()
         return logits[:rows], chosen[:, :rows]
 
-    def run_step(self, ids: list[int], positions: list[int], slots: list[int], select: list[int]) -> torch.Tensor:
-        """A step with prompt chunks (``covers_step``): the logits of the ``select`` tokens."""
+    def run_step(self, ids: list[int], positions: list[int], slots: list[int], select: list[int],
+                 from_slot: list[int]) -> torch.Tensor:
+        """A step with prompt chunks (``covers_step``): the logits of the ``select`` tokens; the tokens
+        marked ``from_slot`` (decode rows) read their slot's next token on the device."""
         bucket = self._bucket(len(ids))
         pad = bucket - len(ids)
         self._copy_in([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
-                       select + [0] * (bucket - len(select))])
+                       select + [0] * (bucket - len(select)), from_slot + [0] * pad])
         return self.step_replays[bucket]()[:len(select)]
 
     def _bucket(self, tokens: int) -> int:
@@ -480,18 +529,23 @@ class StepGraphs:
             host = host.pin_memory()
         self.inputs[:len(rows), :host.shape[1]].copy_(host, non_blocking=True)
 
-    def _forward(self, step: StepTokens) -> Callable[[], torch.Tensor]:
+    def _forward(self, step: StepTokens, from_slot: torch.Tensor) -> Callable[[], torch.Tensor]:
         engine = self.engine
-        return lambda: engine.decoder.forward(step, engine.cache)
+
+        def run() -> torch.Tensor:
+            ids = engine.input_ids(step.ids, step.slots, from_slot)
+            return engine.decoder.forward(replace(step, ids=ids), engine.cache)
+        return run
 
     def _forward_and_choice(self, step: StepTokens,
                             draws: torch.Tensor | None) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """A decode step's forward pass and its rows' choice of tokens, one graph: the host then waits
-        once, for the tokens."""
+        """A decode step's forward pass, each row's input its slot's next token, and its rows' choice
+        of tokens, one graph: the host then waits once, for the tokens."""
         engine = self.engine
 
         def run() -> tuple[torch.Tensor, torch.Tensor]:
-            logits = engine.decoder.forward(step, engine.cache)
+            ids = engine.next_ids.index_select(0, step.slots)
+            logits = engine.decoder.forward(replace(step, ids=ids), engine.cache)
             return logits, engine.sampler.graph_choice(step.slots, logits, draws)
         return run
 
