@@ -1,7 +1,7 @@
 """``kiln serve --workers N`` is one server to its clients: the same answers bit for bit, from every
 worker, over HTTP and gRPC; metrics and statistics that add up over the workers; a worker killed
-under load replaced while the others serve and no client hangs; text generation refused; a port in
-use refused before anything loads. (The model repository with workers: test_model_repository.py;
+under load replaced while the others serve and no client hangs; text generation's engine in one
+process behind the workers; a port in use refused before anything loads. (The model repository with workers: test_model_repository.py;
 SIGTERM under load: the fault suite, run with --workers 2 by test_reliability.py.)"""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 import tritonclient.grpc as grpcclient
 
@@ -167,12 +168,112 @@ def test_a_worker_killed_under_load_is_replaced_and_no_client_hangs(artifact):
     assert "exited with code -9; starting another" in err and "worker" in err
 
 
-def test_text_generation_is_served_by_one_process(tiny_generation_artifact):
-    env = {**os.environ, "PYTHONPATH": str(SRC), "KILN_GRPC_PORT": "0"}
-    done = subprocess.run([sys.executable, "-m", "modelkiln", "serve", f"gen={tiny_generation_artifact}", "--workers", "2"],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 2
-    assert "text-generation models are served by one process: --workers 1 (--workers 2 was asked for)" in done.stderr
+GENERATION_BODIES = [
+    {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0},
+    {"prompt": "The weather today", "max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "seed": 7},
+    {"prompt": "A list of fruit:", "max_tokens": 10, "temperature": 1.0, "seed": 3, "frequency_penalty": 0.5},
+    {"prompt": "JSON:", "max_tokens": 30, "temperature": 0.8, "seed": 5, "response_format": {"type": "json_object"}},
+]
+
+
+def completion(url: str, body: dict, stream: bool) -> tuple[str, str]:
+    """(text, finish reason) of /v1/completions on a fresh connection, streamed (SSE) or whole."""
+    body = {"model": "gen", **body, "stream": stream}
+    if not stream:
+        answer = post_fresh(url, "/v1/completions", body)
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        return choice["text"], choice["finish_reason"]
+    text, finish = "", None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30, headers={"connection": "close"}) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                choice = orjson.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+    return text, finish
+
+
+def test_text_generation_runs_its_engine_in_one_process_behind_the_workers(tiny_generation_artifact):
+    """--workers 2 with a text-generation model: its engine in the engine process, two workers in front.
+    Whole and streamed answers (greedy, seeded sampling with penalties, a grammar), many at once over
+    fresh connections (spread over both workers), are the one-process server's; a bad request is the
+    worker's 400; the engine's metrics are in /metrics; SIGTERM answers what was accepted and exits 0."""
+    one = Server([f"gen={tiny_generation_artifact}", "--workers", "1"])
+    try:
+        expected = [completion(one.url, body, stream=False) for body in GENERATION_BODIES]
+    finally:
+        one.stop()
+    server = Server([f"gen={tiny_generation_artifact}", "--workers", "2"])
+    try:
+        pids = worker_pids(server.proc.pid)
+        assert len(pids) == 2 and len(engine_pids(server.proc.pid)) == 1
+        got: dict[tuple[int, bool, int], tuple[str, str]] = {}
+
+        def ask(i: int, stream: bool, turn: int) -> None:
+            got[i, stream, turn] = completion(server.url, GENERATION_BODIES[i], stream)
+
+        threads = [threading.Thread(target=ask, args=(i, stream, turn)) for i in range(len(GENERATION_BODIES))
+                   for stream in (False, True) for turn in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(got) == len(threads)
+        for (i, _, _), answer in got.items():
+            assert answer == expected[i], (GENERATION_BODIES[i], answer, expected[i])
+        bad = post_fresh(server.url, "/v1/completions", {"model": "gen", "prompt": "x", "max_tokens": -3})
+        assert bad.status_code == 400 and "max_tokens" in bad.text
+        assert metric(server.url, "vllm:generation_tokens_total", 'model_name="gen"') >= 24 * 10
+        late = threading.Thread(target=ask, args=(1, True, 9))
+        late.start()
+        time.sleep(0.2)
+        code, err = server.stop()  # SIGTERM with an answer streaming: it is finished first
+        late.join(30)
+        assert code == 0, err[-2000:]
+        assert got[1, True, 9] == expected[1]
+    finally:
+        server.stop()
+
+
+def engine_pids(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        children += [int(c) for c in (task / "children").read_bytes().split()]
+    return [c for c in children if b"engine_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_the_server_ends_with_its_engine_process(tiny_generation_artifact):
+    """The engine process killed: its answers are gone, so the whole server stops (exit 1), and an
+    answer streaming then ends instead of hanging."""
+    server = Server([f"gen={tiny_generation_artifact}", "--workers", "2"])
+    try:
+        first, ended = threading.Event(), []
+        body = {"model": "gen", "prompt": "Once", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as answer:
+                    for line in answer.iter_lines():
+                        first.set()
+                        if '"finish_reason":"length"' in line:
+                            ended.append("whole")
+                ended.append("ended")
+            except httpx.HTTPError as exc:
+                ended.append(type(exc).__name__)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(30)
+        os.kill(engine_pids(server.proc.pid)[0], signal.SIGKILL)
+        reader.join(30)
+        assert server.proc.wait(60) == 1
+        assert ended and "whole" not in ended, ended
+        _, err = server.stop()
+        assert "the engine process" in err and "stopping the server" in err, err[-2000:]
+    finally:
+        server.stop()
 
 
 def test_a_port_in_use_is_refused_before_loading(artifact):

@@ -1,18 +1,22 @@
 """What the data plane, the model repository and the metrics route ask of a served model,
 whatever its kind. Two kinds implement ``ServedModel``: ``EncoderModel`` (``model.py``: a task, a
 tokenizer, ONNX sessions behind a dynamic batcher) and ``GenerationModel``
-(``generation/model.py``: a decoder behind a continuous-batching scheduler). ``served_model``
+(``generation/model.py``: a decoder behind a continuous-batching scheduler; a worker of ``kiln serve
+--workers N`` serves it as a ``FrontGenerationModel``, its engine in the engine process). ``served_model``
 picks the kind for an artifact folder; nothing else asks which kind a model is, except the routes
 only one kind serves (OpenAI completions, embeddings), which look for models that can."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from ..manifest import Manifest, Variant
 from ..tasks.text_generation import is_generation
+from .generation.engine_process import ENGINE_ADDRESS
+from .generation.front import FrontGenerationModel
 from .generation.model import GenerationModel
 from .http.json_api import PredictRequest, PredictResponse
 from .metrics import Metrics
@@ -54,5 +58,8 @@ class ServedModel(Protocol):
 def served_model(spec: ModelSpec, settings: ServeSettings, metrics: Metrics) -> ServedModel:
     """The served model for an artifact folder, not loaded yet (``load`` is blocking)."""
     if is_generation(Manifest.load(Path(spec.path))):
+        engine_address = os.environ.get(ENGINE_ADDRESS)
+        if engine_address:  # a worker of kiln serve --workers N: the engines run in the engine process
+            return FrontGenerationModel(spec, settings, metrics, engine_address)
         return GenerationModel(spec, settings, metrics)
     return EncoderModel(spec, settings, metrics)

@@ -221,7 +221,8 @@ class ServeSettings(BaseModel):
         its sessions alone ran 4,384 sentences/s. A 2-core server does ~610 req/s, ~300 per
         core, so a process of 4 cpus needs ~1,200 req/s, within what one process reaches; 8 would
         need ~2,400. Text generation runs one engine over every cpu (its continuous batching is
-        one scheduler), so it stays in one process (``--workers`` above 1 is refused for it)."""
+        one scheduler), so its engines stay in one process: ``--workers`` above 1 puts them in an engine
+        process with the workers as its fronts (``generation/engine_process.py``), for a GPU's token rate."""
         if self.workers is not None:
             return self.workers
         cpus = self.cpus or available_cpus().count

@@ -30,8 +30,12 @@ How it stays one server:
 - A worker that dies (killed, crashed) is replaced by a new one serving the same models, while the
   others serve on. Its connections die with it: the kernel closes them, so their clients see the
   connection closed at once, never a hang (no process is left holding them to answer with a 503).
-- Text generation runs its engines (``--generation-replicas``) over every cpu in one process: ``--workers`` above 1 is refused
-  for a text-generation model (``kiln serve`` picks 1 for it by default)."""
+- Text generation: continuous batching is one scheduler, so its engines (``--generation-replicas``) run
+  in one process over the whole CPU budget, the **engine process** (``generation/engine_process.py``),
+  started before the workers; each worker serves the model as a front to it (prompts, templates and
+  checks its own; the tokens stream back from the engine process). A text-generation model is
+  loaded at start only: the repository's load of one is refused while the workers run. The engine
+  process exiting ends the server (exit 1): its answers are gone with it."""
 
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ from ..errors import ArtifactError, KilnError
 from ..manifest import Manifest
 from ..tasks.text_generation import is_generation
 from .channel import Channel, WorkerGone, error_to_json
+from .generation.engine_process import ENGINE_ADDRESS
 from .metrics import MULTIPROCESS_DIR
 from .repository import Folder, ModelRepository
 from .settings import ModelSpec, ServeSettings
@@ -228,8 +233,8 @@ class WorkerModels:
 
     async def install(self, spec: ModelSpec, loading: set[str]) -> None:
         if is_generation(Manifest.load(Path(spec.path))):
-            raise ArtifactError(f"'{spec.name}' is a text-generation model, served by one process: "
-                                "start kiln serve with --workers 1 to serve it")
+            raise ArtifactError(f"'{spec.name}' is a text-generation model: with --workers above 1 it is loaded when "
+                                "kiln serve starts (name it there)")
         loading.add(spec.name)
         try:
             async with self.supervisor.changing:
@@ -312,9 +317,8 @@ class Supervisor:
         self.count = count
         self.repository = startup.repository
         specs = startup.specs
-        if count > 1 and generates_text(specs):
-            raise KilnError("text-generation models are served by one process: --workers 1 "
-                            f"(--workers {count} was asked for)")
+        self.generation = {name: spec for name, spec in specs.items() if is_generation(Manifest.load(Path(spec.path)))}
+        self.engine_settings = settings.with_models(tuple(self.generation.values()))  # the whole CPU budget
         self.http_port = reserve_port(settings.host, settings.port, "HTTP", "--port")
         self.grpc_port = (reserve_port(settings.host, settings.grpc_port, "gRPC", "--grpc-port")
                           if settings.grpc_port else None)
@@ -325,6 +329,9 @@ class Supervisor:
         self.models = WorkerModels(self, specs)
         self.repository.attach(self.models, startup.folders)
         self.metrics_dir = tempfile.mkdtemp(prefix="kiln-metrics-")
+        self.engine_address = os.path.join(self.metrics_dir, "engine.sock") if self.generation else None
+        self.engine: Worker | None = None  # the engine process, with text-generation models
+        self.failed = False  # the engine process exited while serving
         self.workers: dict[int, Worker] = {}
         self.changing: asyncio.Lock  # a change of the served models, or a worker starting: one at a time
         self.stopping = False
@@ -347,6 +354,12 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopped.set)
+        if self.generation:
+            try:
+                await self._start_engine()
+            except BaseException:
+                await self._stop_all()
+                raise
         started = [await self._spawn(k) for k in range(self.count)]
         loading, stop = asyncio.ensure_future(self._all_loaded(started)), asyncio.ensure_future(self.stopped.wait())
         try:
@@ -367,7 +380,8 @@ class Supervisor:
         await self.stopped.wait()
         self.stopping = True
         await self.repository.close()
-        return await self._stop_all()
+        code = await self._stop_all()
+        return 1 if self.failed else code
 
     async def _all_loaded(self, workers: list[Worker]) -> None:
         """Every worker has loaded its models; else KilnError with the first one's reason."""
@@ -382,15 +396,59 @@ class Supervisor:
         for worker in workers:
             worker.stop()
         await asyncio.gather(*(w.process.wait() for w in workers))
+        if self.engine is not None:  # after the fronts: every answer they accepted is out
+            self.engine.stop()
+            await self.engine.process.wait()
+            workers.append(self.engine)
         return 0 if all(w.process.returncode == 0 for w in workers) else 1
+
+    # -- the engine process ------------------------------------------------------------------------
+    async def _start_engine(self) -> None:
+        """The engine process with the text-generation models, loaded and listening (else KilnError)."""
+        ours, theirs = socket.socketpair()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "from modelkiln.serve.generation.engine_process import engine_main; "
+                                  f"engine_main({theirs.fileno()}, {self.engine_address!r})",
+            pass_fds=[theirs.fileno()], start_new_session=True,
+            env={**os.environ, MULTIPROCESS_DIR: self.metrics_dir})
+        theirs.close()
+        engine = Worker(-1, process, None, asyncio.get_running_loop().create_future())  # type: ignore[arg-type]
+        engine.loaded.add_done_callback(lambda f: f.cancelled() or f.exception())
+        engine.channel = Channel(Connection(ours.detach()), {}, on_message=lambda m: self._message(engine, m))
+        engine.channel.send({"settings": self.engine_settings.model_dump(mode="json")})
+        engine.channel.attach()
+        self.engine = engine
+        asyncio.ensure_future(self._watch_engine(engine))
+        stop = asyncio.ensure_future(self.stopped.wait())
+        try:
+            await asyncio.wait({engine.loaded, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not engine.loaded.done():  # SIGTERM while loading
+            raise KilnError("stopped while the engine process was loading")
+        engine.loaded.result()
+        engine.serving = True
+
+    async def _watch_engine(self, engine: Worker) -> None:
+        code = await engine.process.wait()
+        engine.channel.close()
+        if not engine.loaded.done():
+            engine.loaded.set_exception(KilnError(f"the engine process exited with code {code} while loading"))
+        elif not self.stopping:
+            log.error("the engine process (pid %d) exited with code %s: stopping the server", engine.process.pid, code)
+            self.failed = True
+            self.stopped.set()
 
     # -- workers ----------------------------------------------------------------------------------
     async def _spawn(self, index: int) -> Worker:
         ours, theirs = socket.socketpair()
+        env = {**os.environ, MULTIPROCESS_DIR: self.metrics_dir}  # read by the worker's prometheus_client at import
+        if self.engine_address:
+            env[ENGINE_ADDRESS] = self.engine_address
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-c", f"from modelkiln.serve.workers import worker_main; worker_main({theirs.fileno()})",
             pass_fds=[theirs.fileno()], start_new_session=True,  # Ctrl-C reaches the supervisor, which stops them
-            env={**os.environ, MULTIPROCESS_DIR: self.metrics_dir})  # read by the worker's prometheus_client at import
+            env=env)
         theirs.close()
         loop = asyncio.get_running_loop()
         worker = Worker(index, process, None, loop.create_future())  # type: ignore[arg-type]  # channel next: it needs the worker

@@ -19,7 +19,7 @@ class Job(Request):
     last one has a ``finish_reason``), or a ``KilnError`` that ends it."""
 
     loop: asyncio.AbstractEventLoop | None = field(default=None, kw_only=True)
-    queue: asyncio.Queue | None = field(default=None, kw_only=True)
+    queue: Any = field(default=None, kw_only=True)  # an asyncio.Queue, or anything with its put_nowait
     driver: LoopDriver | None = field(default=None, kw_only=True)  # the engine replica it runs on
 
 

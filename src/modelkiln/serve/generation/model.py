@@ -214,14 +214,20 @@ class GenerationModel:
         sent); the returned stream yields the answer's deltas, the last with ``finish_reason``.
         ``resume_ids``: the answer's first tokens, already sent (the stream goes on after them);
         ``seed``: the draws' seed when ``params`` has none (else the core picks one: ``Stream.seed``)."""
+        return Stream(self, self.submit(prompt_ids, params, asyncio.Queue(), timeout_s, resume_ids, seed))
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, queue: Any, timeout_s: float | None = None,
+               resume_ids: Sequence[int] = (), seed: int | None = None) -> Job:
+        """``generate``'s request on the engine replica with the fewest requests admitted or waiting
+        (rows free soonest there); its events go to ``queue`` (``put_nowait``, on this event loop):
+        a ``Delta`` per token, or the error that ends it. Refused at once as ``generate`` is."""
         timeout_s = timeout_s or self.settings.generation_timeout_s
-        # the replica with the fewest requests admitted or waiting: rows free soonest there
         driver = min(self.drivers, key=lambda s: s.running + s.waiting)
         job = Job(next(_job_ids), prompt_ids, params, deadline=time.monotonic() + timeout_s,
                   resume_ids=list(resume_ids), seed=params.seed if params.seed is not None else seed,
-                  loop=asyncio.get_running_loop(), queue=asyncio.Queue(), driver=driver)
+                  loop=asyncio.get_running_loop(), queue=queue, driver=driver)
         driver.submit(job)
-        return Stream(self, job)
+        return job
 
     # -- protocol description ----------------------------------------------------------------------
     def input_specs(self) -> tuple[TensorSpec, ...]:

@@ -1,0 +1,210 @@
+"""``kiln serve --workers N`` with text-generation models: their engines in one process, the HTTP and
+gRPC fronts in N (vLLM's API servers in front of one engine core).
+
+Why: a token streamed over SSE costs the serving process ~50 µs of Python (its event, its JSON, the
+write), under the same interpreter lock as the engine's own host work. On a 2-core AMD EPYC one
+process delivered 15,500 tokens/s to 256 streams where its engine alone made 62,000
+(``benchmarks/generation/sse_front.py``); a GPU makes 40,000 a second and more. Continuous batching
+is one scheduler, so the engine cannot be split; the fronts can.
+
+- The engine process (``engine_main``, started by the supervisor before the workers) loads each
+  text-generation model as a one-process server does (``GenerationModel``: its engine replicas
+  and the threads that step them, its metrics into the workers' shared folder) and listens on a
+  Unix socket.
+- Each worker serves the model as a ``FrontGenerationModel`` (``front.py``): prompts, chat templates
+  and every check are its own (a bad request gets its 4xx there, the engine never sees it); a
+  request goes over its connection to the engine process, and the answer's tokens come back.
+- The wire: frames of a 4-byte length and a pickle. A front sends ``("submit", key, model, prompt
+  ids, params, seed, resume ids, timeout)`` (a grammar as its source, compiled and cached here) and
+  ``("cancel", key)``; the engine process answers with ``("events", [(key, event), ...])``, one frame
+  a front per engine step (the driver hands a step's outputs to this event loop in one call, and
+  they leave in one write): ``event`` is ``("taken", seed)``, a ``Delta``'s fields, or an error.
+- A front that goes (killed, stopped) has its requests cancelled: their sequences are freed before the
+  next step. The engine process stops when the supervisor closes its channel or sends SIGTERM, after
+  the fronts: every request accepted is answered first."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import orjson
+
+from ...errors import KilnError
+from ...generation.sampling import SamplingParams
+from ...generation.sequence import Delta
+from ..metrics import Metrics
+from ..settings import ServeSettings
+from .loop_driver import Job
+from .model import GenerationModel
+
+log = logging.getLogger("modelkiln.serve")
+
+ENGINE_ADDRESS = "KILN_ENGINE_ADDRESS"  # a worker's environment: the engine process's socket
+_LENGTH = struct.Struct("!I")
+
+
+# --- the wire -------------------------------------------------------------------------------------
+
+
+def frame(message: Any) -> bytes:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(body)) + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Any:
+    """The next message; ``asyncio.IncompleteReadError`` when the other side is gone."""
+    size, = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    return pickle.loads(await reader.readexactly(size))
+
+
+def delta_fields(delta: Delta) -> tuple:
+    return (delta.token_id, delta.text, delta.finish_reason, delta.logprob, delta.top_logprobs, delta.prompt_logprobs)
+
+
+def wire_error(error: BaseException) -> BaseException:
+    """An error as it can cross the wire: itself where it pickles, else a KilnError with its message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - an exception type whose arguments do not pickle
+        return KilnError(str(error))
+
+
+# --- the engine process ---------------------------------------------------------------------------
+
+
+class _Front:
+    """One front's connection: its requests in the engines, and the events going back to it, written
+    once a loop turn (one frame a front per engine step)."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self.jobs: dict[int, Job] = {}
+        self._events: list[tuple[int, Any]] = []
+
+    def send(self, key: int, event: Any) -> None:
+        if not self._events:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._events.append((key, event))
+
+    def _flush(self) -> None:
+        events, self._events = self._events, []
+        if not self.writer.is_closing():
+            self.writer.write(frame(("events", events)))
+
+    def cancel_all(self) -> None:
+        for job in self.jobs.values():
+            assert job.driver is not None
+            job.driver.cancel(job)
+        self.jobs.clear()
+
+
+class _Events:
+    """A job's queue (``Job.queue``): each of its events goes to its front, the job forgotten at its last."""
+
+    def __init__(self, front: _Front, key: int):
+        self.front, self.key = front, key
+
+    def put_nowait(self, event: Delta | BaseException) -> None:
+        if isinstance(event, Delta):
+            if event.finish_reason is not None:
+                self.front.jobs.pop(self.key, None)
+            self.front.send(self.key, delta_fields(event))
+        else:
+            self.front.jobs.pop(self.key, None)
+            self.front.send(self.key, wire_error(event))
+
+
+class EngineHost:
+    """The engine process's server: the generation models, and the fronts' connections to them."""
+
+    def __init__(self, models: Mapping[str, GenerationModel]):
+        self.models = models
+        self.fronts: set[_Front] = set()
+
+    async def serve_front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        front = _Front(writer)
+        self.fronts.add(front)
+        try:
+            while True:
+                message = await read_frame(reader)
+                if message[0] == "submit":
+                    await self._submit(front, *message[1:])
+                elif message[0] == "cancel":
+                    job = front.jobs.pop(message[1], None)
+                    if job is not None and job.driver is not None:
+                        job.driver.cancel(job)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the front is gone
+        finally:
+            front.cancel_all()
+            self.fronts.discard(front)
+            writer.close()
+
+    async def _submit(self, front: _Front, key: int, name: str, prompt_ids: list[int], params: SamplingParams,
+                      seed: int, resume_ids: list[int], timeout_s: float) -> None:
+        try:
+            model = self.models[name]
+            if isinstance(params.constraint, tuple):  # (kind, spec): the front sends a grammar so
+                params = replace(params, constraint=await asyncio.to_thread(model.grammars.compile, *params.constraint))
+            front.jobs[key] = model.submit(prompt_ids, params, _Events(front, key), timeout_s, resume_ids, seed)
+        except KeyError:
+            front.send(key, KilnError(f"the engine process serves no model '{name}'"))
+        except Exception as exc:  # noqa: BLE001 - refused (a full queue, a model stopping): the front raises it
+            front.jobs.pop(key, None)
+            front.send(key, wire_error(exc))
+        else:
+            front.send(key, ("taken", seed))
+
+
+def engine_main(fd: int, address: str) -> None:
+    """The engine process (``python -c``, the supervisor's end of a socket pair as ``fd``): read its
+    settings, load the text-generation models, listen on ``address``, say so, serve until SIGTERM or
+    until the supervisor is gone; then answer what was accepted and exit."""
+    conn = Connection(fd)
+    start = orjson.loads(conn.recv_bytes())
+    settings = ServeSettings.model_validate(start["settings"])
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    metrics = Metrics()
+    models: dict[str, GenerationModel] = {}
+    try:
+        for spec in settings.models:
+            model = GenerationModel(spec, settings, metrics)
+            model.load()
+            models[model.name] = model
+    except BaseException as exc:
+        conn.send_bytes(orjson.dumps(["failed", f"{type(exc).__name__}: {exc}" if not isinstance(exc, KilnError)
+                                      else str(exc)]))
+        raise SystemExit(2) from None
+    asyncio.run(_serve(EngineHost(models), conn, address))
+    for model in models.values():
+        model.stop()  # the fronts stopped first: nothing is left to answer, the threads end
+
+
+async def _serve(host: EngineHost, conn: Connection, address: str) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = await asyncio.start_unix_server(host.serve_front, path=address)
+    loop.add_reader(conn.fileno(), stop.set)  # the supervisor closed its end (it stops us), or is gone
+    conn.send_bytes(orjson.dumps(["loaded"]))
+    await stop.wait()
+    server.close()
+    for front in list(host.fronts):
+        front.cancel_all()
+    try:
+        os.unlink(address)
+    except OSError:
+        pass
