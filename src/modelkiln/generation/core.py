@@ -163,6 +163,8 @@ class EngineCore:
         # overlapped steps: where the engine can, and not while speculating (drafts need the last tokens)
         self.overlap = overlap and engine.capabilities.overlaps and not self.speculation.on
         self._in_flight: _InFlight | None = None  # the step launched and not yet collected
+        self._host_bound: set[Hashable] = set()  # active requests whose steps are synchronous (_needs_host)
+        self._last_token: set[Hashable] = set()  # active requests with one token left at most
 
     # -- from any thread ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -263,6 +265,8 @@ class EngineCore:
         active = [*self._prefilling, *self._running.values()]
         self._prefilling.clear()
         self._running.clear()
+        self._host_bound.clear()
+        self._last_token.clear()
         self._leaving += [r.request_id for r in active]
         outputs += [Output(r, error=error) for r in active]
         for request in active:
@@ -280,21 +284,21 @@ class EngineCore:
             aborted, self._aborted = self._aborted, set()
         try:
             self._drop(aborted, outputs)
-            if self._in_flight is not None and any(map(_needs_host, [*self._prefilling, *self._running.values()])):
-                self._collect(outputs)  # its next step needs this one's tokens on the host first
+            if self._in_flight is not None and self._host_bound:
+                self._collect(outputs)  # a row's next step needs this one's tokens on the host first
             plan = self._plan_prompts(outputs)
             chunked = [r for r in self._prefilling if r.request_id in _chunked(plan)]
-            pending = self._in_flight.choosing if self._in_flight is not None else set()
-            # no row past its last token: one whose token in flight may be its last waits for it
-            decoding = [r for r in self._running.values()
-                        if r.state is not None and r.state.tokens_left > (r.request_id in pending)]
+            decoding = list(self._running.values())
+            if self._in_flight is not None and self._last_token:  # none past its last token: it waits for it
+                pending = self._in_flight.choosing
+                decoding = [r for r in decoding if r.request_id not in self._last_token or r.request_id not in pending]
             plan.decode = [r.request_id for r in decoding]
             if not plan.empty:
                 self._launch(plan, chunked + decoding)
             if self._in_flight is not None and self._in_flight.previous is not None:
                 self._collect(outputs, self._in_flight.previous)
-            if self._in_flight is not None and (plan.empty or any(map(_needs_host, chunked + decoding))):
-                self._collect(outputs)  # nothing to overlap it with, or its rows' logits are read on the host
+            if self._in_flight is not None and (plan.empty or self._host_bound):
+                self._collect(outputs)  # nothing to overlap it with, or a row's logits are read on the host
         except Exception as exc:  # a bug or an engine failure: fail what is active, keep going
             self._fail_active(exc, outputs)
         if self._leaving and self._in_flight is None:  # finished ones give their memory back now
@@ -419,6 +423,10 @@ class EngineCore:
                 request.speculator = self.speculation.speculator(request.prompt_ids, self.draft_model)
             active.append(request.reserve)
             admitted.append(request)
+            if _needs_host(request):
+                self._host_bound.add(request.request_id)
+            if request.state.tokens_left <= 1:
+                self._last_token.add(request.request_id)
             if computing is not None:
                 computing.add(tuple(request.prompt_ids))
         self._waiting.extendleft(reversed(deferred))  # still the oldest
@@ -572,6 +580,8 @@ class EngineCore:
             if delta.finish_reason is not None:
                 self.hooks.finished(request, now)
                 self._leave(request)
+            elif self.overlap and request.state.tokens_left <= 1:
+                self._last_token.add(request.request_id)
 
     def _leave(self, request: Request) -> None:
         """Forget a request; the engine frees its sequence at its next call."""
@@ -579,6 +589,8 @@ class EngineCore:
         if request in self._prefilling:
             self._prefilling.remove(request)
         self._leaving.append(request.request_id)
+        self._host_bound.discard(request.request_id)
+        self._last_token.discard(request.request_id)
         if self._in_flight is not None:  # it may hold its row a step longer (_take_leaving)
             self._leaving_reserves[request.request_id] = request.reserve
         _close_speculator(request)
@@ -586,6 +598,8 @@ class EngineCore:
     def _take_leaving(self) -> list[Hashable]:
         """The sequences that leave the engine with the next plan: those that ended, less those a
         launched step still computes for (they leave after it is collected, their rows held till then)."""
+        if not self._leaving:
+            return []
         held = self._held() if self._in_flight is not None else set()
         leaving = [seq for seq in self._leaving if seq not in held]
         self._leaving = [seq for seq in self._leaving if seq in held]
@@ -605,6 +619,8 @@ class EngineCore:
         failed = [*self._prefilling, *self._running.values()]
         self._prefilling.clear()
         self._running.clear()
+        self._host_bound.clear()
+        self._last_token.clear()
         self._leaving += [r.request_id for r in failed]
         outputs += [Output(request, error=error) for request in failed]
         for request in failed:
