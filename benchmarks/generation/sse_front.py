@@ -151,6 +151,45 @@ def over_http(artifact: Path, tokenizer_json: Path, streams: int, tokens: int, s
             server.wait(60)
 
 
+def python_sse_load(url: str, body: dict, streams: int, seconds: float, processes: int) -> float:
+    """Output tokens a second that ``streams`` clients, each asking ``body`` (streamed) again as soon
+    as its answer is whole, receive over ``seconds``: events of complete answers, counted in
+    ``processes`` client processes (asyncio and httpx; for a machine without ``wrk``)."""
+    import multiprocessing
+
+    shares = [streams // processes + (i < streams % processes) for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        counts = pool.starmap(_client_process, [(url, body, share, seconds) for share in shares if share])
+    return sum(counts) / seconds
+
+
+def _client_process(url: str, body: dict, streams: int, seconds: float) -> int:
+    import asyncio
+
+    import httpx
+
+    async def client(http: httpx.AsyncClient, deadline: float) -> int:
+        tokens = 0
+        while time.monotonic() < deadline:
+            events = 0
+            async with http.stream("POST", url, json={**body, "stream": True}) as answer:
+                if answer.status_code != 200:
+                    raise RuntimeError(f"{answer.status_code}: {(await answer.aread())[:500]!r}")
+                async for line in answer.aiter_lines():
+                    events += line.startswith("data: {")
+            if time.monotonic() <= deadline:
+                tokens += events
+        return tokens
+
+    async def run() -> int:
+        limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            deadline = time.monotonic() + seconds
+            return sum(await asyncio.gather(*(client(http, deadline) for _ in range(streams))))
+
+    return asyncio.run(run())
+
+
 def _wait_ready(port: int, server: subprocess.Popen) -> None:
     import httpx
 

@@ -53,6 +53,6 @@ step 1 batch-invariance "${INVARIANCE_S:-100}" "$py" experiments/torch_batch_inv
 # 4. where a step's time goes (host or device), decode at 1 and 64 rows and a 2048-token prompt
 step 1 profile "${PROFILE_S:-80}" "$py" benchmarks/gpu/profile_steps.py --artifact "$work/decoder-cuda" --device "$device"
 # 5. speed against eager and compiled PyTorch, and kiln serve over HTTP
-step 2 engines "${ENGINES_S:-400}" "$py" benchmarks/gpu/torch_engines.py --device "$device" "${tiny[@]}" "${models[@]}" \
+step 2 engines "${ENGINES_S:-420}" "$py" benchmarks/gpu/torch_engines.py --device "$device" "${tiny[@]}" "${models[@]}" \
     --rounds "${ROUNDS:-2}" ${ENGINES_ARGS:-} --out "$out/gpu-torch-engines.json"
 rm -rf "$work"

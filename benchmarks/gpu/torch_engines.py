@@ -10,8 +10,9 @@ among 56 others);
 backends: kiln's torch engine, eager PyTorch (transformers, SDPA), and PyTorch's best recipe
 (transformers' static KV cache with its ``torch.compile``d decode step; encoders: ``torch.compile``
 with CUDA graphs, ``mode="reduce-overhead"``);
-and ``kiln serve`` over HTTP, one client: p50 of an embedding of one sentence and of a 16-token
-completion.
+and ``kiln serve`` over HTTP: one client's p50 of an embedding of one sentence and of a 16-token
+completion; 256 clients streaming 128-token answers over SSE (output tokens/s, to set against the
+engine's in-process 256 streams), with ``--workers 1`` and ``--workers 4`` (an engine process, 4 fronts).
 
     python benchmarks/gpu/torch_engines.py --device cuda --out benchmarks/results/gpu-torch-engines.json
     python benchmarks/gpu/torch_engines.py --device cpu --tiny      # checks the script; its figures mean nothing
@@ -25,6 +26,7 @@ separately, docs/gpu.md). Prints the device, and a table; ``--out`` writes the f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -32,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "generation"))  # sse_front's load of SSE streams
 
 from modelkiln.convert.generation.torch_weights import save_weights, variant_name, weights_file, torch_dtype  # noqa: E402
 from modelkiln.manifest import Manifest, Pooling, TokenizerSpec, Variant  # noqa: E402
@@ -370,21 +373,64 @@ def measure_decoders(backends: dict[str, Any], figures: Figures, args: argparse.
 # --- kiln serve ---------------------------------------------------------------------------------------------------
 
 
-def measure_serve(encoder: Path, decoder: Path, device: str, requests: int) -> dict[str, float]:
+def measure_serve(encoder: Path, decoder: Path, device: str, requests: int, streams: int, new_tokens: int,
+                  vocab: int, workers: list[int]) -> dict[str, float]:
+    """kiln serve over HTTP: one client's embedding and 16-token completion (one process), then
+    ``streams`` clients streaming ``new_tokens``-token answers to 128-token prompts over SSE (output
+    tokens/s, ``sse_front.python_sse_load``) with each of ``workers`` (N > 1: the engine process and N
+    fronts), to set against the engine's in-process figure at as many streams."""
+    figures: dict[str, float] = {}
+    for count in workers:
+        with _kiln_serve([f"emb={encoder}", f"gen={decoder}", "--device", device, "--workers", str(count),
+                          "--max-batch-size", str(max(32, streams))]) as url:
+            if count == 1:
+                figures.update(_one_client(url, requests))
+            if streams:
+                from sse_front import python_sse_load
+
+                prompt = prompts(1, 128, vocab, 99)[0]
+                body = {"model": "gen", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+                python_sse_load(url + "/v1/completions", body, streams, 3, processes=4)  # warm: graphs, connections
+                tokens_s = python_sse_load(url + "/v1/completions", body, streams, 10, processes=4)
+                figures[f"serve {streams} streams SSE tok/s (--workers {count})"] = round(tokens_s, 1)
+    return figures
+
+
+def _one_client(url: str, requests: int) -> dict[str, float]:
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=60) as client:
+        def one(path: str, body: dict) -> float:
+            started = time.perf_counter()
+            client.post(path, json=body).raise_for_status()
+            return time.perf_counter() - started
+
+        embed = [one("/v1/embeddings", {"model": "emb", "input": SAMPLE_TEXTS[0]}) for _ in range(requests)]
+        complete = [one("/v1/completions", {"model": "gen", "prompt": SAMPLE_TEXTS[1], "max_tokens": 16,
+                                            "temperature": 0, "ignore_eos": True}) for _ in range(max(4, requests // 4))]
+    return {"serve embedding p50 ms (1 client)": round(statistics.median(embed[2:]) * 1000, 3),
+            "serve 16-token completion p50 ms (1 client)": round(statistics.median(complete[1:]) * 1000, 3)}
+
+
+@contextlib.contextmanager
+def _kiln_serve(arguments: list[str]) -> Iterator[str]:
+    """``kiln serve`` with these arguments on a free port, ready; its URL."""
+    import subprocess
+
     import httpx
 
     from modelkiln.net import free_port
 
     port = free_port()
     env = {**os.environ, "KILN_PORT": str(port), "KILN_GRPC_PORT": "0"}
-    proc = __import__("subprocess").Popen([sys.executable, "-m", "modelkiln", "serve", f"emb={encoder}", f"gen={decoder}",
-                                           "--device", device], env=env, stdout=-3, stderr=-1, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "modelkiln", "serve", *arguments], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"kiln serve exited: {proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"kiln serve exited: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
             try:
                 if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
                     break
@@ -393,17 +439,7 @@ def measure_serve(encoder: Path, decoder: Path, device: str, requests: int) -> d
             if time.monotonic() > deadline:
                 raise RuntimeError("kiln serve did not become ready")
             time.sleep(0.2)
-        with httpx.Client(base_url=url, timeout=60) as client:
-            def one(path: str, body: dict) -> float:
-                started = time.perf_counter()
-                client.post(path, json=body).raise_for_status()
-                return time.perf_counter() - started
-
-            embed = [one("/v1/embeddings", {"model": "emb", "input": SAMPLE_TEXTS[0]}) for _ in range(requests)]
-            complete = [one("/v1/completions", {"model": "gen", "prompt": SAMPLE_TEXTS[1], "max_tokens": 16,
-                                                "temperature": 0, "ignore_eos": True}) for _ in range(max(4, requests // 4))]
-        return {"serve embedding p50 ms (1 client)": round(statistics.median(embed[2:]) * 1000, 3),
-                "serve 16-token completion p50 ms (1 client)": round(statistics.median(complete[1:]) * 1000, 3)}
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -431,6 +467,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--ttft-prompt", type=int, default=512)
     parser.add_argument("--serve-requests", type=int, default=50)
+    parser.add_argument("--serve-streams", type=int, default=256, help="SSE streams against kiln serve (0: none)")
+    parser.add_argument("--serve-workers", default="1,4", help="kiln serve --workers for the SSE streams")
     parser.add_argument("--no-compile", action="store_true", help="leave out PyTorch's compiled recipe")
     parser.add_argument("--encoder", type=Path, default=None,
                         help="an encoder's model folder (default: all-MiniLM-L6-v2); config and tokenizer alone: random weights")
@@ -478,7 +516,8 @@ def main() -> None:
         del decoders, enc
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        serve = measure_serve(enc_artifact, dec_artifact, args.device, args.serve_requests)
+        serve = measure_serve(enc_artifact, dec_artifact, args.device, args.serve_requests, args.serve_streams,
+                              args.new_tokens, vocab, [int(w) for w in args.serve_workers.split(",")])
     write(args, precision, enc_label, dec_label, figures, serve)
     table = figures.medians()
     width = max(len(f) for f in table)
