@@ -336,8 +336,11 @@ class EngineCore:
             self._in_flight.previous = None
         engine: OverlappingEngine = self.engine  # type: ignore[assignment]
         result = engine.collect(step.launched)
-        active = {seq: request for seq, request in step.by_id.items()
-                  if self._running.get(seq) is request or request in self._prefilling}
+        running = self._running
+        active = {seq: request for seq, request in step.by_id.items() if running.get(seq) is request}
+        for chunk in step.plan.chunks:  # a prompt not all in yet
+            if step.by_id[chunk.seq] in self._prefilling:
+                active[chunk.seq] = step.by_id[chunk.seq]
         for seq, error in result.errors.items():
             if seq in active:
                 self._leave(active.pop(seq))
@@ -348,7 +351,8 @@ class EngineCore:
                 request.prompt_logprobs += result.prompt_logprobs.get(chunk.seq, [])
                 if chunk.seq in result.prompt_logits:
                     request.prompt_logits.append(result.prompt_logits[chunk.seq])
-        self._deliver([s for s in result.sampled if s.seq in active], active, outputs)
+        every = len(active) == len(step.by_id)
+        self._deliver(result.sampled if every else [s for s in result.sampled if s.seq in active], active, outputs)
 
     def _held(self) -> set[Hashable]:
         """Sequences a launched, uncollected step still computes for: they cannot leave the engine yet."""
