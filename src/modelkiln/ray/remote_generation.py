@@ -1,9 +1,9 @@
 """A text-generation model whose engine runs in Ray Serve replicas, as the router sees it: the
 router runs kiln serve's generation routes (OpenAI, Triton generate, OIP infer) on it unchanged.
 
-``RemoteGenerationModel`` is a ``GenerationModel`` without an engine: prompts, chat templates,
-settings and the checks on them are kiln serve's own code on the artifact's tokenizer, so a bad
-request gets the same 400 here as there, before any replica is asked. ``generate`` returns a
+``RemoteGenerationModel`` is an ``EnginelessGenerationModel``: prompts, chat templates, settings and
+the checks on them are kiln serve's own code on the artifact's tokenizer, so a bad request gets the
+same 400 here as there, before any replica is asked. ``generate`` returns a
 ``RemoteStream``: the answer's deltas, pulled from a replica through a streaming handle call
 (``ModelReplica.generate``).
 
@@ -32,7 +32,7 @@ from ..errors import KilnError
 from ..generation.sampling import SamplingParams
 from ..generation.sequence import Delta
 from ..serve.dataplane import DataPlane
-from ..serve.generation.model import GenerationModel, OpenStream
+from ..serve.generation.model import EnginelessGenerationModel, OpenStream
 from ..serve.metrics import Metrics
 from ..serve.settings import ModelSpec, ServeSettings
 from .failover import Retry, replica_lost, unwrap
@@ -48,30 +48,12 @@ class Taken(NamedTuple):
     replica: str
     beacon: str | None
 
-class RemoteGenerationModel(GenerationModel):
+class RemoteGenerationModel(EnginelessGenerationModel):
     def __init__(self, spec: ModelSpec, settings: ServeSettings, metrics: Metrics, handle: Any, failover: Failover):
         super().__init__(spec, settings, metrics)  # the artifact's tokenizer and chat template, no engine
         self.handle = handle.options(stream=True)
         self.failover = failover
-        self.kv_budget = None  # the replicas' (their metadata says)
         self.watch = Watch()
-
-    def load(self) -> None:
-        self.ready = True
-
-    def stop(self) -> None:
-        self.ready = False
-
-    def release(self) -> None:
-        self.stop()
-
-    @property
-    def full(self) -> bool:
-        return False  # each replica's own queue bound refuses (503) when it is full
-
-    @property
-    def queued(self) -> int:
-        return 0
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None,
                  resume_ids: Sequence[int] = (), seed: int | None = None) -> RemoteStream:

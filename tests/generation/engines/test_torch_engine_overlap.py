@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from test_torch_engine_waits import WaitingOps, with_mask
+
 from modelkiln.generation.core import Request, greedy, run_to_completion
 from modelkiln.generation.engines.torch.engine import StepGraphs
 from modelkiln.generation.model import CoreOptions, TextGenerationModel
@@ -115,7 +117,7 @@ def test_a_resumed_and_a_constrained_answer_are_the_same_overlapped(tiny_torch_a
     whole = answers(synchronous, [Request("w", prompt, sampled)])["w"][0]
     for core in (synchronous, overlapped):
         execute = core.engine.launch if core.overlap else core.engine.execute
-        masked = _with_mask(execute, "masked", allowed)
+        masked = with_mask(execute, "masked", allowed)
         if core.overlap:
             core.engine.launch = masked
         else:
@@ -128,14 +130,6 @@ def test_a_resumed_and_a_constrained_answer_are_the_same_overlapped(tiny_torch_a
     assert got == expected
     assert got["resumed"][0] == whole[6:]
     assert all(3 <= t < 60 for t in got["masked"][0])
-
-
-def _with_mask(call, seq, mask):
-    def run(plan):
-        if plan.masks is None and (seq in plan.decode or any(c.seq == seq and c.last for c in plan.chunks)):
-            plan.masks = lambda: {seq: mask}
-        return call(plan)
-    return run
 
 
 def test_a_request_aborted_or_failing_in_flight_changes_no_other_answer(tiny_torch_artifact):
@@ -197,8 +191,6 @@ def test_an_overflowed_best_score_is_chosen_on_the_device_as_token_chooser_does(
 def test_a_launch_never_waits_and_a_collect_waits_once(tiny_torch_artifact):
     """Overlapped, the host queues a step without waiting on the device for anything (so it can plan
     the next one while the device computes), and waits once when it collects it: for the tokens."""
-    from test_torch_engine_waits import WaitingOps
-
     from modelkiln.generation.engines.torch import transfers
 
     core = core_of(tiny_torch_artifact, True, True)

@@ -116,7 +116,7 @@ def test_a_step_waits_on_the_device_once(core):
                 Request("penalised", list(range(30, 42)), penalised), Request("masked", [11, 12, 13, 14], greedy(6)),
                 Request("late", list(range(50, 60)), greedy(5))]
     calls = watched_steps(core.engine)
-    core.engine.execute = _with_mask(core.engine.execute, "masked", masked["mask"])
+    core.engine.execute = with_mask(core.engine.execute, "masked", masked["mask"])
     outputs = list(run_to_completion(core, requests))
     assert not [o for o in outputs if o.error is not None]
     assert {o.request_id for o in outputs} == {r.request_id for r in requests}
@@ -127,7 +127,7 @@ def test_a_step_waits_on_the_device_once(core):
         assert found == [], found
 
 
-def _with_mask(execute, seq, mask):
+def with_mask(execute, seq, mask):
     """Hands the engine a grammar mask for ``seq`` whenever it chooses a token for it."""
     def run(plan):
         if plan.masks is None and (seq in plan.decode or any(c.seq == seq and c.last for c in plan.chunks)):

@@ -1,9 +1,8 @@
 """A text-generation model served by a worker whose engine runs in the engine process
 (``engine_process.py``): ``kiln serve --workers N``.
 
-``FrontGenerationModel`` is a ``GenerationModel`` without an engine, as kiln ray's router's is:
-prompts, chat templates, settings and their checks are the worker's own, on the artifact's
-tokenizer. ``generate`` returns a ``FrontStream``: the request goes to the engine process over this
+``FrontGenerationModel`` is an ``EnginelessGenerationModel``, as kiln ray's router's is: prompts,
+chat templates, settings and their checks are the worker's own, on the artifact's tokenizer. ``generate`` returns a ``FrontStream``: the request goes to the engine process over this
 worker's one connection to it (``EngineLink``), and the answer's deltas come back, a step's worth
 at a time."""
 
@@ -23,7 +22,7 @@ from ...generation.sequence import Delta
 from ..metrics import Metrics
 from ..settings import ModelSpec, ServeSettings
 from .engine_process import frame, read_frame
-from .model import GenerationModel, OpenStream
+from .model import EnginelessGenerationModel, OpenStream
 
 log = logging.getLogger("modelkiln.serve")
 
@@ -78,29 +77,11 @@ class EngineLink:
             queue.put_nowait(error)
 
 
-class FrontGenerationModel(GenerationModel):
+class FrontGenerationModel(EnginelessGenerationModel):
     def __init__(self, spec: ModelSpec, settings: ServeSettings, metrics: Metrics, address: str):
         super().__init__(spec, settings, metrics)  # the artifact's tokenizer and chat template, no engine
-        self.kv_budget = None  # the engine process's
         self.address = address
         self._link: EngineLink | None = None
-
-    def load(self) -> None:
-        self.ready = True
-
-    def stop(self) -> None:
-        self.ready = False
-
-    def release(self) -> None:
-        self.stop()
-
-    @property
-    def full(self) -> bool:
-        return False  # the engine's queue bound refuses (503) when it is full
-
-    @property
-    def queued(self) -> int:
-        return 0
 
     @property
     def link(self) -> EngineLink:

@@ -288,6 +288,34 @@ class GenerationModel:
                                 "/v1/completions or /v1/chat/completions")
 
 
+class EnginelessGenerationModel(GenerationModel):
+    """A served text-generation model whose engine runs in another process (kiln ray's replicas, the
+    engine process of ``kiln serve --workers N``): prompts, chat templates, settings and their checks
+    are this process's, on the artifact's tokenizer, so a bad request gets its 4xx here; ``generate``
+    sends the rest away. Its queue is the engine's, which refuses (503) when full."""
+
+    def __init__(self, spec: ModelSpec, settings: ServeSettings, metrics: Metrics):
+        super().__init__(spec, settings, metrics)
+        self.kv_budget = None  # the engine's (its metadata says)
+
+    def load(self) -> None:
+        self.ready = True
+
+    def stop(self) -> None:
+        self.ready = False
+
+    def release(self) -> None:
+        self.stop()
+
+    @property
+    def full(self) -> bool:
+        return False
+
+    @property
+    def queued(self) -> int:
+        return 0
+
+
 class DeltaStream(Protocol):
     """What the protocol edges read from an answer's stream: ``Stream`` (this process's engine) or
     kiln ray's ``RemoteStream`` (a replica's), which ``generate`` returns."""
