@@ -1,10 +1,11 @@
 """``kiln serve --workers N`` with text-generation models: their engines in one process, the HTTP and
 gRPC fronts in N (vLLM's API servers in front of one engine core).
 
-Why: a token streamed over SSE costs the serving process ~50 µs of Python (its event, its JSON, the
+Why: a token streamed over SSE costs the serving process ~40 µs of Python (its event, its JSON, the
 write), under the same interpreter lock as the engine's own host work. On a 2-core AMD EPYC one
-process delivered 15,500 tokens/s to 256 streams where its engine alone made 62,000
-(``benchmarks/generation/sse_front.py``); a GPU makes 40,000 a second and more. Continuous batching
+process delivered 16,700-17,800 tokens/s to 256 streams where its engine alone made 45,600-63,400
+(``benchmarks/generation/sse_front.py``), and two fronts 21,600-23,200 on the 1.5 cores the load
+generator left; a GPU makes 40,000 a second and more. Continuous batching
 is one scheduler, so the engine cannot be split; the fronts can.
 
 - The engine process (``engine_main``, started by the supervisor before the workers) loads each
