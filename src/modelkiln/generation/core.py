@@ -26,8 +26,8 @@ async scheduling, SGLang's overlap scheduler): the core launches step N+1 before
 so the host's planning, detokenizing and delivering run while the device computes. Step N+1 is planned
 from what was known before N's tokens: a sequence whose prompt ends in N decodes in N+1 (its first
 token is its input there, on the device); a sequence that N ends (a stop, an end of sequence, an
-error) already has a row in N+1, whose token is dropped, and it leaves the engine at N+2, after the
-step that holds it is collected (its row counts as taken until then); no sequence is planned past
+error) already has a row in N+1, whose token is dropped, and it leaves the engine with the first plan
+launched after N+1 is collected, N+3 (its row and KV count as taken until then); no sequence is planned past
 its ``max_new_tokens``. A sequence whose next step needs the host's view of the last one (a
 grammar's mask, log-probabilities, prompt scores) makes the steps around it synchronous. Nothing a
 sequence computes depends on this: its tokens are the same either way.
@@ -325,7 +325,8 @@ class EngineCore:
 
     def _collect(self, outputs: list[Output], step: _InFlight | None = None) -> None:
         """A launched step's result (default: the last one launched, with the one before it). Its
-        tokens go to requests still active; a request it ended leaves the engine with the next plan."""
+        tokens go to requests still active; a request it ended leaves the engine once no launched step
+        holds it (``_take_leaving``)."""
         step = step or self._in_flight
         assert step is not None
         if step is self._in_flight:
