@@ -153,8 +153,8 @@ def over_http(artifact: Path, tokenizer_json: Path, streams: int, tokens: int, s
 
 def python_sse_load(url: str, body: dict, streams: int, seconds: float, processes: int) -> float:
     """Output tokens a second that ``streams`` clients, each asking ``body`` (streamed) again as soon
-    as its answer is whole, receive over ``seconds``: events of complete answers, counted in
-    ``processes`` client processes (asyncio and httpx; for a machine without ``wrk``)."""
+    as its answer is whole, receive over ``seconds``: the tokens of complete answers (their usage
+    chunk), counted in ``processes`` client processes (asyncio and httpx; for a machine without ``wrk``)."""
     import multiprocessing
 
     shares = [streams // processes + (i < streams % processes) for i in range(processes)]
@@ -170,15 +170,18 @@ def _client_process(url: str, body: dict, streams: int, seconds: float) -> int:
 
     async def client(http: httpx.AsyncClient, deadline: float) -> int:
         tokens = 0
+        request = {**body, "stream": True, "stream_options": {"include_usage": True}}
         while time.monotonic() < deadline:
-            events = 0
-            async with http.stream("POST", url, json={**body, "stream": True}) as answer:
+            answered = 0  # the answer's tokens, from its usage chunk (a token whose text is held adds no event)
+            async with http.stream("POST", url, json=request) as answer:
                 if answer.status_code != 200:
                     raise RuntimeError(f"{answer.status_code}: {(await answer.aread())[:500]!r}")
                 async for line in answer.aiter_lines():
-                    events += line.startswith("data: {")
+                    if line.startswith('data: {"') and '"usage"' in line:
+                        usage = json.loads(line[6:]).get("usage") or {}
+                        answered = usage.get("completion_tokens", answered)
             if time.monotonic() <= deadline:
-                tokens += events
+                tokens += answered
         return tokens
 
     async def run() -> int:
