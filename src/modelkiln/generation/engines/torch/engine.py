@@ -206,8 +206,9 @@ class TorchEngine:
     def launch(self, plan: StepPlan) -> Launched:
         """Queue a plan's work on the device: the forward pass, the choice of tokens, and what the next
         step reads of it (each chosen token as its sequence's next input, the penalties' counts, the
-        draws' positions), then the copy of the tokens to the host; wait for none of it. The next plan
-        may be launched before this one is collected (overlapped scheduling): its decode rows feed the
+        draws' positions), then the copy of the tokens to the host; wait for none of it (a scored
+        chunk's logits or log-probabilities excepted: they come to the host here). The next plan may
+        be launched before this one is collected (overlapped scheduling): its decode rows feed the
         tokens this one chooses, from the device. Its sequences must not leave before it is collected."""
         result = begin_step(plan, self._leave, self._start)
         chunks: list[Chunk] = []
