@@ -15,11 +15,13 @@ is one scheduler, so the engine cannot be split; the fronts can.
 - Each worker serves the model as a ``FrontGenerationModel`` (``front.py``): prompts, chat templates
   and every check are its own (a bad request gets its 4xx there, the engine never sees it); a
   request goes over its connection to the engine process, and the answer's tokens come back.
-- The wire: frames of a 4-byte length and a pickle. A front sends ``("submit", key, model, prompt
-  ids, params, seed, resume ids, timeout)`` (a grammar as its source, compiled and cached here) and
-  ``("cancel", key)``; the engine process answers with ``("events", [(key, event), ...])``, one frame
-  a front per engine step (the driver hands a step's outputs to this event loop in one call, and
-  they leave in one write): ``event`` is ``("taken", seed)``, a ``Delta``'s fields, or an error.
+- The wire: frames of a 4-byte length and a JSON array (orjson: a frame is data, never
+  code). A front sends ``["submit", key, model, prompt ids, params, seed, resume ids, timeout]`` (the
+  sampling parameters' fields, a grammar as its source, compiled and cached here) and ``["cancel",
+  key]``; the engine process answers with ``["events", [[key, event], ...]]``, one frame a front per
+  engine step (the driver hands a step's outputs to this event loop in one call, and they leave in
+  one write): ``event`` is ``["taken", seed]``, ``["delta", ...its fields]`` or ``["error", kind,
+  message]`` (``channel.error_to_json``).
 - A front that goes (killed, stopped) has its requests cancelled: their sequences are freed before the
   next step. The engine process stops when the supervisor closes its channel or sends SIGTERM, after
   the fronts: every request accepted is answered first."""
@@ -29,12 +31,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 import signal
 import struct
 import sys
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import fields, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -43,6 +44,7 @@ import orjson
 from ...errors import KilnError
 from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
+from ..channel import error_from_json, error_to_json
 from ..metrics import Metrics
 from ..settings import ServeSettings
 from .loop_driver import Job
@@ -58,27 +60,50 @@ _LENGTH = struct.Struct("!I")
 
 
 def frame(message: Any) -> bytes:
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    body = orjson.dumps(message)
     return _LENGTH.pack(len(body)) + body
 
 
 async def read_frame(reader: asyncio.StreamReader) -> Any:
     """The next message; ``asyncio.IncompleteReadError`` when the other side is gone."""
     size, = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    return pickle.loads(await reader.readexactly(size))
+    return orjson.loads(await reader.readexactly(size))
 
 
-def delta_fields(delta: Delta) -> tuple:
-    return (delta.token_id, delta.text, delta.finish_reason, delta.logprob, delta.top_logprobs, delta.prompt_logprobs)
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """A request's sampling parameters as JSON fields, a grammar as its (kind, spec)."""
+    constraint = params.constraint.spec if params.constraint is not None else None
+    return {f.name: getattr(params, f.name) for f in fields(params) if f.name != "constraint"} | {"constraint": constraint}
 
 
-def wire_error(error: BaseException) -> BaseException:
-    """An error as it can cross the wire: itself where it pickles, else a KilnError with its message."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001 - an exception type whose arguments do not pickle
-        return KilnError(str(error))
+def params_from_wire(values: dict[str, Any]) -> SamplingParams:
+    """``params_to_wire``'s fields as SamplingParams again (checked again), the grammar still a (kind, spec)."""
+    values = dict(values)
+    for name in ("stop", "stop_token_ids"):
+        values[name] = tuple(values[name])
+    values["logit_bias"] = tuple((int(token), float(bias)) for token, bias in values["logit_bias"])
+    if values["constraint"] is not None:
+        values["constraint"] = tuple(values["constraint"])
+    return SamplingParams(**values)
+
+
+def event_to_wire(event: Delta | BaseException) -> list:
+    if isinstance(event, Delta):
+        return ["delta", event.token_id, event.text, event.finish_reason, event.logprob, event.top_logprobs,
+                event.prompt_logprobs]
+    return ["error", *error_to_json(event)]
+
+
+def event_from_wire(event: list) -> Delta | KilnError | tuple[str, int]:
+    """A front's view of an event: a Delta, the error that ends the answer, or ("taken", seed)."""
+    if event[0] == "delta":
+        token_id, text, finish_reason, logprob, top, prompt = event[1:]
+        return Delta(token_id, text, finish_reason, logprob, [(t, p) for t, p in top] if top is not None else None,
+                     [None if e is None else (e[0], [(t, p) for t, p in e[1]]) for e in prompt]
+                     if prompt is not None else None)
+    if event[0] == "error":
+        return error_from_json(event[1:])
+    return ("taken", event[1])
 
 
 # --- the engine process ---------------------------------------------------------------------------
@@ -117,13 +142,9 @@ class _Events:
         self.front, self.key = front, key
 
     def put_nowait(self, event: Delta | BaseException) -> None:
-        if isinstance(event, Delta):
-            if event.finish_reason is not None:
-                self.front.jobs.pop(self.key, None)
-            self.front.send(self.key, delta_fields(event))
-        else:
+        if not isinstance(event, Delta) or event.finish_reason is not None:
             self.front.jobs.pop(self.key, None)
-            self.front.send(self.key, wire_error(event))
+        self.front.send(self.key, event_to_wire(event))
 
 
 class EngineHost:
@@ -140,13 +161,17 @@ class EngineHost:
             while True:
                 message = await read_frame(reader)
                 if message[0] == "submit":
-                    await self._submit(front, *message[1:])
+                    key, name, prompt_ids, params, seed, resume_ids, timeout_s = message[1:]
+                    await self._submit(front, key, name, prompt_ids, params_from_wire(params), seed, resume_ids,
+                                       timeout_s)
                 elif message[0] == "cancel":
                     job = front.jobs.pop(message[1], None)
                     if job is not None and job.driver is not None:
                         job.driver.cancel(job)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the front is gone
+        except Exception:  # noqa: BLE001 - a frame this side cannot read: the connection ends, its requests with it
+            log.exception("a front sent a frame the engine process cannot read; closing its connection")
         finally:
             front.cancel_all()
             self.fronts.discard(front)
@@ -160,12 +185,12 @@ class EngineHost:
                 params = replace(params, constraint=await asyncio.to_thread(model.grammars.compile, *params.constraint))
             front.jobs[key] = model.submit(prompt_ids, params, _Events(front, key), timeout_s, resume_ids, seed)
         except KeyError:
-            front.send(key, KilnError(f"the engine process serves no model '{name}'"))
+            front.send(key, event_to_wire(KilnError(f"the engine process serves no model '{name}'")))
         except Exception as exc:  # noqa: BLE001 - refused (a full queue, a model stopping): the front raises it
             front.jobs.pop(key, None)
-            front.send(key, wire_error(exc))
+            front.send(key, event_to_wire(exc))
         else:
-            front.send(key, ("taken", seed))
+            front.send(key, ["taken", seed])
 
 
 def engine_main(fd: int, address: str) -> None:

@@ -13,7 +13,6 @@ import itertools
 import logging
 import secrets
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from ...errors import KilnError, ModelNotReadyError
@@ -21,7 +20,7 @@ from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
 from ..metrics import Metrics
 from ..settings import ModelSpec, ServeSettings
-from .engine_process import frame, read_frame
+from .engine_process import event_from_wire, frame, params_to_wire, read_frame
 from .model import EnginelessGenerationModel, OpenStream
 
 log = logging.getLogger("modelkiln.serve")
@@ -64,7 +63,7 @@ class EngineLink:
                 for key, event in events:
                     queue = self.queues.get(key)
                     if queue is not None:
-                        queue.put_nowait(event)
+                        queue.put_nowait(event_from_wire(event))
         except (asyncio.IncompleteReadError, ConnectionError):
             log.error("the engine process closed its connection")
         self._writer = None
@@ -118,9 +117,8 @@ class FrontStream(OpenStream):
         model.in_flight += 1
         link = model.link
         link.queues[self._key] = self._queue
-        if params.constraint is not None:  # the engine process compiles it (cached there by its spec)
-            params = replace(params, constraint=params.constraint.spec)
-        link.send(("submit", self._key, model.name, prompt_ids, params, seed, resume_ids, timeout_s))
+        # a grammar goes as its source: the engine process compiles it (cached there by its spec)
+        link.send(["submit", self._key, model.name, prompt_ids, params_to_wire(params), seed, resume_ids, timeout_s])
 
     async def started(self) -> None:
         """Returns once the engine process accepted the request; its refusal (a full queue: 503) is raised."""
@@ -129,7 +127,7 @@ class FrontStream(OpenStream):
             if isinstance(event, BaseException):
                 self._close(cancel=False)
                 raise event
-            self._accepted = True  # ("taken", seed)
+            self._accepted = True  # ("taken", seed): the seed is the one sent
 
     def __aiter__(self) -> FrontStream:
         return self
@@ -138,11 +136,10 @@ class FrontStream(OpenStream):
         if self.finish_reason is not None or not self._open:
             raise StopAsyncIteration
         await self.started()
-        event = await self._queue.get()
-        if isinstance(event, BaseException):
+        delta = await self._queue.get()
+        if isinstance(delta, BaseException):
             self._close(cancel=False)
-            raise event
-        delta = Delta(*event)
+            raise delta
         self.completion_tokens += 1
         if self._resumed:  # the prompt's log-probabilities went out with the answer's first token
             delta.prompt_logprobs = None
