@@ -3,8 +3,8 @@ gRPC fronts in N (vLLM's API servers in front of one engine core).
 
 Why: a token streamed over SSE costs the serving process ~40 µs of Python (its event, its JSON, the
 write), under the same interpreter lock as the engine's own host work. On a 2-core AMD EPYC one
-process delivered 16,700-17,800 tokens/s to 256 streams where its engine alone made 45,600-63,400
-(``benchmarks/generation/sse_front.py``), and two fronts 21,600-23,200 on the 1.5 cores the load
+process delivered 15,500-19,800 tokens/s to 256 streams where its engine alone made 68,900-72,200
+(``benchmarks/generation/sse_front.py``), and two fronts 30,400-40,000 on the 1.6 cores the load
 generator left; a GPU makes 40,000 a second and more. Continuous batching
 is one scheduler, so the engine cannot be split; the fronts can.
 
