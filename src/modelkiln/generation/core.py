@@ -157,7 +157,6 @@ class EngineCore:
         self._prefilling: list[Request] = []  # admitted, prompt not all in the cache yet
         self._running: dict[Hashable, Request] = {}  # decoding
         self._leaving: list[Hashable] = []  # sequences the engine still holds and must free at its next call
-        self._leaving_reserves: dict[Hashable, int] = {}  # of those, ones a launched step may still hold
         self._masker: ThreadPoolExecutor | None = None  # grammar masks, computed while the model runs
         self._mask_seconds = 0.0  # what the last step's masks took
         # overlapped steps: where the engine can, and not while speculating (drafts need the last tokens)
@@ -294,9 +293,10 @@ class EngineCore:
                 decoding = [r for r in decoding if r.request_id not in self._last_token or r.request_id not in pending]
             plan.decode = [r.request_id for r in decoding]
             if not plan.empty:
+                previous = self._in_flight
                 self._launch(plan, chunked + decoding)
-            if self._in_flight is not None and self._in_flight.previous is not None:
-                self._collect(outputs, self._in_flight.previous)
+                if previous is not None:  # launched before the last one is collected: the overlap
+                    self._collect(outputs, previous)
             if self._in_flight is not None and (plan.empty or self._host_bound):
                 self._collect(outputs)  # nothing to overlap it with, or a row's logits are read on the host
         except Exception as exc:  # a bug or an engine failure: fail what is active, keep going
@@ -321,20 +321,15 @@ class EngineCore:
                 choosing.add(chunk.seq)
                 self._prefilling.remove(request)
                 self._running[chunk.seq] = request
-        self._in_flight = _InFlight(plan, by_id, launched, choosing, previous=self._in_flight)
+        self._in_flight = _InFlight(plan, by_id, launched, choosing)
 
     def _collect(self, outputs: list[Output], step: _InFlight | None = None) -> None:
-        """A launched step's result (default: the last one launched, with the one before it). Its
-        tokens go to requests still active; a request it ended leaves the engine once no launched step
-        holds it (``_take_leaving``)."""
+        """A launched step's result (default: the one in flight). Its tokens go to requests still
+        active; a request it ended leaves the engine once no launched step holds it (``_take_leaving``)."""
         step = step or self._in_flight
         assert step is not None
         if step is self._in_flight:
             self._in_flight = None
-            if step.previous is not None:
-                self._collect(outputs, step.previous)
-        elif self._in_flight is not None and self._in_flight.previous is step:
-            self._in_flight.previous = None
         engine: OverlappingEngine = self.engine  # type: ignore[assignment]
         result = engine.collect(step.launched)
         running = self._running
@@ -355,24 +350,14 @@ class EngineCore:
         every = len(active) == len(step.by_id)
         self._deliver(result.sampled if every else [s for s in result.sampled if s.seq in active], active, outputs)
 
-    def _held(self) -> set[Hashable]:
-        """Sequences a launched, uncollected step still computes for: they cannot leave the engine yet."""
-        held: set[Hashable] = set()
-        step = self._in_flight
-        while step is not None:
-            held |= step.by_id.keys()
-            step = step.previous
-        return held
-
     def _forget_in_flight(self) -> None:
-        """After a failure: the launched steps' results are not wanted (collected, so the engine is idle)."""
+        """After a failure: the launched step's result is not wanted (collected, so the engine is idle)."""
         step, self._in_flight = self._in_flight, None
-        while step is not None:
+        if step is not None:
             try:
                 self.engine.collect(step.launched)  # type: ignore[attr-defined]  # only an overlapping engine launches
             except Exception:  # noqa: BLE001 - the engine failed: its requests are failed already
                 pass
-            step = step.previous
 
     # -- scheduling --------------------------------------------------------------------------------------
     def _drop(self, aborted: set[Hashable], outputs: list[Output]) -> None:
@@ -396,9 +381,9 @@ class EngineCore:
 
     def _admit(self, outputs: list[Output]) -> list[Request]:
         active = [r.reserve for r in [*self._prefilling, *self._running.values()]]
-        if self._in_flight is not None:  # rows that ended but that a launched step still holds
-            held = self._held()
-            active += [self._leaving_reserves[seq] for seq in self._leaving if seq in held and seq in self._leaving_reserves]
+        if self._in_flight is not None:  # rows that ended but that the launched step still holds
+            held = self._in_flight.by_id
+            active += [held[seq].reserve for seq in self._leaving if seq in held]
         admitted: list[Request] = []
         # A prompt another request is still computing waits for it to be in the prefix cache: the answers
         # to one prompt (OpenAI's n) then compute it once, and the others take their first token from it.
@@ -596,8 +581,6 @@ class EngineCore:
         self._leaving.append(request.request_id)
         self._host_bound.discard(request.request_id)
         self._last_token.discard(request.request_id)
-        if self._in_flight is not None:  # it may hold its row a step longer (_take_leaving)
-            self._leaving_reserves[request.request_id] = request.reserve
         _close_speculator(request)
 
     def _take_leaving(self) -> list[Hashable]:
@@ -605,10 +588,9 @@ class EngineCore:
         launched step still computes for (they leave after it is collected, their rows held till then)."""
         if not self._leaving:
             return []
-        held = self._held() if self._in_flight is not None else set()
+        held = self._in_flight.by_id if self._in_flight is not None else {}
         leaving = [seq for seq in self._leaving if seq not in held]
         self._leaving = [seq for seq in self._leaving if seq in held]
-        self._leaving_reserves = {seq: self._leaving_reserves[seq] for seq in self._leaving}
         return leaving
 
     def _free_leaving(self) -> None:
@@ -635,14 +617,14 @@ class EngineCore:
 
 @dataclass(eq=False)
 class _InFlight:
-    """A step launched on an overlapping engine and not yet collected: its plan, its requests,
-    the sequences that choose a token in it, and the step launched before it, if still uncollected."""
+    """A step launched on an overlapping engine and not yet collected (at most one between two
+    ``step_parts``: each launches the next step, then collects this one): its plan, its requests,
+    the sequences that choose a token in it."""
 
     plan: StepPlan
     by_id: dict[Hashable, Request]
     launched: Launched
     choosing: set[Hashable]
-    previous: _InFlight | None = None
 
 
 def _needs_host(request: Request) -> bool:
