@@ -116,6 +116,7 @@ class _Front:
     def __init__(self, writer: asyncio.StreamWriter):
         self.writer = writer
         self.jobs: dict[int, Job] = {}
+        self.compiling: dict[int, asyncio.Task] = {}  # requests whose grammar is being compiled
         self._events: list[tuple[int, Any]] = []
 
     def send(self, key: int, event: Any) -> None:
@@ -128,11 +129,17 @@ class _Front:
         if not self.writer.is_closing():
             self.writer.write(frame(("events", events)))
 
-    def cancel_all(self) -> None:
-        for job in self.jobs.values():
-            assert job.driver is not None
+    def cancel(self, key: int) -> None:
+        compiling = self.compiling.pop(key, None)
+        if compiling is not None:
+            compiling.cancel()
+        job = self.jobs.pop(key, None)
+        if job is not None and job.driver is not None:
             job.driver.cancel(job)
-        self.jobs.clear()
+
+    def cancel_all(self) -> None:
+        for key in [*self.compiling, *self.jobs]:
+            self.cancel(key)
 
 
 class _Events:
@@ -161,13 +168,14 @@ class EngineHost:
             while True:
                 message = await read_frame(reader)
                 if message[0] == "submit":
-                    key, name, prompt_ids, params, seed, resume_ids, timeout_s = message[1:]
-                    await self._submit(front, key, name, prompt_ids, params_from_wire(params), seed, resume_ids,
-                                       timeout_s)
+                    key = message[1]
+                    submitting = self._submit(front, *message[1:])
+                    if message[4].get("constraint") is None:
+                        await submitting  # at once: nothing in it waits
+                    else:  # its grammar compiles in a thread while this front's other messages are read
+                        front.compiling[key] = asyncio.ensure_future(submitting)
                 elif message[0] == "cancel":
-                    job = front.jobs.pop(message[1], None)
-                    if job is not None and job.driver is not None:
-                        job.driver.cancel(job)
+                    front.cancel(message[1])
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the front is gone
         except Exception:  # noqa: BLE001 - a frame this side cannot read: the connection ends, its requests with it
@@ -177,20 +185,22 @@ class EngineHost:
             self.fronts.discard(front)
             writer.close()
 
-    async def _submit(self, front: _Front, key: int, name: str, prompt_ids: list[int], params: SamplingParams,
+    async def _submit(self, front: _Front, key: int, name: str, prompt_ids: list[int], wire_params: dict[str, Any],
                       seed: int, resume_ids: list[int], timeout_s: float) -> None:
+        model = self.models.get(name)
         try:
-            model = self.models[name]
+            if model is None:
+                raise KilnError(f"the engine process serves no model '{name}'")
+            params = params_from_wire(wire_params)
             if isinstance(params.constraint, tuple):  # (kind, spec): the front sends a grammar so
                 params = replace(params, constraint=await asyncio.to_thread(model.grammars.compile, *params.constraint))
             front.jobs[key] = model.submit(prompt_ids, params, _Events(front, key), timeout_s, resume_ids, seed)
-        except KeyError:
-            front.send(key, event_to_wire(KilnError(f"the engine process serves no model '{name}'")))
         except Exception as exc:  # noqa: BLE001 - refused (a full queue, a model stopping): the front raises it
-            front.jobs.pop(key, None)
             front.send(key, event_to_wire(exc))
         else:
             front.send(key, ["taken", seed])
+        finally:
+            front.compiling.pop(key, None)
 
 
 def engine_main(fd: int, address: str) -> None:
