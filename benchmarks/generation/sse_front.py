@@ -130,7 +130,7 @@ def over_http(artifact: Path, tokenizer_json: Path, streams: int, tokens: int, s
                                    "--max-batch-size", str(streams), "--workers", str(workers)],
                                   env=env, stderr=subprocess.PIPE, text=True)
         try:
-            _wait_ready(port, server)
+            wait_ready(port, server)
             body = json.dumps({"model": "tiny", "prompt": "Tell me a story.", "max_tokens": tokens, "stream": True,
                                "ignore_eos": True, "temperature": 0})
             script = Path(patch, "post.lua")
@@ -193,10 +193,12 @@ def _client_process(url: str, body: dict, streams: int, seconds: float) -> int:
     return asyncio.run(run())
 
 
-def _wait_ready(port: int, server: subprocess.Popen) -> None:
+def wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Returns once the ``kiln serve`` process ``server`` answers ready on ``port``; RuntimeError if it
+    exits first (with its stderr's tail) or takes longer than ``timeout_s``."""
     import httpx
 
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"server exited: {server.stderr.read()[-2000:] if server.stderr else ''}")

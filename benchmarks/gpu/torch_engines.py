@@ -417,7 +417,7 @@ def _kiln_serve(arguments: list[str]) -> Iterator[str]:
     """``kiln serve`` with these arguments on a free port, ready; its URL."""
     import subprocess
 
-    import httpx
+    from sse_front import wait_ready
 
     from modelkiln.net import free_port
 
@@ -425,21 +425,9 @@ def _kiln_serve(arguments: list[str]) -> Iterator[str]:
     env = {**os.environ, "KILN_PORT": str(port), "KILN_GRPC_PORT": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "modelkiln", "serve", *arguments], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kiln serve exited: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
-            try:
-                if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("kiln serve did not become ready")
-            time.sleep(0.2)
-        yield url
+        wait_ready(port, proc, timeout_s=600)  # a GPU's warm-up captures its graphs first
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(timeout=60)

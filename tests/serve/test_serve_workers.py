@@ -30,7 +30,17 @@ from servers import Server
 
 
 def worker_pids(pid: int) -> list[int]:
-    """The worker processes of a server.
+    """The worker processes of a server."""
+    return child_pids(pid, b"worker_main")
+
+
+def engine_pids(pid: int) -> list[int]:
+    """The engine process of a server that serves text generation with workers."""
+    return child_pids(pid, b"engine_main")
+
+
+def child_pids(pid: int, marker: bytes) -> list[int]:
+    """The child processes of ``pid`` whose command line holds ``marker``.
 
     Threads end and workers die while /proc is read (a test kills one): whatever vanished
     between listing and reading is simply not there.
@@ -45,7 +55,7 @@ def worker_pids(pid: int) -> list[int]:
     children = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         children += [int(c) for c in read(task / "children").split()]
-    return sorted(c for c in children if b"worker_main" in read(Path(f"/proc/{c}/cmdline")))
+    return sorted(c for c in children if marker in read(Path(f"/proc/{c}/cmdline")))
 
 
 def worker_of(response: httpx.Response) -> str:
@@ -235,13 +245,6 @@ def test_text_generation_runs_its_engine_in_one_process_behind_the_workers(tiny_
         assert got[1, True, 9] == expected[1]
     finally:
         server.stop()
-
-
-def engine_pids(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        children += [int(c) for c in (task / "children").read_bytes().split()]
-    return [c for c in children if b"engine_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def test_the_server_ends_with_its_engine_process(tiny_generation_artifact):

@@ -405,18 +405,10 @@ class Supervisor:
     # -- the engine process ------------------------------------------------------------------------
     async def _start_engine(self) -> None:
         """The engine process with the text-generation models, loaded and listening (else KilnError)."""
-        ours, theirs = socket.socketpair()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from modelkiln.serve.generation.engine_process import engine_main; "
-                                  f"engine_main({theirs.fileno()}, {self.engine_address!r})",
-            pass_fds=[theirs.fileno()], start_new_session=True,
-            env={**os.environ, MULTIPROCESS_DIR: self.metrics_dir})
-        theirs.close()
-        engine = Worker(-1, process, None, asyncio.get_running_loop().create_future())  # type: ignore[arg-type]
-        engine.loaded.add_done_callback(lambda f: f.cancelled() or f.exception())
-        engine.channel = Channel(Connection(ours.detach()), {}, on_message=lambda m: self._message(engine, m))
-        engine.channel.send({"settings": self.engine_settings.model_dump(mode="json")})
-        engine.channel.attach()
+        engine = await self._child(
+            -1, lambda fd: "from modelkiln.serve.generation.engine_process import engine_main; "
+                           f"engine_main({fd}, {self.engine_address!r})",
+            {}, {"settings": self.engine_settings.model_dump(mode="json")}, {})
         self.engine = engine
         asyncio.ensure_future(self._watch_engine(engine))
         stop = asyncio.ensure_future(self.stopped.wait())
@@ -441,26 +433,30 @@ class Supervisor:
 
     # -- workers ----------------------------------------------------------------------------------
     async def _spawn(self, index: int) -> Worker:
-        ours, theirs = socket.socketpair()
-        env = {**os.environ, MULTIPROCESS_DIR: self.metrics_dir}  # read by the worker's prometheus_client at import
-        if self.engine_address:
-            env[ENGINE_ADDRESS] = self.engine_address
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", f"from modelkiln.serve.workers import worker_main; worker_main({theirs.fileno()})",
-            pass_fds=[theirs.fileno()], start_new_session=True,  # Ctrl-C reaches the supervisor, which stops them
-            env=env)
-        theirs.close()
-        loop = asyncio.get_running_loop()
-        worker = Worker(index, process, None, loop.create_future())  # type: ignore[arg-type]  # channel next: it needs the worker
-        worker.loaded.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody awaits: no warning
-        worker.channel = Channel(Connection(ours.detach()), self._handlers(),
-                                 on_message=lambda m: self._message(worker, m))
         settings = self.worker_settings.with_models(tuple(self.models.specs.values()))
-        worker.channel.send({"index": index, "settings": settings.model_dump(mode="json")})
-        worker.channel.attach()
+        worker = await self._child(index, lambda fd: f"from modelkiln.serve.workers import worker_main; worker_main({fd})",
+                                   self._handlers(), {"index": index, "settings": settings.model_dump(mode="json")},
+                                   {ENGINE_ADDRESS: self.engine_address} if self.engine_address else {})
         self.workers[index] = worker
         asyncio.ensure_future(self._watch(worker))
         return worker
+
+    async def _child(self, index: int, code: Callable[[int], str], handlers: dict[str, Callable[..., Awaitable[Any]]],
+                     start: dict[str, Any], env: dict[str, str]) -> Worker:
+        """A child process (a worker, or the engine process): ``python -c code(fd)``, ``fd`` its end of a
+        socket pair, in a session of its own (Ctrl-C reaches the supervisor, which stops it), its metrics
+        in the shared folder; ``start`` sent on its channel first."""
+        ours, theirs = socket.socketpair()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code(theirs.fileno()), pass_fds=[theirs.fileno()], start_new_session=True,
+            env={**os.environ, MULTIPROCESS_DIR: self.metrics_dir, **env})  # read by its prometheus_client at import
+        theirs.close()
+        child = Worker(index, process, None, asyncio.get_running_loop().create_future())  # type: ignore[arg-type]  # channel next: it needs the worker
+        child.loaded.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody awaits: no warning
+        child.channel = Channel(Connection(ours.detach()), handlers, on_message=lambda m: self._message(child, m))
+        child.channel.send(start)
+        child.channel.attach()
+        return child
 
     def _serve(self, worker: Worker) -> None:
         worker.channel.send(["serve"])

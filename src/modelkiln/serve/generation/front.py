@@ -136,17 +136,7 @@ class FrontStream(OpenStream):
         if self.finish_reason is not None or not self._open:
             raise StopAsyncIteration
         await self.started()
-        delta = await self._queue.get()
-        if isinstance(delta, BaseException):
-            self._close(cancel=False)
-            raise delta
-        self.completion_tokens += 1
-        if self._resumed:  # the prompt's log-probabilities went out with the answer's first token
-            delta.prompt_logprobs = None
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            self._close(cancel=False)
-        return delta
+        return self._next(await self._queue.get(), self._resumed)
 
     def _close(self, cancel: bool) -> None:
         was_open = self._open
@@ -155,4 +145,4 @@ class FrontStream(OpenStream):
             self.model.link.queues.pop(self._key, None)
 
     def _cancel(self) -> None:
-        self.model.link.send(("cancel", self._key))
+        self.model.link.send(["cancel", self._key])

@@ -340,6 +340,7 @@ class OpenStream:
 
     model: Any
     finish_reason: str | None
+    completion_tokens: int
     _open: bool
 
     async def aclose(self) -> None:
@@ -360,6 +361,21 @@ class OpenStream:
 
     def _cancel(self) -> None:
         raise NotImplementedError
+
+    def _next(self, event: Delta | BaseException, resumed: bool) -> Delta:
+        """An event of the engine's, as the edges get it: an error ends the stream (raised); a delta
+        counts, and the last one closes it. ``resumed``: the answer began with the client's tokens,
+        so the prompt's log-probabilities went out before."""
+        if isinstance(event, BaseException):
+            self._close(cancel=False)
+            raise event
+        self.completion_tokens += 1
+        if resumed:
+            event.prompt_logprobs = None
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            self._close(cancel=False)
+        return event
 
 
 class Stream(OpenStream):
@@ -392,17 +408,7 @@ class Stream(OpenStream):
         if self.finish_reason is not None or not self._open:
             raise StopAsyncIteration
         assert self.job.queue is not None
-        event = await self.job.queue.get()
-        if isinstance(event, Exception):
-            self._close(cancel=False)
-            raise event
-        self.completion_tokens += 1
-        if self.job.resume_ids:  # the prompt's log-probabilities went out with the answer's first token
-            event.prompt_logprobs = None
-        if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
-            self._close(cancel=False)
-        return event
+        return self._next(await self.job.queue.get(), bool(self.job.resume_ids))
 
     def _cancel(self) -> None:
         if self.job.driver is not None:
