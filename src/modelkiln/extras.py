@@ -15,6 +15,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "serve": ("fastapi", "uvicorn", "prometheus_client", "orjson"),
     "loadtest": ("prometheus_client", "matplotlib"),
     "openvino": ("openvino",),
+    "nncf": ("openvino", "nncf"),  # OpenVINO's int8 variant: NNCF calibrates it at convert time
 }
 
 

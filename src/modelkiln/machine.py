@@ -62,15 +62,18 @@ def native_bf16(flags: set[str]) -> str | None:
     return None
 
 
-def matrix_engine(precision: str, device: str, flags: set[str]) -> str:
+def matrix_engine(precision: str, device: str, flags: set[str], engine: str = "onnx") -> str:
     """The unit a variant's matrix products run on here, named in `kiln bench`'s rows and `kiln
-    convert`'s table: bf16 on AMX or AVX-512 BF16 (``native_bf16``); int8 (kiln's per-row int8 in
-    onnxruntime) on VNNI's int8 dot products (not AMX: onnxruntime's AMX kernel takes uint8
+    convert`'s table: bf16 on AMX or AVX-512 BF16 (``native_bf16``); int8 on AMX's tiles where
+    OpenVINO runs it (``engine`` "openvino": its int8 kernels use AMX-INT8), else on VNNI's int8 dot
+    products (kiln's per-row int8 in onnxruntime is not AMX: onnxruntime's AMX kernel takes uint8
     activations, kiln's are int8); fp32 (and the rest) on the widest vector unit."""
     if device != "cpu":
         return "GPU"
     if precision == "bf16":
         return native_bf16(flags) or "emulated (no bf16 unit)"
+    if precision == "int8" and engine == "openvino" and "amx_int8" in flags:
+        return "AMX"
     if precision == "int8" and flags.intersection(("avx512_vnni", "avx_vnni")):
         return "VNNI"
     if "avx512f" in flags:

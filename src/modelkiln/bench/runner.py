@@ -136,7 +136,8 @@ def _reference_rows(cfg: BenchConfig) -> Iterator[tuple[str, str, bool]]:
 
 def _own_engines(folder: Path, manifest: Manifest, cfg: BenchConfig,
                  skipped: list[str]) -> Iterator[tuple[str, str, str, Callable[[], Engine]]]:
-    """(backend label, device, precision, engine factory) for every variant of the artifact to run."""
+    """(backend label, device, matrix engine, engine factory) for every variant of the artifact to run."""
+    flags = cpu_flags()
     for v in manifest.kept_variants():
         if cfg.variants and v.name not in cfg.variants:
             continue
@@ -146,7 +147,8 @@ def _own_engines(folder: Path, manifest: Manifest, cfg: BenchConfig,
             skipped.append(f"{label} {v.name}: no CUDA device")
             continue
         assert v.file is not None
-        yield (f"{label} {v.name}", v.device, v.precision, partial(load_variant, folder, manifest, v, cfg.threads))
+        yield (f"{label} {v.name}", v.device, matrix_engine(v.precision, v.device, flags, kind),
+               partial(load_variant, folder, manifest, v, cfg.threads))
 
 
 def measure_engine(engine: Runner, label: str, feeds: dict[tuple[int, int], dict[str, np.ndarray]], cfg: BenchConfig,
@@ -211,10 +213,9 @@ def run_bench(target: str, cfg: BenchConfig, steps: Steps) -> BenchResult:
         for cell in _run_reference(label, device, half, folder, list(feeds), cfg, steps, skipped):
             cell.matrix_engine = matrix_engine("fp16" if half else "fp32", device, flags)
             cells.append(cell)
-    for label, device, precision, factory in _own_engines(folder, manifest, cfg, skipped):
+    for label, device, unit, factory in _own_engines(folder, manifest, cfg, skipped):
         with steps(f"Loading {label}"):
             engine = factory()
-        unit = matrix_engine(precision, device, flags)
         cells += [Cell(label, device, b, s, stats, matrix_engine=unit)
                   for (b, s), stats in measure_engine(engine, label, feeds, cfg, steps).items()]
         del engine  # free it before the next backend loads

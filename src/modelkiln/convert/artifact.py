@@ -15,16 +15,19 @@ from ..tasks import text_generation
 
 ONNX_ENGINE, TORCH_ENGINE = "onnx", "torch"  # kiln convert --engine
 # OpenVINO's variants of an encoder (runtime/openvino.py, on the exported model.onnx) → their precision
-OPENVINO_PRECISIONS = {"openvino-fp32": "fp32", "openvino-bf16": "bf16"}
+OPENVINO_PRECISIONS = {"openvino-fp32": "fp32", "openvino-bf16": "bf16", "openvino-int8": "int8"}
 
 
-def openvino_offered(installed: bool, flags: set[str]) -> tuple[str, ...]:
+def openvino_offered(installed: bool, flags: set[str], quantizer: bool = False) -> tuple[str, ...]:
     """OpenVINO's variants worth building on a CPU with these flags: none without the package;
     bf16 only where the CPU multiplies bf16 natively (AMX or AVX-512 BF16: ``machine.native_bf16``),
-    since elsewhere OpenVINO emulates it in fp32, slower than fp32 itself."""
+    since elsewhere OpenVINO emulates it in fp32, slower than fp32 itself; int8 where NNCF, its
+    quantizer (the ``nncf`` extra, needed to convert only), is installed too."""
     if not installed:
         return ()
-    return ("openvino-fp32", "openvino-bf16") if native_bf16(flags) else ("openvino-fp32",)
+    bf16 = ("openvino-bf16",) if native_bf16(flags) else ()
+    int8 = ("openvino-int8",) if quantizer else ()
+    return ("openvino-fp32", *bf16, *int8)
 
 
 def default_precisions(task: str, device: str, engine: str = ONNX_ENGINE, gguf: bool = False) -> tuple[str, ...]:
@@ -40,7 +43,7 @@ def default_precisions(task: str, device: str, engine: str = ONNX_ENGINE, gguf: 
     if task == text_generation.NAME:
         return ("fp32", "int8", "int4") if device == "cpu" else ("fp32", "int8", "int4", "fp16")
     if device == "cpu":
-        return ("fp32", "optimized", "int8") + openvino_offered(has_extra("openvino"), cpu_flags())
+        return ("fp32", "optimized", "int8") + openvino_offered(has_extra("openvino"), cpu_flags(), has_extra("nncf"))
     return ("fp32", "optimized", "fp16", "tensorrt")
 
 
@@ -54,6 +57,9 @@ def versions() -> dict[str, str]:
 
 
 def remove_variant_file(path: Path) -> None:
-    """A variant's file (ONNX or safetensors) and an ONNX file's external-data file, if any."""
+    """A variant's file (ONNX, OpenVINO IR or safetensors) and the weights beside it, if any (an ONNX
+    file's external data, an IR's ``.bin``)."""
     path.unlink(missing_ok=True)
     (path.parent / (path.name + ".data")).unlink(missing_ok=True)
+    if path.suffix == ".xml":
+        path.with_suffix(".bin").unlink(missing_ok=True)

@@ -15,6 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..atomic import atomic_folder, check_output
+from ..data import read_squad
 from ..timing import measure_interleaved
 from ..errors import ConversionError, ValidationFailedError
 from ..extras import has_extra, install_hint
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "optimized", "int8", "fp16", "tensorrt", *OPENVINO_PRECISIONS)
 # The int8 variant's method, recorded in the manifest (variant details) and shown by `kiln convert`.
 INT8_METHOD = "per-row: int8 weights per column, int8 activations per token (batch-invariant)"
+# The OpenVINO int8 variant's method (variant details), and how many inputs NNCF calibrates it on
+# (its own default subset size).
+OPENVINO_INT8_METHOD = "NNCF static: int8 weights per channel, activation scales calibrated once (batch-invariant)"
+CALIBRATION_SIZE = 300
 LATENCY_SEQ = 128  # variants are timed at batch 1 × this many tokens (or the model's max, if smaller)
 
 Steps = Callable[[str], ContextManager[None]]
@@ -139,7 +144,7 @@ class _Builder:
         validation.batch_min_cosine, validation.batch_agreement = invariance.min_cosine, invariance.agreement
         validation.passed = validation.passed and invariance.passed
         variant.kept, variant.reason, variant.validation = validation.passed, failure_reason(validation), validation
-        variant.details = {**details, "matrix_engine": matrix_engine(precision, device, cpu_flags())}
+        variant.details = {**details, "matrix_engine": matrix_engine(precision, device, cpu_flags(), engine)}
         return variant
 
     def time_all(self, variants: list[Variant]) -> None:
@@ -351,8 +356,8 @@ def _build_int8(b: _Builder, fp32_path: Path, fused_path: Path) -> None:
 
 
 def _build_openvino(b: _Builder, name: str, fp32_path: Path, device: str) -> None:
-    """OpenVINO's CPU plugin on the exported model.onnx (no file of its own), at ``name``'s
-    precision, gated like any variant (its bf16 against the bf16 tolerance)."""
+    """OpenVINO's CPU plugin at ``name``'s precision, gated like any variant against its precision's
+    tolerance: fp32 and bf16 on the exported model.onnx (no file of their own), int8 on NNCF's IR."""
     precision = OPENVINO_PRECISIONS[name]
     if device != "cpu":
         b.skip(name, precision, "cpu", "OpenVINO variants run on the CPU (--device cpu)")
@@ -361,9 +366,39 @@ def _build_openvino(b: _Builder, name: str, fp32_path: Path, device: str) -> Non
     elif precision == "bf16" and native_bf16(cpu_flags()) is None:
         b.skip(name, precision, "cpu", "needs a CPU that computes bf16 natively (AMX or AVX-512 BF16); "
                                        "this one would emulate it, slower than fp32")
+    elif precision == "int8" and not has_extra("nncf"):
+        b.skip(name, precision, "cpu", f"nncf (OpenVINO's quantizer) is not installed: {install_hint('nncf')}")
+    elif precision == "int8":
+        given = [text for _, _, chunk in b.reference.batches for text in chunk] if b.cfg.calibration_texts else None
+        inputs = calibration_inputs(type(b.task), given)
+        path = b.folder / "model.openvino-int8.xml"
+        with b.steps(f"Quantizing {fp32_path.name} for OpenVINO (NNCF int8, {len(inputs)} calibration inputs) "
+                     "and validating"):
+            try:
+                build.quantize_openvino_int8(fp32_path, path, [b.encoder.encode([x])[0] for x in inputs])
+            except Exception as exc:  # NNCF fails in many ways on graphs it does not know
+                remove_variant_file(path)
+                b.skip(name, precision, "cpu", f"NNCF failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+                return
+            source = "--calibration-texts" if b.cfg.calibration_texts else "SQuAD questions and contexts (the package's)"
+            b.variants.append(b.check(name, precision, "cpu", path, engine=OPENVINO, method=OPENVINO_INT8_METHOD,
+                                      calibration=f"{len(inputs)} inputs: {source}"))
     else:
         with b.steps(f"Validating {name} (OpenVINO on {fp32_path.name})"):
             b.variants.append(b.check(name, precision, "cpu", fp32_path, engine=OPENVINO))
+
+
+def calibration_inputs(task: type[Task], given: list[TextInput] | None) -> list[TextInput]:
+    """What NNCF measures activation ranges on: the user's --calibration-texts (``given``, which the
+    gate checks too), else real text the package ships that the gate does not use: the first question
+    of each SQuAD context, in the task's form (``Task.calibration_inputs``), up to CALIBRATION_SIZE."""
+    if given:
+        return given
+    _, questions = read_squad()
+    first: dict[str, str] = {}
+    for q in questions:
+        first.setdefault(q.context, q.question)
+    return task.calibration_inputs([(question, context) for context, question in first.items()])[:CALIBRATION_SIZE]
 
 
 def _build_tensorrt(b: _Builder, device: str) -> None:

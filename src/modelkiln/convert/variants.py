@@ -1,4 +1,5 @@
-"""Building the faster variants from the fp32 export: transformer fusions, int8, fp16.
+"""Building the faster variants from the fp32 export: transformer fusions, int8 (kiln's per-row
+int8 for onnxruntime, NNCF's for OpenVINO), fp16.
 
 Each builder takes a source .onnx and writes a new one; deciding what to keep is the validation
 gate's and the latency measurement's job (convert/pipeline.py), not theirs."""
@@ -10,7 +11,7 @@ import functools
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,30 @@ def quantize_int4(src: Path, dst: Path, block_size: int, accuracy_level: int, sy
 
 
 @in_scratch_directory
+def quantize_openvino_int8(src: Path, dst: Path, calibration: Sequence[dict[str, Any]]) -> None:
+    """NNCF's post-training int8 of the exported graph for OpenVINO, written as an IR (``dst`` .xml and
+    its .bin): int8 weights per output channel, and activations with scales measured once on
+    ``calibration`` (one feed dict per input) and fixed in the graph, so a text's answer does not
+    depend on its batch neighbours (unlike onnxruntime's dynamic int8). The transformer model type
+    keeps NNCF's float where int8 is known to hurt such graphs (layer norms, softmax's inputs)."""
+    import nncf
+    import openvino
+
+    model = openvino.Core().read_model(str(src))
+    # NNCF draws progress bars on the terminal and logs its choices at INFO: kiln convert shows
+    # its own steps, so both stay off the terminal (errors still raise)
+    nncf_log = logging.getLogger("nncf")
+    level = nncf_log.level
+    nncf_log.setLevel(logging.ERROR)
+    try:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            quantized = nncf.quantize(model, nncf.Dataset(list(calibration)), model_type=nncf.ModelType.TRANSFORMER,
+                                      subset_size=len(calibration))
+    finally:
+        nncf_log.setLevel(level)
+    openvino.save_model(quantized, str(dst), compress_to_fp16=False)
+
+
 def to_fp16(src: Path, dst: Path) -> None:
     """fp16 weights and activations for CUDA, keeping inputs/outputs and reduction ops in fp32."""
     import onnx

@@ -1,10 +1,12 @@
-"""The OpenVINO engine for encoder artifacts: the exported ``model.onnx`` compiled by OpenVINO's CPU
-plugin, behind the runtime's engine protocol (``run(feeds) -> outputs``, numpy in and out).
+"""The OpenVINO engine for encoder artifacts: the exported ``model.onnx`` (fp32, bf16) or NNCF's
+int8 IR (``model.openvino-int8.xml``) compiled by OpenVINO's CPU plugin, behind the runtime's engine
+protocol (``run(feeds) -> outputs``, numpy in and out).
 
-OpenVINO reads the ONNX file itself (no IR is written next to it) and picks its own kernels: on a
-CPU with AMX or AVX-512 BF16 its bf16 precision hint runs the matrix products on that unit, which
-onnxruntime's CPU kernels do not use. A variant names its precision (``fp32`` or ``bf16``); which
-one a machine is offered is ``machine.native_bf16``'s decision (convert/artifact.py).
+OpenVINO reads the ONNX file itself and picks its own kernels: on a CPU with AMX or AVX-512 BF16
+its bf16 precision hint runs the matrix products on that unit, and its int8 products run on AMX's
+tiles or VNNI, which onnxruntime's kernels for kiln's int8 do not use. A variant names its
+precision (``fp32``, ``bf16`` or ``int8``); which ones a machine is offered is
+``convert/artifact.openvino_offered``'s decision.
 
 Imports ``openvino`` (the ``openvino`` extra): only ``runtime/registry.py`` opens it, for a variant
 whose engine is ``openvino``."""
@@ -20,8 +22,11 @@ import openvino
 from ..cpus import available_cpus
 from ..errors import ArtifactError
 
-# kiln's precision names → OpenVINO's inference precision hint
-PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16"}
+# kiln's precision names → OpenVINO's inference precision hint. An int8 variant is an IR whose
+# quantize nodes NNCF placed (convert/variants.py): OpenVINO runs the products they feed in int8
+# whatever the hint, which sets the precision of the rest (softmax, normalization, the products
+# NNCF leaves in float): f32, so that only the calibrated quantization moves the answers.
+PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}
 
 
 def compile_config(precision: str, threads: int) -> dict[str, object]:
@@ -59,8 +64,47 @@ class OpenVinoEngine:
         self._lock = threading.Lock()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One call per real length among the rows, each without padding. OpenVINO's kernels give a
+        row other bits when its batch is padded to another width (each layer's fused attention, the
+        Snippets MHA subgraph: 15 of 24 texts moved at +8 padding in fp32, and int8 turns such
+        last-bit moves into whole quantization steps), never when only the batch size differs
+        (24 of 24 texts the same alone and repeated 3 and 8 times): so rows of one length run
+        together, cut to that length, and a text's answer is the same alone as in any batch."""
+        lengths = _real_lengths(feeds)
+        if lengths is None:
+            return self._infer(feeds)
+        width = next(iter(feeds.values())).shape[1]
+        if len(set(lengths.tolist())) == 1 and lengths[0] == width:
+            return self._infer(feeds)
+        merged: dict[str, np.ndarray] = {}
+        for length in np.unique(lengths):
+            rows = np.flatnonzero(lengths == length)
+            part = self._infer({n: v[rows, :length] for n, v in feeds.items()})
+            for name, value in part.items():
+                per_token = self.output_shapes[name][1:2] == (-1,)  # (batch, tokens, ...); else (batch, ...)
+                if name not in merged:
+                    shape = (len(lengths), width, *value.shape[2:]) if per_token else (len(lengths), *value.shape[1:])
+                    merged[name] = np.zeros(shape, value.dtype)  # padded positions: zeros, never read
+                if per_token:
+                    merged[name][rows, :length] = value
+                else:
+                    merged[name][rows] = value
+        return merged
+
+    def _infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with self._lock:
             # share_outputs off (the default): the results are copies, not the request's buffers,
             # which the next run overwrites
             results = self._request.infer({n: feeds[n] for n in self.input_names})
             return {n: results[port] for n, port in zip(self.output_names, self.compiled.outputs)}
+
+
+def _real_lengths(feeds: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Each row's real length where the attention mask is a run of ones then zeros (kiln pads on
+    the right); None where there is no mask, or a mask of another form (run as given)."""
+    mask = feeds.get("attention_mask")
+    if mask is None or mask.ndim != 2:
+        return None
+    lengths = mask.sum(axis=1)
+    prefix = np.arange(mask.shape[1]) < lengths[:, None]
+    return lengths if np.array_equal(mask != 0, prefix) and lengths.min() > 0 else None

@@ -110,6 +110,12 @@ class Task(ABC):
         """One input of this task built around ``text`` (QA: as the context), for timing runs."""
         return text
 
+    @classmethod
+    def calibration_inputs(cls, questions_and_contexts: Sequence[tuple[str, str]]) -> list[TextInput]:
+        """Real text in the form this task's model reads, for static quantization to measure its
+        activations' ranges on when the user gives no texts: each question and each context alone."""
+        return [text for pair in questions_and_contexts for text in pair]
+
     def prepare(self, inputs: Sequence[Any]) -> list[TextInput]:
         """Check user inputs and return what the tokenizer takes. Raises InvalidInputError."""
         if not inputs:

@@ -21,6 +21,12 @@ class TextClassification(Task):
     optional_inputs = (t.TEXT_PAIR,)  # the second text of a pair (NLI, cross-encoder rerankers)
     outputs = (t.LABEL, t.PROBABILITIES, t.SCORE)
 
+    @classmethod
+    def calibration_inputs(cls, questions_and_contexts: Sequence[tuple[str, str]]) -> list[TextInput]:
+        """Single texts and pairs, as a classifier may be asked either (an NLI model, a reranker): each
+        question, its context, then the two as a pair."""
+        return [item for pair in questions_and_contexts for item in (*pair, pair)]
+
     # -- protocol ----------------------------------------------------------------------------
     def output_specs(self, model_outputs: Mapping[str, Sequence[int]]) -> tuple[TensorSpec, ...]:
         return (TensorSpec(t.LABEL, "BYTES", (-1,)), TensorSpec(t.PROBABILITIES, "FP32", (-1, len(self.labels))),

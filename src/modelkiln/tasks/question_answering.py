@@ -29,6 +29,10 @@ class QuestionAnswering(Task):
     def input_around(cls, text: str) -> Any:
         return (SAMPLE_QA[0][0], text)
 
+    @classmethod
+    def calibration_inputs(cls, questions_and_contexts: Sequence[tuple[str, str]]) -> list[TextInput]:
+        return list(questions_and_contexts)
+
     # -- protocol ----------------------------------------------------------------------------
     def output_specs(self, model_outputs: Mapping[str, Sequence[int]]) -> tuple[TensorSpec, ...]:
         return (TensorSpec(t.ANSWER, "BYTES", (-1,)), TensorSpec(t.START, "INT64", (-1,)),
