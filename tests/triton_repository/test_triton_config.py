@@ -101,6 +101,29 @@ def test_python_backend_and_gpu_configs(zoo, tmp_path):
     assert (out / f"{name}_model" / "1" / "model.py").is_file()
 
 
+def test_an_openvino_variant_runs_in_the_python_backend_only(zoo, tmp_path):
+    pytest.importorskip("nncf", reason="the nncf extra is not installed (pip install 'modelkiln[nncf]')")
+    from modelkiln.triton.repository import TritonOptionError, openvino_io
+
+    artifact = zoo.artifact("bert", "sentence-embeddings", ("fp32", "openvino-int8"))
+    manifest = Manifest.load(artifact)
+    name = model_name(manifest)
+    with pytest.raises(TritonOptionError, match="--model-backend python"):
+        write_repository(artifact, tmp_path / "refused", cfg.Options(), variant="openvino-int8")
+    assert not (tmp_path / "refused").exists()
+    # the onnxruntime backend's own choice: the fastest variant it runs as kiln does (fp32 here)
+    plain = write_repository(artifact, tmp_path / "plain", cfg.Options())
+    assert "`fp32`" in (plain / "README.md").read_text()
+    out = write_repository(artifact, tmp_path / "repo", cfg.Options(model_backend="python"), variant="openvino-int8")
+    model = parse((out / f"{name}_model" / "config.pbtxt").read_text())
+    assert model.backend == "python" and model.parameters["variant"].string_value == "openvino-int8"
+    files = sorted(p.name for p in (out / f"{name}_model" / "1").glob("model.*"))
+    assert files == ["model.openvino-int8.bin", "model.openvino-int8.xml", "model.py"]
+    io = openvino_io(artifact / "model.openvino-int8.xml")
+    assert [i.name for i in model.input] == [t.name for t in io.inputs] == manifest.input_names
+    assert [list(o.dims) for o in model.output] == [[-1, 32]]
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_tensorrt_plan_config_parses(zoo, task):
     """No TensorRT here, so the plan itself cannot be built; its config is still checked as text."""
@@ -207,7 +230,7 @@ assert not outside, outside
 
 @pytest.mark.parametrize("template, files", [
     ("tokenize_model.py", "ENCODER_FILES"), ("postprocess_model.py", "ENCODER_FILES"),
-    ("onnx_model.py", "ENCODER_FILES"), ("generate_model.py", "GENERATION_FILES"),
+    ("encoder_model.py", "ENCODER_FILES"), ("generate_model.py", "GENERATION_FILES"),
 ])
 def test_each_python_model_imports_from_its_snapshot_alone(tmp_path, template, files):
     from modelkiln.triton import snapshot

@@ -7,6 +7,7 @@ for one startup."""
 
 from __future__ import annotations
 
+import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -56,15 +57,25 @@ def inputs_for(task: str) -> list[list]:
     return requests
 
 
+# OpenVINO's int8 variant (NNCF's IR, no model.onnx left in the artifact) in the python backend, where the
+# openvino and nncf extras are installed
+OPENVINO = ("bert-openvino", "sentence-embeddings")
+HAS_OPENVINO = all(importlib.util.find_spec(m) for m in ("openvino", "nncf"))
+
+
 @pytest.fixture(scope="module")
 def triton(zoo, tmp_path_factory):
     root = tmp_path_factory.mktemp("triton-repos")
     repos, artifacts = [], {}
+    options = Options(model_backend="python", max_batch_size=8, max_queue_delay_us=2000, threads=1)
     for arch, task in CASES:
         artifact = zoo.artifact(arch, task)
-        repos.append(write_repository(artifact, root / f"{arch}-{task}", Options(model_backend="python", max_batch_size=8,
-                                                                                     max_queue_delay_us=2000, threads=1)))
+        repos.append(write_repository(artifact, root / f"{arch}-{task}", options))
         artifacts[(arch, task)] = artifact
+    if HAS_OPENVINO:
+        artifact = zoo.artifact("bert", "sentence-embeddings", ("openvino-int8",))
+        repos.append(write_repository(artifact, root / "openvino", options))
+        artifacts[OPENVINO] = artifact
     srv = server.start(repos, timeout=180)
     yield srv, artifacts
     srv.stop()
@@ -110,6 +121,21 @@ def test_ensemble_matches_pipeline(triton, arch, task):
     client = http.InferenceServerClient(srv.url)
     for inputs in inputs_for(task):
         assert_same(task, infer(client, model_name(manifest), task, manifest.labels or [], inputs), pipeline(inputs))
+
+
+@pytest.mark.skipif(not HAS_OPENVINO, reason="the openvino and nncf extras are not installed")
+def test_an_openvino_variant_matches_its_pipeline_bit_for_bit(triton):
+    """Rows of every width, batched by Triton and padded by the python model: the OpenVINO engine runs
+    each length unpadded, so each text gets the bits it gets alone."""
+    srv, artifacts = triton
+    artifact = artifacts[OPENVINO]
+    manifest = Manifest.load(artifact)
+    assert [v.name for v in manifest.kept_variants()] == ["openvino-int8"] and not (artifact / "model.onnx").exists()
+    pipeline = load_pipeline(artifact)
+    client = http.InferenceServerClient(srv.url)
+    got = infer(client, model_name(manifest), manifest.task, [], TEXTS)
+    for g, text in zip(got, TEXTS):
+        assert np.array_equal(g, pipeline([text])[0])
 
 
 def test_concurrent_requests_are_batched_and_still_match(triton):

@@ -4,22 +4,25 @@
       README.md                 how to launch it + the version record
       <name>/config.pbtxt       ensemble: texts in, answers out
       <name>_tokenize/          python: texts → model inputs
-      <name>_model/             onnxruntime_onnx | tensorrt_plan | python (onnxruntime inside)
+      <name>_model/             onnxruntime_onnx | tensorrt_plan | python (kiln's engine for the variant inside)
       <name>_postprocess/       python: model outputs → answers
 
 Each python model's version folder holds model.py, the artifact files it needs (kiln.json,
-tokenizer.json, model.onnx) and a snapshot of the modelkiln modules it imports (``snapshot.py``)."""
+tokenizer.json, the variant's files) and a snapshot of the modelkiln modules it imports
+(``snapshot.py``). An OpenVINO variant runs in the python backend only: Triton's onnxruntime backend
+would run model.onnx in onnxruntime's fp32, not the variant."""
 
 from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..atomic import atomic_folder  # the same atomic write `kiln convert` uses
 from ..errors import ArtifactError, ErrorKind, KilnError
 from ..manifest import Manifest, Variant
+from ..runtime.registry import ONNX, OPENVINO, engine_kind
 from ..tasks.text_generation import is_generation
 from . import config as cfg
 from .config import ModelConfig, Options, TensorSpec
@@ -66,6 +69,29 @@ def onnx_io(path: Path) -> ModelIO:
     return ModelIO(specs(session.get_inputs()), specs(session.get_outputs()))
 
 
+_OPENVINO_TYPES = {"i64": "TYPE_INT64", "i32": "TYPE_INT32", "f32": "TYPE_FP32", "f16": "TYPE_FP16"}
+
+
+def openvino_io(path: Path) -> ModelIO:
+    """The same for a file OpenVINO reads (an IR such as NNCF's int8, or an ONNX file)."""
+    import openvino
+
+    model = openvino.Core().read_model(str(path))
+
+    def specs(ports: list) -> list[TensorSpec]:
+        out = []
+        for port in ports:
+            kind = port.get_element_type().get_type_name()
+            if kind not in _OPENVINO_TYPES:
+                raise ArtifactError(f"{path.name}: tensor '{port.get_any_name()}' has type {kind}, which Triton configs "
+                                    "here do not map")
+            dims = tuple(d.get_length() if d.is_static else -1 for d in port.get_partial_shape())[1:]
+            out.append(TensorSpec(port.get_any_name(), _OPENVINO_TYPES[kind], dims))
+        return out
+
+    return ModelIO(specs(model.inputs), specs(model.outputs))
+
+
 def check_options(opts: Options) -> None:
     if opts.model_backend not in cfg.MODEL_BACKENDS:
         raise TritonOptionError(f"--model-backend must be one of {', '.join(cfg.MODEL_BACKENDS)}, got '{opts.model_backend}'")
@@ -82,8 +108,17 @@ def check_options(opts: Options) -> None:
 
 
 def choose_variant(manifest: Manifest, opts: Options, name: str | None) -> Variant:
+    """The named variant, else the fastest the chosen Triton backend runs as kiln does: ONNX
+    variants in every backend, OpenVINO's in the python backend only."""
     if name:
-        return manifest.variant(name)
+        chosen = manifest.variant(name)
+        if engine_kind(chosen) == OPENVINO and opts.model_backend != "python":
+            raise TritonOptionError(f"variant '{name}' runs on OpenVINO, which Triton runs in the python backend: "
+                                    "add --model-backend python")
+        return chosen
+    if opts.model_backend != "python":
+        kept = [v for v in manifest.kept_variants() if engine_kind(v) == ONNX]
+        manifest = replace(manifest, variants=kept)
     if opts.kind == "gpu":
         cuda = [v for v in manifest.kept_variants() if v.device == "cuda" and v.file and v.file.endswith(".onnx")]
         if cuda:
@@ -110,7 +145,7 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
     chosen = choose_variant(manifest, opts, variant)
     if not chosen.file:
         raise ArtifactError(f"variant '{chosen.name}' has no file")
-    io = onnx_io(artifact / chosen.file)
+    io = openvino_io(artifact / chosen.file) if engine_kind(chosen) == OPENVINO else onnx_io(artifact / chosen.file)
     missing = [n for n in manifest.input_names if n not in {t.name for t in io.inputs}]
     if missing:
         raise ArtifactError(f"{chosen.file} lacks the inputs {missing} that kiln.json lists")
@@ -124,6 +159,8 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
     manifest.name = name  # the generated models read their own names from the copied kiln.json
     tokenize = cfg.tokenize_config(manifest, opts, io.inputs)
     model = cfg.model_config(manifest, opts, io.inputs, io.outputs)
+    if opts.model_backend == "python":
+        model.parameters["variant"] = chosen.name  # which of kiln.json's variants encoder_model.py runs
     post = cfg.postprocess_config(manifest, opts, io.outputs)
     ensemble = cfg.ensemble_config(manifest, opts, tokenize, model, post)
 
@@ -133,8 +170,10 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
         _python_model(tmp, post, "postprocess_model.py", artifact, manifest)
         version_dir = _model_folder(tmp, model)
         if opts.model_backend == "python":
-            _python_model(tmp, model, "onnx_model.py", artifact, manifest)
-        if opts.model_backend == "tensorrt":
+            _python_model(tmp, model, "encoder_model.py", artifact, manifest)
+            for path in variant_files(artifact, chosen.file):  # under their own names: kiln.json names them
+                shutil.copy2(path, version_dir / path.name)
+        elif opts.model_backend == "tensorrt":
             from . import tensorrt
 
             tensorrt.build_plan(artifact / chosen.file, version_dir / "model.plan", manifest, opts)
@@ -143,6 +182,13 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
         _model_folder(tmp, ensemble)
         (tmp / "README.md").write_text(readme.render(manifest, chosen, opts, [tokenize, model, post, ensemble], engine_version))
     return out
+
+
+def variant_files(artifact: Path, file: str) -> list[Path]:
+    """A variant's file and the weights that sit beside it (an ONNX file's external data, an IR's .bin)."""
+    path = artifact / file
+    companions = [artifact / (file + ".data"), path.with_suffix(".bin") if path.suffix == ".xml" else None]
+    return [path, *(c for c in companions if c is not None and c.is_file())]
 
 
 def _model_folder(root: Path, config: ModelConfig) -> Path:

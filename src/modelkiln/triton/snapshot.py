@@ -26,11 +26,12 @@ _TASKS = (
 _NATIVE = ("native/__init__.py", *sorted(f"native/{p.name}" for p in (Path(__file__).parent.parent / "native").glob("_*")
                                          if p.suffix in (".so", ".pyd")))
 
-# The encoder models (tokenize, postprocess, the python-backend onnx model); runtime/onnx.py is
-# loaded by the python-backend model only.
+# The encoder models (tokenize, postprocess, the python-backend model); the engines (the registry,
+# onnxruntime's and OpenVINO's, cpus.py for OpenVINO's threads) are loaded by the python-backend
+# model only, and each imports its runtime when asked.
 ENCODER_FILES = (
-    *_TASKS, "runtime/__init__.py", "runtime/engine.py", "runtime/onnx.py", "runtime/tokenizer.py", *_NATIVE,
-    "triton/__init__.py", "triton/batching.py",
+    *_TASKS, "runtime/__init__.py", "runtime/engine.py", "runtime/onnx.py", "runtime/openvino.py",
+    "runtime/registry.py", "runtime/tokenizer.py", "cpus.py", *_NATIVE, "triton/__init__.py", "triton/batching.py",
 )
 
 # The generation model: the generation package (the engines, the engine core,

@@ -1,7 +1,9 @@
-"""Triton python model ``<name>_model`` for Triton images without the onnxruntime backend (e.g.
-the tritonserver in the ``nvidia-pytriton`` wheel): runs ``model.onnx`` with the project's
-``OnnxEngine``. Triton's dynamic batcher hands over several requests at once; they are run as
-one onnxruntime call, which is the point of batching."""
+"""Triton python model ``<name>_model``: runs the variant its config names (parameter ``variant``)
+with the engine kiln serve would use for it (runtime/registry.py): onnxruntime for ONNX variants
+(for Triton images without the onnxruntime backend, e.g. the tritonserver in the ``nvidia-pytriton``
+wheel), OpenVINO for the openvino-* variants, which no Triton backend here runs as kiln does.
+Triton's dynamic batcher hands over several requests at once; they are run as one engine call,
+which is the point of batching."""
 
 import json
 import os
@@ -13,7 +15,7 @@ sys.path.insert(0, HERE)  # the snapshot this repository was generated with wins
 import triton_python_backend_utils as pb_utils  # noqa: E402  (provided by Triton's python backend)
 
 from modelkiln.manifest import Manifest  # noqa: E402
-from modelkiln.runtime.onnx import OnnxEngine  # noqa: E402
+from modelkiln.runtime.registry import ONNX, engine_kind, open_encoder  # noqa: E402
 from modelkiln.tasks import make_task  # noqa: E402
 from modelkiln.triton.batching import split, stack  # noqa: E402
 
@@ -22,10 +24,12 @@ class TritonPythonModel:
     def initialize(self, args):
         self.manifest = Manifest.load(HERE)
         self.per_token = make_task(self.manifest).info.per_token
-        config = json.loads(args["model_config"])
-        threads = int(config.get("parameters", {}).get("intra_op_thread_count", {}).get("string_value", "0") or 0)
-        device = "cuda" if args.get("model_instance_kind") == "GPU" else "cpu"
-        self.engine = OnnxEngine(os.path.join(HERE, "model.onnx"), device=device, threads=threads or None)
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        threads = int(parameters.get("intra_op_thread_count", {}).get("string_value", "0") or 0)
+        variant = self.manifest.variant(parameters["variant"]["string_value"])
+        if args.get("model_instance_kind") == "GPU" and engine_kind(variant) == ONNX:
+            variant.device = "cuda"  # an instance of kind GPU runs an ONNX variant with CUDA
+        self.engine = open_encoder(HERE, self.manifest, variant, threads or None)
         self.pad_values = {"input_ids": self.manifest.tokenizer.pad_token_id}
 
     def execute(self, requests):
