@@ -8,7 +8,7 @@ matrix engine, the matrix engine of each variant, and the load average before an
     PYTHONPATH=src python benchmarks/encoders/openvino_vs_onnxruntime.py ARTIFACT --threads 2 --rounds 7 \
         --out benchmarks/results/openvino-minilm
 
-ARTIFACT: `kiln convert MODEL --precision fp32,optimized,int8,openvino-fp32,openvino-bf16`."""
+ARTIFACT: `kiln convert MODEL --precision fp32,optimized,int8,openvino-fp32,openvino-bf16,openvino-int8`."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ FLAGS_SHOWN = ("avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", type=Path)
-    parser.add_argument("--variants", default="fp32,int8,openvino-fp32,openvino-bf16")
+    parser.add_argument("--variants", default="fp32,int8,openvino-fp32,openvino-bf16,openvino-int8")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seconds-per-round", type=float, default=0.4)

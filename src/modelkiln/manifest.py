@@ -41,6 +41,10 @@ class Variant:
     validation: Validation | None = None
     latency_ms: float | None = None  # median, batch 1, on the build machine
     latency_shape: list[int] | None = None  # [batch, seq] the latency was measured at
+    # mean per text, batch 1, the gate's texts one after another at their own lengths, as a server meets
+    # them: an engine that pays for each change of input shape (OpenVINO) shows it here, not at one
+    # fixed shape. What `kiln serve` picks its default by; None in artifacts written before it was measured.
+    served_ms: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
     # what runs it (generation/engines/registry.py's registry: onnx-serving, onnx-export, torch; runtime's for
     # encoders: onnx, torch, openvino); None in artifacts written before it was recorded (read from the file)
@@ -97,11 +101,18 @@ class Manifest:
         raise VariantNotFoundError(f"variant '{name}' is not in artifact '{self.name}' (kept: {kept})")
 
     def fastest_variant(self, device: str = "cpu") -> Variant:
-        """The kept variant with the lowest measured latency on ``device``."""
+        """The kept variant with the lowest measured latency on ``device``: on texts of mixed lengths
+        (``served_ms``) where the conversion measured it, else at its one fixed shape."""
         candidates = [v for v in self.kept_variants() if v.device == device]
         if not candidates:
             raise VariantNotFoundError(f"artifact '{self.name}' has no variant for device '{device}'")
-        return min(candidates, key=lambda v: v.latency_ms if v.latency_ms is not None else float("inf"))
+        mixed = all(v.served_ms is not None for v in candidates)
+
+        def latency(v: Variant) -> float:
+            measured = v.served_ms if mixed else v.latency_ms
+            return measured if measured is not None else float("inf")
+
+        return min(candidates, key=latency)
 
     # -- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

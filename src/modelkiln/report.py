@@ -13,7 +13,7 @@ from .manifest import Manifest
 def print_variants(console: Console, manifest: Manifest) -> None:
     table = Table(title=f"{escape(manifest.name)}: {manifest.task}, inputs {_inputs(manifest.input_names)}", title_justify="left")
     for col in ("variant", "device", "matrix engine", "kept", "max |Δ|", "min cos", "mean cos", "agreement", "batch cos",
-                "ms (b1)", "note"):
+                "ms (b1)", "ms (mix)", "note"):
         table.add_column(col, justify="left" if col in ("variant", "note", "device", "matrix engine") else "right")
     for v in manifest.variants:
         val = v.validation
@@ -25,6 +25,7 @@ def print_variants(console: Console, manifest: Manifest) -> None:
             f"{val.agreement:.3f}" if val else "—",
             f"{val.batch_min_cosine:.5f}" if val and val.batch_min_cosine is not None else "—",
             f"{v.latency_ms:.2f}" if v.latency_ms is not None else "—",
+            f"{v.served_ms:.2f}" if v.served_ms is not None else "—",
             escape(v.reason or (f"{v.details.get('fused_ops')}" if v.details.get("fused_ops") else "")
                    + (v.details.get("method", "").split(":")[0] if v.details.get("method") else "")),
         )

@@ -84,6 +84,22 @@ def test_every_kept_variant_agrees_with_pytorch(zoo, arch, task):
                 assert cos > 0.97, (variant.name, cos)
         assert variant.validation is not None and variant.validation.passed
         assert variant.latency_ms and variant.latency_ms > 0
+        assert variant.served_ms and variant.served_ms > 0  # per text, the gate's texts at their own lengths
+
+
+def test_the_default_variant_is_the_fastest_on_mixed_lengths_where_measured():
+    """kiln serve's default: the kept variant fastest on the gate's texts one after another (served_ms);
+    an artifact converted before that was measured is chosen by its fixed-shape latency."""
+    from modelkiln.manifest import Manifest, TokenizerSpec, Variant
+
+    def variant(name, fixed, mixed, kept=True):
+        return Variant(name, "fp32", "cpu", name + ".onnx", kept, latency_ms=fixed, served_ms=mixed)
+
+    manifest = Manifest("m", "sentence-embeddings", ["input_ids"], ["x"], 128, TokenizerSpec(), [
+        variant("a", 2.0, 1.5), variant("b", 1.0, 1.8), variant("c", 0.5, 0.1, kept=False)])
+    assert manifest.fastest_variant().name == "a"
+    manifest.variants[0].served_ms = None  # not measured: every candidate by its fixed shape
+    assert manifest.fastest_variant().name == "b"
 
 
 def test_manifest_records_what_serving_needs(zoo):

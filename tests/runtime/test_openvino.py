@@ -94,19 +94,22 @@ def test_a_text_answers_the_same_alone_and_in_a_padded_batch(artifact, precision
         assert np.array_equal(alone, together[row, :len(encoding.ids)]), texts[row]
 
 
-def test_rows_of_one_length_run_together_and_padded_positions_are_zeros(artifact, monkeypatch):
-    engine = OpenVinoEngine(artifact / "model.onnx", "fp32", threads=1)
+def test_rows_run_in_buckets_of_their_length_and_padded_positions_are_zeros(artifact, monkeypatch):
+    from modelkiln.runtime.openvino import BUCKET
+
+    engine = OpenVinoEngine(artifact / "model.onnx", "fp32", threads=1, pad_id=Manifest.load(artifact).tokenizer.pad_token_id)
     calls = []
     infer = engine._infer
     monkeypatch.setattr(engine, "_infer", lambda feeds: calls.append(feeds["input_ids"].shape) or infer(feeds))
-    texts = ["short one", "a much longer text than the others, by far", "short two", "short one"]
+    texts = ["short one", "a much longer text than the others, by far, and longer still: " * 3, "short two, a bit longer"]
     feeds = feeds_of(artifact, texts)
     out = engine.run(feeds)["last_hidden_state"]
     lengths = feeds["attention_mask"].sum(axis=1)
-    assert sorted(calls) == sorted((int((lengths == n).sum()), int(n)) for n in set(lengths.tolist()))
+    assert lengths[0] < lengths[2] <= BUCKET < lengths[1]
+    assert sorted(calls) == [(1, -(-int(lengths[1]) // BUCKET) * BUCKET), (2, BUCKET)]  # wider than the batch too
     assert out.shape[:2] == feeds["input_ids"].shape and not out[~feeds["attention_mask"].astype(bool)].any()
-    engine.run(feeds_of(artifact, ["short one"]))  # no padding: one call as given
-    assert calls[-1] == (1, int(lengths[0]))
+    engine.run(feeds_of(artifact, ["short one"]))  # alone: padded to its bucket all the same
+    assert calls[-1] == (1, BUCKET)
 
 
 def test_calibration_is_real_text_in_each_tasks_form():

@@ -22,6 +22,7 @@ from ..extras import has_extra, install_hint
 from ..machine import cpu_description, cpu_flags, matrix_engine, native_bf16
 from ..manifest import Manifest, TokenizerSpec, Variant
 from ..runtime.onnx import cuda_available
+from ..runtime.engine import Engine
 from ..runtime.registry import ONNX, OPENVINO, TORCH, open_encoder
 from ..runtime.tokenizer import TextEncoder
 from ..samples import SAMPLE_TEXTS
@@ -148,16 +149,27 @@ class _Builder:
         return variant
 
     def time_all(self, variants: list[Variant]) -> None:
-        """Latency of every validated variant at batch 1, measured interleaved (see measure_interleaved)."""
+        """Latency of every validated variant at batch 1, measured interleaved (see measure_interleaved):
+        at one fixed shape (``latency_ms``), and over the gate's texts one after another at their own
+        lengths (``served_ms``, per text)."""
         engines = {id(v): open_encoder(self.folder, self.manifest, v, self.cfg.threads) for v in variants}
         stats = measure_interleaved({k: partial(e.run, self.feeds) for k, e in engines.items()},
                                     rounds=5, seconds_per_round=self.cfg.timing_seconds / 5)
+        alone = [self.encoder.encode([text])[0] for _, _, chunk in self.reference.batches for text in chunk]
+        served = measure_interleaved({k: partial(_run_each, e, alone) for k, e in engines.items()},
+                                     rounds=5, seconds_per_round=self.cfg.timing_seconds / 5)
         for v in variants:
             v.latency_ms = round(stats[id(v)].median, 4)
             v.latency_shape = list(self.feeds["input_ids"].shape)
+            v.served_ms = round(served[id(v)].median / len(alone), 4)
 
     def skip(self, name: str, precision: str, device: str, reason: str) -> None:
         self.variants.append(Variant(name=name, precision=precision, device=device, file=None, kept=False, reason=reason))
+
+
+def _run_each(engine: Engine, feeds: list[dict[str, np.ndarray]]) -> None:
+    for f in feeds:
+        engine.run(f)
 
 
 def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:

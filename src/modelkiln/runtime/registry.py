@@ -64,7 +64,8 @@ def _open_openvino(folder: Path, manifest: Manifest, variant: Variant, threads: 
     from .openvino import OpenVinoEngine  # noqa: PLC0415 - openvino only for this engine
 
     assert variant.file is not None
-    return OpenVinoEngine(folder / variant.file, variant.precision, threads=threads, label=variant.name)
+    return OpenVinoEngine(folder / variant.file, variant.precision, threads=threads, label=variant.name,
+                          pad_id=manifest.tokenizer.pad_token_id, max_length=manifest.max_length)
 
 
 ENCODER_ENGINES: dict[str, Callable[..., Engine]] = {ONNX: _open_onnx, TORCH: _open_torch, OPENVINO: _open_openvino}
