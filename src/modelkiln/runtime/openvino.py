@@ -28,8 +28,9 @@ from ..errors import ArtifactError
 # NNCF leaves in float): f32, so that only the calibrated quantization moves the answers.
 PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}
 # Rows run padded to a multiple of this many tokens (OpenVinoEngine.run). STS-B sentences (16 tokens on
-# average), all-MiniLM-L6-v2 int8, 1 thread, AMD EPYC Zen 5: 1.00-1.12 ms a text in batches of 4 at
-# 16, 1.08-1.21 at 8, 1.46-1.52 at each exact length (onnxruntime int8: 1.14-1.15).
+# average) in batches of 4, all-MiniLM-L6-v2 int8, 1 thread, AMD EPYC Zen 5: 1.19-1.20 ms a text at 16,
+# 1.24-1.27 at 8, 1.53-1.76 at each exact length; onnxruntime int8 1.18-1.23
+# (benchmarks/encoders/openvino_shapes.py).
 BUCKET = 16
 
 
@@ -77,7 +78,7 @@ class OpenVinoEngine:
         texts moved at +8 padding in fp32, and int8 turns such last-bit moves into whole quantization
         steps), never when only the batch size differs (24 of 24 texts the same alone and repeated 3
         and 8 times): so a text's answer is the same alone as in any batch. Buckets rather than exact
-        lengths: each change of input shape costs OpenVINO's CPU plugin ~0.35-0.5 ms (it prepares its
+        lengths: each change of input shape costs OpenVINO's CPU plugin ~0.45-0.5 ms (it prepares its
         kernels again), more than the padding to a multiple of 16 costs."""
         lengths = _real_lengths(feeds)
         if lengths is None:
