@@ -1,8 +1,10 @@
 """kiln's native GgufMatMul kernels alone: one thread, random blocks of every type they read, a
-matrix bigger than the caches (32768 × 4096: 75 MB as Q4_K, 110 MB as Q6_K, 143 MB as Q8_0) at 1, 4
-and 16 rows of X, each instruction set this CPU has. Rows are the batch of a decode step (one per sequence).
+matrix bigger than the caches (32768 × 4096: 75 MB as Q4_K, 110 MB as Q6_K, 143 MB as Q8_0) at 1, 4,
+16 and 64 rows of X, each instruction set this CPU has: AMX (the types with a scale per 32, where the
+CPU has AMX-INT8 and the kernel's check passes), AVX-512 VNNI, AVX2. Rows are the batch of a decode
+step (one per sequence), or a prompt chunk's tokens.
 
-    python benchmarks/generation/gguf_kernels.py [--repeat 10] [--json out.json]
+    python benchmarks/generation/gguf_kernels.py [--rows 1,4,16,64] [--repeat 10] [--json out.json]
 
 Prints milliseconds per product, the weight bytes read per second and the int8 multiply-adds per
 second; the library is the one ``pip install`` built (``src/modelkiln/native``)."""
@@ -40,6 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=32768)
     parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -50,11 +53,13 @@ def main() -> None:
     rows_out = []
     for kind in GGML_TYPES:
         weights = tiles(kind, random_blocks(kind, args.n, args.k, rng))
-        for isa, avx512 in (("avx512", 1), ("avx2", 0)):
+        for isa, avx512, amx in (("amx", 1, 1), ("avx512", 1, 0), ("avx2", 0, 0)):
             lib.kiln_gguf_use_avx512(avx512)
             if avx512 and "VNNI" not in cpu["isa"]:
                 continue
-            for m in (1, 4, 16):
+            if not lib.kiln_gguf_use_amx(amx) or amx and kind.endswith("_K"):  # AMX: the types with a scale per 32
+                continue
+            for m in (int(r) for r in args.rows.split(",")):
                 x = rng.standard_normal((m, args.k)).astype(np.float32)
                 y = np.zeros((m, args.n), np.float32)
                 call = lambda: lib.kiln_gguf_matmul(  # noqa: E731
@@ -74,6 +79,7 @@ def main() -> None:
                 print(f"{kind} {isa:6s} rows {m:2d}: {row['ms']:7.3f} ms  {row['weight_gb_s']:5.1f} GB/s of weights  "
                       f"{row['gmac_s']:6.1f} G multiply-adds/s", flush=True)
     lib.kiln_gguf_use_avx512(1)
+    lib.kiln_gguf_use_amx(0)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": f"{cpu['cpu']} ({cpu['isa']})", "n": args.n, "k": args.k, "rows": rows_out}, f, indent=1)

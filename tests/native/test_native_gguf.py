@@ -1,12 +1,14 @@
 """kiln's native operators over GGUF blocks (src/modelkiln/native/gguf_ops.c, gguf_q32.c), through
 onnxruntime as a served graph runs them: the K-quants and the types with a scale per 32 weights."""
 import ctypes
+import os
 
 import numpy as np
 import pytest
 
 from generation_helpers import GGUF_FP16_FIELDS, random_gguf_blocks
 from modelkiln.convert.gguf.tiles import tiles
+from modelkiln.machine import cpu_flags
 from modelkiln.native import DOMAIN, GGML_TYPES, library_path
 
 pytestmark = pytest.mark.skipif(library_path() is None, reason="the native library is not built on this machine")
@@ -127,3 +129,48 @@ def test_the_avx2_and_avx512_forms_agree_bit_for_bit():
             outs.append(y)
         lib.kiln_gguf_use_avx512(1)
         assert np.array_equal(outs[0], outs[1]), kind
+
+
+def _matmul(lib, kind, x, tiled, n, k):
+    y = np.zeros((x.shape[0], n), np.float32)
+    lib.kiln_gguf_matmul(GGML_TYPES[kind], x.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.shape[0]), ctypes.c_int64(k),
+                         tiled.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(n), y.ctypes.data_as(ctypes.c_void_p))
+    return y
+
+
+def _amx_agrees(mode: int) -> None:
+    """37 rows (two AMX tiles of sixteen, then five for the VNNI kernel) against the AVX-512 kernel
+    alone, and each row against itself alone (one row: never AMX), bit for bit, every type."""
+    lib = ctypes.CDLL(library_path())
+    k, n = 576, 33
+    try:
+        for kind in PER_32:
+            tiled = tiles(kind, random_blocks(kind, n, k, seed=7))
+            x = np.random.default_rng(8).standard_normal((37, k)).astype(np.float32)
+            assert lib.kiln_gguf_use_amx(0)
+            plain = _matmul(lib, kind, x, tiled, n, k)
+            assert lib.kiln_gguf_use_amx(mode), "the kernel's own check against the AVX-512 kernel failed"
+            tiled_rows = _matmul(lib, kind, x, tiled, n, k)
+            assert np.array_equal(tiled_rows, plain), kind
+            for row in (0, 15, 16, 31, 36):
+                assert np.array_equal(_matmul(lib, kind, x[row:row + 1], tiled, n, k)[0], tiled_rows[row]), (kind, row)
+    finally:
+        lib.kiln_gguf_use_amx(0)
+
+
+@pytest.mark.skipif(not {"avx512bw", "avx512_vnni"} <= cpu_flags(), reason="the AMX kernel's float step is AVX-512's: this CPU has no AVX-512 VNNI")
+def test_the_amx_kernel_on_a_model_of_its_tiles_gives_the_avx512_kernels_bits():
+    """The AMX kernel compiled over a plain C model of its three tiles (the instructions as Intel's
+    manual defines them): its data layout and arithmetic, tested on any CPU with AVX-512."""
+    _amx_agrees(2)
+
+
+def test_amx_is_refused_where_the_cpu_lacks_it_and_tested_where_asked():
+    lib = ctypes.CDLL(library_path())
+    if "amx_int8" not in cpu_flags():
+        assert lib.kiln_gguf_use_amx(1) == 0  # never turned on without the unit
+        lib.kiln_gguf_use_amx(0)
+        pytest.skip("this CPU has no AMX-INT8: the kernel on the unit itself is not run here")
+    if os.environ.get("KILN_AMX") != "1":
+        pytest.skip("AMX is opt-in (KILN_AMX=1) until measured on an AMX CPU; set it to run this test")
+    _amx_agrees(1)

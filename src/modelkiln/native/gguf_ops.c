@@ -358,15 +358,23 @@ typedef struct {
     float *y;
 } matmul_job;
 
+/* Rows left at which a tile goes to AMX (where it is on): below it the VNNI kernel, whose four rows'
+ * sums stay in registers, is at least as fast in principle; where AMX starts to win is for an AMX
+ * CPU to measure (benchmarks/generation/gguf_kernels.py). */
+#define AMX_MIN_ROWS 8
+
 static void matmul_task(void *data, size_t tile) {
     const matmul_job *job = data;
     const uint8_t *t = job->w + tile * (size_t)job->nb * block_bytes(job->type);
     const int64_t c0 = (int64_t)tile * TILE, columns = job->n - c0 < TILE ? job->n - c0 : TILE;
-    const int q32 = q32_type(job->type);
-    for (int64_t r = 0; r < job->rows; r += MAX_ROWS) {
-        const int R = job->rows - r < MAX_ROWS ? (int)(job->rows - r) : MAX_ROWS;
-        float out[MAX_ROWS][TILE];
-        if (q32) {
+    const int q32 = q32_type(job->type), amx = q32 && q32_amx_on();
+    for (int64_t r = 0, R; r < job->rows; r += R) {
+        const int64_t left = job->rows - r;
+        float out[AMX_MAX_ROWS][TILE];
+        if (amx && left >= AMX_MIN_ROWS) {  /* AMX: up to sixteen rows a tile multiply */
+            R = left < AMX_MAX_ROWS ? left : AMX_MAX_ROWS;
+            q32_amx_rows(job->type, (int)R, t, job->nb, (const q8_32 *)job->x + r * job->nb, out);
+        } else if ((R = left < MAX_ROWS ? left : MAX_ROWS), q32) {
             const q8_32 *x[MAX_ROWS];
             for (int i = 0; i < R; i++) x[i] = (const q8_32 *)job->x + (r + i) * job->nb;
             q32_tile_rows(job->type, R, t, job->nb, x, out);
@@ -556,6 +564,12 @@ static const OrtCustomOp MATMUL = {13, create_matmul, matmul_name, cpu, matmul_i
 static const OrtCustomOp GATHER = {13, create_gather, gather_name, cpu, gather_input, two, float_output, one,
                                    compute, destroy, required, required, default_memory};
 
+/* AMX for the types with a scale per 32 (gguf_amx.c): 0 off, 1 the CPU's, 2 a model of its tiles
+ * (tests); returns whether the mode took. Rows go to it in groups of up to sixteen while at least
+ * AMX_MIN_ROWS are left (fewer: the VNNI kernel, four at a time); the same bits either way. */
+__attribute__((visibility("default")))
+int kiln_gguf_use_amx(int mode) { return q32_use_amx(mode); }
+
 /* The AVX-512 (VNNI) forms where the CPU has them (the same results as the AVX2 forms). */
 __attribute__((visibility("default")))
 void kiln_gguf_use_avx512(int on) {
@@ -574,6 +588,8 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     const OrtApi *api = base->GetApi(KILN_ORT_API_VERSION);
     if (!api) return NULL;  /* cannot even make a status: onnxruntime older than the ABI used here */
     kiln_gguf_use_avx512(1);
+    const char *amx = getenv("KILN_AMX");  /* opt-in until measured on an AMX CPU (gguf_amx.c) */
+    q32_use_amx(amx && !strcmp(amx, "1"));
     OrtCustomOpDomain *domain;
     OrtStatus *status = ((CreateCustomOpDomainFn)kiln_ort_fn(api, SLOT_CreateCustomOpDomain))("kiln.gguf", &domain);
     if (status) return status;

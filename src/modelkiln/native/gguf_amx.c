@@ -1,0 +1,226 @@
+/* AMX tiles for GgufMatMul's types with one scale per 32 weights (gguf_q32.c says the arithmetic):
+ * up to sixteen rows of X against a tile of sixteen columns, one tile multiply per block of 32 inputs.
+ *
+ * Per block: C (rows × 16 columns, int32) = A (each row's 32 int8 codes, read in place: row r of X
+ * is nb blocks further on) · B (the block's codes as 8 rows of 4 inputs × 16 columns × 4 bytes, which
+ * is the tile layout's four 64-byte vectors with their nibbles apart: low nibbles are inputs 0..15,
+ * high ones 16..31; Q8_0's eight vectors as they are). C holds the exact Σ q·x of every row and
+ * column; the float step after it is the AVX-512 kernel's own (gguf_q32_blocks.h), row by row, so a
+ * row gets the same bits here as on the AVX-512 and AVX2 paths, alone or with any other rows.
+ * Q4_0..Q5_1's codes are unsigned and X's signed: TDPBSUD; Q8_0's are signed too: TDPBSSD.
+ *
+ * The same kernel is compiled twice: with the AMX instructions, and with a plain C model of the three
+ * tiles it uses (the instructions' definitions in Intel's manual), so that its data layout and
+ * arithmetic are tested on any CPU with AVX-512, not only where AMX exists.
+ *
+ * Off unless asked (KILN_AMX=1, or kiln_gguf_use_amx): turning it on checks that the CPU has AMX-INT8,
+ * asks Linux for the tile state (arch_prctl), and compares one product with the AVX-512 kernel's
+ * bit for bit, refusing AMX if any of the three fails. */
+#include <cpuid.h>
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "gguf_q32.h"
+#include "gguf_q32_blocks.h"
+#include "gguf_tiles.h"
+
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,amx-tile,amx-int8")))
+#define INLINE_AMX AMX_TARGET __attribute__((always_inline)) static inline
+
+typedef struct {  /* palette 1's tile configuration (LDTILECFG's 64 bytes) */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* The model of the three tiles (0: C, 1: A, 2: B), a thread's own as real tiles are. */
+typedef struct {
+    int rows, colsb;
+    uint8_t data[16][64];
+} model_tile;
+static __thread model_tile model[3];
+
+INLINE_AMX void t_config(int emulate, const tile_config *cfg) {
+    if (!emulate) {
+        _tile_loadconfig(cfg);
+        return;
+    }
+    for (int i = 0; i < 3; i++) model[i].rows = cfg->rows[i], model[i].colsb = cfg->colsb[i];
+}
+
+INLINE_AMX void t_zero_c(int emulate) {
+    if (emulate) memset(model[0].data, 0, sizeof model[0].data);
+    else _tile_zero(0);
+}
+
+INLINE_AMX void t_load(int emulate, int which, const void *p, size_t stride) {
+    if (emulate) {
+        for (int r = 0; r < model[which].rows; r++) memcpy(model[which].data[r], (const uint8_t *)p + r * stride, (size_t)model[which].colsb);
+    } else if (which == 1) {
+        _tile_loadd(1, p, stride);
+    } else {
+        _tile_loadd(2, p, stride);
+    }
+}
+
+/* C += A · B: each int32 of C's row m, column n gains Σ over k of A[m][4k+i] · B[k][4n+i], i < 4;
+ * A's bytes signed, B's signed (TDPBSSD) or unsigned (TDPBSUD). */
+INLINE_AMX void t_multiply(int emulate, int signed_b) {
+    if (!emulate) {
+        if (signed_b) _tile_dpbssd(0, 1, 2);
+        else _tile_dpbsud(0, 1, 2);
+        return;
+    }
+    for (int m = 0; m < model[0].rows; m++) {
+        int32_t row[16];
+        memcpy(row, model[0].data[m], sizeof row);
+        for (int k = 0; k < model[1].colsb / 4; k++)
+            for (int n = 0; n < model[0].colsb / 4; n++)
+                for (int i = 0; i < 4; i++) {
+                    const int a = (int8_t)model[1].data[m][4 * k + i], byte = model[2].data[k][4 * n + i];
+                    row[n] += a * (signed_b ? (int8_t)byte : byte);
+                }
+        memcpy(model[0].data[m], row, sizeof row);
+    }
+}
+
+INLINE_AMX void t_store_c(int emulate, int32_t out[][16]) {
+    if (emulate) {
+        for (int r = 0; r < model[0].rows; r++) memcpy(out[r], model[0].data[r], 64);
+    } else {
+        _tile_stored(0, out, 64);
+    }
+}
+
+INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][TILE]) {
+    const layout L = layout_of(type);
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = (uint8_t)R, cfg.colsb[0] = 64;  /* C: R rows × 16 int32 */
+    cfg.rows[1] = (uint8_t)R, cfg.colsb[1] = 32;  /* A: R rows × 32 codes */
+    cfg.rows[2] = 8, cfg.colsb[2] = 64;           /* B: 8 groups of 4 inputs × 16 columns × 4 */
+    t_config(emulate, &cfg);
+    const size_t row_bytes = (size_t)nb * sizeof(q8_32);  /* from a row's block to the next row's */
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __attribute__((aligned(64))) uint8_t codes[8][64];
+    __attribute__((aligned(64))) int32_t sums[16][16];
+    __m512 acc[16];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, t += L.bytes) {
+        prefetch_ahead(t, L.bytes);
+        const uint8_t *codes_b = t;  /* Q8_0: the tile's eight vectors are B's rows */
+        if (L.codes == 256) {
+            const __m512i h = L.high ? _mm512_loadu_si512(t + L.high) : _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++) {
+                const __m512i q = _mm512_loadu_si512(t + 64 * v);
+                __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+                if (L.high) c0 = _mm512_or_si512(c0, fifth_bits_512(h, v, 0)), c1 = _mm512_or_si512(c1, fifth_bits_512(h, v, 1));
+                _mm512_store_si512(codes[v], c0);
+                _mm512_store_si512(codes[4 + v], c1);
+            }
+            codes_b = codes[0];
+        }
+        t_zero_c(emulate);
+        t_load(emulate, 1, x[b].qs, row_bytes);
+        t_load(emulate, 2, codes_b, 64);
+        t_multiply(emulate, L.codes == 512);
+        t_store_c(emulate, sums);
+        for (int r = 0; r < R; r++) {
+            const q8_32 *xr = x + (size_t)r * (size_t)nb + b;
+            __m512i isum = _mm512_load_si512(sums[r]);
+            if (L.offset) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(L.offset * xr->sum));
+            float_step_512(&acc[r], isum, xr, t, L);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+    if (!emulate) _tile_release();
+}
+
+#define EACH_TYPE(call)                                       \
+    switch (type) { /* each type's own loop, as gguf_q32.c */ \
+    case GGML_Q4_0: call(GGML_Q4_0); break;                   \
+    case GGML_Q4_1: call(GGML_Q4_1); break;                   \
+    case GGML_Q5_0: call(GGML_Q5_0); break;                   \
+    case GGML_Q5_1: call(GGML_Q5_1); break;                   \
+    default: call(GGML_Q8_0);                                 \
+    }
+
+AMX_TARGET static void rows_amx(int type, int R, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][TILE]) {
+#define CALL(T) amx_tile(0, T, R, t, nb, x, out)
+    EACH_TYPE(CALL)
+#undef CALL
+}
+
+AMX_TARGET static void rows_model(int type, int R, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][TILE]) {
+#define CALL(T) amx_tile(1, T, R, t, nb, x, out)
+    EACH_TYPE(CALL)
+#undef CALL
+}
+
+typedef void (*amx_rows_fn)(int, int, const uint8_t *, int64_t, const q8_32 *, float[][TILE]);
+static amx_rows_fn amx_rows = NULL;
+
+int q32_amx_on(void) { return amx_rows != NULL; }
+
+void q32_amx_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][16]) {
+    amx_rows(type, rows, t, nb, x, out);
+}
+
+static int cpu_has_amx_int8(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return (d >> 24 & 1) && (d >> 25 & 1) && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
+static int linux_grants_tiles(void) {
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* One product of every type through ``fn`` and through the AVX-512 kernel: the same bits? */
+static int agrees_with_avx512(amx_rows_fn fn) {
+    enum { NB = 3, ROWS = 16 };
+    static const int types[] = {GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0};
+    uint8_t tile[NB * 544];
+    q8_32 x[ROWS * NB];
+    uint32_t seed = 12345;
+    for (size_t i = 0; i < sizeof tile; i++) tile[i] = (uint8_t)((seed = seed * 1103515245u + 12345u) >> 16);
+    for (int i = 0; i < ROWS * NB; i++) {
+        int sum = 0;
+        for (int j = 0; j < QK32; j++)  /* −127..127, as q32_quantize_row's codes */
+            sum += x[i].qs[j] = (int8_t)((int)((seed = seed * 1103515245u + 12345u) >> 16) % 255 - 127);
+        x[i].d = 0.01f * (float)(i % 7 + 1);
+        x[i].sum = sum;
+    }
+    for (int k = 0; k < 5; k++) {
+        const layout L = layout_of(types[k]);
+        for (int b = 0; b < NB; b++)  /* finite scales: fp16 1/64 and −1/16 */
+            for (int c = 0; c < 16; c++) {
+                memcpy(tile + b * L.bytes + L.d + 2 * c, &(uint16_t){0x2400}, 2);
+                if (L.m) memcpy(tile + b * L.bytes + L.m + 2 * c, &(uint16_t){0xAC00}, 2);
+            }
+        float ours[ROWS][TILE], theirs[4][TILE];
+        fn(types[k], ROWS, tile, NB, x, ours);
+        for (int r = 0; r < ROWS; r += 4) {
+            const q8_32 *rows[4] = {x + r * NB, x + (r + 1) * NB, x + (r + 2) * NB, x + (r + 3) * NB};
+            q32_tile_rows(types[k], 4, tile, NB, rows, theirs);
+            if (memcmp(ours[r], theirs, sizeof theirs)) return 0;
+        }
+    }
+    return 1;
+}
+
+/* 0: off; 1: the CPU's AMX (returns 0, and stays off, where it is missing, refused, or disagrees);
+ * 2: the model of the tiles (tests). Call after q32_use_avx512(1): the check compares with it. */
+int q32_use_amx(int mode) {
+    amx_rows = NULL;
+    if (mode == 1 && cpu_has_amx_int8() && linux_grants_tiles() && agrees_with_avx512(rows_amx)) amx_rows = rows_amx;
+    if (mode == 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
+        agrees_with_avx512(rows_model))
+        amx_rows = rows_model;
+    return mode == 0 || amx_rows != NULL;
+}
