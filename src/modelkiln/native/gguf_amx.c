@@ -27,7 +27,15 @@
 #include "gguf_q32_blocks.h"
 #include "gguf_tiles.h"
 
+/* AMX's intrinsics came with GCC 11 and clang 12: an older compiler builds the model alone (the
+ * library must still build: without it GGUF weights fall back to MatMulNBits). */
+#if defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11
+#define AMX_COMPILED 1
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,amx-tile,amx-int8")))
+#else
+#define AMX_COMPILED 0
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#endif
 #define INLINE_AMX AMX_TARGET __attribute__((always_inline)) static inline
 
 typedef struct {  /* palette 1's tile configuration (LDTILECFG's 64 bytes) */
@@ -45,7 +53,9 @@ static __thread model_tile model[3];
 
 INLINE_AMX void t_config(int emulate, const tile_config *cfg) {
     if (!emulate) {
+#if AMX_COMPILED
         _tile_loadconfig(cfg);
+#endif
         return;
     }
     for (int i = 0; i < 3; i++) model[i].rows = cfg->rows[i], model[i].colsb = cfg->colsb[i];
@@ -53,25 +63,29 @@ INLINE_AMX void t_config(int emulate, const tile_config *cfg) {
 
 INLINE_AMX void t_zero_c(int emulate) {
     if (emulate) memset(model[0].data, 0, sizeof model[0].data);
+#if AMX_COMPILED
     else _tile_zero(0);
+#endif
 }
 
 INLINE_AMX void t_load(int emulate, int which, const void *p, size_t stride) {
     if (emulate) {
         for (int r = 0; r < model[which].rows; r++) memcpy(model[which].data[r], (const uint8_t *)p + r * stride, (size_t)model[which].colsb);
-    } else if (which == 1) {
-        _tile_loadd(1, p, stride);
-    } else {
-        _tile_loadd(2, p, stride);
     }
+#if AMX_COMPILED
+    else if (which == 1) _tile_loadd(1, p, stride);
+    else _tile_loadd(2, p, stride);
+#endif
 }
 
 /* C += A · B: each int32 of C's row m, column n gains Σ over k of A[m][4k+i] · B[k][4n+i], i < 4;
  * A's bytes signed, B's signed (TDPBSSD) or unsigned (TDPBSUD). */
 INLINE_AMX void t_multiply(int emulate, int signed_b) {
     if (!emulate) {
+#if AMX_COMPILED
         if (signed_b) _tile_dpbssd(0, 1, 2);
         else _tile_dpbsud(0, 1, 2);
+#endif
         return;
     }
     for (int m = 0; m < model[0].rows; m++) {
@@ -90,9 +104,10 @@ INLINE_AMX void t_multiply(int emulate, int signed_b) {
 INLINE_AMX void t_store_c(int emulate, int32_t out[][16]) {
     if (emulate) {
         for (int r = 0; r < model[0].rows; r++) memcpy(out[r], model[0].data[r], 64);
-    } else {
-        _tile_stored(0, out, 64);
     }
+#if AMX_COMPILED
+    else _tile_stored(0, out, 64);
+#endif
 }
 
 INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][TILE]) {
@@ -137,7 +152,9 @@ INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, int64_t
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+#if AMX_COMPILED
     if (!emulate) _tile_release();
+#endif
 }
 
 #define EACH_TYPE(call)                                       \
@@ -218,7 +235,8 @@ static int agrees_with_avx512(amx_rows_fn fn) {
  * 2: the model of the tiles (tests). Call after q32_use_avx512(1): the check compares with it. */
 int q32_use_amx(int mode) {
     amx_rows = NULL;
-    if (mode == 1 && cpu_has_amx_int8() && linux_grants_tiles() && agrees_with_avx512(rows_amx)) amx_rows = rows_amx;
+    if (mode == 1 && AMX_COMPILED && cpu_has_amx_int8() && linux_grants_tiles() && agrees_with_avx512(rows_amx))
+        amx_rows = rows_amx;
     if (mode == 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
         agrees_with_avx512(rows_model))
         amx_rows = rows_model;
