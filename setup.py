@@ -12,7 +12,7 @@ ext_modules = [
         "modelkiln.native._gguf_ops",
         ["src/modelkiln/native/gguf_ops.c", "src/modelkiln/native/gguf_q32.c", "src/modelkiln/native/gguf_amx.c",
          "src/modelkiln/native/attention.c"],
-        depends=["src/modelkiln/native/ort_abi.h", "src/modelkiln/native/gguf_q32.h", "src/modelkiln/native/gguf_q32_blocks.h",
+        depends=["src/modelkiln/native/ort_abi.h", "src/modelkiln/native/gguf_q32.h", "src/modelkiln/native/gguf_q32_blocks.h", "src/modelkiln/native/gguf_amx_tiles.h",
                  "src/modelkiln/native/gguf_tiles.h",
                  "src/modelkiln/native/attention_kernel.h"],
         # AVX2/FMA/F16C: every CPU the kernels are used on (checked again before loading);

@@ -1,7 +1,7 @@
 """kiln's native GgufMatMul kernels alone: one thread, random blocks of every type they read, a
 matrix bigger than the caches (32768 × 4096: 75 MB as Q4_K, 110 MB as Q6_K, 143 MB as Q8_0) at 1, 4,
-16 and 64 rows of X, each instruction set this CPU has: AMX (the types with a scale per 32, where the
-CPU has AMX-INT8 and the kernel's check passes), AVX-512 VNNI, AVX2. Rows are the batch of a decode
+16 and 64 rows of X, each instruction set this CPU has: AMX (where the CPU has AMX-INT8 and the
+kernels' check passes), AVX-512 VNNI, AVX2. Rows are the batch of a decode
 step (one per sequence), or a prompt chunk's tokens.
 
     python benchmarks/generation/gguf_kernels.py [--rows 1,4,16,64] [--repeat 10] [--json out.json]
@@ -57,7 +57,7 @@ def main() -> None:
             lib.kiln_gguf_use_avx512(avx512)
             if avx512 and "VNNI" not in cpu["isa"]:
                 continue
-            if not lib.kiln_gguf_use_amx(amx) or amx and kind.endswith("_K"):  # AMX: the types with a scale per 32
+            if not lib.kiln_gguf_use_amx(amx):  # AMX: where the CPU has it and the kernels' check passes
                 continue
             for m in (int(r) for r in args.rows.split(",")):
                 x = rng.standard_normal((m, args.k)).astype(np.float32)

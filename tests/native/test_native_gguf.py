@@ -142,9 +142,11 @@ def _amx_agrees(mode: int) -> None:
     """37 rows (two AMX tiles of sixteen, then five for the VNNI kernel) against the AVX-512 kernel
     alone, and each row against itself alone (one row: never AMX), bit for bit, every type."""
     lib = ctypes.CDLL(library_path())
-    k, n = 576, 33
+    lib.kiln_gguf_use_avx512(1)
+    n = 33
     try:
-        for kind in PER_32:
+        for kind in KINDS:
+            k = 576 if kind in PER_32 else 512
             tiled = tiles(kind, random_blocks(kind, n, k, seed=7))
             x = np.random.default_rng(8).standard_normal((37, k)).astype(np.float32)
             assert lib.kiln_gguf_use_amx(0)

@@ -9,13 +9,13 @@
  * row gets the same bits here as on the AVX-512 and AVX2 paths, alone or with any other rows.
  * Q4_0..Q5_1's codes are unsigned and X's signed: TDPBSUD; Q8_0's are signed too: TDPBSSD.
  *
- * The same kernel is compiled twice: with the AMX instructions, and with a plain C model of the three
- * tiles it uses (the instructions' definitions in Intel's manual), so that its data layout and
- * arithmetic are tested on any CPU with AVX-512, not only where AMX exists.
+ * The same kernel is compiled twice: with the AMX instructions, and over a plain C model of the
+ * three tiles it uses (gguf_amx_tiles.h), so that its data layout and arithmetic are tested on any
+ * CPU with AVX-512, not only where AMX exists. The K-quants' AMX kernels are gguf_ops.c's.
  *
  * Off unless asked (KILN_AMX=1, or kiln_gguf_use_amx): turning it on checks that the CPU has AMX-INT8,
- * asks Linux for the tile state (arch_prctl), and compares one product with the AVX-512 kernel's
- * bit for bit, refusing AMX if any of the three fails. */
+ * asks Linux for the tile state (arch_prctl), and compares one product of every type with the
+ * AVX-512 kernels bit for bit, refusing AMX if any of the three fails. */
 #include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
@@ -24,101 +24,13 @@
 #include <unistd.h>
 
 #include "gguf_q32.h"
+#include "gguf_amx_tiles.h"
 #include "gguf_q32_blocks.h"
 #include "gguf_tiles.h"
 
-/* AMX's intrinsics came with GCC 11 and clang 12: an older compiler builds the model alone (the
- * library must still build: without it GGUF weights fall back to MatMulNBits). */
-#if defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11
-#define AMX_COMPILED 1
-#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,amx-tile,amx-int8")))
-#else
-#define AMX_COMPILED 0
-#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
-#endif
-#define INLINE_AMX AMX_TARGET __attribute__((always_inline)) static inline
-
-typedef struct {  /* palette 1's tile configuration (LDTILECFG's 64 bytes) */
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* The model of the three tiles (0: C, 1: A, 2: B), a thread's own as real tiles are. */
-typedef struct {
-    int rows, colsb;
-    uint8_t data[16][64];
-} model_tile;
-static __thread model_tile model[3];
-
-INLINE_AMX void t_config(int emulate, const tile_config *cfg) {
-    if (!emulate) {
-#if AMX_COMPILED
-        _tile_loadconfig(cfg);
-#endif
-        return;
-    }
-    for (int i = 0; i < 3; i++) model[i].rows = cfg->rows[i], model[i].colsb = cfg->colsb[i];
-}
-
-INLINE_AMX void t_zero_c(int emulate) {
-    if (emulate) memset(model[0].data, 0, sizeof model[0].data);
-#if AMX_COMPILED
-    else _tile_zero(0);
-#endif
-}
-
-INLINE_AMX void t_load(int emulate, int which, const void *p, size_t stride) {
-    if (emulate) {
-        for (int r = 0; r < model[which].rows; r++) memcpy(model[which].data[r], (const uint8_t *)p + r * stride, (size_t)model[which].colsb);
-    }
-#if AMX_COMPILED
-    else if (which == 1) _tile_loadd(1, p, stride);
-    else _tile_loadd(2, p, stride);
-#endif
-}
-
-/* C += A · B: each int32 of C's row m, column n gains Σ over k of A[m][4k+i] · B[k][4n+i], i < 4;
- * A's bytes signed, B's signed (TDPBSSD) or unsigned (TDPBSUD). */
-INLINE_AMX void t_multiply(int emulate, int signed_b) {
-    if (!emulate) {
-#if AMX_COMPILED
-        if (signed_b) _tile_dpbssd(0, 1, 2);
-        else _tile_dpbsud(0, 1, 2);
-#endif
-        return;
-    }
-    for (int m = 0; m < model[0].rows; m++) {
-        int32_t row[16];
-        memcpy(row, model[0].data[m], sizeof row);
-        for (int k = 0; k < model[1].colsb / 4; k++)
-            for (int n = 0; n < model[0].colsb / 4; n++)
-                for (int i = 0; i < 4; i++) {
-                    const int a = (int8_t)model[1].data[m][4 * k + i], byte = model[2].data[k][4 * n + i];
-                    row[n] += a * (signed_b ? (int8_t)byte : byte);
-                }
-        memcpy(model[0].data[m], row, sizeof row);
-    }
-}
-
-INLINE_AMX void t_store_c(int emulate, int32_t out[][16]) {
-    if (emulate) {
-        for (int r = 0; r < model[0].rows; r++) memcpy(out[r], model[0].data[r], 64);
-    }
-#if AMX_COMPILED
-    else _tile_stored(0, out, 64);
-#endif
-}
-
 INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][TILE]) {
     const layout L = layout_of(type);
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    cfg.rows[0] = (uint8_t)R, cfg.colsb[0] = 64;  /* C: R rows × 16 int32 */
-    cfg.rows[1] = (uint8_t)R, cfg.colsb[1] = 32;  /* A: R rows × 32 codes */
-    cfg.rows[2] = 8, cfg.colsb[2] = 64;           /* B: 8 groups of 4 inputs × 16 columns × 4 */
-    t_config(emulate, &cfg);
+    t_setup(emulate, R, QK32);  /* A: R rows × 32 codes; B: 8 groups of 4 inputs × 16 columns × 4 */
     const size_t row_bytes = (size_t)nb * sizeof(q8_32);  /* from a row's block to the next row's */
     const __m512i low = _mm512_set1_epi8(0x0F);
     __attribute__((aligned(64))) uint8_t codes[8][64];
@@ -152,9 +64,7 @@ INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, int64_t
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
-#if AMX_COMPILED
-    if (!emulate) _tile_release();
-#endif
+    t_done(emulate);
 }
 
 #define EACH_TYPE(call)                                       \

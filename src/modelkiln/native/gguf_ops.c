@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf_amx_tiles.h"
 #include "gguf_q32.h"
 #include "gguf_tiles.h"
 #include "ort_abi.h"
@@ -343,6 +344,101 @@ TILE_ROWS_256(4)
 typedef void (*tile_rows_fn)(int, const uint8_t *, int64_t, const q8_block *const *, float[][TILE]);
 static tile_rows_fn tile_rows[MAX_ROWS + 1] = {NULL, tile_rows_256_1, tile_rows_256_2, tile_rows_256_3, tile_rows_256_4};
 
+/* -- AMX (gguf_amx_tiles.h): up to sixteen rows of X a tile multiply, one per Q4_K sub-block of 32
+ *    inputs (the codes of eight vectors' low or high nibbles are B's eight rows) or per Q6_K group of
+ *    16 (four vectors' codes); each product (exact) times its sub-block's scale into the same integer
+ *    sums as above, the minimums and the float step as above: the AVX-512 kernel's bits -- */
+INLINE_AMX void amx_scaled_product(int emulate, const void *a, size_t row_bytes, const uint8_t (*codes)[64], __m512i scale,
+                                   __m512i *sums, int R) {
+    __attribute__((aligned(64))) int32_t c[16][16];
+    t_zero_c(emulate);
+    t_load(emulate, 1, a, row_bytes);
+    t_load(emulate, 2, codes, 64);
+    t_multiply(emulate, 0);  /* the codes are unsigned: TDPBSUD */
+    t_store_c(emulate, c);
+    for (int r = 0; r < R; r++) sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(_mm512_load_si512(c[r]), scale));
+}
+
+INLINE_AMX void q4_k_amx(int emulate, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
+    const size_t row_bytes = (size_t)nb * sizeof(q8_block);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __attribute__((aligned(64))) uint8_t lo[8][64], hi[8][64];
+    __m512 acc[AMX_MAX_ROWS];
+    t_setup(emulate, R, 32);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, t += K4_BYTES) {
+        prefetch_ahead(t, K4_BYTES);
+        __m512i sc[2], mn[2], sums[AMX_MAX_ROWS], mins[AMX_MAX_ROWS];
+        k4_scales_mins_512(t, sc, mn);
+        for (int r = 0; r < R; r++) sums[r] = mins[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {  /* sub-block j from the low nibbles, j + 4 from the high */
+            for (int v = 0; v < 8; v++) {
+                const __m512i q = _mm512_loadu_si512(t + K4_QS + 64 * (8 * j + v));
+                _mm512_store_si512(lo[v], _mm512_and_si512(q, low));
+                _mm512_store_si512(hi[v], _mm512_and_si512(_mm512_srli_epi16(q, 4), low));
+            }
+            amx_scaled_product(emulate, x[b].qs + 32 * j, row_bytes, lo, byte_512(sc[0], j), sums, R);
+            amx_scaled_product(emulate, x[b].qs + 128 + 32 * j, row_bytes, hi, byte_512(sc[1], j), sums, R);
+        }
+        for (int k = 0; k < 4; k++) {
+            const __m512i m = byte_pair_512(mn[k / 2], 2 * (k % 2));
+            for (int r = 0; r < R; r++)
+                mins[r] = _mm512_dpwssd_epi32(mins[r], m, _mm512_set1_epi32(load32(x[(size_t)r * (size_t)nb + b].bsums32 + 2 * k)));
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + K4_D)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + K4_DMIN)));
+        for (int r = 0; r < R; r++) float_step_512(&acc[r], sums[r], mins[r], x[(size_t)r * (size_t)nb + b].d, d, dmin);
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+    t_done(emulate);
+}
+
+INLINE_AMX void q6_k_amx(int emulate, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
+    const size_t row_bytes = (size_t)nb * sizeof(q8_block);
+    __attribute__((aligned(64))) uint8_t first[4][64], second[4][64];
+    __m512 acc[AMX_MAX_ROWS];
+    t_setup(emulate, R, 16);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, t += K6_BYTES) {
+        prefetch_ahead(t, K6_BYTES);
+        __m512i sums[AMX_MAX_ROWS], mins[AMX_MAX_ROWS];
+        for (int r = 0; r < R; r++) sums[r] = mins[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 8; g++) {  /* group g (codes 16g..) and g + 8 (codes 128 + 16g..) */
+            for (int i = 0; i < 4; i++) {
+                __m512i c0, c1;
+                q6_k_codes_512(t, 4 * g + i, &c0, &c1);
+                _mm512_store_si512(first[i], c0);
+                _mm512_store_si512(second[i], c1);
+            }
+            amx_scaled_product(emulate, x[b].qs + 16 * g, row_bytes, first,
+                               _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * g))), sums, R);
+            amx_scaled_product(emulate, x[b].qs + 128 + 16 * g, row_bytes, second,
+                               _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * (g + 8)))), sums, R);
+        }
+        for (int k = 0; k < 8; k++) {  /* the codes are q + 32: 32 · scale against the 16-sums */
+            const __m512i m = pairs16_512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 32 * k))), 5),
+                                          _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 32 * k + 16))), 5));
+            for (int r = 0; r < R; r++)
+                mins[r] = _mm512_dpwssd_epi32(mins[r], m, _mm512_set1_epi32(load32(x[(size_t)r * (size_t)nb + b].bsums + 2 * k)));
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + K6_D)));
+        for (int r = 0; r < R; r++) float_step_512(&acc[r], sums[r], mins[r], x[(size_t)r * (size_t)nb + b].d, d, d);
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+    t_done(emulate);
+}
+
+typedef void (*k_amx_fn)(int, int, const uint8_t *, int64_t, const q8_block *, float[][TILE]);
+AMX_TARGET static void k_rows_amx(int type, int R, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
+    if (type == GGML_Q4_K) q4_k_amx(0, t, nb, x, R, out);
+    else q6_k_amx(0, t, nb, x, R, out);
+}
+AMX_TARGET static void k_rows_model(int type, int R, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
+    if (type == GGML_Q4_K) q4_k_amx(1, t, nb, x, R, out);
+    else q6_k_amx(1, t, nb, x, R, out);
+}
+static k_amx_fn k_amx_rows = NULL;
+
 /* ---- the matmul, a tile of sixteen columns per task over onnxruntime's threads ---------------- */
 /* The two families: K-quants (a super-block of 256 inputs, X in q8_block) and the types with a
  * scale per 32 (gguf_q32.c, X in q8_32). */
@@ -367,13 +463,14 @@ static void matmul_task(void *data, size_t tile) {
     const matmul_job *job = data;
     const uint8_t *t = job->w + tile * (size_t)job->nb * block_bytes(job->type);
     const int64_t c0 = (int64_t)tile * TILE, columns = job->n - c0 < TILE ? job->n - c0 : TILE;
-    const int q32 = q32_type(job->type), amx = q32 && q32_amx_on();
+    const int q32 = q32_type(job->type), amx = q32 ? q32_amx_on() : k_amx_rows != NULL;
     for (int64_t r = 0, R; r < job->rows; r += R) {
         const int64_t left = job->rows - r;
         float out[AMX_MAX_ROWS][TILE];
         if (amx && left >= AMX_MIN_ROWS) {  /* AMX: up to sixteen rows a tile multiply */
             R = left < AMX_MAX_ROWS ? left : AMX_MAX_ROWS;
-            q32_amx_rows(job->type, (int)R, t, job->nb, (const q8_32 *)job->x + r * job->nb, out);
+            if (q32) q32_amx_rows(job->type, (int)R, t, job->nb, (const q8_32 *)job->x + r * job->nb, out);
+            else k_amx_rows(job->type, (int)R, t, job->nb, (const q8_block *)job->x + r * job->nb, out);
         } else if ((R = left < MAX_ROWS ? left : MAX_ROWS), q32) {
             const q8_32 *x[MAX_ROWS];
             for (int i = 0; i < R; i++) x[i] = (const q8_32 *)job->x + (r + i) * job->nb;
@@ -564,11 +661,57 @@ static const OrtCustomOp MATMUL = {13, create_matmul, matmul_name, cpu, matmul_i
 static const OrtCustomOp GATHER = {13, create_gather, gather_name, cpu, gather_input, two, float_output, one,
                                    compute, destroy, required, required, default_memory};
 
-/* AMX for the types with a scale per 32 (gguf_amx.c): 0 off, 1 the CPU's, 2 a model of its tiles
- * (tests); returns whether the mode took. Rows go to it in groups of up to sixteen while at least
- * AMX_MIN_ROWS are left (fewer: the VNNI kernel, four at a time); the same bits either way. */
+/* One product of Q4_K and of Q6_K through the AMX kernel and the AVX-512 one: the same bits? */
+static int k_agrees_with_avx512(k_amx_fn fn) {
+    enum { NB = 2, ROWS = 16 };
+    static const int types[] = {GGML_Q4_K, GGML_Q6_K};
+    uint8_t *tile = aligned(NB * K6_BYTES);
+    q8_block *x = aligned(sizeof(q8_block) * ROWS * NB);
+    uint32_t seed = 54321;
+    int same = 1;
+    for (int i = 0; i < ROWS * NB; i++) {
+        float values[QK_K];
+        for (int j = 0; j < QK_K; j++) values[j] = (float)((int)((seed = seed * 1103515245u + 12345u) >> 16) % 255 - 127);
+        quantize_row(values, QK_K, x + i);
+    }
+    for (int k = 0; k < 2 && same; k++) {
+        const int bytes = types[k] == GGML_Q4_K ? K4_BYTES : K6_BYTES;
+        for (int i = 0; i < NB * bytes; i++) tile[i] = (uint8_t)((seed = seed * 1103515245u + 12345u) >> 16);
+        for (int b = 0; b < NB; b++)  /* finite fp16 scales (and Q4_K's minimum scales): 1/64 */
+            for (int c = 0; c < TILE; c++) {
+                memcpy(tile + b * bytes + (types[k] == GGML_Q4_K ? K4_D : K6_D) + 2 * c, &(uint16_t){0x2400}, 2);
+                if (types[k] == GGML_Q4_K) memcpy(tile + b * bytes + K4_DMIN + 2 * c, &(uint16_t){0x2400}, 2);
+            }
+        float ours[ROWS][TILE], theirs[4][TILE];
+        fn(types[k], ROWS, tile, NB, x, ours);
+        for (int r = 0; r < ROWS && same; r += 4) {
+            const q8_block *rows[4] = {x + r * NB, x + (r + 1) * NB, x + (r + 2) * NB, x + (r + 3) * NB};
+            tile_rows[4](types[k], tile, NB, rows, theirs);
+            same = !memcmp(ours[r], theirs, sizeof theirs);
+        }
+    }
+    free(tile);
+    free(x);
+    return same;
+}
+
+/* AMX (gguf_amx_tiles.h): 0 off, 1 the CPU's, 2 a model of its tiles (tests); returns whether the
+ * mode took: every kernel's check against the AVX-512 kernels passed (call after
+ * kiln_gguf_use_avx512(1)). Rows go to AMX in groups of up to sixteen while at least AMX_MIN_ROWS
+ * are left (fewer: the VNNI kernels, four at a time); the same bits either way. */
 __attribute__((visibility("default")))
-int kiln_gguf_use_amx(int mode) { return q32_use_amx(mode); }
+int kiln_gguf_use_amx(int mode) {
+    k_amx_rows = NULL;
+    if (!q32_use_amx(mode)) return 0;
+    if (mode == 0) return 1;
+    const k_amx_fn fn = mode == 1 ? k_rows_amx : k_rows_model;
+    if (!k_agrees_with_avx512(fn)) {
+        q32_use_amx(0);
+        return 0;
+    }
+    k_amx_rows = fn;
+    return 1;
+}
 
 /* The AVX-512 (VNNI) forms where the CPU has them (the same results as the AVX2 forms). */
 __attribute__((visibility("default")))
@@ -588,8 +731,8 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     const OrtApi *api = base->GetApi(KILN_ORT_API_VERSION);
     if (!api) return NULL;  /* cannot even make a status: onnxruntime older than the ABI used here */
     kiln_gguf_use_avx512(1);
-    const char *amx = getenv("KILN_AMX");  /* opt-in until measured on an AMX CPU (gguf_amx.c) */
-    q32_use_amx(amx && !strcmp(amx, "1"));
+    const char *amx = getenv("KILN_AMX");  /* opt-in until measured on an AMX CPU (gguf_amx_tiles.h) */
+    kiln_gguf_use_amx(amx && !strcmp(amx, "1"));
     OrtCustomOpDomain *domain;
     OrtStatus *status = ((CreateCustomOpDomainFn)kiln_ort_fn(api, SLOT_CreateCustomOpDomain))("kiln.gguf", &domain);
     if (status) return status;
