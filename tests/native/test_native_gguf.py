@@ -9,7 +9,7 @@ import pytest
 from generation_helpers import GGUF_FP16_FIELDS, random_gguf_blocks
 from modelkiln.convert.gguf.tiles import tiles
 from modelkiln.machine import cpu_flags
-from modelkiln.native import DOMAIN, GGML_TYPES, library_path
+from modelkiln.native import DOMAIN, GGML_TYPES, amx_on, library_path
 
 pytestmark = pytest.mark.skipif(library_path() is None, reason="the native library is not built on this machine")
 
@@ -152,12 +152,14 @@ def _amx_agrees(mode: int) -> None:
             assert lib.kiln_gguf_use_amx(0)
             plain = _matmul(lib, kind, x, tiled, n, k)
             assert lib.kiln_gguf_use_amx(mode), "the kernel's own check against the AVX-512 kernel failed"
+            assert amx_on()  # what kiln convert's matrix engine column reads
             tiled_rows = _matmul(lib, kind, x, tiled, n, k)
             assert np.array_equal(tiled_rows, plain), kind
             for row in (0, 15, 16, 31, 36):
                 assert np.array_equal(_matmul(lib, kind, x[row:row + 1], tiled, n, k)[0], tiled_rows[row]), (kind, row)
     finally:
         lib.kiln_gguf_use_amx(0)
+    assert not amx_on()
 
 
 @pytest.mark.skipif(not {"avx512bw", "avx512_vnni"} <= cpu_flags(), reason="the AMX kernel's float step is AVX-512's: this CPU has no AVX-512 VNNI")

@@ -1,4 +1,4 @@
-"""Native onnxruntime operators over a GGUF file's blocks (``gguf_ops.c``, ``gguf_q32.c``), and kiln's attention
+"""Native onnxruntime operators over a GGUF file's blocks (``gguf_ops.c``, ``gguf_q32.c``, on AMX ``gguf_amx.c``), and kiln's attention
 (``attention.c``).
 
 ``GgufMatMul`` multiplies by Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights stored as the file
@@ -46,6 +46,13 @@ def _cpu_supported() -> bool:
         return False
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     return all(flag in flags for flag in _CPU_FLAGS)
+
+
+def amx_on() -> bool:
+    """Whether GgufMatMul runs rows on AMX's tiles in this process (``KILN_AMX=1`` where the CPU has
+    AMX-INT8 and the kernels' check passed, set when a session registers the operators: gguf_amx.c)."""
+    path = library_path()
+    return bool(path and ctypes.CDLL(path).kiln_gguf_amx_on())
 
 
 def check_layout(details: dict, variant: str) -> None:

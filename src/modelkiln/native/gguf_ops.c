@@ -713,6 +713,9 @@ int kiln_gguf_use_amx(int mode) {
     return 1;
 }
 
+__attribute__((visibility("default")))
+int kiln_gguf_amx_on(void) { return k_amx_rows != NULL; }
+
 /* The AVX-512 (VNNI) forms where the CPU has them (the same results as the AVX2 forms). */
 __attribute__((visibility("default")))
 void kiln_gguf_use_avx512(int on) {

@@ -33,6 +33,7 @@ from ...generation.engines.registry import ONNX_EXPORT, ONNX_SERVING, TORCH
 from ...generation.model import CoreOptions, TextGenerationModel
 from ...machine import cpu_description, cpu_flags, matrix_engine
 from ...manifest import Manifest, TokenizerSpec, Variant
+from ... import native
 from ...native import LAYOUT as NATIVE_LAYOUT
 from .. import source as src
 from .. import variants as build
@@ -358,9 +359,11 @@ def _default_variant(variants: list[Variant], device: str) -> str:
 def _matrix_engine(b: Built, device: str) -> str:
     """The unit a variant's products run on (``machine.matrix_engine``, named in convert's table):
     int8 dot products where its activations are quantized to int8 (kiln's native GGUF operators,
-    MatMulNBits at accuracy level 4), else the unit of its float precision."""
+    MatMulNBits at accuracy level 4), else the unit of its float precision; kiln's native operators
+    with AMX on (``KILN_AMX=1``) run eight rows and more on its tiles."""
     int8 = "native_ops" in b.details or b.details.get("accuracy_level") == 4
-    return matrix_engine("int8" if int8 else b.precision, device, cpu_flags())
+    unit = matrix_engine("int8" if int8 else b.precision, device, cpu_flags())
+    return f"AMX (8+ rows), {unit}" if "native_ops" in b.details and native.amx_on() else unit
 
 
 def _refuse_batch_variant(invariance: Any, validation: Any, details: dict[str, Any], reason: str) -> str:
