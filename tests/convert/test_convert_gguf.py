@@ -138,10 +138,10 @@ def test_k_quants_mixed_in_projections_and_a_type_kept_fp32(tmp_path):
 @pytest.mark.skipif(__import__("modelkiln.native", fromlist=["library_path"]).library_path() is None,
                     reason="the native library is not built on this machine")
 def test_k_quants_as_stored_for_the_native_operators(tmp_path):
-    """By default (--native-gguf), Q4_K and Q6_K stay the file's own rows (q and k one node, v another), the
-    embedding is gathered from its blocks and the tied head reads the same rows; other types keep
-    their MatMulNBits form. The logits are PyTorch's to int8-activation rounding, and the gate
-    (alone = batched) passes."""
+    """By default (--native-gguf), Q4_K, Q5_K and Q6_K stay the file's own rows (q and k one node, v another;
+    gate and up apart, stored apart), the embedding is gathered from its blocks and the tied head reads the
+    same rows. The logits are PyTorch's to int8-activation rounding, and the gate (alone = batched)
+    passes. (Types the native operators do not read, Q2_K and Q3_K, keep their MatMulNBits form: test_gguf_blocks.py.)"""
     import onnx
 
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_K", embedding="Q6_K", hidden=256, ff=256,
@@ -151,14 +151,13 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
     [packed] = manifest.variants
     assert packed.kept, packed.reason
     assert packed.details["native_ops"] == LAYOUT
-    assert packed.details["from_gguf"]["Q4_K"]["stored"] == "Q4_K blocks as in the file, in tiles of 16 rows (GgufMatMul)"
-    assert packed.details["from_gguf"]["Q6_K"]["stored"] == "Q6_K blocks as in the file, in tiles of 16 rows (GgufMatMul)"
-    assert packed.details["from_gguf"]["Q5_K"]["stored"] == "8-bit, block 32, min correction"
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):
+        assert packed.details["from_gguf"][kind]["stored"] == f"{kind} blocks as in the file, in tiles of 16 rows (GgufMatMul)"
     graph = onnx.load(str(out / "model.gguf.onnx"), load_external_data=False).graph
     ops = [n.op_type for n in graph.node]
     assert ops.count("GgufGather") == 1
-    assert ops.count("GgufMatMul") == 2 * 5 + 1  # qk, v, o, gate, down per layer; the tied head
-    assert ops.count("MatMulNBits") == 2  # up (Q5_K) per layer
+    assert ops.count("GgufMatMul") == 2 * 6 + 1  # qk, v, o, gate, up, down per layer; the tied head
+    assert ops.count("MatMulNBits") == 0
     _assert_logits_near_pytorch(out, gguf_path)
 
     # a graph of the operators' first layout (the file's rows, recorded as true) is refused, not run

@@ -1,12 +1,12 @@
 /* onnxruntime operators that compute with a GGUF file's K-quant blocks, their values as stored.
  *
- * GgufMatMul  Y[..., N] = X[..., K] · Wᵀ, W: Q4_K or Q6_K rows in tiles of 16 (convert/gguf/tiles.py)
+ * GgufMatMul  Y[..., N] = X[..., K] · Wᵀ, W: Q4_K, Q5_K or Q6_K rows in tiles of 16 (convert/gguf/tiles.py)
  * GgufGather  Y[..., K] = the rows of W for token ids, dequantized exactly as gguf-py does
- * (domain "kiln.gguf"; attributes ggml_type (12: Q4_K, 14: Q6_K), K and N). The types with a scale
+ * (domain "kiln.gguf"; attributes ggml_type (12: Q4_K, 13: Q5_K, 14: Q6_K), K and N). The types with a scale
  * per 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are gguf_q32.c's, in tiles of the same shape.
  *
  * Why: MatMulNBits needs an fp32 scale per block and an fp32 correction for a block minimum, so a
- * Q4_K weight costs 6 bits there against the file's 4.5, and a Q6_K 10 against 6.56. Decoding one
+ * Q4_K weight costs 6 bits there against the file's 4.5, a Q5_K 10 against 5.5, and a Q6_K 10 against 6.56. Decoding one
  * token reads every weight once, so those bytes set its speed.
  *
  * How (llama.cpp's arithmetic): X is quantized to int8 per 256 inputs (one fp32 scale, and the
@@ -33,7 +33,7 @@
 #include "ort_abi.h"
 
 #define QK_K 256
-enum { GGML_Q4_K = 12, GGML_Q6_K = 14 };
+enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
 /* ---- activations: int8 codes per 256 inputs ---------------------------------------------------- */
 typedef struct {  /* 64-byte aligned: the dot products' 32- and 64-byte loads never split a cache line */
@@ -70,9 +70,10 @@ static void quantize_row(const float *x, int64_t k, q8_block *out) {
  * the layout). The values are the file's, moved. */
 enum {  /* byte offsets inside one tile super-block */
     K4_QS = 0, K4_SC = 2048 /* [3 words][16] */, K4_D = 2240, K4_DMIN = 2272, K4_BYTES = 2304,
+    K5_QH = 2240 /* Q5_K: Q4_K's codes and scales, then its fifth bits */, K5_D = 2752, K5_DMIN = 2784, K5_BYTES = 2816,
     K6_QL = 0, K6_QH = 2048, K6_SC = 3072, K6_D = 3328, K6_BYTES = 3360,
 };
-static const size_t TILE_BLOCK_BYTES[15] = {[GGML_Q4_K] = K4_BYTES, [GGML_Q6_K] = K6_BYTES};
+static const size_t TILE_BLOCK_BYTES[15] = {[GGML_Q4_K] = K4_BYTES, [GGML_Q5_K] = K5_BYTES, [GGML_Q6_K] = K6_BYTES};
 
 /* ---- exact integer sums, one float step per super-block ---------------------------------------- */
 /* For every row of X, column and super-block, two exact integers
@@ -150,10 +151,22 @@ AVX512 void add_scaled_512(__m512i *sums, __m512i lo[][MAX_ROWS], __m512i hi[][M
 AVX512 __m512i byte_512(__m512i v, int i) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xFF)); }
 AVX512 __m512i byte_pair_512(__m512i v, int i) { return pairs16_512(byte_512(v, i), byte_512(v, i + 1)); }
 
-AVX512 void q4_k_tile_512(const uint8_t *t, int64_t nb, const q8_block *const *x, const int R, __m512 *acc) {
+/* Q5_K's fifth bits of k4 group v (bit 4 of each byte): bit v / 8 of qh vector v % 8 (first: the
+ * codes 4v+i; second: 128+4v+i, bit v / 8 + 4). 16-bit shifts carry bits across bytes only where
+ * the 0x10 mask drops them. */
+AVX512 void k5_fifth_512(const uint8_t *t, int v, __m512i *first, __m512i *second) {
+    const __m512i h = _mm512_loadu_si512(t + K5_QH + 64 * (v % 8)), bit4 = _mm512_set1_epi8(0x10);
+    const int j = v / 8;
+    *first = _mm512_and_si512(_mm512_slli_epi16(h, 4 - j), bit4);
+    *second = _mm512_and_si512(j ? _mm512_srli_epi16(h, j) : h, bit4);
+}
+
+/* Q4_K, and Q5_K (five: its fifth bits or'ed into the codes; scales and minimums are Q4_K's) */
+AVX512 void q4_k_tile_512(const int five, const uint8_t *t, int64_t nb, const q8_block *const *x, const int R, __m512 *acc) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++, t += K4_BYTES) {
-        prefetch_ahead(t, K4_BYTES);
+    const int bytes = five ? K5_BYTES : K4_BYTES;
+    for (int64_t b = 0; b < nb; b++, t += bytes) {
+        prefetch_ahead(t, bytes);
         __m512i sc[2], mn[2];
         k4_scales_mins_512(t, sc, mn);
         __m512i sums[MAX_ROWS], mins[MAX_ROWS];
@@ -166,7 +179,13 @@ AVX512 void q4_k_tile_512(const uint8_t *t, int64_t nb, const q8_block *const *x
                 for (int c = 0; c < chains(R); c++) {  /* c a constant once unrolled: the chains stay in registers */
                     const int v = first + c;
                     const __m512i q = _mm512_loadu_si512(t + K4_QS + 64 * v);
-                    products_512(lo, hi, c, _mm512_and_si512(q, low), _mm512_and_si512(_mm512_srli_epi16(q, 4), low), x, b, v, R);
+                    __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+                    if (five) {
+                        __m512i f0, f1;
+                        k5_fifth_512(t, v, &f0, &f1);
+                        c0 = _mm512_or_si512(c0, f0), c1 = _mm512_or_si512(c1, f1);
+                    }
+                    products_512(lo, hi, c, c0, c1, x, b, v, R);
                 }
             add_scaled_512(sums, lo, hi, byte_512(sc[0], j), byte_512(sc[1], j), R);
         }
@@ -174,8 +193,8 @@ AVX512 void q4_k_tile_512(const uint8_t *t, int64_t nb, const q8_block *const *x
             const __m512i m = byte_pair_512(mn[k / 2], 2 * (k % 2));
             for (int r = 0; r < R; r++) mins[r] = _mm512_dpwssd_epi32(mins[r], m, _mm512_set1_epi32(load32(x[r][b].bsums32 + 2 * k)));
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + K4_D)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + K4_DMIN)));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + (five ? K5_D : K4_D))));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + (five ? K5_DMIN : K4_DMIN))));
         for (int r = 0; r < R; r++) float_step_512(&acc[r], sums[r], mins[r], x[r][b].d, d, dmin);
     }
 }
@@ -220,7 +239,9 @@ AVX512 void q6_k_tile_512(const uint8_t *t, int64_t nb, const q8_block *const *x
 /* each type's kernel in its own function: inlined together, one's register allocation spoiled the other's */
 #define TILE_ROWS_512(R)                                                                                              \
     __attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) static void q4_k_rows_512_##R(              \
-        const uint8_t *t, int64_t nb, const q8_block *const *x, __m512 *acc) { q4_k_tile_512(t, nb, x, R, acc); }   \
+        const uint8_t *t, int64_t nb, const q8_block *const *x, __m512 *acc) { q4_k_tile_512(0, t, nb, x, R, acc); } \
+    __attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) static void q5_k_rows_512_##R(              \
+        const uint8_t *t, int64_t nb, const q8_block *const *x, __m512 *acc) { q4_k_tile_512(1, t, nb, x, R, acc); } \
     __attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) static void q6_k_rows_512_##R(              \
         const uint8_t *t, int64_t nb, const q8_block *const *x, __m512 *acc) { q6_k_tile_512(t, nb, x, R, acc); }   \
     __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void tile_rows_512_##R(                          \
@@ -228,6 +249,7 @@ AVX512 void q6_k_tile_512(const uint8_t *t, int64_t nb, const q8_block *const *x
         __m512 acc[R];                                                                                                \
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                                     \
         if (type == GGML_Q4_K) q4_k_rows_512_##R(t, nb, x, acc);                                                     \
+        else if (type == GGML_Q5_K) q5_k_rows_512_##R(t, nb, x, acc);                                                \
         else q6_k_rows_512_##R(t, nb, x, acc);                                                                       \
         for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);                                                 \
     }
@@ -271,10 +293,11 @@ AVX2 void k4_scales_mins_256(const uint8_t *t, int half, __m256i sc[2], __m256i 
 AVX2 __m256i byte_256(__m256i v, int i) { return _mm256_and_si256(_mm256_srli_epi32(v, 8 * i), _mm256_set1_epi32(0xFF)); }
 
 /* columns 8·half .. 8·half + 7: bytes 32·half.. of each 64-byte vector, scales and d from 8·half */
-AVX2 void q4_k_tile_256(const uint8_t *t, int64_t nb, const q8_block *const *x, const int R, int half, __m256 *acc) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++, t += K4_BYTES) {
-        if (!half) prefetch_ahead(t, K4_BYTES);  /* the second half finds the tile in cache */
+AVX2 void q4_k_tile_256(const int five, const uint8_t *t, int64_t nb, const q8_block *const *x, const int R, int half, __m256 *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    const int bytes = five ? K5_BYTES : K4_BYTES;
+    for (int64_t b = 0; b < nb; b++, t += bytes) {
+        if (!half) prefetch_ahead(t, bytes);  /* the second half finds the tile in cache */
         __m256i sc[2], mn[2];
         k4_scales_mins_256(t, half, sc, mn);
         __m256i sums[MAX_ROWS], mins[MAX_ROWS];
@@ -283,7 +306,11 @@ AVX2 void q4_k_tile_256(const uint8_t *t, int64_t nb, const q8_block *const *x, 
             const __m256i s = byte_256(sc[j / 4], j % 4), scale = pairs16_256(s, s);
             _Pragma("GCC unroll 8") for (int v = 8 * (j % 4); v < 8 * (j % 4) + 8; v++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(t + K4_QS + 64 * v + 32 * half));
-                const __m256i c = _mm256_and_si256(j < 4 ? q : _mm256_srli_epi16(q, 4), low);
+                __m256i c = _mm256_and_si256(j < 4 ? q : _mm256_srli_epi16(q, 4), low);
+                if (five) {  /* Q5_K: the fifth bits of sub-block j are bit j of qh vector v % 8 (k5_fifth_512) */
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(t + K5_QH + 64 * (v % 8) + 32 * half));
+                    c = _mm256_or_si256(c, _mm256_and_si256(j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4), bit4));
+                }
                 for (int r = 0; r < R; r++) sums[r] = scaled_dot4_256(sums[r], c, x[r][b].qs + 128 * (j / 4) + 4 * v, scale);
             }
         }
@@ -292,8 +319,8 @@ AVX2 void q4_k_tile_256(const uint8_t *t, int64_t nb, const q8_block *const *x, 
             for (int r = 0; r < R; r++)
                 mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(m, _mm256_set1_epi32(load32(x[r][b].bsums32 + 2 * k))));
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + K4_D + 16 * half)));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + K4_DMIN + 16 * half)));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + (five ? K5_D : K4_D) + 16 * half)));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + (five ? K5_DMIN : K4_DMIN) + 16 * half)));
         for (int r = 0; r < R; r++) float_step_256(&acc[r], sums[r], mins[r], x[r][b].d, d, dmin);
     }
 }
@@ -331,7 +358,8 @@ AVX2 void q6_k_tile_256(const uint8_t *t, int64_t nb, const q8_block *const *x, 
         for (int half = 0; half < 2; half++) {                                                                        \
             __m256 acc[R];                                                                                            \
             for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                 \
-            if (type == GGML_Q4_K) q4_k_tile_256(t, nb, x, R, half, acc);                                             \
+            if (type == GGML_Q4_K) q4_k_tile_256(0, t, nb, x, R, half, acc);                                          \
+            else if (type == GGML_Q5_K) q4_k_tile_256(1, t, nb, x, R, half, acc);                                     \
             else q6_k_tile_256(t, nb, x, R, half, acc);                                                               \
             for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * half, acc[r]);                                  \
         }                                                                                                             \
@@ -359,23 +387,30 @@ INLINE_AMX void amx_scaled_product(int emulate, const void *a, size_t row_bytes,
     for (int r = 0; r < R; r++) sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(_mm512_load_si512(c[r]), scale));
 }
 
-INLINE_AMX void q4_k_amx(int emulate, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
+INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
     const size_t row_bytes = (size_t)nb * sizeof(q8_block);
+    const int bytes = five ? K5_BYTES : K4_BYTES;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __attribute__((aligned(64))) uint8_t lo[8][64], hi[8][64];
     __m512 acc[AMX_MAX_ROWS];
     t_setup(emulate, R, 32);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, t += K4_BYTES) {
-        prefetch_ahead(t, K4_BYTES);
+    for (int64_t b = 0; b < nb; b++, t += bytes) {
+        prefetch_ahead(t, bytes);
         __m512i sc[2], mn[2], sums[AMX_MAX_ROWS], mins[AMX_MAX_ROWS];
         k4_scales_mins_512(t, sc, mn);
         for (int r = 0; r < R; r++) sums[r] = mins[r] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {  /* sub-block j from the low nibbles, j + 4 from the high */
             for (int v = 0; v < 8; v++) {
                 const __m512i q = _mm512_loadu_si512(t + K4_QS + 64 * (8 * j + v));
-                _mm512_store_si512(lo[v], _mm512_and_si512(q, low));
-                _mm512_store_si512(hi[v], _mm512_and_si512(_mm512_srli_epi16(q, 4), low));
+                __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+                if (five) {
+                    __m512i f0, f1;
+                    k5_fifth_512(t, 8 * j + v, &f0, &f1);
+                    c0 = _mm512_or_si512(c0, f0), c1 = _mm512_or_si512(c1, f1);
+                }
+                _mm512_store_si512(lo[v], c0);
+                _mm512_store_si512(hi[v], c1);
             }
             amx_scaled_product(emulate, x[b].qs + 32 * j, row_bytes, lo, byte_512(sc[0], j), sums, R);
             amx_scaled_product(emulate, x[b].qs + 128 + 32 * j, row_bytes, hi, byte_512(sc[1], j), sums, R);
@@ -385,8 +420,8 @@ INLINE_AMX void q4_k_amx(int emulate, const uint8_t *t, int64_t nb, const q8_blo
             for (int r = 0; r < R; r++)
                 mins[r] = _mm512_dpwssd_epi32(mins[r], m, _mm512_set1_epi32(load32(x[(size_t)r * (size_t)nb + b].bsums32 + 2 * k)));
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + K4_D)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + K4_DMIN)));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + (five ? K5_D : K4_D))));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + (five ? K5_DMIN : K4_DMIN))));
         for (int r = 0; r < R; r++) float_step_512(&acc[r], sums[r], mins[r], x[(size_t)r * (size_t)nb + b].d, d, dmin);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
@@ -430,11 +465,13 @@ INLINE_AMX void q6_k_amx(int emulate, const uint8_t *t, int64_t nb, const q8_blo
 
 typedef void (*k_amx_fn)(int, int, const uint8_t *, int64_t, const q8_block *, float[][TILE]);
 AMX_TARGET static void k_rows_amx(int type, int R, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
-    if (type == GGML_Q4_K) q4_k_amx(0, t, nb, x, R, out);
+    if (type == GGML_Q4_K) q4_k_amx(0, 0, t, nb, x, R, out);
+    else if (type == GGML_Q5_K) q4_k_amx(0, 1, t, nb, x, R, out);
     else q6_k_amx(0, t, nb, x, R, out);
 }
 AMX_TARGET static void k_rows_model(int type, int R, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
-    if (type == GGML_Q4_K) q4_k_amx(1, t, nb, x, R, out);
+    if (type == GGML_Q4_K) q4_k_amx(1, 0, t, nb, x, R, out);
+    else if (type == GGML_Q5_K) q4_k_amx(1, 1, t, nb, x, R, out);
     else q6_k_amx(1, t, nb, x, R, out);
 }
 static k_amx_fn k_amx_rows = NULL;
@@ -459,19 +496,30 @@ typedef struct {
  * CPU to measure (benchmarks/generation/gguf_kernels.py). */
 #define AMX_MIN_ROWS 8
 
+/* Rows r.. of the job against one tile on AMX, sixteen at a time while AMX_MIN_ROWS are left; returns
+ * the first row it left to the VNNI kernels. */
+static int64_t amx_rows_task(const matmul_job *job, const uint8_t *t, int64_t c0, int64_t columns, int q32) {
+    int64_t r = 0;
+    for (int64_t R; job->rows - r >= AMX_MIN_ROWS; r += R) {
+        float out[AMX_MAX_ROWS][TILE];
+        R = job->rows - r < AMX_MAX_ROWS ? job->rows - r : AMX_MAX_ROWS;
+        if (q32) q32_amx_rows(job->type, (int)R, t, job->nb, (const q8_32 *)job->x + r * job->nb, out);
+        else k_amx_rows(job->type, (int)R, t, job->nb, (const q8_block *)job->x + r * job->nb, out);
+        for (int i = 0; i < R; i++) memcpy(job->y + (r + i) * job->n + c0, out[i], sizeof(float) * (size_t)columns);
+    }
+    return r;
+}
+
 static void matmul_task(void *data, size_t tile) {
     const matmul_job *job = data;
     const uint8_t *t = job->w + tile * (size_t)job->nb * block_bytes(job->type);
     const int64_t c0 = (int64_t)tile * TILE, columns = job->n - c0 < TILE ? job->n - c0 : TILE;
-    const int q32 = q32_type(job->type), amx = q32 ? q32_amx_on() : k_amx_rows != NULL;
-    for (int64_t r = 0, R; r < job->rows; r += R) {
-        const int64_t left = job->rows - r;
-        float out[AMX_MAX_ROWS][TILE];
-        if (amx && left >= AMX_MIN_ROWS) {  /* AMX: up to sixteen rows a tile multiply */
-            R = left < AMX_MAX_ROWS ? left : AMX_MAX_ROWS;
-            if (q32) q32_amx_rows(job->type, (int)R, t, job->nb, (const q8_32 *)job->x + r * job->nb, out);
-            else k_amx_rows(job->type, (int)R, t, job->nb, (const q8_block *)job->x + r * job->nb, out);
-        } else if ((R = left < MAX_ROWS ? left : MAX_ROWS), q32) {
+    const int q32 = q32_type(job->type);
+    const int64_t first = (q32 ? q32_amx_on() : k_amx_rows != NULL) ? amx_rows_task(job, t, c0, columns, q32) : 0;
+    for (int64_t r = first; r < job->rows; r += MAX_ROWS) {
+        const int R = job->rows - r < MAX_ROWS ? (int)(job->rows - r) : MAX_ROWS;
+        float out[MAX_ROWS][TILE];
+        if (q32) {
             const q8_32 *x[MAX_ROWS];
             for (int i = 0; i < R; i++) x[i] = (const q8_32 *)job->x + (r + i) * job->nb;
             q32_tile_rows(job->type, R, t, job->nb, x, out);
@@ -511,8 +559,9 @@ static void k4_scales_mins(const uint8_t *p, uint32_t sc[2], uint32_t mn[2]) {
 
 /* Column c of a tile super-block, as the file's weights 0..255. */
 static void dequantize_column(int type, const uint8_t *t, int c, float *y) {
-    if (type == GGML_Q4_K) {
-        const float d = half(t + K4_D + 2 * c), dmin = half(t + K4_DMIN + 2 * c);
+    if (type == GGML_Q4_K || type == GGML_Q5_K) {  /* Q5_K: Q4_K's with a fifth bit a code */
+        const int five = type == GGML_Q5_K;
+        const float d = half(t + (five ? K5_D : K4_D) + 2 * c), dmin = half(t + (five ? K5_DMIN : K4_DMIN) + 2 * c);
         uint8_t packed[12];
         uint32_t sc_words[2], mn_words[2];
         for (int i = 0; i < 3; i++) memcpy(packed + 4 * i, t + K4_SC + 64 * i + 4 * c, 4);
@@ -522,7 +571,9 @@ static void dequantize_column(int type, const uint8_t *t, int c, float *y) {
             const float scale = d * (float)sc[s], offset = -(dmin * (float)mn[s]);
             for (int l = 0; l < 32; l++) {
                 const int k = 32 * s + l, at = K4_QS + 64 * ((k % 128) / 4) + 4 * c + k % 4;
-                y[k] = scale * (float)((t[at] >> (4 * (k / 128))) & 0x0F) + offset;
+                int q = (t[at] >> (4 * (k / 128))) & 0x0F;
+                if (five) q |= ((t[K5_QH + 64 * ((k / 4) % 8) + 4 * c + k % 4] >> (k / 32)) & 1) << 4;
+                y[k] = scale * (float)q + offset;
             }
         }
     } else {
@@ -634,7 +685,7 @@ static void *create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInf
         free(kn);
         return NULL;
     }
-    if ((kn->type != GGML_Q4_K && kn->type != GGML_Q6_K && !q32_type(kn->type)) || kn->k <= 0 ||
+    if ((kn->type != GGML_Q4_K && kn->type != GGML_Q5_K && kn->type != GGML_Q6_K && !q32_type(kn->type)) || kn->k <= 0 ||
         kn->k % block_inputs(kn->type) || kn->n <= 0) {
         free(kn);
         return NULL;
@@ -664,8 +715,8 @@ static const OrtCustomOp GATHER = {13, create_gather, gather_name, cpu, gather_i
 /* One product of Q4_K and of Q6_K through the AMX kernel and the AVX-512 one: the same bits? */
 static int k_agrees_with_avx512(k_amx_fn fn) {
     enum { NB = 2, ROWS = 16 };
-    static const int types[] = {GGML_Q4_K, GGML_Q6_K};
-    uint8_t *tile = aligned(NB * K6_BYTES);
+    static const int types[] = {GGML_Q4_K, GGML_Q5_K, GGML_Q6_K};
+    uint8_t *tile = aligned(NB * K6_BYTES);  /* the largest of the three */
     q8_block *x = aligned(sizeof(q8_block) * ROWS * NB);
     uint32_t seed = 54321;
     int same = 1;
@@ -674,13 +725,14 @@ static int k_agrees_with_avx512(k_amx_fn fn) {
         for (int j = 0; j < QK_K; j++) values[j] = (float)((int)((seed = seed * 1103515245u + 12345u) >> 16) % 255 - 127);
         quantize_row(values, QK_K, x + i);
     }
-    for (int k = 0; k < 2 && same; k++) {
-        const int bytes = types[k] == GGML_Q4_K ? K4_BYTES : K6_BYTES;
+    for (int k = 0; k < 3 && same; k++) {
+        const int bytes = (int)TILE_BLOCK_BYTES[types[k]], six = types[k] == GGML_Q6_K;
         for (int i = 0; i < NB * bytes; i++) tile[i] = (uint8_t)((seed = seed * 1103515245u + 12345u) >> 16);
         for (int b = 0; b < NB; b++)  /* finite fp16 scales (and Q4_K's minimum scales): 1/64 */
             for (int c = 0; c < TILE; c++) {
-                memcpy(tile + b * bytes + (types[k] == GGML_Q4_K ? K4_D : K6_D) + 2 * c, &(uint16_t){0x2400}, 2);
-                if (types[k] == GGML_Q4_K) memcpy(tile + b * bytes + K4_DMIN + 2 * c, &(uint16_t){0x2400}, 2);
+                const int d_at = six ? K6_D : types[k] == GGML_Q5_K ? K5_D : K4_D, dmin_at = types[k] == GGML_Q5_K ? K5_DMIN : K4_DMIN;
+                memcpy(tile + b * bytes + d_at + 2 * c, &(uint16_t){0x2400}, 2);
+                if (!six) memcpy(tile + b * bytes + dmin_at + 2 * c, &(uint16_t){0x2400}, 2);
             }
         float ours[ROWS][TILE], theirs[4][TILE];
         fn(types[k], ROWS, tile, NB, x, ours);

@@ -197,14 +197,19 @@ def _q4_k(b: np.ndarray) -> tuple:
     return q4_k_codes(b).reshape(m, 8, 32), d * sc.astype(np.float32), 0, -(dmin * mn.astype(np.float32))
 
 
+def q5_k_codes(b: np.ndarray) -> np.ndarray:
+    """Q5_K blocks [M, 176] → their 5-bit codes [M, 256] in weight order."""
+    m = len(b)
+    ql = (b[:, 48:].reshape(m, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+    qh = (b[:, 16:48].reshape(m, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & np.uint8(1)
+    return ql.reshape(m, 256) | (qh.reshape(m, 256) << np.uint8(4))
+
+
 def _q5_k(b: np.ndarray) -> tuple:
     m = len(b)
     d, dmin = _half(b, 0), _half(b, 2)
     sc, mn = _k_scale_min(b[:, 4:16])
-    ql = (b[:, 48:].reshape(m, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
-    qh = (b[:, 16:48].reshape(m, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & np.uint8(1)
-    q = ql.reshape(m, 8, 32) | (qh.reshape(m, 8, 32) << np.uint8(4))
-    return q + np.uint8(128), d * sc.astype(np.float32), 128, -(dmin * mn.astype(np.float32))
+    return q5_k_codes(b).reshape(m, 8, 32) + np.uint8(128), d * sc.astype(np.float32), 128, -(dmin * mn.astype(np.float32))
 
 
 def q6_k_codes(b: np.ndarray) -> np.ndarray:

@@ -9,6 +9,11 @@ interleaved four at a time, so that every 32-bit lane of a 64-byte vector belong
         qs    [32 v][16 col][4]  low nibble: code 4v+i, high nibble: code 128+4v+i
         sc    [3][16 col][4]     the file's 12 bytes of 6-bit scales and minimums, as three words
         d     [16 col] fp16,  dmin [16 col] fp16
+    Q5_K, 2816 bytes = 16 × 176 (codes q in 0..31):
+        qs    [32 v][16 col][4]  as Q4_K's: the codes' low four bits
+        sc    [3][16 col][4]     as Q4_K's
+        qh    [8 h][16 col][4]   bit b: the fifth bit of code 4(h + 8b)+i
+        d     [16 col] fp16,  dmin [16 col] fp16
     Q6_K, 3360 bytes = 16 × 210 (codes q in 0..63, the weight is d·sc·(q − 32)):
         ql    [32 v][16 col][4]  low nibble: q & 15 of code 4v+i, high nibble: of code 128+4v+i
         qh    [16 h][16 col][4]  bits 2f..2f+1: q >> 4 of code 4(h + 16f)+i
@@ -32,11 +37,11 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from .blocks import q4_k_codes, q6_k_codes
+from .blocks import q4_k_codes, q5_k_codes, q6_k_codes
 
 TILE = 16  # columns a tile
 # one (super-)block of one row, as the file stores it
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 
 
 def tiles(kind: str, raw: np.ndarray) -> np.ndarray:
@@ -49,7 +54,8 @@ def tiles(kind: str, raw: np.ndarray) -> np.ndarray:
         raw = np.concatenate([raw, np.zeros((padded, row_bytes), np.uint8)])
     count = raw.shape[0] // TILE
     blocks = np.ascontiguousarray(raw.reshape(count, TILE, nb, size).transpose(0, 2, 1, 3))  # [tile, block, col, bytes]
-    parts = _q4_k(blocks) if kind == "Q4_K" else _q6_k(blocks) if kind == "Q6_K" else _per_32(kind, blocks)
+    k_quants = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+    parts = k_quants[kind](blocks) if kind in k_quants else _per_32(kind, blocks)
     lead = (count, nb)
     return np.concatenate([np.ascontiguousarray(p).reshape(*lead, -1) for p in parts], axis=-1).reshape(count, -1)
 
@@ -64,6 +70,18 @@ def _q4_k(b: np.ndarray) -> list[np.ndarray]:
     codes = q4_k_codes(b.reshape(-1, b.shape[-1])).reshape(*lead, 2, 32, 4)  # [.., first or second 128, v, i]
     return [_lanes(codes[..., 0, :, :] | (codes[..., 1, :, :] << np.uint8(4))),
             _lanes(b[..., 4:16].reshape(*lead, 3, 4)), b[..., 0:2], b[..., 2:4]]
+
+
+def _q5_k(b: np.ndarray) -> list[np.ndarray]:
+    lead = b.shape[:-1]
+    q = q5_k_codes(b.reshape(-1, b.shape[-1])).reshape(*lead, 256)  # 0..31, in weight order
+    low = (q & np.uint8(0x0F)).reshape(*lead, 2, 32, 4)
+    fifth = (q >> np.uint8(4)).reshape(*lead, 8, 8, 4)  # [.., b, h, i]: code 4(h + 8b) + i
+    qh = np.zeros((*lead, 8, 4), np.uint8)
+    for bit in range(8):
+        qh |= fifth[..., bit, :, :] << np.uint8(bit)
+    return [_lanes(low[..., 0, :, :] | (low[..., 1, :, :] << np.uint8(4))), _lanes(b[..., 4:16].reshape(*lead, 3, 4)),
+            _lanes(qh), b[..., 0:2], b[..., 2:4]]
 
 
 def _q6_k(b: np.ndarray) -> list[np.ndarray]:
