@@ -122,6 +122,8 @@ def test_an_openvino_variant_runs_in_the_python_backend_only(zoo, tmp_path):
     io = openvino_io(artifact / "model.openvino-int8.xml")
     assert [i.name for i in model.input] == [t.name for t in io.inputs] == manifest.input_names
     assert [list(o.dims) for o in model.output] == [[-1, 32]]
+    readme = (out / "README.md").read_text()
+    assert "python backend running openvino" in readme and "pip install tokenizers openvino" in readme
 
 
 @pytest.mark.parametrize("task", TASKS)

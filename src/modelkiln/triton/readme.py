@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..manifest import Manifest, Variant
+from ..runtime.registry import OPENVINO, engine_kind
 from ..tasks import make_task
 from . import versions
 from .config import ModelConfig, Options
@@ -20,10 +21,12 @@ def render(manifest: Manifest, variant: Variant, opts: Options, configs: Sequenc
         release = (versions.matching(versions.TENSORRT, engine_version) or ["<release with TensorRT " + engine_version + ">"])[-1]
     elif opts.model_backend == "onnxruntime":
         release = (versions.matching(versions.ONNXRUNTIME, ort) or ["25.03"])[-1]
+    runtime = "openvino" if engine_kind(variant) == OPENVINO else "onnxruntime"  # what the python-backend model imports
     backend_line = {
         "onnxruntime": 'platform "onnxruntime_onnx": needs a Triton image with the onnxruntime backend (the standard `-py3` images).',
         "tensorrt": 'platform "tensorrt_plan": needs the Triton release whose TensorRT version built the plan, on the same GPU model.',
-        "python": "python backend running onnxruntime: works on CPU-only / python-backend-only Triton builds such as the one in nvidia-pytriton.",
+        "python": f"python backend running {runtime} (kiln's engine for `{variant.name}`): works on CPU-only / "
+                  "python-backend-only Triton builds such as the one in nvidia-pytriton.",
     }[opts.model_backend]
     lines = [
         f"# Triton model repository for `{name}` ({manifest.task})",
@@ -45,8 +48,8 @@ def render(manifest: Manifest, variant: Variant, opts: Options, configs: Sequenc
         "  tritonserver --model-repository=/models",
         "```",
         "",
-        "The python models need `numpy` and `tokenizers` (and `onnxruntime` for a python-backend `_model`) in the",
-        "python backend's Python: `pip install tokenizers onnxruntime` in an image built FROM the tag above, or an",
+        f"The python models need `numpy` and `tokenizers` (and `{runtime}` for a python-backend `_model`) in the",
+        f"python backend's Python: `pip install tokenizers {runtime}` in an image built FROM the tag above, or an",
         "`EXECUTION_ENV_PATH` conda-pack archive. Each python model carries the modelkiln code it runs in",
         "`1/modelkiln/` (copied when this repository was generated), so modelkiln itself need not be installed.",
         "",
