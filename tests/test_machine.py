@@ -15,7 +15,9 @@ from modelkiln.manifest import Manifest
 def test_vector_extensions_of_the_project_machines():
     xeon = set("fpu avx f16c fma avx2 avx512f avx512bw avx512_vnni avx_vnni avx512_bf16 amx_bf16 amx_tile amx_int8".split())
     epyc = set("fpu avx f16c fma avx2 sse4_2".split())
-    assert vector_extensions(xeon) == "AVX2 FMA AVX-512 VNNI AMX"
+    zen5 = set("fpu avx f16c fma avx2 avx512f avx512bw avx512_vnni avx_vnni avx512_bf16".split())
+    assert vector_extensions(xeon) == "AVX2 FMA AVX-512 VNNI BF16 AMX"
+    assert vector_extensions(zen5) == "AVX2 FMA AVX-512 VNNI BF16"
     assert vector_extensions(epyc) == "AVX2 FMA"
     assert vector_extensions(set("fp asimd sve".split())) == "NEON SVE"
     assert vector_extensions(set()) == ""

@@ -21,6 +21,7 @@ VECTOR_EXTENSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("FMA", ("fma",)),
     ("AVX-512", ("avx512f",)),
     ("VNNI", ("avx512_vnni", "avx_vnni")),  # int8 dot products (onnxruntime's int8 kernels use them)
+    ("BF16", ("avx512_bf16",)),  # AVX-512 BF16: bf16 dot products (OpenVINO's bf16 uses them where there is no AMX)
     ("AMX", ("amx_tile",)),
     ("NEON", ("asimd",)),  # aarch64
     ("SVE", ("sve",)),
@@ -47,7 +48,8 @@ def cpu_model() -> str:
 
 
 def vector_extensions(flags: set[str]) -> str:
-    """e.g. "AVX2 FMA AVX-512 VNNI AMX" (an Intel Xeon with AMX) or "AVX2 FMA" (an AMD EPYC without VNNI)."""
+    """e.g. "AVX2 FMA AVX-512 VNNI BF16 AMX" (an Intel Xeon with AMX), "AVX2 FMA AVX-512 VNNI BF16" (an AMD
+    EPYC Zen 4/5) or "AVX2 FMA" (an AMD EPYC without AVX-512)."""
     return " ".join(name for name, any_of in VECTOR_EXTENSIONS if flags.intersection(any_of))
 
 

@@ -86,7 +86,7 @@ def machine_info(threads: int | None) -> dict[str, Any]:
 
 
 def machine_title(machine: dict[str, Any]) -> str:
-    """The machine part of a bench table's title: "Intel(R) Xeon(R) … (AVX2 FMA AVX-512 VNNI AMX), 2 threads, …"."""
+    """The machine part of a bench table's title: "Intel(R) Xeon(R) … (AVX2 FMA AVX-512 VNNI BF16 AMX), 2 threads, …"."""
     isa = f" ({machine['isa']})" if machine.get("isa") else ""
     openvino = f", openvino {machine['openvino']}" if machine.get("openvino") else ""
     return f"{machine['cpu']}{isa}, {machine['threads']} threads, onnxruntime {machine['onnxruntime']}{openvino}"
