@@ -100,6 +100,12 @@ def test_the_default_variant_is_the_fastest_on_mixed_lengths_where_measured():
     assert manifest.fastest_variant().name == "a"
     manifest.variants[0].served_ms = None  # not measured: every candidate by its fixed shape
     assert manifest.fastest_variant().name == "b"
+    # another engine than onnxruntime's must be 10% faster than the fastest ONNX variant to be the default
+    openvino = Variant("openvino-int8", "int8", "cpu", "model.xml", True, latency_ms=0.5, served_ms=1.4, engine="openvino")
+    manifest.variants = [variant("int8", 1.0, 1.5), openvino]
+    assert manifest.fastest_variant().name == "int8"  # 1.4 against 1.5: a near tie
+    openvino.served_ms = 1.3
+    assert manifest.fastest_variant().name == "openvino-int8"
 
 
 def test_manifest_records_what_serving_needs(zoo):
