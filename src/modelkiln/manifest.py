@@ -121,9 +121,9 @@ class Manifest:
             return measured if measured is not None else float("inf")
 
         fastest = min(candidates, key=latency)
-        onnx = [v for v in candidates if (v.engine or "onnx") == "onnx"]
-        if onnx and fastest not in onnx and latency(min(onnx, key=latency)) * (1 - OTHER_ENGINE_MARGIN) <= latency(fastest):
-            return min(onnx, key=latency)
+        onnx = min((v for v in candidates if (v.engine or "onnx") == "onnx"), key=latency, default=None)
+        if onnx is not None and latency(onnx) * (1 - OTHER_ENGINE_MARGIN) <= latency(fastest):
+            return onnx  # itself where it is the fastest; else a near tie goes to onnxruntime
         return fastest
 
     # -- (de)serialisation -----------------------------------------------------------------
@@ -169,3 +169,11 @@ class Manifest:
 
 def is_artifact(path: Path | str) -> bool:
     return (Path(path) / MANIFEST_NAME).is_file()
+
+
+def variant_files(folder: Path, file: str) -> list[Path]:
+    """A variant's file and the weights beside it that exist: an ONNX file's external data
+    (``FILE.data``), an OpenVINO IR's ``.bin``."""
+    path = Path(folder) / file
+    companions = [path.parent / (path.name + ".data"), path.with_suffix(".bin") if path.suffix == ".xml" else None]
+    return [path, *(c for c in companions if c is not None and c.is_file())]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..extras import has_extra
 from ..machine import cpu_flags, native_bf16
+from ..manifest import variant_files
 from ..tasks import text_generation
 
 
@@ -57,9 +58,6 @@ def versions() -> dict[str, str]:
 
 
 def remove_variant_file(path: Path) -> None:
-    """A variant's file (ONNX, OpenVINO IR or safetensors) and the weights beside it, if any (an ONNX
-    file's external data, an IR's ``.bin``)."""
-    path.unlink(missing_ok=True)
-    (path.parent / (path.name + ".data")).unlink(missing_ok=True)
-    if path.suffix == ".xml":
-        path.with_suffix(".bin").unlink(missing_ok=True)
+    """A variant's file (ONNX, OpenVINO IR or safetensors) and the weights beside it (``variant_files``)."""
+    for file in variant_files(path.parent, path.name):
+        file.unlink(missing_ok=True)

@@ -140,7 +140,7 @@ class _Builder:
         variant = Variant(name=name, precision=precision, device=device, file=path.name, kept=False, engine=engine)
         runner = open_encoder(self.folder, self.manifest, variant, self.cfg.threads, keep_hidden=True)
         validation = validate(self.task, self.reference, runner, self.tolerance(precision))
-        texts = [text for _, _, chunk in self.reference.batches for text in chunk]
+        texts = self.reference.inputs
         invariance = batch_invariance(self.task, self.encoder, runner, texts)
         validation.batch_min_cosine, validation.batch_agreement = invariance.min_cosine, invariance.agreement
         validation.passed = validation.passed and invariance.passed
@@ -155,7 +155,7 @@ class _Builder:
         engines = {id(v): open_encoder(self.folder, self.manifest, v, self.cfg.threads) for v in variants}
         stats = measure_interleaved({k: partial(e.run, self.feeds) for k, e in engines.items()},
                                     rounds=5, seconds_per_round=self.cfg.timing_seconds / 5)
-        alone = [self.encoder.encode([text])[0] for _, _, chunk in self.reference.batches for text in chunk]
+        alone = [self.encoder.encode([text])[0] for text in self.reference.inputs]
         served = measure_interleaved({k: partial(_run_each, e, alone) for k, e in engines.items()},
                                      rounds=5, seconds_per_round=self.cfg.timing_seconds / 5)
         for v in variants:
@@ -381,8 +381,7 @@ def _build_openvino(b: _Builder, name: str, fp32_path: Path, device: str) -> Non
     elif precision == "int8" and not has_extra("nncf"):
         b.skip(name, precision, "cpu", f"nncf (OpenVINO's quantizer) is not installed: {install_hint('nncf')}")
     elif precision == "int8":
-        given = [text for _, _, chunk in b.reference.batches for text in chunk] if b.cfg.calibration_texts else None
-        inputs = calibration_inputs(type(b.task), given)
+        inputs = calibration_inputs(type(b.task), b.reference.inputs if b.cfg.calibration_texts else None)
         path = b.folder / "model.openvino-int8.xml"
         with b.steps(f"Quantizing {fp32_path.name} for OpenVINO (NNCF int8, {len(inputs)} calibration inputs) "
                      "and validating"):

@@ -54,6 +54,11 @@ class Reference:
     batches: list[tuple[dict[str, np.ndarray], list, list[TextInput]]]  # feeds, encodings, inputs
     outputs: list[dict[str, np.ndarray]]
 
+    @property
+    def inputs(self) -> list[TextInput]:
+        """The validation texts, prepared, in order."""
+        return [text for _, _, chunk in self.batches for text in chunk]
+
 
 def run_reference(engine: Runner, encoder: TextEncoder, task: Task, texts: Sequence[TextInput]) -> Reference:
     prepared = task.prepare(list(texts))

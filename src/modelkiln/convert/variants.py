@@ -186,7 +186,6 @@ def quantize_int4(src: Path, dst: Path, block_size: int, accuracy_level: int, sy
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
 
 
-@in_scratch_directory
 def quantize_openvino_int8(src: Path, dst: Path, calibration: Sequence[dict[str, Any]]) -> None:
     """NNCF's post-training int8 of the exported graph for OpenVINO, written as an IR (``dst`` .xml and
     its .bin): int8 weights per output channel, and activations with scales measured once on
@@ -211,6 +210,7 @@ def quantize_openvino_int8(src: Path, dst: Path, calibration: Sequence[dict[str,
     openvino.save_model(quantized, str(dst), compress_to_fp16=False)
 
 
+@in_scratch_directory
 def to_fp16(src: Path, dst: Path) -> None:
     """fp16 weights and activations for CUDA, keeping inputs/outputs and reduction ops in fp32."""
     import onnx

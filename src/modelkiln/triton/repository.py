@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..atomic import atomic_folder  # the same atomic write `kiln convert` uses
 from ..errors import ArtifactError, ErrorKind, KilnError
-from ..manifest import Manifest, Variant
+from ..manifest import Manifest, Variant, variant_files
 from ..runtime.registry import ONNX, OPENVINO, engine_kind
 from ..tasks.text_generation import is_generation
 from . import config as cfg
@@ -182,13 +182,6 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
         _model_folder(tmp, ensemble)
         (tmp / "README.md").write_text(readme.render(manifest, chosen, opts, [tokenize, model, post, ensemble], engine_version))
     return out
-
-
-def variant_files(artifact: Path, file: str) -> list[Path]:
-    """A variant's file and the weights that sit beside it (an ONNX file's external data, an IR's .bin)."""
-    path = artifact / file
-    companions = [artifact / (file + ".data"), path.with_suffix(".bin") if path.suffix == ".xml" else None]
-    return [path, *(c for c in companions if c is not None and c.is_file())]
 
 
 def _model_folder(root: Path, config: ModelConfig) -> Path:
