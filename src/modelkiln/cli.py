@@ -96,7 +96,7 @@ def convert(
     model: str = typer.Argument(..., help="Local model folder, Hugging Face hub id, or a .gguf file (text generation)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Artifact folder to write (atomically). Default: the model cache ($KILN_CACHE, else ~/.cache/modelkiln), where kiln serve, generate... MODEL find it; kiln cache ls shows it.", show_default=False),
     task: str = typer.Option("auto", help="text-classification | sentence-embeddings | token-classification | question-answering | text-generation | auto"),
-    precision: str = typer.Option("", help="Comma-separated variants to build: fp32,optimized,int8,fp16,tensorrt,openvino-fp32,openvino-bf16 or all (text generation: gguf,fp32,int8,int4, gguf = a GGUF file's own blocks; --engine torch: fp32,bf16,fp16). Default: all that fit the device; for a GGUF file, gguf."),
+    precision: str = typer.Option("", help="Comma-separated variants to build: fp32,optimized,int8,fp16,tensorrt,openvino-fp32,openvino-bf16,openvino-int8 or all (text generation: gguf,fp32,int8,int4, gguf = a GGUF file's own blocks; --engine torch: fp32,bf16,fp16). Default: all that fit the device; for a GGUF file, gguf."),
     device: str = typer.Option("cpu", help="cpu or cuda: the device variants are built, validated and timed on."),
     engine: str = typer.Option("onnx", help="onnx: ONNX Runtime graphs; torch: the weights for kiln's PyTorch engine (variants torch-fp32, torch-bf16, torch-fp16; needs modelkiln[convert] to serve)."),
     calibration_texts: Optional[Path] = typer.Option(None, help="Validation texts, one per line (a tab separates a pair / question-context)."),
