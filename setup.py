@@ -10,10 +10,10 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 ext_modules = [
     Extension(
         "modelkiln.native._gguf_ops",
-        ["src/modelkiln/native/gguf_ops.c", "src/modelkiln/native/gguf_q32.c", "src/modelkiln/native/gguf_amx.c",
-         "src/modelkiln/native/attention.c"],
+        ["src/modelkiln/native/gguf_ops.c", "src/modelkiln/native/gguf_k_low.c", "src/modelkiln/native/gguf_q32.c",
+         "src/modelkiln/native/gguf_amx.c", "src/modelkiln/native/attention.c"],
         depends=["src/modelkiln/native/ort_abi.h", "src/modelkiln/native/gguf_q32.h", "src/modelkiln/native/gguf_q32_blocks.h", "src/modelkiln/native/gguf_amx_tiles.h",
-                 "src/modelkiln/native/gguf_tiles.h",
+                 "src/modelkiln/native/gguf_tiles.h", "src/modelkiln/native/gguf_k.h",
                  "src/modelkiln/native/attention_kernel.h"],
         # AVX2/FMA/F16C: every CPU the kernels are used on (checked again before loading);
         # no FMA contraction, so the gather rounds as gguf-py's numpy operations do, and attention's

@@ -4,7 +4,7 @@ matrix bigger than the caches (32768 × 4096: 75 MB as Q4_K, 110 MB as Q6_K, 143
 kernels' check passes), AVX-512 VNNI, AVX2. Rows are the batch of a decode
 step (one per sequence), or a prompt chunk's tokens.
 
-    python benchmarks/generation/gguf_kernels.py [--rows 1,4,16,64] [--repeat 10] [--json out.json]
+    python benchmarks/generation/gguf_kernels.py [--rows 1,4,16,64] [--types Q4_K,Q3_K] [--repeat 10] [--json out.json]
 
 Prints milliseconds per product, the weight bytes read per second and the int8 multiply-adds per
 second; the library is the one ``pip install`` built (``src/modelkiln/native``)."""
@@ -25,8 +25,8 @@ from modelkiln.native import GGML_TYPES, library_path
 
 
 # where a block keeps its fp16 scales (and minimums)
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-               "Q6_K": (208,)}
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=32768)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--rows", default="1,4,16,64")
+    parser.add_argument("--types", default=",".join(GGML_TYPES), help="the GGUF types, comma-separated (default: all)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -52,7 +53,7 @@ def main() -> None:
     print(f"{cpu['cpu']} ({cpu['isa']}), one thread, W {args.n} x {args.k}")
     rng = np.random.default_rng(0)
     rows_out = []
-    for kind in GGML_TYPES:
+    for kind in args.types.split(","):
         weights = tiles(kind, random_blocks(kind, args.n, args.k, rng))
         for isa, avx512, amx in (("amx", 1, 1), ("avx512", 1, 0), ("avx2", 0, 0)):
             lib.kiln_gguf_use_avx512(avx512)

@@ -109,7 +109,7 @@ def convert(
     fp16_min_cosine: Optional[float] = typer.Option(None, help="Min mean cosine similarity for fp16 (default 0.999)."),
     int4_block_size: int = typer.Option(32, help="Text generation: weights per int4 scale (MatMulNBits block size)."),
     int4_accuracy_level: int = typer.Option(4, help="Text generation: MatMulNBits accuracy level of gguf, int8 and int4 (4: int8 compute; 0: fp32)."),
-    native_gguf: bool = typer.Option(True, help="Text generation from a GGUF: multiply by its Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K blocks as the file stores them (kiln's native operators); --no-native-gguf stores them in MatMulNBits."),
+    native_gguf: bool = typer.Option(True, help="Text generation from a GGUF: multiply by its Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K..Q6_K blocks as the file stores them (kiln's native operators); --no-native-gguf stores them in MatMulNBits."),
     gate_prompts: str = typer.Option("8,4", help="Text generation: gate prompts as SHORT,SQUAD (STS-B sentences, SQuAD chat prompts; as many SQuAD paragraphs for perplexity)."),
     max_model_gb: Optional[float] = typer.Option(None, help="Text generation: refuse fp32, int8 and int4 of models whose fp32 weights exceed this (default: a third of the memory)."),
 ) -> None:

@@ -141,7 +141,7 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
     """By default (--native-gguf), Q4_K, Q5_K and Q6_K stay the file's own rows (q and k one node, v another;
     gate and up apart, stored apart), the embedding is gathered from its blocks and the tied head reads the
     same rows. The logits are PyTorch's to int8-activation rounding, and the gate (alone = batched)
-    passes. (Types the native operators do not read, Q2_K and Q3_K, keep their MatMulNBits form: test_gguf_blocks.py.)"""
+    passes. (With --no-native-gguf every type keeps its MatMulNBits form: test_gguf_blocks.py.)"""
     import onnx
 
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_K", embedding="Q6_K", hidden=256, ff=256,
@@ -168,6 +168,33 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
     manifest_file.write_text(json.dumps(recorded))
     with pytest.raises(ArtifactError, match="convert the model again"):
         TextGenerationModel(out).core(packed.name)
+
+
+@pytest.mark.skipif(__import__("modelkiln.native", fromlist=["library_path"]).library_path() is None,
+                    reason="the native library is not built on this machine")
+def test_2_and_3_bit_k_quants_as_stored_for_the_native_operators(tmp_path):
+    """A Q3_K_M / Q2_K-like file: Q3_K matrices and embedding, Q2_K up and down: the file's own rows,
+    at its size (2.6 and 3.4 bits a weight, where MatMulNBits took 6); logits are PyTorch's to
+    int8-activation rounding, and the gate passes."""
+    import onnx
+
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q3_K", embedding="Q3_K", hidden=256, ff=256,
+                                types={"ffn_up": "Q2_K", "ffn_down": "Q2_K"})
+    out = tmp_path / "art"
+    manifest = _convert(gguf_path, out)
+    [packed] = [v for v in manifest.variants if v.name == "gguf"]
+    assert packed.kept, packed.reason
+    for kind in ("Q2_K", "Q3_K"):
+        assert packed.details["from_gguf"][kind]["stored"] == f"{kind} blocks as in the file, in tiles of 16 rows (GgufMatMul)"
+    graph = onnx.load(str(out / "model.gguf.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("GgufGather") == 1 and "MatMulNBits" not in ops
+    assert ops.count("GgufMatMul") == 2 * 5 + 1  # qkv (one type: one node), o, gate, up (apart: Q3_K, Q2_K), down per layer; the head
+    weights = {t.name: t for t in graph.initializer}
+    stored = sum(int(np.prod(t.dims)) for t in weights.values() if t.data_type == onnx.TensorProto.UINT8)
+    on_file = sum(t.n_bytes for t in _decoder(gguf_path).tensors.values() if t.tensor_type.name in ("Q2_K", "Q3_K"))
+    assert stored == on_file  # the tiles take the file's bytes (the tiny model's rows are whole tiles)
+    _assert_logits_near_pytorch(out, gguf_path)
 
 
 def test_blocks_of_32_as_stored_for_the_native_operators(tmp_path):

@@ -74,7 +74,7 @@ class ConvertConfig:
     # Text generation (convert/generation/pipeline.py)
     int4_block_size: int = 32
     int4_accuracy_level: int = 4
-    native_gguf: bool = True  # a GGUF's blocks as stored (Q4_0..Q8_0, Q4_K, Q6_K), for kiln's native operators (native/)
+    native_gguf: bool = True  # a GGUF's blocks as stored (Q4_0..Q8_0, Q2_K..Q6_K), for kiln's native operators (native/)
     gate_short: int = 8  # STS-B sentences as plain prompts
     gate_squad: int = 4  # SQuAD question + context chat prompts (and as many perplexity paragraphs)
     generation_gate: dict | None = None  # precision → generation_gate.GateTolerance overrides

@@ -1,9 +1,9 @@
-"""Native onnxruntime operators over a GGUF file's blocks (``gguf_ops.c``, ``gguf_q32.c``, on AMX ``gguf_amx.c``), and kiln's attention
-(``attention.c``).
+"""Native onnxruntime operators over a GGUF file's blocks (``gguf_ops.c``, ``gguf_k_low.c``, ``gguf_q32.c``, on AMX
+``gguf_amx.c``), and kiln's attention (``attention.c``).
 
-``GgufMatMul`` multiplies by Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights stored as the file
-stores them (Q4_K 4.5 and Q6_K 6.56 bits a weight, where MatMulNBits needs 6 and 10 for the same values
-exactly; Q5_0 5.5 against 9); ``GgufGather``
+``GgufMatMul`` multiplies by Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights stored as the
+file stores them (Q4_K 4.5 and Q6_K 6.56 bits a weight, where MatMulNBits needs 6 and 10 for the same values
+exactly; Q5_0 5.5 against 9; Q3_K 3.4 against 6); ``GgufGather``
 dequantizes embedding rows bit for bit as gguf-py does; ``KilnAttention`` attends packed tokens of
 any number of sequences over a KV cache, each position reduced as a decode step reduces it. The library is built at install time
 (setup.py) and registered with every onnxruntime session (``runtime/onnx.session_options``); a
@@ -20,7 +20,8 @@ from ..errors import ArtifactError
 
 DOMAIN = "kiln.gguf"
 # the GGUF types these operators read (ggml's type numbers)
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+              "Q6_K": 14}
 # How GgufMatMul's weights are laid out, recorded in a variant's details ("native_ops"): 2 is tiles
 # of 16 rows (convert/gguf/tiles.py); graphs of the first layout (the file's rows, recorded as
 # ``true``) cannot run on these kernels.

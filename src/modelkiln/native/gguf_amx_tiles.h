@@ -20,6 +20,7 @@
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #endif
 #define INLINE_AMX AMX_TARGET __attribute__((always_inline)) static inline
+#define AMX_MAX_ROWS 16  /* rows of X (of C and A) a tile multiply takes */
 
 typedef struct {  /* palette 1's tile configuration (LDTILECFG's 64 bytes) */
     uint8_t palette, start_row, reserved[14];

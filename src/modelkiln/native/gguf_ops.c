@@ -2,8 +2,9 @@
  *
  * GgufMatMul  Y[..., N] = X[..., K] · Wᵀ, W: Q4_K, Q5_K or Q6_K rows in tiles of 16 (convert/gguf/tiles.py)
  * GgufGather  Y[..., K] = the rows of W for token ids, dequantized exactly as gguf-py does
- * (domain "kiln.gguf"; attributes ggml_type (12: Q4_K, 13: Q5_K, 14: Q6_K), K and N). The types with a scale
- * per 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are gguf_q32.c's, in tiles of the same shape.
+ * (domain "kiln.gguf"; attributes ggml_type (12: Q4_K, 13: Q5_K, 14: Q6_K), K and N). Q2_K and Q3_K (10,
+ * 11) are gguf_k_low.c's and the types with a scale per 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+ * gguf_q32.c's, in tiles of the same shape; this file also holds the operators and their dispatch.
  *
  * Why: MatMulNBits needs an fp32 scale per block and an fp32 correction for a block minimum, so a
  * Q4_K weight costs 6 bits there against the file's 4.5, a Q5_K 10 against 5.5, and a Q6_K 10 against 6.56. Decoding one
@@ -27,21 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gguf_amx_tiles.h"
+#include "gguf_k.h"
 #include "gguf_q32.h"
-#include "gguf_tiles.h"
 #include "ort_abi.h"
-
-#define QK_K 256
-enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
-
-/* ---- activations: int8 codes per 256 inputs ---------------------------------------------------- */
-typedef struct {  /* 64-byte aligned: the dot products' 32- and 64-byte loads never split a cache line */
-    int8_t qs[QK_K];
-    int16_t bsums[QK_K / 16];   /* sums of each 16 codes (Q6_K's groups) */
-    int16_t bsums32[QK_K / 32]; /* and of each 32 (Q4_K's sub-blocks) */
-    float d;
-} __attribute__((aligned(64))) q8_block;
 
 static void quantize_row(const float *x, int64_t k, q8_block *out) {
     for (int64_t b = 0; b < k / QK_K; b++, x += QK_K) {
@@ -64,42 +53,10 @@ static void quantize_row(const float *x, int64_t k, q8_block *out) {
     }
 }
 
-/* ---- the weights: tiles of sixteen columns (convert/gguf/tiles.py writes them) ----------------- */
-/* A tile's super-block holds sixteen columns' blocks with the codes interleaved four at a time,
- * so that each 32-bit lane of a 64-byte vector is one column (offsets below; tiles.py draws
- * the layout). The values are the file's, moved. */
-enum {  /* byte offsets inside one tile super-block */
-    K4_QS = 0, K4_SC = 2048 /* [3 words][16] */, K4_D = 2240, K4_DMIN = 2272, K4_BYTES = 2304,
-    K5_QH = 2240 /* Q5_K: Q4_K's codes and scales, then its fifth bits */, K5_D = 2752, K5_DMIN = 2784, K5_BYTES = 2816,
-    K6_QL = 0, K6_QH = 2048, K6_SC = 3072, K6_D = 3328, K6_BYTES = 3360,
-};
-static const size_t TILE_BLOCK_BYTES[15] = {[GGML_Q4_K] = K4_BYTES, [GGML_Q5_K] = K5_BYTES, [GGML_Q6_K] = K6_BYTES};
-
-/* ---- exact integer sums, one float step per super-block ---------------------------------------- */
-/* For every row of X, column and super-block, two exact integers
- *     sums = Σ_sub-blocks scale · Σ code · x     and     mins = Σ min · (16- or 32-sums of x)
- * (Q4_K: 6-bit scales and minimums; Q6_K: signed 8-bit scales and the code offset 32 · scale), then
- * the same float operations: acc += dx · (d · sums − dmin · mins). However the integers are formed
- * (how many rows at once, AVX2 or AVX-512) they are the same, so a row's result is the same bits
- * alone, in any batch, on either instruction set: an answer does not depend on its batch. */
-/* Products summed into one register wait for each other (vpdpbusd takes several cycles): with few
- * rows, each row's sums are split over independent registers (exact integers: added back after). */
-#define CHAINS 4
-static inline int chains(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+static const size_t TILE_BLOCK_BYTES[15] = {[GGML_Q2_K] = K2_BYTES, [GGML_Q3_K] = K3_BYTES, [GGML_Q4_K] = K4_BYTES,
+                                            [GGML_Q5_K] = K5_BYTES, [GGML_Q6_K] = K6_BYTES};
 
 static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
-
-/* -- AVX-512 (VNNI): all sixteen columns in one vector -- */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline
-
-AVX512 __m512i pairs16_512(__m512i first, __m512i second) {
-    return _mm512_or_si512(_mm512_and_si512(first, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(second, 16));
-}
-
-AVX512 void float_step_512(__m512 *acc, __m512i sums, __m512i mins, float dx, __m512 d, __m512 dmin) {
-    __m512 t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(sums), d));
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(dx), t, *acc);
-}
 
 /* Q4_K's scales and minimums of sixteen columns from the file's three words each (k4_scales_mins,
  * a lane per column): sc[0] bytes are scales 0-3, sc[1] 4-7, mn likewise */
@@ -111,45 +68,6 @@ AVX512 void k4_scales_mins_512(const uint8_t *t, __m512i sc[2], __m512i mn[2]) {
     sc[1] = _mm512_or_si512(_mm512_and_si512(u2, four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), two), 4));
     mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), two), 4));
 }
-
-/* acc += codes · (the four int8 at p, broadcast to every lane): vpdpbusd written out, because GCC's
- * intrinsic copies the accumulator to another register and back around each product, which
- * doubled the instructions of the kernels' inner loops (the bits are the instruction's either way) */
-#define DPBUSD_BCAST(acc, codes, p) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const int32_t *)(p)))
-
-/* Four codes of sixteen columns at k4 groups v (first) and v + 32 (second) against each row's
- * four codes there, into the row's sums of chain c. Two forms of the same instructions: Q4_K's
- * loop runs faster with the product written out (DPBUSD_BCAST: one row 1.4x from memory, 4-128
- * rows +4-7%), Q6_K's slower (its code unpacking leaves the compiler fewer registers); measured
- * with benchmarks/generation/gguf_kernels.py-sized matrices on an AMD EPYC Zen 5. */
-AVX512 void products_512(__m512i lo[][MAX_ROWS], __m512i hi[][MAX_ROWS], int c, __m512i first, __m512i second,
-                         const q8_block *const *x, int64_t b, int v, const int R) {
-    for (int r = 0; r < R; r++) {
-        DPBUSD_BCAST(lo[c][r], first, x[r][b].qs + 4 * v);
-        DPBUSD_BCAST(hi[c][r], second, x[r][b].qs + 128 + 4 * v);
-    }
-}
-AVX512 void products_intrinsic_512(__m512i lo[][MAX_ROWS], __m512i hi[][MAX_ROWS], int c, __m512i first,
-                                   __m512i second, const q8_block *const *x, int64_t b, int v, const int R) {
-    for (int r = 0; r < R; r++) {
-        lo[c][r] = _mm512_dpbusd_epi32(lo[c][r], first, _mm512_set1_epi32(load32(x[r][b].qs + 4 * v)));
-        hi[c][r] = _mm512_dpbusd_epi32(hi[c][r], second, _mm512_set1_epi32(load32(x[r][b].qs + 128 + 4 * v)));
-    }
-}
-
-/* Each row's chains added back, then times the sub-block scales of the two groups, into its sums */
-AVX512 void add_scaled_512(__m512i *sums, __m512i lo[][MAX_ROWS], __m512i hi[][MAX_ROWS], __m512i sl, __m512i sh, const int R) {
-    for (int c = 1; c < chains(R); c++)
-        for (int r = 0; r < R; r++) lo[0][r] = _mm512_add_epi32(lo[0][r], lo[c][r]), hi[0][r] = _mm512_add_epi32(hi[0][r], hi[c][r]);
-    for (int r = 0; r < R; r++)
-        sums[r] = _mm512_add_epi32(sums[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[0][r], sl), _mm512_mullo_epi32(hi[0][r], sh)));
-}
-
-/* byte i of every lane, as int32; bytes i and i + 1 as an int16 pair (the minimums: Q4_K's of
- * sub-blocks 2k and 2k+1 against X's 32-sums of them, Q6_K's 32 · scale of groups 2k, 2k+1 against
- * its 16-sums, one vpdpwssd each) */
-AVX512 __m512i byte_512(__m512i v, int i) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xFF)); }
-AVX512 __m512i byte_pair_512(__m512i v, int i) { return pairs16_512(byte_512(v, i), byte_512(v, i + 1)); }
 
 /* Q5_K's fifth bits of k4 group v (bit 4 of each byte): bit v / 8 of qh vector v % 8 (first: the
  * codes 4v+i; second: 128+4v+i, bit v / 8 + 4). 16-bit shifts carry bits across bytes only where
@@ -185,7 +103,7 @@ AVX512 void q4_k_tile_512(const int five, const uint8_t *t, int64_t nb, const q8
                         k5_fifth_512(t, v, &f0, &f1);
                         c0 = _mm512_or_si512(c0, f0), c1 = _mm512_or_si512(c1, f1);
                     }
-                    products_512(lo, hi, c, c0, c1, x, b, v, R);
+                    products_512(lo, hi, c, c0, c1, x, b, 4 * v, R);
                 }
             add_scaled_512(sums, lo, hi, byte_512(sc[0], j), byte_512(sc[1], j), R);
         }
@@ -221,7 +139,7 @@ AVX512 void q6_k_tile_512(const uint8_t *t, int64_t nb, const q8_block *const *x
             _Pragma("GCC unroll 8") for (int v = 4 * g; v < 4 * g + 4; v++) {
                 __m512i c0, c1;
                 q6_k_codes_512(t, v, &c0, &c1);
-                products_intrinsic_512(lo, hi, v % chains(R), c0, c1, x, b, v, R);
+                products_intrinsic_512(lo, hi, v % chains(R), c0, c1, x, b, 4 * v, R);
             }
             add_scaled_512(sums, lo, hi, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * g))),
                            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * (g + 8)))), R);
@@ -258,27 +176,6 @@ TILE_ROWS_512(2)
 TILE_ROWS_512(3)
 TILE_ROWS_512(4)
 
-/* -- AVX2: eight columns a vector, the tile in two halves; vpmaddubsw makes pair sums of the
- *    products (at most 2 · 63 · 127: no saturation), and vpmaddwd multiplies them by the column's
- *    sub-block scale (an int16 pair a lane) into the exact int32 sums -- */
-#define AVX2 __attribute__((always_inline)) static inline
-
-AVX2 __m256i pairs16_256(__m256i first, __m256i second) {
-    return _mm256_or_si256(_mm256_and_si256(first, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(second, 16));
-}
-
-AVX2 __m256i scaled_dot4_256(__m256i acc, __m256i codes, const int8_t *x4, __m256i scale_pairs) {
-    const __m256i p = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(load32(x4)));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale_pairs));
-}
-
-AVX2 void float_step_256(__m256 *acc, __m256i sums, __m256i mins, float dx, __m256 d, __m256 dmin) {
-    __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), dmin, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), d));
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(dx), t, *acc);
-}
-
-static inline __m256i signed_bytes_to_i32(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-
 AVX2 void k4_scales_mins_256(const uint8_t *t, int half, __m256i sc[2], __m256i mn[2]) {
     const __m256i six = _mm256_set1_epi32(0x3f3f3f3f), four = _mm256_set1_epi32(0x0f0f0f0f), two = _mm256_set1_epi32(0x03030303);
     const uint8_t *p = t + K4_SC + 32 * half;
@@ -289,8 +186,6 @@ AVX2 void k4_scales_mins_256(const uint8_t *t, int half, __m256i sc[2], __m256i 
     sc[1] = _mm256_or_si256(_mm256_and_si256(u2, four), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), two), 4));
     mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), four), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), two), 4));
 }
-
-AVX2 __m256i byte_256(__m256i v, int i) { return _mm256_and_si256(_mm256_srli_epi32(v, 8 * i), _mm256_set1_epi32(0xFF)); }
 
 /* columns 8·half .. 8·half + 7: bytes 32·half.. of each 64-byte vector, scales and d from 8·half */
 AVX2 void q4_k_tile_256(const int five, const uint8_t *t, int64_t nb, const q8_block *const *x, const int R, int half, __m256 *acc) {
@@ -371,21 +266,8 @@ TILE_ROWS_256(4)
 
 typedef void (*tile_rows_fn)(int, const uint8_t *, int64_t, const q8_block *const *, float[][TILE]);
 static tile_rows_fn tile_rows[MAX_ROWS + 1] = {NULL, tile_rows_256_1, tile_rows_256_2, tile_rows_256_3, tile_rows_256_4};
-
-/* -- AMX (gguf_amx_tiles.h): up to sixteen rows of X a tile multiply, one per Q4_K sub-block of 32
- *    inputs (the codes of eight vectors' low or high nibbles are B's eight rows) or per Q6_K group of
- *    16 (four vectors' codes); each product (exact) times its sub-block's scale into the same integer
- *    sums as above, the minimums and the float step as above: the AVX-512 kernel's bits -- */
-INLINE_AMX void amx_scaled_product(int emulate, const void *a, size_t row_bytes, const uint8_t (*codes)[64], __m512i scale,
-                                   __m512i *sums, int R) {
-    __attribute__((aligned(64))) int32_t c[16][16];
-    t_zero_c(emulate);
-    t_load(emulate, 1, a, row_bytes);
-    t_load(emulate, 2, codes, 64);
-    t_multiply(emulate, 0);  /* the codes are unsigned: TDPBSUD */
-    t_store_c(emulate, c);
-    for (int r = 0; r < R; r++) sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(_mm512_load_si512(c[r]), scale));
-}
+typedef void (*k_low_rows_fn)(int, int, const uint8_t *, int64_t, const q8_block *const *, float[][TILE]);
+static k_low_rows_fn k_low_rows = k_low_tile_rows_256;  /* Q2_K, Q3_K (gguf_k_low.c) */
 
 INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
     const size_t row_bytes = (size_t)nb * sizeof(q8_block);
@@ -465,12 +347,14 @@ INLINE_AMX void q6_k_amx(int emulate, const uint8_t *t, int64_t nb, const q8_blo
 
 typedef void (*k_amx_fn)(int, int, const uint8_t *, int64_t, const q8_block *, float[][TILE]);
 AMX_TARGET static void k_rows_amx(int type, int R, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
-    if (type == GGML_Q4_K) q4_k_amx(0, 0, t, nb, x, R, out);
+    if (k_low_type(type)) k_low_amx_rows(0, type, R, t, nb, x, out);
+    else if (type == GGML_Q4_K) q4_k_amx(0, 0, t, nb, x, R, out);
     else if (type == GGML_Q5_K) q4_k_amx(0, 1, t, nb, x, R, out);
     else q6_k_amx(0, t, nb, x, R, out);
 }
 AMX_TARGET static void k_rows_model(int type, int R, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
-    if (type == GGML_Q4_K) q4_k_amx(1, 0, t, nb, x, R, out);
+    if (k_low_type(type)) k_low_amx_rows(1, type, R, t, nb, x, out);
+    else if (type == GGML_Q4_K) q4_k_amx(1, 0, t, nb, x, R, out);
     else if (type == GGML_Q5_K) q4_k_amx(1, 1, t, nb, x, R, out);
     else q6_k_amx(1, t, nb, x, R, out);
 }
@@ -526,7 +410,8 @@ static void matmul_task(void *data, size_t tile) {
         } else {
             const q8_block *x[MAX_ROWS];
             for (int i = 0; i < R; i++) x[i] = (const q8_block *)job->x + (r + i) * job->nb;
-            tile_rows[R](job->type, t, job->nb, x, out);
+            if (k_low_type(job->type)) k_low_rows(job->type, R, t, job->nb, x, out);
+            else tile_rows[R](job->type, t, job->nb, x, out);
         }
         for (int i = 0; i < R; i++) memcpy(job->y + (r + i) * job->n + c0, out[i], sizeof(float) * (size_t)columns);
     }
@@ -593,7 +478,10 @@ static void dequantize_row(int type, const uint8_t *w, int64_t row, int64_t nb, 
         return;
     }
     const uint8_t *t = w + (size_t)(row / TILE) * (size_t)nb * TILE_BLOCK_BYTES[type];
-    for (int64_t b = 0; b < nb; b++) dequantize_column(type, t + b * TILE_BLOCK_BYTES[type], (int)(row % TILE), y + b * QK_K);
+    for (int64_t b = 0; b < nb; b++) {
+        if (k_low_type(type)) k_low_dequantize_column(type, t + b * TILE_BLOCK_BYTES[type], (int)(row % TILE), y + b * QK_K);
+        else dequantize_column(type, t + b * TILE_BLOCK_BYTES[type], (int)(row % TILE), y + b * QK_K);
+    }
 }
 
 /* ---- the onnxruntime side ----------------------------------------------------------------------- */
@@ -685,7 +573,11 @@ static void *create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInf
         free(kn);
         return NULL;
     }
-    if ((kn->type != GGML_Q4_K && kn->type != GGML_Q5_K && kn->type != GGML_Q6_K && !q32_type(kn->type)) || kn->k <= 0 ||
+    if ((kn->type < GGML_Q2_K || kn->type > GGML_Q6_K) && !q32_type(kn->type)) {
+        free(kn);
+        return NULL;
+    }
+    if (kn->k <= 0 ||
         kn->k % block_inputs(kn->type) || kn->n <= 0) {
         free(kn);
         return NULL;
@@ -712,11 +604,13 @@ static const OrtCustomOp MATMUL = {13, create_matmul, matmul_name, cpu, matmul_i
 static const OrtCustomOp GATHER = {13, create_gather, gather_name, cpu, gather_input, two, float_output, one,
                                    compute, destroy, required, required, default_memory};
 
-/* One product of Q4_K and of Q6_K through the AMX kernel and the AVX-512 one: the same bits? */
+/* One product of every K-quant through the AMX kernel and the AVX-512 one: the same bits? */
 static int k_agrees_with_avx512(k_amx_fn fn) {
     enum { NB = 2, ROWS = 16 };
-    static const int types[] = {GGML_Q4_K, GGML_Q5_K, GGML_Q6_K};
-    uint8_t *tile = aligned(NB * K6_BYTES);  /* the largest of the three */
+    /* each type, where its fp16 scale d and (0: none) its minimums' scale dmin lie */
+    static const struct { int type, d, dmin; } types[] = {{GGML_Q2_K, K2_D, K2_DMIN}, {GGML_Q3_K, K3_D, 0},
+        {GGML_Q4_K, K4_D, K4_DMIN}, {GGML_Q5_K, K5_D, K5_DMIN}, {GGML_Q6_K, K6_D, 0}};
+    uint8_t *tile = aligned(NB * K6_BYTES);  /* the largest */
     q8_block *x = aligned(sizeof(q8_block) * ROWS * NB);
     uint32_t seed = 54321;
     int same = 1;
@@ -725,20 +619,20 @@ static int k_agrees_with_avx512(k_amx_fn fn) {
         for (int j = 0; j < QK_K; j++) values[j] = (float)((int)((seed = seed * 1103515245u + 12345u) >> 16) % 255 - 127);
         quantize_row(values, QK_K, x + i);
     }
-    for (int k = 0; k < 3 && same; k++) {
-        const int bytes = (int)TILE_BLOCK_BYTES[types[k]], six = types[k] == GGML_Q6_K;
+    for (size_t k = 0; k < sizeof types / sizeof *types && same; k++) {
+        const int type = types[k].type, bytes = (int)TILE_BLOCK_BYTES[type];
         for (int i = 0; i < NB * bytes; i++) tile[i] = (uint8_t)((seed = seed * 1103515245u + 12345u) >> 16);
-        for (int b = 0; b < NB; b++)  /* finite fp16 scales (and Q4_K's minimum scales): 1/64 */
+        for (int b = 0; b < NB; b++)  /* finite fp16 scales: 1/64 */
             for (int c = 0; c < TILE; c++) {
-                const int d_at = six ? K6_D : types[k] == GGML_Q5_K ? K5_D : K4_D, dmin_at = types[k] == GGML_Q5_K ? K5_DMIN : K4_DMIN;
-                memcpy(tile + b * bytes + d_at + 2 * c, &(uint16_t){0x2400}, 2);
-                if (!six) memcpy(tile + b * bytes + dmin_at + 2 * c, &(uint16_t){0x2400}, 2);
+                memcpy(tile + b * bytes + types[k].d + 2 * c, &(uint16_t){0x2400}, 2);
+                if (types[k].dmin) memcpy(tile + b * bytes + types[k].dmin + 2 * c, &(uint16_t){0x2400}, 2);
             }
         float ours[ROWS][TILE], theirs[4][TILE];
-        fn(types[k], ROWS, tile, NB, x, ours);
+        fn(type, ROWS, tile, NB, x, ours);
         for (int r = 0; r < ROWS && same; r += 4) {
             const q8_block *rows[4] = {x + r * NB, x + (r + 1) * NB, x + (r + 2) * NB, x + (r + 3) * NB};
-            tile_rows[4](types[k], tile, NB, rows, theirs);
+            if (k_low_type(type)) k_low_tile_rows_512(type, 4, tile, NB, rows, theirs);
+            else tile_rows[4](type, tile, NB, rows, theirs);
             same = !memcmp(ours[r], theirs, sizeof theirs);
         }
     }
@@ -776,6 +670,7 @@ void kiln_gguf_use_avx512(int on) {
     tile_rows[2] = vnni ? tile_rows_512_2 : tile_rows_256_2;
     tile_rows[3] = vnni ? tile_rows_512_3 : tile_rows_256_3;
     tile_rows[4] = vnni ? tile_rows_512_4 : tile_rows_256_4;
+    k_low_rows = vnni ? k_low_tile_rows_512 : k_low_tile_rows_256;
     q32_use_avx512(on);
 }
 

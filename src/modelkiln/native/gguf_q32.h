@@ -24,9 +24,8 @@ void q32_quantize_row(const float *x, int64_t k, q8_32 *out);
 void q32_tile_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32 *const *x, float out[][16]);
 void q32_dequantize_row(int type, const uint8_t *w, int64_t row, int64_t nb, float *y);
 void q32_use_avx512(int on);
-/* AMX (gguf_amx.c): rows 1..16 of X at x, x + nb, ... (one q8_32 array) against a tile, where
+/* AMX (gguf_amx.c): rows 1..AMX_MAX_ROWS (gguf_amx_tiles.h) of X at x, x + nb, ... (one q8_32 array) against a tile, where
  * q32_use_amx turned it on (q32_amx_on); the same bits as q32_tile_rows. */
-#define AMX_MAX_ROWS 16
 int q32_use_amx(int mode);
 int q32_amx_on(void);
 void q32_amx_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][16]);

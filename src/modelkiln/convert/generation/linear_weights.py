@@ -12,7 +12,7 @@ itself) and ``C`` [blocks, N]. Projections that read the same input (q/k/v, gate
 when they are stored alike (bits, block, correction), else one node per storage: a Q4_K_M file
 holds q and k as Q4_K and v as Q6_K.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks, where kiln's native operators are built
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K..Q6_K blocks, where kiln's native operators are built
 (``native/``), keep the file's values and size: its rows, regrouped sixteen at a time
 (``gguf/tiles.py``), are the initializer of a ``GgufMatMul`` node (Q4_K 4.5 and Q6_K 6.56 bits a
 weight, against MatMulNBits' 6 and 10 for the same values; Q4_1 5 against 6 with its correction),

@@ -238,7 +238,7 @@ def _build_onnx(cfg: Any, origin: Any, folder: Path, wanted: list[str], steps: A
         path = folder / "model.gguf.onnx"
         notes = origin.unpackable_notes()
         native = cfg.native_gguf and _native_ops_built()
-        into = "kiln's native operators (Q4_0..Q8_0, Q4_K, Q6_K as stored) and MatMulNBits" if native else "MatMulNBits"
+        into = "kiln's native operators (Q4_0..Q8_0, Q2_K..Q6_K as stored) and MatMulNBits" if native else "MatMulNBits"
         with steps(f"Packing the GGUF's own blocks into {into} (accuracy level {level})"
                    + "".join(f"; {n}" for n in notes)):
             types = origin.write_packed(path, fp32_path if needs_fp32 else None, level, native=native)

@@ -150,28 +150,41 @@ def _q8_0(b: np.ndarray) -> tuple:
     return q.astype(np.uint8)[:, None], _half(b, 0), 128, None
 
 
+def q2_k_codes(b: np.ndarray) -> np.ndarray:
+    """Q2_K blocks [M, 84] → their 2-bit codes [M, 256] in weight order."""
+    m = len(b)
+    q = (b[:, 16:80].reshape(m, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    return q.reshape(m, 256)
+
+
 def _q2_k(b: np.ndarray) -> tuple:
     m = len(b)
-    scales, qs = b[:, :16], b[:, 16:80]
+    scales = b[:, :16]
     d, dmin = _half(b, 80), _half(b, 82)
     dl = d * (scales & 0xF).astype(np.float32)  # [M, 16]
     ml = dmin * (scales >> 4).astype(np.float32)
-    q = (qs.reshape(m, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
-    return (q.reshape(m, 16, 16) + 8).astype(np.uint8), dl, 8, -ml
+    return (q2_k_codes(b) + np.uint8(8)).reshape(m, 16, 16), dl, 8, -ml
+
+
+def q3_k_codes(b: np.ndarray) -> np.ndarray:
+    """Q3_K blocks [M, 110] → their 3-bit codes [M, 256] in weight order: the two low bits and the
+    mask bit above them; the weight is code − 4 (a clear mask bit subtracts 4)."""
+    m = len(b)
+    hmask, qs = b[:, :32], b[:, 32:96]
+    ql = (qs.reshape(m, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    qh = (hmask.reshape(m, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & np.uint8(1)
+    return ql.reshape(m, 256) | (qh.reshape(m, 256) << np.uint8(2))
 
 
 def _q3_k(b: np.ndarray) -> tuple:
     m = len(b)
-    hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
+    packed = b[:, 96:108]
     d = _half(b, 108)
     low = (packed[:, :8].reshape(m, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(m, 16)
     high = (packed[:, 8:].reshape(m, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(m, 16)
     sc = (low & np.uint8(0x0F)) | ((high & np.uint8(0x03)) << np.uint8(4))
     dl = d * (sc.astype(np.int8) - np.int8(32)).astype(np.float32)  # [M, 16]
-    ql = (qs.reshape(m, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)).reshape(m, 16, 16) & np.uint8(3)
-    qh = (hmask.reshape(m, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).reshape(m, 16, 16) & np.uint8(1)
-    q = ql.astype(np.int8) - ((qh ^ np.uint8(1)) << np.uint8(2)).astype(np.int8)  # -4..3
-    return (q + 8).astype(np.uint8), dl, 8, None
+    return (q3_k_codes(b) + np.uint8(4)).reshape(m, 16, 16), dl, 8, None  # code − 4 + 8
 
 
 def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

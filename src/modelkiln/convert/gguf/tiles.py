@@ -1,6 +1,6 @@
 """GGUF rows regrouped for kiln's native ``GgufMatMul`` (``native/gguf_ops.c``, ``native/gguf_q32.c``).
 
-The values are the file's, bit for bit: the same 4- or 6-bit codes, 6- or 8-bit sub-block scales
+The values are the file's, bit for bit: the same 2- to 8-bit codes, 4- to 8-bit sub-block scales
 and fp16 super-block scales, only moved. Sixteen consecutive rows (output columns) make a tile; a
 tile's super-blocks follow each other, and inside one the codes of the sixteen columns are
 interleaved four at a time, so that every 32-bit lane of a 64-byte vector belongs to one column:
@@ -19,6 +19,11 @@ interleaved four at a time, so that every 32-bit lane of a 64-byte vector belong
         qh    [16 h][16 col][4]  bits 2f..2f+1: q >> 4 of code 4(h + 16f)+i
         sc    [16][16 col]       signed 8-bit scales of each 16 codes
         d     [16 col] fp16
+    Q2_K, 1344 bytes = 16 × 84, and Q3_K, 1760 bytes = 16 × 110 (a scale per 16 codes):
+        qs    [16 v][16 col][4]  bits 2s..2s+1: the two low bits of code 64s+4v+i
+        Q2_K: sc [16][16 col]    the file's bytes: scale | minimum << 4 of each 16 codes;  d, dmin [16 col] fp16
+        Q3_K: hm [8 h][16 col][4]  bit b: the third bit of code 4(h + 8b)+i (the weight is d·(sc − 32)·(q − 4));
+              sc [3][16 col][4]  the file's 12 bytes of 6-bit scales, as three words;  d [16 col] fp16
     The types with one scale per 32 weights, a block of 32 inputs of all sixteen columns at a time:
         codes [4 v][16 col][4]   the file's byte 4v+i: low nibble code 4v+i, high nibble code 16+4v+i
               Q8_0: [8 v][16 col][4], signed code 4v+i
@@ -37,11 +42,11 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from .blocks import q4_k_codes, q5_k_codes, q6_k_codes
+from .blocks import q2_k_codes, q3_k_codes, q4_k_codes, q5_k_codes, q6_k_codes
 
 TILE = 16  # columns a tile
 # one (super-)block of one row, as the file stores it
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 
 
 def tiles(kind: str, raw: np.ndarray) -> np.ndarray:
@@ -54,7 +59,7 @@ def tiles(kind: str, raw: np.ndarray) -> np.ndarray:
         raw = np.concatenate([raw, np.zeros((padded, row_bytes), np.uint8)])
     count = raw.shape[0] // TILE
     blocks = np.ascontiguousarray(raw.reshape(count, TILE, nb, size).transpose(0, 2, 1, 3))  # [tile, block, col, bytes]
-    k_quants = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+    k_quants = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
     parts = k_quants[kind](blocks) if kind in k_quants else _per_32(kind, blocks)
     lead = (count, nb)
     return np.concatenate([np.ascontiguousarray(p).reshape(*lead, -1) for p in parts], axis=-1).reshape(count, -1)
@@ -63,6 +68,29 @@ def tiles(kind: str, raw: np.ndarray) -> np.ndarray:
 def _lanes(codes: np.ndarray) -> np.ndarray:
     """[..., col, 32 v, 4] → [..., 32 v, col, 4]: four codes of each column side by side."""
     return np.swapaxes(codes, -3, -2)
+
+
+def _two_bit_codes(q: np.ndarray, lead: tuple) -> np.ndarray:
+    """Codes [.., 256] (their two low bits) → [.., 16 v, col, 4]: byte i, bits 2s..2s+1 = code 64s + 4v + i."""
+    low = (q & np.uint8(3)).reshape(*lead, 4, 16, 4)  # [.., s, v, i]
+    return _lanes(low[..., 0, :, :] | (low[..., 1, :, :] << np.uint8(2)) | (low[..., 2, :, :] << np.uint8(4))
+                  | (low[..., 3, :, :] << np.uint8(6)))
+
+
+def _q2_k(b: np.ndarray) -> list[np.ndarray]:
+    lead = b.shape[:-1]
+    q = q2_k_codes(b.reshape(-1, b.shape[-1])).reshape(*lead, 256)
+    return [_two_bit_codes(q, lead), np.swapaxes(b[..., 0:16], -1, -2), b[..., 80:82], b[..., 82:84]]
+
+
+def _q3_k(b: np.ndarray) -> list[np.ndarray]:
+    lead = b.shape[:-1]
+    q = q3_k_codes(b.reshape(-1, b.shape[-1])).reshape(*lead, 256)  # 0..7, in weight order
+    third = (q >> np.uint8(2)).reshape(*lead, 8, 8, 4)  # [.., b, h, i]: code 4(h + 8b) + i
+    hm = np.zeros((*lead, 8, 4), np.uint8)
+    for bit in range(8):
+        hm |= third[..., bit, :, :] << np.uint8(bit)
+    return [_two_bit_codes(q, lead), _lanes(hm), _lanes(b[..., 96:108].reshape(*lead, 3, 4)), b[..., 108:110]]
 
 
 def _q4_k(b: np.ndarray) -> list[np.ndarray]:
