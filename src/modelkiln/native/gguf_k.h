@@ -28,8 +28,9 @@ enum {  /* byte offsets inside one tile super-block */
     K5_QH = 2240 /* Q5_K: Q4_K's codes and scales, then its fifth bits */, K5_D = 2752, K5_DMIN = 2784, K5_BYTES = 2816,
     K6_QL = 0, K6_QH = 2048, K6_SC = 3072, K6_D = 3328, K6_BYTES = 3360,
     K2_QS = 0 /* Q2_K and Q3_K: 2-bit codes [16 v][16 col][4] */, K2_SC = 1024 /* [16][16 col] */, K2_D = 1280, K2_DMIN = 1312, K2_BYTES = 1344,
-    K3_QS = 0, K3_HM = 1024 /* [8][16 col][4] */, K3_SC = 1536 /* [3 words][16] */, K3_D = 1728, K3_BYTES = 1760,
+    K3_QS = K2_QS /* the same 2-bit codes */, K3_HM = 1024 /* [8][16 col][4] */, K3_SC = 1536 /* [3 words][16] */, K3_D = 1728, K3_BYTES = 1760,
 };
+
 /* ---- activations: int8 codes per 256 inputs ---------------------------------------------------- */
 typedef struct {  /* 64-byte aligned: the dot products' 32- and 64-byte loads never split a cache line */
     int8_t qs[QK_K];
@@ -96,7 +97,6 @@ AVX512 __m512i byte_512(__m512i v, int i) { return _mm512_and_si512(_mm512_srli_
 AVX512 __m512i byte_pair_512(__m512i v, int i) { return pairs16_512(byte_512(v, i), byte_512(v, i + 1)); }
 
 /* the sixteen bytes at p (one per column), as int32 lanes */
-AVX512 __m512i signed_bytes_512(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 AVX512 __m512i unsigned_bytes_512(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 
 /* ---- AVX2: eight columns a vector, the tile in two halves; vpmaddubsw makes pair sums of the
