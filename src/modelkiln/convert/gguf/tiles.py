@@ -70,6 +70,16 @@ def _lanes(codes: np.ndarray) -> np.ndarray:
     return np.swapaxes(codes, -3, -2)
 
 
+def _bit_planes(bits: np.ndarray, lead: tuple) -> np.ndarray:
+    """One bit of each code [.., 256] (0 or 1) → [.., 8 h, col, 4]: byte i, bit b = the bit of code 4(h + 8b) + i
+    (Q3_K's third bits, Q5_K's fifth)."""
+    planes = bits.reshape(*lead, 8, 8, 4)  # [.., b, h, i]
+    packed = np.zeros((*lead, 8, 4), np.uint8)
+    for bit in range(8):
+        packed |= planes[..., bit, :, :] << np.uint8(bit)
+    return _lanes(packed)
+
+
 def _two_bit_codes(q: np.ndarray, lead: tuple) -> np.ndarray:
     """Codes [.., 256] (their two low bits) → [.., 16 v, col, 4]: byte i, bits 2s..2s+1 = code 64s + 4v + i."""
     low = (q & np.uint8(3)).reshape(*lead, 4, 16, 4)  # [.., s, v, i]
@@ -86,11 +96,8 @@ def _q2_k(b: np.ndarray) -> list[np.ndarray]:
 def _q3_k(b: np.ndarray) -> list[np.ndarray]:
     lead = b.shape[:-1]
     q = q3_k_codes(b.reshape(-1, b.shape[-1])).reshape(*lead, 256)  # 0..7, in weight order
-    third = (q >> np.uint8(2)).reshape(*lead, 8, 8, 4)  # [.., b, h, i]: code 4(h + 8b) + i
-    hm = np.zeros((*lead, 8, 4), np.uint8)
-    for bit in range(8):
-        hm |= third[..., bit, :, :] << np.uint8(bit)
-    return [_two_bit_codes(q, lead), _lanes(hm), _lanes(b[..., 96:108].reshape(*lead, 3, 4)), b[..., 108:110]]
+    return [_two_bit_codes(q, lead), _bit_planes(q >> np.uint8(2), lead), _lanes(b[..., 96:108].reshape(*lead, 3, 4)),
+            b[..., 108:110]]
 
 
 def _q4_k(b: np.ndarray) -> list[np.ndarray]:
@@ -104,12 +111,8 @@ def _q5_k(b: np.ndarray) -> list[np.ndarray]:
     lead = b.shape[:-1]
     q = q5_k_codes(b.reshape(-1, b.shape[-1])).reshape(*lead, 256)  # 0..31, in weight order
     low = (q & np.uint8(0x0F)).reshape(*lead, 2, 32, 4)
-    fifth = (q >> np.uint8(4)).reshape(*lead, 8, 8, 4)  # [.., b, h, i]: code 4(h + 8b) + i
-    qh = np.zeros((*lead, 8, 4), np.uint8)
-    for bit in range(8):
-        qh |= fifth[..., bit, :, :] << np.uint8(bit)
     return [_lanes(low[..., 0, :, :] | (low[..., 1, :, :] << np.uint8(4))), _lanes(b[..., 4:16].reshape(*lead, 3, 4)),
-            _lanes(qh), b[..., 0:2], b[..., 2:4]]
+            _bit_planes(q >> np.uint8(4), lead), b[..., 0:2], b[..., 2:4]]
 
 
 def _q6_k(b: np.ndarray) -> list[np.ndarray]:
