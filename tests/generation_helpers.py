@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from modelkiln.convert.gguf.blocks import FP16_FIELDS
 from modelkiln.samples import SAMPLE_TEXTS
 
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -138,12 +139,6 @@ def make_tiny_causal_lm(folder: Path, family: str) -> Path:
     return folder
 
 
-# Byte offsets of each GGUF block's fp16 scale fields (d, and dmin where there is one), from
-# gguf-py's quants.py layouts: random blocks get finite scales there.
-GGUF_FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-                    "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0]}
-
-
 def random_gguf_blocks(kind: str, rows: int, cols: int, rng, scale: float = 0.1):
     """[rows, bytes] of valid ``kind`` blocks: every code random, the fp16 scales finite and set so
     that the weights' standard deviation is about ``scale`` (gguf-py cannot quantize K-quants)."""
@@ -155,7 +150,7 @@ def random_gguf_blocks(kind: str, rows: int, cols: int, rng, scale: float = 0.1)
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
 
     def set_scales(value: float) -> None:
-        for at in GGUF_FP16_FIELDS[kind]:
+        for at in FP16_FIELDS[kind]:
             raw[..., at:at + 2] = np.float16(value).reshape(1).view(np.uint8)
 
     set_scales(1.0)

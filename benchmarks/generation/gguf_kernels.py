@@ -19,14 +19,10 @@ import time
 
 import numpy as np
 
+from modelkiln.convert.gguf.blocks import FP16_FIELDS
 from modelkiln.convert.gguf.tiles import BLOCK_BYTES, tiles
 from modelkiln.machine import cpu_description
 from modelkiln.native import GGML_TYPES, library_path
-
-
-# where a block keeps its fp16 scales (and minimums)
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
-               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:

@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from generation_helpers import GGUF_FP16_FIELDS, random_gguf_blocks
+from generation_helpers import random_gguf_blocks
+from modelkiln.convert.gguf.blocks import FP16_FIELDS
 from modelkiln.convert.gguf.tiles import tiles
 from modelkiln.machine import cpu_flags
 from modelkiln.native import DOMAIN, GGML_TYPES, amx_on, library_path
@@ -24,7 +25,7 @@ def random_blocks(kind: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     size = 32 if kind in PER_32 else 256
     raw = random_gguf_blocks(kind, rows, k, rng).reshape(rows, k // size, -1)
-    for at in GGUF_FP16_FIELDS[kind]:
+    for at in FP16_FIELDS[kind]:
         values = rng.random((rows, k // size, 1)) * 0.02 + 0.001
         if at == 2 and kind in ("Q4_1", "Q5_1"):  # the minimum: negative, as a block's usually is
             values = -values * 8

@@ -67,6 +67,10 @@ STORAGE = {
     "Q2_K": Storage(4, 16, True), "Q3_K": Storage(4, 16, False),
     "Q4_K": Storage(4, 32, True), "Q5_K": Storage(8, 32, True), "Q6_K": Storage(8, 16, False),
 }
+# Byte offsets of each type's fp16 scale fields in its block (d, and dmin or m where there is one), as
+# gguf-py's quants.py lays them out: where tests and benchmarks put finite scales into random blocks.
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,)}
 FLOAT_TYPES = ("F32", "F16", "BF16")  # not quantized: fp32 in the graph, exactly
 
 
