@@ -242,9 +242,12 @@ INLINE_AMX void k_low_amx(int emulate, const int three, const uint8_t *t, int64_
 }
 
 AMX_TARGET void k_low_amx_rows(int emulate, int type, int rows, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
+    /* each call with constant flags, so that each inlined copy is specialised */
     const int three = type == GGML_Q3_K;
-    if (emulate) three ? k_low_amx(1, 1, t, nb, x, rows, out) : k_low_amx(1, 0, t, nb, x, rows, out);
-    else three ? k_low_amx(0, 1, t, nb, x, rows, out) : k_low_amx(0, 0, t, nb, x, rows, out);
+    if (emulate && three) k_low_amx(1, 1, t, nb, x, rows, out);
+    else if (emulate) k_low_amx(1, 0, t, nb, x, rows, out);
+    else if (three) k_low_amx(0, 1, t, nb, x, rows, out);
+    else k_low_amx(0, 0, t, nb, x, rows, out);
 }
 
 /* ---- exact dequantization (the gather): gguf-py's float32 operations, in its order --------------- */
