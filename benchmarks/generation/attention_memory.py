@@ -40,6 +40,9 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--key-blocks", type=int, choices=(0, 1), default=1,
+                        help="the key cache's layout: 1 in blocks of 16 positions dimension-major (what the serving "
+                             "graph keeps), 0 position-major (graphs written before it)")
     args = parser.parse_args()
     lib = ctypes.CDLL(library_path())
     lib.kiln_attention.restype = ctypes.c_int
@@ -63,13 +66,13 @@ def main() -> None:
         started = time.perf_counter()
         ok = lib.kiln_attention(HEADS, KV_HEADS, HEAD_DIM, ctypes.c_int64(rows), p(q), p(k), p(v), p(cache_rows),
                                 p(positions), ctypes.c_int64(rows), ctypes.c_int64(capacity), p(key_cache),
-                                p(value_cache), p(cos), p(sin), ctypes.c_int64(capacity), half, p(out))
+                                p(value_cache), p(cos), p(sin), ctypes.c_int64(capacity), half, p(out), args.key_blocks)
         assert ok
         return time.perf_counter() - started
 
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({cpu['isa']}), one thread; {rows} sequences at positions {positions.min()}-{positions.max()}, "
-          f"SmolLM2's attention shape, one layer")
+          f"SmolLM2's attention shape, one layer, key cache {'in blocks' if args.key_blocks else 'position-major'}")
     medians: dict[str, list[float]] = {name: [] for name in cases}
     for round_ in range(args.rounds):
         for name, cache_rows in cases.items():

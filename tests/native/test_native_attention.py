@@ -1,6 +1,7 @@
 """KilnAttention (src/modelkiln/native/attention.c): against a float64 numpy reference, and against
 itself: a position's output is the same bits in a decode step, in a chunk of any length, among
-other rows' tokens, on the AVX2 and the AVX-512 form; then through onnxruntime, cache bound in place."""
+other rows' tokens, on the AVX2 and the AVX-512 form, with either key cache layout; then through
+onnxruntime, cache bound in place."""
 import ctypes
 
 import numpy as np
@@ -46,14 +47,16 @@ class Sequences:
         self.v = [rng.standard_normal((n, KV_HEADS, HEAD_DIM)).astype(np.float32) for n in lengths]
         self.cos, self.sin = rotary_tables(CAPACITY, half)
 
-    def caches(self) -> tuple[np.ndarray, np.ndarray]:
+    def caches(self, fill: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         shape = (len(self.lengths), KV_HEADS, CAPACITY, HEAD_DIM)
-        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        return np.full(shape, fill, np.float32), np.full(shape, fill, np.float32)
 
-    def run(self, lib, calls: list[list[tuple[int, int, int]]]) -> dict[tuple[int, int], np.ndarray]:
-        """Each call: (sequence, first position, tokens) pieces packed into one call, in order.
-        Returns every position's output by (sequence, position)."""
-        key_cache, value_cache = self.caches()
+    def run(self, lib, calls: list[list[tuple[int, int, int]]], key_blocks: int = 0,
+            fill: float = 0.0) -> dict[tuple[int, int], np.ndarray]:
+        """Each call: (sequence, first position, tokens) pieces packed into one call, in order, over
+        caches that hold ``fill`` where nothing was written. Returns every position's output by
+        (sequence, position)."""
+        key_cache, value_cache = self.caches(fill)
         outputs = {}
         for pieces in calls:
             places = [(seq, p) for seq, start, n in pieces for p in range(start, start + n)]
@@ -62,18 +65,18 @@ class Sequences:
             v = np.stack([self.v[s][p] for s, p in places])
             rows = np.asarray([s for s, _ in places], np.int64)
             positions = np.asarray([p for _, p in places], np.int64)
-            out = attention(lib, q, k, v, rows, positions, key_cache, value_cache, self.cos, self.sin)
+            out = attention(lib, q, k, v, rows, positions, key_cache, value_cache, self.cos, self.sin, key_blocks)
             outputs.update({place: out[i] for i, place in enumerate(places)})
         return outputs
 
 
-def attention(lib, q, k, v, rows, positions, key_cache, value_cache, cos, sin) -> np.ndarray:
+def attention(lib, q, k, v, rows, positions, key_cache, value_cache, cos, sin, key_blocks: int = 0) -> np.ndarray:
     out = np.empty_like(q)
     ok = lib.kiln_attention(HEADS, KV_HEADS, HEAD_DIM, ctypes.c_int64(len(q)), q.ctypes.data_as(P), k.ctypes.data_as(P),
                             v.ctypes.data_as(P), rows.ctypes.data_as(P), positions.ctypes.data_as(P),
                             ctypes.c_int64(key_cache.shape[0]), ctypes.c_int64(CAPACITY), key_cache.ctypes.data_as(P),
                             value_cache.ctypes.data_as(P), cos.ctypes.data_as(P), sin.ctypes.data_as(P),
-                            ctypes.c_int64(len(cos)), cos.shape[1], out.ctypes.data_as(P))
+                            ctypes.c_int64(len(cos)), cos.shape[1], out.ctypes.data_as(P), key_blocks)
     assert ok
     return out
 
@@ -144,7 +147,29 @@ def test_the_avx2_and_avx512_forms_agree_bit_for_bit(lib):
     assert all(np.array_equal(outputs[0][place], outputs[1][place]) for place in outputs[0])
 
 
-def test_keys_and_values_are_written_rotated_at_their_rows_and_positions(lib):
+@pytest.mark.parametrize("avx512", FORMS)
+def test_the_key_cache_layout_changes_no_bit(lib, avx512):
+    """Keys in blocks of 16 positions, dimension-major, over caches full of NaN where nothing was
+    written (a slot's stale or unwritten lanes): every position the same bits as position-major
+    keys over zeroed caches, decoded, chunked and packed among another sequence."""
+    lib.kiln_attention_use_avx512(avx512)
+    seqs = Sequences([53, 40], seed=5)
+    calls = [[(1, 0, 9), (0, 0, 1)]] + [[(0, p, 1), (1, 8 + p, 1)] for p in range(1, 20)] + [[(0, 20, 17), (1, 28, 12)],
+                                                                                          [(0, 37, 16)]]
+    position_major = seqs.run(lib, calls)
+    blocks = seqs.run(lib, calls, key_blocks=1, fill=np.nan)
+    assert position_major.keys() == blocks.keys()
+    assert all(np.array_equal(position_major[place], blocks[place]) for place in blocks)
+
+
+def blocks_to_positions(key_cache: np.ndarray) -> np.ndarray:
+    """A key cache kept in blocks ([rows, heads, capacity / 16, D, 16] in memory) as position-major."""
+    rows, heads, capacity, dim = key_cache.shape
+    return key_cache.reshape(rows, heads, capacity // 16, dim, 16).swapaxes(3, 4).reshape(key_cache.shape)
+
+
+@pytest.mark.parametrize("key_blocks", [0, 1])
+def test_keys_and_values_are_written_rotated_at_their_rows_and_positions(lib, key_blocks):
     seqs = Sequences([10, 6])
     key_cache, value_cache = seqs.caches()
     rows = np.asarray([1] * 6 + [0] * 10, np.int64)
@@ -152,15 +177,28 @@ def test_keys_and_values_are_written_rotated_at_their_rows_and_positions(lib):
     q = np.concatenate([seqs.q[1], seqs.q[0]])
     k = np.concatenate([seqs.k[1], seqs.k[0]])
     v = np.concatenate([seqs.v[1], seqs.v[0]])
-    attention(lib, q, k, v, rows, positions, key_cache, value_cache, seqs.cos, seqs.sin)
+    attention(lib, q, k, v, rows, positions, key_cache, value_cache, seqs.cos, seqs.sin, key_blocks)
+    keys = blocks_to_positions(key_cache) if key_blocks else key_cache
     for seq, n in ((0, 10), (1, 6)):
         rotated = rotate(seqs.k[seq], seqs.cos[:n, None], seqs.sin[:n, None])
-        np.testing.assert_allclose(key_cache[seq, :, :n].transpose(1, 0, 2), rotated, atol=1e-6)
+        np.testing.assert_allclose(keys[seq, :, :n].transpose(1, 0, 2), rotated, atol=1e-6)
         assert np.array_equal(value_cache[seq, :, :n].transpose(1, 0, 2), seqs.v[seq])
-        assert not key_cache[seq, :, n:].any() and not value_cache[seq, :, n:].any()
+        assert not keys[seq, :, n:].any() and not value_cache[seq, :, n:].any()
 
 
-def attention_session():
+def test_a_key_cache_in_blocks_needs_whole_blocks(lib):
+    seqs = Sequences([4])
+    key_cache, value_cache = (np.zeros((1, KV_HEADS, 40, HEAD_DIM), np.float32) for _ in range(2))
+    one = np.zeros(1, np.int64)
+    ok = lib.kiln_attention(HEADS, KV_HEADS, HEAD_DIM, ctypes.c_int64(1), seqs.q[0].ctypes.data_as(P),
+                            seqs.k[0].ctypes.data_as(P), seqs.v[0].ctypes.data_as(P), one.ctypes.data_as(P),
+                            one.ctypes.data_as(P), ctypes.c_int64(1), ctypes.c_int64(40), key_cache.ctypes.data_as(P),
+                            value_cache.ctypes.data_as(P), seqs.cos.ctypes.data_as(P), seqs.sin.ctypes.data_as(P),
+                            ctypes.c_int64(len(seqs.cos)), seqs.cos.shape[1], np.empty_like(seqs.q[0]).ctypes.data_as(P), 1)
+    assert ok == 0 and not key_cache.any()
+
+
+def attention_session(key_blocks: int | None = None):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
@@ -176,17 +214,19 @@ def attention_session():
               helper.make_tensor_value_info("cos", f, [None, None]), helper.make_tensor_value_info("sin", f, [None, None])]
     outputs = [helper.make_tensor_value_info("out", f, [None, None, HEADS * HEAD_DIM]),
                helper.make_tensor_value_info("present_key", f, cache), helper.make_tensor_value_info("present_value", f, cache)]
+    layout = {} if key_blocks is None else {"key_blocks": key_blocks}  # None: a graph written before the attribute
     node = helper.make_node("KilnAttention", [i.name for i in inputs], [o.name for o in outputs], domain=DOMAIN,
-                            num_heads=HEADS, kv_num_heads=KV_HEADS)
+                            num_heads=HEADS, kv_num_heads=KV_HEADS, **layout)
     model = helper.make_model(helper.make_graph([node], "g", inputs, outputs),
                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
     return ort.InferenceSession(model.SerializeToString(), session_options(2))
 
 
-def test_through_onnxruntime_in_place_and_copied(lib):
+@pytest.mark.parametrize("key_blocks", [None, 0, 1])
+def test_through_onnxruntime_in_place_and_copied(lib, key_blocks):
     """Two rows of a chunk each plus padding, on onnxruntime's threads: the same bits as the
-    library's own call; the cache bound as past and present is written in place, and an unbound
-    present is the past with the new tokens written."""
+    library's own call; the cache bound as past and present is written in place (in the layout the
+    node's key_blocks names), and an unbound present is the past with the new tokens written."""
     import onnxruntime as ort
 
     lib.kiln_attention_use_avx512(1)
@@ -201,7 +241,7 @@ def test_through_onnxruntime_in_place_and_copied(lib):
         positions[seq, :n] = np.arange(n)
     rows = np.repeat(np.arange(2, dtype=np.int64)[:, None], 12, axis=1)
     feeds = {"q": q, "k": k, "v": v, "rows": rows, "positions": positions, "cos": seqs.cos, "sin": seqs.sin}
-    session = attention_session()
+    session = attention_session(key_blocks)
 
     key_cache, value_cache = seqs.caches()
     binding = session.io_binding()
@@ -218,6 +258,9 @@ def test_through_onnxruntime_in_place_and_copied(lib):
         assert all(np.array_equal(out[seq, p], expected[seq, p]) for p in range(n))
     assert not out[1, 7:].any()  # padding
     assert value_cache[1, :, :7].any() and not value_cache[1, :, 7:].any()  # written in place, padding nowhere
+    keys = blocks_to_positions(key_cache) if key_blocks else key_cache
+    rotated = rotate(seqs.k[1], seqs.cos[:7, None], seqs.sin[:7, None])
+    np.testing.assert_allclose(keys[1, :, :7].transpose(1, 0, 2), rotated, atol=1e-6)
 
     empty_key, empty_value = seqs.caches()
     copied, present_key, present_value = session.run(None, {**feeds, "past_key": empty_key, "past_value": empty_value})

@@ -10,7 +10,14 @@
  *   shared buffer is; otherwise past is copied into present first); cos, sin [positions, R / 2]:
  *   the rotary tables (rotate-half form on the first R dimensions, as GroupQueryAttention's
  *   do_rotary with rotary_interleaved = 0). Attributes num_heads, kv_num_heads (query head h
- *   reads key/value head h / (num_heads / kv_num_heads)). Scale 1/√D. Domain kiln.gguf.
+ *   reads key/value head h / (num_heads / kv_num_heads)), key_blocks (optional, 0 if absent: see
+ *   below). Scale 1/√D. Domain kiln.gguf.
+ *
+ * The key cache's layout: with key_blocks = 0 each position's D floats in turn (position-major, as
+ * GroupQueryAttention keeps it); with key_blocks = 1 (capacity a multiple of 16) each block of 16
+ * positions dimension-major, dimension i of position p at block p / 16, offset 16 · i + p % 16: the
+ * form the scores read, so a decode step no longer transposes every block of keys for its few
+ * queries. The arithmetic and its bits are the same in both. The value cache is position-major.
  *
  * Why: onnxruntime's GroupQueryAttention sums a prompt's positions (several queries, a matrix
  * product) in another order than a decode step's one query, and takes several rows of more than
@@ -51,6 +58,7 @@ typedef struct {
 
 typedef struct {
     int heads, kv_heads, head_dim, rotary_half;
+    int key_blocks;  /* the key cache's layout: 0 position-major, 1 in blocks of 16 positions dimension-major */
     int64_t tokens, rows, capacity, table_positions;
     const float *q, *k, *v, *cos, *sin;
     const int64_t *cache_rows, *positions;
@@ -256,8 +264,17 @@ static void write_token(void *data, size_t index) {
         rotate(job->q + (t * job->heads + h) * d, cos, sin, job->rotary_half, (int)d, scale,
                job->rotated_q + (t * job->heads + h) * d);
     for (int g = 0; g < job->kv_heads; g++) {
-        const size_t at = (((size_t)job->cache_rows[t] * (size_t)job->kv_heads + (size_t)g) * (size_t)job->capacity + (size_t)position) * (size_t)d;
-        rotate(job->k + (t * job->kv_heads + g) * d, cos, sin, job->rotary_half, (int)d, 1.0f, job->key_cache + at);
+        const size_t head = ((size_t)job->cache_rows[t] * (size_t)job->kv_heads + (size_t)g) * (size_t)job->capacity;
+        const size_t at = (head + (size_t)position) * (size_t)d;
+        const float *k = job->k + (t * job->kv_heads + g) * d;
+        if (job->key_blocks) {  /* dimension i of this position at i · 16 + position % 16 of its block */
+            float key[MAX_HEAD_DIM];
+            rotate(k, cos, sin, job->rotary_half, (int)d, 1.0f, key);
+            float *block = job->key_cache + (head + (size_t)(position & ~(int64_t)15)) * (size_t)d + (size_t)(position & 15);
+            for (int64_t i = 0; i < d; i++) block[16 * i] = key[i];
+        } else {
+            rotate(k, cos, sin, job->rotary_half, (int)d, 1.0f, job->key_cache + at);
+        }
         memcpy(job->value_cache + at, job->v + (t * job->kv_heads + g) * d, sizeof(float) * (size_t)d);
     }
 }
@@ -318,7 +335,7 @@ static int run(attention_job *job, const OrtApi *api, const OrtKernelContext *co
 /* ---- the onnxruntime side ----------------------------------------------------------------------- */
 typedef struct {
     const OrtApi *api;
-    int64_t heads, kv_heads;
+    int64_t heads, kv_heads, key_blocks;
 } kernel;
 
 static int64_t elements(const int64_t *dims, size_t rank) {
@@ -344,9 +361,10 @@ static void compute(void *state, OrtKernelContext *context) {
     if (cache[1] != kn->kv_heads || head_dim % 16 || head_dim > MAX_HEAD_DIM || qd[qr - 1] != kn->heads * head_dim ||
         elements(kd, kr) != tokens * kn->kv_heads * head_dim || elements(vd, vr) != tokens * kn->kv_heads * head_dim ||
         elements(rd, rr) != tokens || elements(pd, pr) != tokens || memcmp(cache, pastv, sizeof(int64_t) * 4) ||
-        cd[1] != sd[1] || cd[0] != sd[0] || 2 * cd[1] > head_dim)
+        cd[1] != sd[1] || cd[0] != sd[0] || 2 * cd[1] > head_dim || (kn->key_blocks && cache[2] % 16))
         return;
-    attention_job job = {(int)kn->heads, (int)kn->kv_heads, (int)head_dim, (int)cd[1], tokens, cache[0], cache[2], cd[0]};
+    attention_job job = {(int)kn->heads, (int)kn->kv_heads, (int)head_dim, (int)cd[1], (int)kn->key_blocks, tokens,
+                         cache[0], cache[2], cd[0]};
     GetTensorMutableDataFn data = (GetTensorMutableDataFn)kiln_ort_fn(api, SLOT_GetTensorMutableData);
     void *p[9];
     for (size_t i = 0; i < 9; i++) CHECK(data((OrtValue *)in[i], &p[i]));
@@ -378,7 +396,12 @@ static void *create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInf
         free(kn);
         return NULL;
     }
-    if (kn->heads <= 0 || kn->kv_heads <= 0 || kn->heads % kn->kv_heads || kn->heads / kn->kv_heads > MAX_QUERIES) {
+    if ((status = attr(info, "key_blocks", &kn->key_blocks))) {  /* graphs written before the attribute: position-major */
+        ((ReleaseStatusFn)kiln_ort_fn(api, SLOT_ReleaseStatus))(status);
+        kn->key_blocks = 0;
+    }
+    if (kn->heads <= 0 || kn->kv_heads <= 0 || kn->heads % kn->kv_heads || kn->heads / kn->kv_heads > MAX_QUERIES ||
+        (kn->key_blocks != 0 && kn->key_blocks != 1)) {
         free(kn);
         return NULL;
     }
@@ -400,15 +423,16 @@ const OrtCustomOp KILN_ATTENTION = {13, create, name, cpu, input_type, nine, flo
 
 /* For tests and measurements without onnxruntime: both phases on one thread, the caches in place;
  * q [tokens, heads, D], k and v [tokens, kv_heads, D], caches [rows, kv_heads, capacity, D],
- * cos and sin [table_positions, half]. */
+ * cos and sin [table_positions, half]; key_blocks: the key cache's layout, as the attribute. */
 __attribute__((visibility("default")))
 int kiln_attention(int heads, int kv_heads, int head_dim, int64_t tokens, const float *q, const float *k, const float *v,
                    const int64_t *cache_rows, const int64_t *positions, int64_t rows, int64_t capacity, float *key_cache,
-                   float *value_cache, const float *cos, const float *sin, int64_t table_positions, int half, float *out) {
+                   float *value_cache, const float *cos, const float *sin, int64_t table_positions, int half, float *out,
+                   int key_blocks) {
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_QUERIES || head_dim % 16 ||
-        head_dim > MAX_HEAD_DIM || 2 * half > head_dim)
+        head_dim > MAX_HEAD_DIM || 2 * half > head_dim || (key_blocks != 0 && key_blocks != 1) || (key_blocks && capacity % 16))
         return 0;
-    attention_job job = {heads, kv_heads, head_dim, half, tokens, rows, capacity, table_positions};
+    attention_job job = {heads, kv_heads, head_dim, half, key_blocks, tokens, rows, capacity, table_positions};
     job.q = q, job.k = k, job.v = v, job.cos = cos, job.sin = sin, job.cache_rows = cache_rows, job.positions = positions;
     job.key_cache = key_cache, job.value_cache = value_cache, job.out = out;
     return tokens > 0 ? run(&job, NULL, NULL) : 1;

@@ -151,7 +151,11 @@ static void NAME(unit)(const attention_unit *u, const attention_job *job) {
             const char *nk = (const char *)(keys + (size_t)(start + 16) * head_dim), *nv = (const char *)(values + (size_t)(start + 16) * head_dim);
             for (size_t at = 0; at < 16 * sizeof(float) * (size_t)head_dim; at += 64) __builtin_prefetch(nk + at), __builtin_prefetch(nv + at);
         }
-        transpose16(keys + (size_t)start * head_dim, last - start + 1 < 16 ? (int)(last - start + 1) : 16, head_dim, kt);
+        /* the block's keys dimension-major: as the cache keeps them, or transposed here. Lanes past a
+         * query's own position are masked before they count, so the layout changes no bit. */
+        const float *block_keys = kt;
+        if (job->key_blocks) block_keys = keys + (size_t)start * head_dim;
+        else transpose16(keys + (size_t)start * head_dim, last - start + 1 < 16 ? (int)(last - start + 1) : 16, head_dim, kt);
         const float *qs[SCORE_QUERIES];
         float *states[SCORE_QUERIES];
         int valid[SCORE_QUERIES], count = 0;
@@ -161,11 +165,11 @@ static void NAME(unit)(const attention_unit *u, const attention_job *job) {
             states[count] = state + (size_t)q * stride;
             valid[count++] = position_of[q] - start + 1 < 16 ? (int)(position_of[q] - start + 1) : 16;
             if (count == SCORE_QUERIES) {
-                NAME(blocks)(count, qs, valid, states, kt, values + (size_t)start * head_dim, head_dim);
+                NAME(blocks)(count, qs, valid, states, block_keys, values + (size_t)start * head_dim, head_dim);
                 count = 0;
             }
         }
-        if (count) NAME(blocks)(count, qs, valid, states, kt, values + (size_t)start * head_dim, head_dim);
+        if (count) NAME(blocks)(count, qs, valid, states, block_keys, values + (size_t)start * head_dim, head_dim);
     }
     for (int q = 0; q < queries; q++) {
         const int64_t token = u->first + q / group, head = (int64_t)u->kv_head * group + q % group;

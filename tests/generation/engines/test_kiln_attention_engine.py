@@ -5,6 +5,8 @@ decode steps one token at a time, prefill chunks of any length, several sequence
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -32,6 +34,7 @@ def kiln_graph(tiny_kiln_attention_graph):
 def engine(tiny, kiln_graph) -> ServingEngine:
     made = tiny.engine_for_file(kiln_graph, EngineOptions(threads=2, max_rows=8))
     assert isinstance(made, ServingEngine) and made.kiln_attention and made.min_rows == 1
+    assert made.shape.key_blocks  # the graph keeps its keys in blocks (graph_io.KEY_CACHE_KEY)
     return made
 
 
@@ -83,3 +86,29 @@ def test_a_sequence_is_the_same_bits_among_other_sequences(engine):
         tokens["x"] = int(np.argmax(seen[-1]))
         seen.append(engine.step(tokens)[engine.rows.index("x")].copy())
     assert all(np.array_equal(a, b) for a, b in zip(alone[len(PROMPT) - 1:], seen))
+
+
+def test_a_graph_written_before_key_blocks_keeps_its_layout_and_its_bits(tiny, kiln_graph, engine, tmp_path):
+    """The same graph without the ``key_blocks`` attribute and its metadata (as written before them):
+    its engine keeps the keys position-major, and every logit is the same bits."""
+    import onnx
+
+    from modelkiln.generation.engines.onnx import graph_io as io
+
+    model = onnx.load(str(kiln_graph), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "KilnAttention":
+            kept = [a for a in node.attribute if a.name != "key_blocks"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    kept_metadata = [m for m in model.metadata_props if m.key != io.KEY_CACHE_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept_metadata)
+    old = tmp_path / kiln_graph.name
+    onnx.save_model(model, str(old))
+    shutil.copy(kiln_graph.parent / (kiln_graph.name + ".data"), tmp_path)
+    before = tiny.engine_for_file(old, EngineOptions(threads=2, max_rows=8))
+    assert before.kiln_attention and not before.shape.key_blocks
+    for chunks in ([len(PROMPT)], [5, 11, len(PROMPT) - 16]):
+        got, expected = feed(before, "old", chunks, 20), feed(engine, "new", chunks, 20)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected)), chunks

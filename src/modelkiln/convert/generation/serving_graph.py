@@ -27,7 +27,9 @@ sequence is writing its rows, leaving is forgetting them (``generation/engines/o
 (``cache_rows``, ``positions``) instead of per-row lengths. It reduces every position in the order a
 decode step does, so a position's logits are the same bits in a decode step, in a prompt chunk of
 any length, or among other rows, and rows of several tokens with a past can share one call;
-GroupQueryAttention's prompt path sums in another order than its one-query path.
+GroupQueryAttention's prompt path sums in another order than its one-query path. Its key cache is
+kept in blocks of 16 positions, dimension-major (``key_blocks = 1``; metadata ``kiln.key_cache``),
+the form its scores read, so a decode step does not transpose every block it reads.
 
 The graph's inputs and outputs are named in ``generation/engines/onnx/graph_io.py``. Weights come from a
 ``DecoderWeights``: a transformers model's (``TorchDecoderWeights``, fp32) or a GGUF file's, read
@@ -215,6 +217,8 @@ def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False,
                                    + [helper.make_opsetid(d, 1) for d in domains])
     onnx_model.ir_version = 10
     onnx_model.metadata_props.add(key=io.GRAPH_KIND_KEY, value=io.SERVING_GRAPH)
+    if kiln_attention:  # the engine keeps the key cache the way the nodes' key_blocks = 1 read it
+        onnx_model.metadata_props.add(key=io.KEY_CACHE_KEY, value=io.KEY_BLOCKS)
     onnx.save_model(onnx_model, str(path))
     log.info("serving graph: %d nodes, weights %s", len(g.nodes), dict(g.formats))
     return GraphSummary(dict(g.formats), g.gguf_types)
@@ -250,7 +254,7 @@ def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec, ki
             attended = g.node("KilnAttention", [q, k, v, io.past_key_name(i), io.past_value_name(i), io.CACHE_ROWS,
                                                 io.POSITIONS, "rotary.cos", "rotary.sin"],
                               f"layers.{i}.attention", outputs=outputs, domain=NATIVE_DOMAIN, num_heads=spec.heads,
-                              kv_num_heads=spec.kv_heads)
+                              kv_num_heads=spec.kv_heads, key_blocks=1)
         else:
             attended = g.node("GroupQueryAttention",
                               [q, k, v, io.past_key_name(i), io.past_value_name(i), io.SEQLENS_K,

@@ -23,6 +23,10 @@ LOGIT_POSITIONS = "logit_positions"  # int64 [positions]: which tokens get logit
 
 GRAPH_KIND_KEY = "kiln.graph"  # model metadata: which of the two contracts a graph follows
 SERVING_GRAPH = "serving"
+# model metadata of a KilnAttention graph whose key cache is kept in blocks of KEY_BLOCK positions,
+# dimension-major (KilnAttention's ``key_blocks``, native/attention.c); absent: position-major
+KEY_CACHE_KEY, KEY_BLOCKS = "kiln.key_cache", "blocks16"
+KEY_BLOCK = 16
 
 
 def past_key_name(i: int) -> str:

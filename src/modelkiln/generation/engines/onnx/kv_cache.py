@@ -11,7 +11,12 @@ whatever the longest sequence in the batch is.
 Two regions share that layout: ``running`` rows (the decode batch, always rows 0..n-1: a finished
 row is filled with the last one, so the batch stays contiguous) and ``staging`` rows, where a
 prompt is prefilled (in chunks, batch 1) before it joins. Joining copies the prompt's cache into
-the next running row once; a decode step copies nothing."""
+the next running row once; a decode step copies nothing.
+
+A KilnAttention graph may keep its keys in another order within the same buffer shape
+(``key_blocks``: each block of 16 positions dimension-major, the form its scores read; values stay
+position-major). Only the graph reads the cache in place; ``read`` and ``write`` (the prefix
+cache's) take and give position-major arrays in either layout."""
 
 from __future__ import annotations
 
@@ -20,13 +25,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..memory import give_back, reserve
+from .graph_io import KEY_BLOCK as BLOCK
 
 @dataclass(frozen=True)
 class CacheShape:
     layers: int
     kv_heads: int
     head_dim: int
-    max_length: int  # tokens a row can hold (the model's context, or less)
+    max_length: int  # tokens a row can hold (the model's context, or less; a multiple of 16 with key_blocks)
+    key_blocks: bool = False  # keys in blocks of 16 positions, dimension-major (KilnAttention's key_blocks)
+
+    def __post_init__(self) -> None:
+        if self.key_blocks and self.max_length % BLOCK:
+            raise ValueError(f"a key cache in blocks of {BLOCK} holds a multiple of {BLOCK} positions, "
+                             f"not {self.max_length}")
 
     @property
     def bytes_per_token(self) -> int:
@@ -52,15 +64,41 @@ class RowRegion:
         self._row_bytes = shape.row_floats * 4
 
     def copy_row(self, src: RowRegion, src_row: int, dst_row: int, length: int) -> None:
-        """Copy the first ``length`` positions of a row (every layer, key and value)."""
+        """Copy the first ``length`` positions of a row (every layer, key and value): in blocks, up to
+        the end of the block holding the last one (the positions after it are written before read)."""
+        assert src.shape == self.shape, "rows are copied between regions of one layout"
+        if self.shape.key_blocks:
+            length = min(-(-length // BLOCK) * BLOCK, self.shape.max_length)
         self.all[:, dst_row, :, :length] = src.all[:, src_row, :, :length]
 
     def read(self, row: int, start: int, stop: int) -> np.ndarray:
         """A copy of positions [start, stop) of a row: [layer key/value, kv_heads, positions, head_dim]."""
-        return self.all[:, row, :, start:stop].copy()
+        kv = self.all[:, row, :, start:stop].copy()
+        if self.shape.key_blocks:
+            first, last = start // BLOCK, -(-stop // BLOCK)
+            keys = self._key_blocks(row)[:, :, first:last]  # [layers, kv_heads, blocks, 16, head_dim]
+            layers, heads, blocks, _, dim = keys.shape
+            kv[0::2] = keys.reshape(layers, heads, blocks * BLOCK, dim)[:, :, start - first * BLOCK:stop - first * BLOCK]
+        return kv
 
     def write(self, row: int, start: int, kv: np.ndarray) -> None:
-        self.all[:, row, :, start:start + kv.shape[2]] = kv
+        """Positions [start, start + n) of a row from ``kv`` as ``read`` gives it."""
+        stop = start + kv.shape[2]
+        if not self.shape.key_blocks:
+            self.all[:, row, :, start:stop] = kv
+            return
+        self.all[1::2, row, :, start:stop] = kv[1::2]
+        keys = self._key_blocks(row)
+        for block in range(start // BLOCK, -(-stop // BLOCK)):
+            lo, hi = max(start, block * BLOCK), min(stop, (block + 1) * BLOCK)
+            keys[:, :, block, lo - block * BLOCK:hi - block * BLOCK] = kv[0::2, :, lo - start:hi - start]
+
+    def _key_blocks(self, row: int) -> np.ndarray:
+        """A view of a row's keys in blocks (key_blocks layout): [layers, kv_heads, blocks, position in
+        the block, head_dim]; the buffer holds each block as [head_dim, 16]."""
+        layers, rows, heads, length, dim = self.all.shape  # reshaped whole: contiguous, so always a view
+        blocks = self.all.reshape(layers, rows, heads, length // BLOCK, dim, BLOCK)
+        return blocks[0::2, row].swapaxes(3, 4)
 
     def release(self, row: int) -> None:
         """Give the row's pages back to the operating system; it reads as zeros afterwards."""

@@ -59,7 +59,12 @@ class ServingEngine(HostEngine):
         _, kv_heads, _, head_dim = inputs[io.past_key_name(0)].shape
         self.max_context = max_context
         length = int(max_length or max_context or 4096)
-        self.shape = CacheShape(self.layers, int(kv_heads), int(head_dim), length)
+        # a KilnAttention graph written with key_blocks reads its keys in blocks of 16 positions
+        metadata = session.get_modelmeta().custom_metadata_map
+        key_blocks = self.kiln_attention and metadata.get(io.KEY_CACHE_KEY) == io.KEY_BLOCKS
+        if key_blocks:  # whole blocks (the model's context still bounds a sequence: _check_length)
+            length = -(-length // io.KEY_BLOCK) * io.KEY_BLOCK
+        self.shape = CacheShape(self.layers, int(kv_heads), int(head_dim), length, key_blocks)
         # rows × heads units share the threads of GroupQueryAttention; with fewer units than threads a
         # newer onnxruntime splits one row's keys across threads (another summation order): keep enough
         # rows. KilnAttention never splits a query's keys.
