@@ -1,21 +1,25 @@
-"""GroupQueryAttention against KilnAttention on the same weights: an artifact's serving graph (GQA)
-and a copy whose attention nodes are swapped for KilnAttention (native/attention.c; the weights file
-is linked, not copied), timed in turns on the ONNX serving engine.
+"""The attention forms of a serving graph on the same weights, timed in turns on the ONNX serving engine:
+
+- an artifact whose graph has GroupQueryAttention: that graph against a copy whose attention nodes are
+  swapped for KilnAttention (native/attention.c), its key cache in blocks (``key_blocks = 1``);
+- an artifact whose graph has KilnAttention already: that graph (keys in blocks) against a copy whose
+  nodes keep their keys position-major (no ``key_blocks``, as graphs written before it).
+
+The copy's weights file is linked, not copied.
 
     PYTHONPATH=src python benchmarks/generation/kiln_attention.py /work/art/llama1b --variant gguf \
-        --prompt 1536 --streams 1 16 --rounds 2
+        --prompt 1536 --streams 16 --rounds 2
 
 Per graph: a prefill of ``--prompt`` random tokens in one call (tokens/s), then decode steps of
-one stream after that prompt and of ``--streams`` streams of 64-token prompts (tokens/s over every
-stream). The two graphs run alternately ``--rounds`` times, so another load on the machine falls on
-both; the table gives each round and the ratio of the best of each."""
+one stream after that prompt and of ``--streams`` streams of ``--stream-prompt``-token prompts
+(tokens/s over every stream). The graphs run alternately ``--rounds`` times, so another load on
+the machine falls on both; the table gives each round and the ratio of the best of each."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -23,17 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
+from modelkiln.machine import cpu_description
 
-def swapped_copy(folder: Path, variant_file: str, into: Path) -> Path:
-    """``folder`` with ``variant_file``'s GroupQueryAttention nodes replaced by KilnAttention (q, k
-    and v split from the packed projection), its other files hard-linked (onnxruntime refuses a
-    weights file reached through a symbolic link out of the model's folder) or else copied."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
 
-    from modelkiln.generation.engines.onnx import graph_io as io
-    from modelkiln.native import DOMAIN
-
+def linked_copy(folder: Path, variant_file: str, into: Path) -> None:
+    """``folder``'s files but ``variant_file`` and kiln.json, hard-linked (onnxruntime refuses a weights
+    file reached through a symbolic link out of the model's folder) or else copied."""
     into.mkdir(parents=True, exist_ok=True)
     for item in folder.iterdir():
         if item.name not in (variant_file, "kiln.json"):
@@ -41,6 +40,46 @@ def swapped_copy(folder: Path, variant_file: str, into: Path) -> Path:
                 os.link(item, into / item.name)
             except OSError:
                 shutil.copy(item, into / item.name)
+
+
+def attention_of(folder: Path, variant_file: str) -> str:
+    import onnx
+
+    model = onnx.load(str(folder / variant_file), load_external_data=False)
+    return "KilnAttention" if any(n.op_type == "KilnAttention" for n in model.graph.node) else "GroupQueryAttention"
+
+
+def position_major_copy(folder: Path, variant_file: str, into: Path) -> Path:
+    """``folder`` with ``variant_file``'s KilnAttention nodes keeping their keys position-major."""
+    import onnx
+
+    from modelkiln.generation.engines.onnx import graph_io as io
+
+    linked_copy(folder, variant_file, into)
+    model = onnx.load(str(folder / variant_file), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "KilnAttention":
+            kept = [a for a in node.attribute if a.name != "key_blocks"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    kept_metadata = [m for m in model.metadata_props if m.key != io.KEY_CACHE_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept_metadata)
+    onnx.save_model(model, str(into / variant_file))
+    shutil.copy(folder / "kiln.json", into / "kiln.json")
+    return into
+
+
+def swapped_copy(folder: Path, variant_file: str, into: Path) -> Path:
+    """``folder`` with ``variant_file``'s GroupQueryAttention nodes replaced by KilnAttention (q, k
+    and v split from the packed projection; keys in blocks, as the graph writer makes them)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from modelkiln.generation.engines.onnx import graph_io as io
+    from modelkiln.native import DOMAIN
+
+    linked_copy(folder, variant_file, into)
     model = onnx.load(str(folder / variant_file), load_external_data=False)
     graph = model.graph
     nodes = []
@@ -61,7 +100,7 @@ def swapped_copy(folder: Path, variant_file: str, into: Path) -> Path:
             nodes.append(helper.make_node("Split", [node.input[0], sizes], [q, k, v], name=f"{node.name}.split", axis=-1))
         nodes.append(helper.make_node("KilnAttention", [q, k, v, node.input[3], node.input[4], io.CACHE_ROWS, io.POSITIONS,
                                                         node.input[7], node.input[8]], list(node.output), name=node.name,
-                                      domain=DOMAIN, num_heads=heads, kv_num_heads=kv_heads))
+                                      domain=DOMAIN, num_heads=heads, kv_num_heads=kv_heads, key_blocks=1))
     del graph.node[:]
     graph.node.extend(nodes)
     inputs = [i for i in graph.input if i.name not in (io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH)]
@@ -70,6 +109,7 @@ def swapped_copy(folder: Path, variant_file: str, into: Path) -> Path:
     graph.input.extend(inputs[:1] + places + inputs[1:])
     if DOMAIN not in [o.domain for o in model.opset_import]:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    model.metadata_props.add(key=io.KEY_CACHE_KEY, value=io.KEY_BLOCKS)
     onnx.save_model(model, str(into / variant_file))
     manifest = json.loads((folder / "kiln.json").read_text())
     names = manifest.get("input_names", [])
@@ -79,7 +119,8 @@ def swapped_copy(folder: Path, variant_file: str, into: Path) -> Path:
     return into
 
 
-def measure(folder: Path, variant: str, prompt: int, streams: int, steps: int, threads: int) -> dict[str, float]:
+def measure(folder: Path, variant: str, prompt: int, streams: int, stream_prompt: int, steps: int,
+            threads: int) -> dict[str, float]:
     from modelkiln.generation.engines.registry import EngineOptions
     from modelkiln.generation.model import TextGenerationModel
 
@@ -99,7 +140,7 @@ def measure(folder: Path, variant: str, prompt: int, streams: int, steps: int, t
     one = steps / (time.perf_counter() - started)
     engine.remove("long")
     for s in range(streams):
-        engine.add(("s", s), rng.integers(10, vocab, 64).tolist())
+        engine.add(("s", s), rng.integers(10, vocab, stream_prompt).tolist())
     started = time.perf_counter()
     for _ in range(steps):
         engine.step({seq: 11 for seq in engine.rows})
@@ -113,6 +154,7 @@ def main() -> None:
     parser.add_argument("--variant", default="gguf")
     parser.add_argument("--prompt", type=int, default=1536)
     parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--stream-prompt", type=int, default=64, help="tokens of each stream's prompt")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
@@ -125,18 +167,25 @@ def main() -> None:
     assert variant_file is not None
     work = Path(tempfile.mkdtemp(prefix="kiln-attention-", dir=args.work))
     try:
-        swapped = swapped_copy(args.artifact, variant_file, work / args.artifact.name)
-        print(f"{args.artifact} ({args.variant}), {platform.processor() or platform.machine()}, {args.threads} threads, "
-              f"prompt {args.prompt}, {args.streams} streams, {args.steps} steps")
+        copy = work / args.artifact.name
+        if attention_of(args.artifact, variant_file) == "GroupQueryAttention":
+            forms = [("GroupQueryAttention", args.artifact), ("KilnAttention", swapped_copy(args.artifact, variant_file, copy))]
+        else:
+            forms = [("keys position-major", position_major_copy(args.artifact, variant_file, copy)),
+                     ("keys in blocks", args.artifact)]
+        cpu = cpu_description()
+        print(f"{args.artifact} ({args.variant}), {cpu['cpu']} ({cpu['isa']}), {args.threads} threads, prompt "
+              f"{args.prompt}, {args.streams} streams of {args.stream_prompt}-token prompts, {args.steps} steps")
         best: dict[str, dict[str, float]] = {}
         for round_ in range(args.rounds):
-            for name, folder in (("GroupQueryAttention", args.artifact), ("KilnAttention", swapped)):
-                got = measure(folder, args.variant, args.prompt, args.streams, args.steps, args.threads)
+            for name, folder in forms[::-1 if round_ % 2 else 1]:
+                got = measure(folder, args.variant, args.prompt, args.streams, args.stream_prompt, args.steps,
+                              args.threads)
                 print(f"  round {round_} {name:20s} " + "  ".join(f"{k} {v:8.1f} tok/s" for k, v in got.items()), flush=True)
                 for key, value in got.items():
                     best.setdefault(name, {})[key] = max(best.get(name, {}).get(key, 0.0), value)
-        print("  best ratio KilnAttention / GroupQueryAttention: " + "  ".join(
-            f"{k} {best['KilnAttention'][k] / best['GroupQueryAttention'][k]:.2f}" for k in best["KilnAttention"]))
+        (old, _), (new, _) = forms
+        print(f"  best ratio {new} / {old}: " + "  ".join(f"{k} {best[new][k] / best[old][k]:.2f}" for k in best[new]))
     finally:
         shutil.rmtree(work)
 
