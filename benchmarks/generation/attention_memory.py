@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--key-blocks", type=int, choices=(0, 1), default=1,
                         help="the key cache's layout: 1 in blocks of 16 positions dimension-major (what the serving "
                              "graph keeps), 0 position-major (graphs written before it)")
+    parser.add_argument("--halves", action="store_true", help="caches of halves (KilnAttentionF16; keys in blocks)")
     args = parser.parse_args()
     lib = ctypes.CDLL(library_path())
     lib.kiln_attention.restype = ctypes.c_int
@@ -51,8 +52,9 @@ def main() -> None:
     q = rng.standard_normal((rows, HEADS, HEAD_DIM)).astype(np.float32)
     k = rng.standard_normal((rows, KV_HEADS, HEAD_DIM)).astype(np.float32)
     v = rng.standard_normal((rows, KV_HEADS, HEAD_DIM)).astype(np.float32)
-    key_cache = rng.standard_normal((rows, KV_HEADS, capacity, HEAD_DIM)).astype(np.float32)
-    value_cache = rng.standard_normal((rows, KV_HEADS, capacity, HEAD_DIM)).astype(np.float32)
+    cache_type = np.float16 if args.halves else np.float32
+    key_cache = rng.standard_normal((rows, KV_HEADS, capacity, HEAD_DIM)).astype(cache_type)
+    value_cache = rng.standard_normal((rows, KV_HEADS, capacity, HEAD_DIM)).astype(cache_type)
     angles = np.arange(capacity)[:, None] / (10000 ** (np.arange(half) / half))[None]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     positions = (args.position + (np.arange(rows) * 7) % 50).astype(np.int64)  # positions differ a little
@@ -66,13 +68,14 @@ def main() -> None:
         started = time.perf_counter()
         ok = lib.kiln_attention(HEADS, KV_HEADS, HEAD_DIM, ctypes.c_int64(rows), p(q), p(k), p(v), p(cache_rows),
                                 p(positions), ctypes.c_int64(rows), ctypes.c_int64(capacity), p(key_cache),
-                                p(value_cache), p(cos), p(sin), ctypes.c_int64(capacity), half, p(out), args.key_blocks)
+                                p(value_cache), p(cos), p(sin), ctypes.c_int64(capacity), half, p(out), args.key_blocks, int(args.halves))
         assert ok
         return time.perf_counter() - started
 
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({cpu['isa']}), one thread; {rows} sequences at positions {positions.min()}-{positions.max()}, "
-          f"SmolLM2's attention shape, one layer, key cache {'in blocks' if args.key_blocks else 'position-major'}")
+          f"SmolLM2's attention shape, one layer, key cache {'in blocks' if args.key_blocks else 'position-major'}, "
+          f"{'halves' if args.halves else 'floats'}")
     medians: dict[str, list[float]] = {name: [] for name in cases}
     for round_ in range(args.rounds):
         for name, cache_rows in cases.items():
@@ -80,7 +83,7 @@ def main() -> None:
             medians[name].append(1000 * statistics.median(step(cache_rows) for _ in range(args.repeat)))
         print(f"round {round_ + 1}: " + ", ".join(f"{name} {medians[name][-1]:.3f} ms" for name in cases))
     own, two, one = (statistics.median(medians[name]) for name in cases)
-    bytes_read = 2 * 4 * HEAD_DIM * KV_HEADS * int((positions + 1).sum())
+    bytes_read = 2 * key_cache.itemsize * HEAD_DIM * KV_HEADS * int((positions + 1).sum())
     print(f"median: own rows {own:.3f} ms ({bytes_read / own / 1e6:.1f} GB/s of keys and values), "
           f"two rows {two:.3f} ms, one row {one:.3f} ms: from memory the step takes {own / two:.1f}x its time in "
           f"cache, and a unit of 3 queries {two / one:.1f}x one of 48")

@@ -59,10 +59,12 @@ typedef struct {
 typedef struct {
     int heads, kv_heads, head_dim, rotary_half;
     int key_blocks;  /* the key cache's layout: 0 position-major, 1 in blocks of 16 positions dimension-major */
+    int half_cache;  /* the caches' element: 0 float, 1 IEEE half (uint16_t) */
     int64_t tokens, rows, capacity, table_positions;
     const float *q, *k, *v, *cos, *sin;
     const int64_t *cache_rows, *positions;
-    float *key_cache, *value_cache, *rotated_q, *out;
+    void *key_cache, *value_cache;  /* float or uint16_t (half_cache) */
+    float *rotated_q, *out;
     attention_unit *units;
     size_t unit_count;
 } attention_job;
@@ -128,7 +130,22 @@ static void transpose16_512(const float *keys, int valid, int head_dim, float *k
     }
 }
 #define transpose16 transpose16_512
+#define CACHE_T float
+#define CACHE_HALF 0
+#define c_load v_load
 #include "attention_kernel.h"
+#undef NAME
+#undef CACHE_T
+#undef CACHE_HALF
+#undef c_load
+#define NAME(x) x##_512_f16
+#define CACHE_T uint16_t
+#define CACHE_HALF 1
+#define c_load(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#include "attention_kernel.h"
+#undef CACHE_T
+#undef CACHE_HALF
+#undef c_load
 #undef V16
 #undef NAME
 #undef SCORE_QUERIES
@@ -218,15 +235,31 @@ static void transpose16_256(const float *keys, int valid, int head_dim, float *k
     }
 }
 #define transpose16 transpose16_256
+#define CACHE_T float
+#define CACHE_HALF 0
+#define c_load v_load
+#include "attention_kernel.h"
+#undef NAME
+#undef CACHE_T
+#undef CACHE_HALF
+#undef c_load
+#define NAME(x) x##_256_f16
+#define CACHE_T uint16_t
+#define CACHE_HALF 1
+static inline v16_256 c_load(const uint16_t *p) {
+    return (v16_256){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
 #include "attention_kernel.h"
 
 typedef void (*unit_fn)(const attention_unit *, const attention_job *);
-static unit_fn attend_unit = unit_256;
+static unit_fn attend_unit = unit_256, attend_unit_f16 = unit_256_f16;
 
 /* The AVX-512 form where the CPU has it (the same bits as the AVX2 form). */
 __attribute__((visibility("default")))
 void kiln_attention_use_avx512(int on) {
-    attend_unit = on && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") ? unit_512 : unit_256;
+    const int avx512 = on && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    attend_unit = avx512 ? unit_512 : unit_256;
+    attend_unit_f16 = avx512 ? unit_512_f16 : unit_256_f16;
 }
 
 __attribute__((constructor)) static void choose_form(void) { kiln_attention_use_avx512(1); }
@@ -245,6 +278,17 @@ static void rotate(const float *x, const float *cos, const float *sin, int half,
         y[i + half] = (x2 * cos[i] + x1 * sin[i]) * scale;
     }
     for (int i = 2 * half; i < head_dim; i++) y[i] = x[i] * scale;
+}
+
+/* ``n`` floats into ``n`` cache elements ``stride`` apart: as they are, or rounded to the nearest half. */
+static void store(const attention_job *job, const float *x, int64_t n, size_t at, size_t stride, void *cache) {
+    if (job->half_cache) {
+        uint16_t *to = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++) to[(size_t)i * stride] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+    } else {
+        float *to = (float *)cache + at;
+        for (int64_t i = 0; i < n; i++) to[(size_t)i * stride] = x[i];
+    }
 }
 
 /* Phase 1, a token: its rotated key and value into its row of the cache, its query rotated. */
@@ -266,16 +310,13 @@ static void write_token(void *data, size_t index) {
     for (int g = 0; g < job->kv_heads; g++) {
         const size_t head = ((size_t)job->cache_rows[t] * (size_t)job->kv_heads + (size_t)g) * (size_t)job->capacity;
         const size_t at = (head + (size_t)position) * (size_t)d;
-        const float *k = job->k + (t * job->kv_heads + g) * d;
-        if (job->key_blocks) {  /* dimension i of this position at i · 16 + position % 16 of its block */
-            float key[MAX_HEAD_DIM];
-            rotate(k, cos, sin, job->rotary_half, (int)d, 1.0f, key);
-            float *block = job->key_cache + (head + (size_t)(position & ~(int64_t)15)) * (size_t)d + (size_t)(position & 15);
-            for (int64_t i = 0; i < d; i++) block[16 * i] = key[i];
-        } else {
-            rotate(k, cos, sin, job->rotary_half, (int)d, 1.0f, job->key_cache + at);
-        }
-        memcpy(job->value_cache + at, job->v + (t * job->kv_heads + g) * d, sizeof(float) * (size_t)d);
+        float key[MAX_HEAD_DIM];
+        rotate(job->k + (t * job->kv_heads + g) * d, cos, sin, job->rotary_half, (int)d, 1.0f, key);
+        if (job->key_blocks)  /* dimension i of this position at i · 16 + position % 16 of its block */
+            store(job, key, d, (head + (size_t)(position & ~(int64_t)15)) * (size_t)d + (size_t)(position & 15), 16, job->key_cache);
+        else
+            store(job, key, d, at, 1, job->key_cache);
+        store(job, job->v + (t * job->kv_heads + g) * d, d, at, 1, job->value_cache);
     }
 }
 
@@ -283,7 +324,7 @@ static void write_token(void *data, size_t index) {
  * next index to whichever thread is free, so the long ones start first and the short ones fill in). */
 static void attend(void *data, size_t index) {
     const attention_job *job = data;
-    attend_unit(&job->units[job->unit_count - 1 - index], job);
+    (job->half_cache ? attend_unit_f16 : attend_unit)(&job->units[job->unit_count - 1 - index], job);
 }
 
 /* Runs of tokens of one row, MAX_TILE_TOKENS at most (and MAX_QUERIES queries), times key/value heads. */
@@ -336,6 +377,7 @@ static int run(attention_job *job, const OrtApi *api, const OrtKernelContext *co
 typedef struct {
     const OrtApi *api;
     int64_t heads, kv_heads, key_blocks;
+    int half_cache;  /* KilnAttentionF16 */
 } kernel;
 
 static int64_t elements(const int64_t *dims, size_t rank) {
@@ -363,32 +405,34 @@ static void compute(void *state, OrtKernelContext *context) {
         elements(rd, rr) != tokens || elements(pd, pr) != tokens || memcmp(cache, pastv, sizeof(int64_t) * 4) ||
         cd[1] != sd[1] || cd[0] != sd[0] || 2 * cd[1] > head_dim || (kn->key_blocks && cache[2] % 16))
         return;
-    attention_job job = {(int)kn->heads, (int)kn->kv_heads, (int)head_dim, (int)cd[1], (int)kn->key_blocks, tokens,
-                         cache[0], cache[2], cd[0]};
+    attention_job job = {(int)kn->heads, (int)kn->kv_heads, (int)head_dim, (int)cd[1], (int)kn->key_blocks,
+                         kn->half_cache, tokens, cache[0], cache[2], cd[0]};
     GetTensorMutableDataFn data = (GetTensorMutableDataFn)kiln_ort_fn(api, SLOT_GetTensorMutableData);
     void *p[9];
     for (size_t i = 0; i < 9; i++) CHECK(data((OrtValue *)in[i], &p[i]));
     job.q = p[0], job.k = p[1], job.v = p[2], job.cache_rows = p[5], job.positions = p[6], job.cos = p[7], job.sin = p[8];
-    const float *past_key = p[3], *past_value = p[4];
+    const void *past_key = p[3], *past_value = p[4];
     OrtValue *out, *present_key, *present_value;
     KernelContextGetOutputFn output = (KernelContextGetOutputFn)kiln_ort_fn(api, SLOT_KernelContext_GetOutput);
     CHECK(output(context, 0, qd, qr, &out));
     CHECK(output(context, 1, cache, 4, &present_key));
     CHECK(output(context, 2, cache, 4, &present_value));
     CHECK(data(out, (void **)&job.out));
-    CHECK(data(present_key, (void **)&job.key_cache));
-    CHECK(data(present_value, (void **)&job.value_cache));
-    const size_t cache_bytes = (size_t)elements(cache, 4) * sizeof(float);
+    CHECK(data(present_key, &job.key_cache));
+    CHECK(data(present_value, &job.value_cache));
+    const size_t cache_bytes = (size_t)elements(cache, 4) * (kn->half_cache ? sizeof(uint16_t) : sizeof(float));
     if (job.key_cache != past_key) memcpy(job.key_cache, past_key, cache_bytes);  /* not bound in place */
     if (job.value_cache != past_value) memcpy(job.value_cache, past_value, cache_bytes);
     if (tokens > 0) run(&job, api, context);
 }
 
+extern const OrtCustomOp KILN_ATTENTION_F16;
+
 static void *create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info) {
-    (void)op;
     kernel *kn = calloc(1, sizeof *kn);
     if (!kn) return NULL;
     kn->api = api;
+    kn->half_cache = op == &KILN_ATTENTION_F16;
     KernelInfoGetAttributeInt64Fn attr = (KernelInfoGetAttributeInt64Fn)kiln_ort_fn(api, SLOT_KernelInfoGetAttribute_int64);
     OrtStatus *status;
     if ((status = attr(info, "num_heads", &kn->heads)) || (status = attr(info, "kv_num_heads", &kn->kv_heads))) {
@@ -401,7 +445,7 @@ static void *create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInf
         kn->key_blocks = 0;
     }
     if (kn->heads <= 0 || kn->kv_heads <= 0 || kn->heads % kn->kv_heads || kn->heads / kn->kv_heads > MAX_QUERIES ||
-        (kn->key_blocks != 0 && kn->key_blocks != 1)) {
+        (kn->key_blocks != 0 && kn->key_blocks != 1) || (kn->half_cache && !kn->key_blocks)) {
         free(kn);
         return NULL;
     }
@@ -409,30 +453,37 @@ static void *create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInf
 }
 
 static void destroy(void *state) { free(state); }
-static const char *name(const OrtCustomOp *op) { (void)op; return "KilnAttention"; }
+static const char *name(const OrtCustomOp *op) { return op == &KILN_ATTENTION_F16 ? "KilnAttentionF16" : "KilnAttention"; }
 static const char *cpu(const OrtCustomOp *op) { (void)op; return NULL; }
 static size_t nine(const OrtCustomOp *op) { (void)op; return 9; }
 static size_t three(const OrtCustomOp *op) { (void)op; return 3; }
 static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 5 || i == 6 ? 7 /* int64 */ : KILN_TENSOR_FLOAT; }
 static int float_output(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return KILN_TENSOR_FLOAT; }
+static int input_type_f16(const OrtCustomOp *op, size_t i) { return i == 3 || i == 4 ? KILN_TENSOR_FLOAT16 : input_type(op, i); }
+static int output_type_f16(const OrtCustomOp *op, size_t i) { (void)op; return i ? KILN_TENSOR_FLOAT16 : KILN_TENSOR_FLOAT; }
 static int required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 static int default_memory(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 
 const OrtCustomOp KILN_ATTENTION = {13, create, name, cpu, input_type, nine, float_output, three,
                                     compute, destroy, required, required, default_memory};
+/* The same over caches of halves (past/present float16), keys in blocks (key_blocks = 1 required). */
+const OrtCustomOp KILN_ATTENTION_F16 = {13, create, name, cpu, input_type_f16, nine, output_type_f16, three,
+                                        compute, destroy, required, required, default_memory};
 
 /* For tests and measurements without onnxruntime: both phases on one thread, the caches in place;
  * q [tokens, heads, D], k and v [tokens, kv_heads, D], caches [rows, kv_heads, capacity, D],
- * cos and sin [table_positions, half]; key_blocks: the key cache's layout, as the attribute. */
+ * cos and sin [table_positions, half]; key_blocks: the key cache's layout, as the attribute; half_cache:
+ * caches of halves (uint16_t), as KilnAttentionF16. */
 __attribute__((visibility("default")))
 int kiln_attention(int heads, int kv_heads, int head_dim, int64_t tokens, const float *q, const float *k, const float *v,
-                   const int64_t *cache_rows, const int64_t *positions, int64_t rows, int64_t capacity, float *key_cache,
-                   float *value_cache, const float *cos, const float *sin, int64_t table_positions, int half, float *out,
-                   int key_blocks) {
+                   const int64_t *cache_rows, const int64_t *positions, int64_t rows, int64_t capacity, void *key_cache,
+                   void *value_cache, const float *cos, const float *sin, int64_t table_positions, int half, float *out,
+                   int key_blocks, int half_cache) {
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_QUERIES || head_dim % 16 ||
-        head_dim > MAX_HEAD_DIM || 2 * half > head_dim || (key_blocks != 0 && key_blocks != 1) || (key_blocks && capacity % 16))
+        head_dim > MAX_HEAD_DIM || 2 * half > head_dim || (key_blocks != 0 && key_blocks != 1) || (key_blocks && capacity % 16) ||
+        (half_cache != 0 && half_cache != 1) || (half_cache && !key_blocks))
         return 0;
-    attention_job job = {heads, kv_heads, head_dim, half, key_blocks, tokens, rows, capacity, table_positions};
+    attention_job job = {heads, kv_heads, head_dim, half, key_blocks, half_cache, tokens, rows, capacity, table_positions};
     job.q = q, job.k = k, job.v = v, job.cos = cos, job.sin = sin, job.cache_rows = cache_rows, job.positions = positions;
     job.key_cache = key_cache, job.value_cache = value_cache, job.out = out;
     return tokens > 0 ? run(&job, NULL, NULL) : 1;

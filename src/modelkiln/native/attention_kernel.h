@@ -5,7 +5,10 @@
  * set changes how many lanes one instruction carries, never what a lane computes.
  *
  * The including file defines before including:
- *   NAME(x)             this form's name for x (x##_512, x##_256)
+ *   NAME(x)             this form's name for x (x##_512, x##_256; x##_512_f16, x##_256_f16)
+ *   CACHE_T, c_load(p)  the caches' element (float, or uint16_t holding an IEEE half) and sixteen
+ *                       of them as floats (a half widens exactly, so either form reads the same
+ *                       floats); CACHE_HALF 1 for halves, whose keys are always kept in blocks
  *   V16                 sixteen float lanes, with
  *   v_zero(), v_set(f), v_load(p), v_store(p, v), v_fma(a, b, c) = a·b + c rounded once,
  *   v_mul, v_add, v_sub, v_max, v_div, v_round (to nearest, ties to even), v_pow2(n) (2^n for an
@@ -37,14 +40,14 @@ static inline V16 NAME(exp)(V16 x) {
  * same either way. Keys [0, valid[r]) only. */
 static inline __attribute__((always_inline)) void NAME(values)(const int count, const int chunks,
                                                                 const float (*weights)[16], const int *valid, int fewest,
-                                                                int most, const float *v, int head_dim,
+                                                                int most, const CACHE_T *v, int head_dim,
                                                                 float *const *state, int d) {
     V16 acc[2][SCORE_QUERIES];
     for (int c = 0; c < chunks; c++)
         for (int r = 0; r < count; r++) acc[c][r] = v_load(state[r] + 32 + d + 16 * c);
     for (int j = 0; j < most; j++) {
         V16 vj[2];
-        for (int c = 0; c < chunks; c++) vj[c] = v_load(v + (size_t)j * head_dim + d + 16 * c);
+        for (int c = 0; c < chunks; c++) vj[c] = c_load(v + (size_t)j * head_dim + d + 16 * c);
         for (int r = 0; r < count; r++) {
             if (j >= fewest && j >= valid[r]) continue;  /* (never taken before ``fewest``) */
             const V16 w = v_set(weights[r][j]);
@@ -65,13 +68,13 @@ static inline __attribute__((always_inline)) void NAME(values)(const int count, 
  * FMA each, over keys [0, valid) of the block only (later slots may hold a chunk's later tokens,
  * or nothing). ``state`` of a query: m (padded to 16 floats), lsum[16], acc[head_dim]. */
 static inline __attribute__((always_inline)) void NAME(block)(const int count, const float *const *q, const int *valid,
-                                                               float *const *state, const float *kt, const float *v,
+                                                               float *const *state, const CACHE_T *kt, const CACHE_T *v,
                                                                int head_dim) {
     V16 lo[SCORE_QUERIES], hi[SCORE_QUERIES];
     for (int r = 0; r < count; r++) lo[r] = hi[r] = v_zero();
     const int half = head_dim / 2;
     for (int d = 0; d < half; d++) {
-        const V16 k0 = v_load(kt + 16 * d), k1 = v_load(kt + 16 * (d + half));
+        const V16 k0 = c_load(kt + 16 * d), k1 = c_load(kt + 16 * (d + half));
         for (int r = 0; r < count; r++) {
             lo[r] = v_fma(v_set(q[r][d]), k0, lo[r]);
             hi[r] = v_fma(v_set(q[r][d + half]), k1, hi[r]);
@@ -104,8 +107,8 @@ static inline __attribute__((always_inline)) void NAME(block)(const int count, c
     for (; d < head_dim; d += 16) NAME(values)(count, 1, weights, valid, fewest, most, v, head_dim, state, d);
 }
 
-static void NAME(blocks)(int count, const float *const *q, const int *valid, float *const *state, const float *kt,
-                         const float *v, int head_dim) {
+static void NAME(blocks)(int count, const float *const *q, const int *valid, float *const *state, const CACHE_T *kt,
+                         const CACHE_T *v, int head_dim) {
     switch (count) {  /* each its own inlined copy, its queries' sums in registers */
 #define CASE(n) case n: NAME(block)(n, q, valid, state, kt, v, head_dim); break;
         CASE(1) CASE(2)
@@ -132,9 +135,11 @@ static void NAME(unit)(const attention_unit *u, const attention_job *job) {
     const int head_dim = job->head_dim, group = job->heads / job->kv_heads, queries = u->tokens * group;
     const int stride = 32 + head_dim;  /* per query: m (padded to 16 floats), lsum[16], acc[head_dim] */
     const size_t row_base = ((size_t)u->row * (size_t)job->kv_heads + (size_t)u->kv_head) * (size_t)job->capacity * (size_t)head_dim;
-    const float *keys = job->key_cache + row_base, *values = job->value_cache + row_base;
+    const CACHE_T *keys = (const CACHE_T *)job->key_cache + row_base, *values = (const CACHE_T *)job->value_cache + row_base;
     float state[MAX_QUERIES * (32 + MAX_HEAD_DIM)] __attribute__((aligned(64)));
-    float kt[16 * MAX_HEAD_DIM] __attribute__((aligned(64)));
+#if !CACHE_HALF
+    float kt[16 * MAX_HEAD_DIM] __attribute__((aligned(64)));  /* a position-major block, transposed */
+#endif
     const float *q_of[MAX_QUERIES];
     int64_t position_of[MAX_QUERIES], last = 0;
     for (int q = 0; q < queries; q++) {
@@ -149,13 +154,17 @@ static void NAME(unit)(const attention_unit *u, const attention_job *job) {
     for (int64_t start = 0; start <= last; start += 16) {
         if (start + 16 <= last) {  /* the next block's keys and values, asked for while this one computes */
             const char *nk = (const char *)(keys + (size_t)(start + 16) * head_dim), *nv = (const char *)(values + (size_t)(start + 16) * head_dim);
-            for (size_t at = 0; at < 16 * sizeof(float) * (size_t)head_dim; at += 64) __builtin_prefetch(nk + at), __builtin_prefetch(nv + at);
+            for (size_t at = 0; at < 16 * sizeof(CACHE_T) * (size_t)head_dim; at += 64) __builtin_prefetch(nk + at), __builtin_prefetch(nv + at);
         }
         /* the block's keys dimension-major: as the cache keeps them, or transposed here. Lanes past a
          * query's own position are masked before they count, so the layout changes no bit. */
-        const float *block_keys = kt;
-        if (job->key_blocks) block_keys = keys + (size_t)start * head_dim;
-        else transpose16(keys + (size_t)start * head_dim, last - start + 1 < 16 ? (int)(last - start + 1) : 16, head_dim, kt);
+        const CACHE_T *block_keys = keys + (size_t)start * head_dim;
+#if !CACHE_HALF
+        if (!job->key_blocks) {
+            transpose16(block_keys, last - start + 1 < 16 ? (int)(last - start + 1) : 16, head_dim, kt);
+            block_keys = kt;
+        }
+#endif
         const float *qs[SCORE_QUERIES];
         float *states[SCORE_QUERIES];
         int valid[SCORE_QUERIES], count = 0;

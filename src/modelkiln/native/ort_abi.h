@@ -28,7 +28,7 @@ typedef struct OrtApiBase {
     const char *(*GetVersionString)(void);
 } OrtApiBase;
 
-enum { KILN_TENSOR_FLOAT = 1, KILN_TENSOR_UINT8 = 2 };  /* ONNXTensorElementDataType */
+enum { KILN_TENSOR_FLOAT = 1, KILN_TENSOR_UINT8 = 2, KILN_TENSOR_FLOAT16 = 10 };  /* ONNXTensorElementDataType */
 enum { KILN_ORT_FAIL = 1, KILN_ORT_INVALID_ARGUMENT = 2 };  /* OrtErrorCode */
 
 /* Version 13 of the custom-op description: onnxruntime reads fields past these only from ops

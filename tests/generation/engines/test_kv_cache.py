@@ -82,7 +82,7 @@ def test_a_region_in_blocks_reads_what_kiln_attention_wrote():
                                 v.ctypes.data_as(p), rows.ctypes.data_as(p), where.ctypes.data_as(p),
                                 ctypes.c_int64(cache.rows), ctypes.c_int64(LENGTH), cache.buffers[0].ctypes.data_as(p),
                                 cache.buffers[1].ctypes.data_as(p), cos.ctypes.data_as(p), sin.ctypes.data_as(p),
-                                ctypes.c_int64(LENGTH), half, out.ctypes.data_as(p), int(key_blocks))
+                                ctypes.c_int64(LENGTH), half, out.ctypes.data_as(p), int(key_blocks), 0)
         assert ok
         read.append(cache.read(1, 0, tokens)[:2])
     assert read[0][0].any() and np.array_equal(read[0], read[1])
