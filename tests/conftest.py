@@ -16,7 +16,8 @@ os.environ.setdefault("KILN_GRPC_PORT", "0")
 from tiny_models import make_model  # noqa: E402
 # Defined here, not imported by each test module: a session fixture imported into a module is a
 # fixture of that module, so six modules built the tiny generation artifact six times.
-from generation_helpers import tiny_generation_artifact, tiny_kiln_attention_graph, tiny_torch_artifact  # noqa: E402,F401
+from generation_helpers import (tiny_generation_artifact, tiny_kiln_attention_graph,  # noqa: E402,F401
+                                tiny_kiln_attention_graph_f16, tiny_torch_artifact)
 
 
 class TinyZoo:

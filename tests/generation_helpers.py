@@ -253,18 +253,27 @@ def tiny_generation_artifact(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_kiln_attention_graph(tiny_generation_artifact, tmp_path_factory) -> Path:
-    """The tiny Llama's serving graph built with KilnAttention (fp32 weights): run it with
-    ``TextGenerationModel(tiny_generation_artifact).engine_for_file``."""
+def _kiln_attention_graph(artifact: Path, folder: Path, kv_halves: bool) -> Path:
     import transformers
 
     from modelkiln.convert.generation.serving_graph import TorchDecoderWeights, build_serving_graph
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_generation_artifact.parent / "hf"))
-    path = tmp_path_factory.mktemp("kiln-attention") / "model.onnx"
-    build_serving_graph(TorchDecoderWeights(model), path, kiln_attention=True)
-    return path
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(artifact.parent / "hf"))
+    build_serving_graph(TorchDecoderWeights(model), folder / "model.onnx", kiln_attention=True, kv_halves=kv_halves)
+    return folder / "model.onnx"
+
+
+@pytest.fixture(scope="session")
+def tiny_kiln_attention_graph(tiny_generation_artifact, tmp_path_factory) -> Path:
+    """The tiny Llama's serving graph built with KilnAttention (fp32 weights, fp32 KV cache): run it
+    with ``TextGenerationModel(tiny_generation_artifact).engine_for_file``."""
+    return _kiln_attention_graph(tiny_generation_artifact, tmp_path_factory.mktemp("kiln-attention"), False)
+
+
+@pytest.fixture(scope="session")
+def tiny_kiln_attention_graph_f16(tiny_generation_artifact, tmp_path_factory) -> Path:
+    """The same with a KV cache of halves (KilnAttentionF16), as GGUF artifacts keep it by default."""
+    return _kiln_attention_graph(tiny_generation_artifact, tmp_path_factory.mktemp("kiln-attention-f16"), True)
 
 
 def with_graph(artifact: Path, graph: Path, out: Path) -> Path:

@@ -2,8 +2,9 @@
 
 - an artifact whose graph has GroupQueryAttention: that graph against a copy whose attention nodes are
   swapped for KilnAttention (native/attention.c), its key cache in blocks (``key_blocks = 1``);
-- an artifact whose graph has KilnAttention already: that graph (keys in blocks) against a copy whose
-  nodes keep their keys position-major (no ``key_blocks``, as graphs written before it).
+- an artifact whose graph has KilnAttention already: copies of that graph with each KV cache it can
+  keep: floats with keys position-major (no ``key_blocks``, as graphs written before it), floats with
+  keys in blocks, halves (KilnAttentionF16, keys in blocks).
 
 The copy's weights file is linked, not copied.
 
@@ -46,25 +47,34 @@ def attention_of(folder: Path, variant_file: str) -> str:
     import onnx
 
     model = onnx.load(str(folder / variant_file), load_external_data=False)
-    return "KilnAttention" if any(n.op_type == "KilnAttention" for n in model.graph.node) else "GroupQueryAttention"
+    kiln = any(n.op_type in ("KilnAttention", "KilnAttentionF16") for n in model.graph.node)
+    return "KilnAttention" if kiln else "GroupQueryAttention"
 
 
-def position_major_copy(folder: Path, variant_file: str, into: Path) -> Path:
-    """``folder`` with ``variant_file``'s KilnAttention nodes keeping their keys position-major."""
+def cache_copy(folder: Path, variant_file: str, into: Path, key_blocks: bool, halves: bool) -> Path:
+    """``folder`` with ``variant_file``'s KilnAttention nodes keeping another cache: keys position-major
+    (no ``key_blocks``, as graphs written before it) or in blocks; floats or halves (KilnAttentionF16)."""
     import onnx
+    from onnx import TensorProto, helper
 
     from modelkiln.generation.engines.onnx import graph_io as io
 
     linked_copy(folder, variant_file, into)
     model = onnx.load(str(folder / variant_file), load_external_data=False)
     for node in model.graph.node:
-        if node.op_type == "KilnAttention":
+        if node.op_type in ("KilnAttention", "KilnAttentionF16"):
+            node.op_type = "KilnAttentionF16" if halves else "KilnAttention"
             kept = [a for a in node.attribute if a.name != "key_blocks"]
             del node.attribute[:]
-            node.attribute.extend(kept)
+            node.attribute.extend(kept + ([helper.make_attribute("key_blocks", 1)] if key_blocks else []))
+    for value in [*model.graph.input, *model.graph.output]:
+        if value.name.startswith(("past_key_values.", "present.")):
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16 if halves else TensorProto.FLOAT
     kept_metadata = [m for m in model.metadata_props if m.key != io.KEY_CACHE_KEY]
     del model.metadata_props[:]
     model.metadata_props.extend(kept_metadata)
+    if key_blocks:
+        model.metadata_props.add(key=io.KEY_CACHE_KEY, value=io.KEY_BLOCKS)
     onnx.save_model(model, str(into / variant_file))
     shutil.copy(folder / "kiln.json", into / "kiln.json")
     return into
@@ -171,8 +181,10 @@ def main() -> None:
         if attention_of(args.artifact, variant_file) == "GroupQueryAttention":
             forms = [("GroupQueryAttention", args.artifact), ("KilnAttention", swapped_copy(args.artifact, variant_file, copy))]
         else:
-            forms = [("keys position-major", position_major_copy(args.artifact, variant_file, copy)),
-                     ("keys in blocks", args.artifact)]
+            forms = [(name, cache_copy(args.artifact, variant_file, work / name.replace(" ", "-") / args.artifact.name,
+                                       key_blocks, halves))
+                     for name, key_blocks, halves in (("f32 keys position-major", False, False),
+                                                      ("f32 keys in blocks", True, False), ("f16 keys in blocks", True, True))]
         cpu = cpu_description()
         print(f"{args.artifact} ({args.variant}), {cpu['cpu']} ({cpu['isa']}), {args.threads} threads, prompt "
               f"{args.prompt}, {args.streams} streams of {args.stream_prompt}-token prompts, {args.steps} steps")
@@ -184,8 +196,9 @@ def main() -> None:
                 print(f"  round {round_} {name:20s} " + "  ".join(f"{k} {v:8.1f} tok/s" for k, v in got.items()), flush=True)
                 for key, value in got.items():
                     best.setdefault(name, {})[key] = max(best.get(name, {}).get(key, 0.0), value)
-        (old, _), (new, _) = forms
-        print(f"  best ratio {new} / {old}: " + "  ".join(f"{k} {best[new][k] / best[old][k]:.2f}" for k in best[new]))
+        old = forms[0][0]
+        for new, _ in forms[1:]:
+            print(f"  best ratio {new} / {old}: " + "  ".join(f"{k} {best[new][k] / best[old][k]:.2f}" for k in best[new]))
     finally:
         shutil.rmtree(work)
 

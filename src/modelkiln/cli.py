@@ -110,6 +110,7 @@ def convert(
     int4_block_size: int = typer.Option(32, help="Text generation: weights per int4 scale (MatMulNBits block size)."),
     int4_accuracy_level: int = typer.Option(4, help="Text generation: MatMulNBits accuracy level of gguf, int8 and int4 (4: int8 compute; 0: fp32)."),
     native_gguf: bool = typer.Option(True, help="Text generation from a GGUF: multiply by its Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K..Q6_K blocks as the file stores them (kiln's native operators); --no-native-gguf stores them in MatMulNBits."),
+    kv_cache: str = typer.Option("f16", help="Text generation from a GGUF with kiln's native operators: the KV cache's type, f16 (half the memory a token, as llama.cpp's default) or f32."),
     gate_prompts: str = typer.Option("8,4", help="Text generation: gate prompts as SHORT,SQUAD (STS-B sentences, SQuAD chat prompts; as many SQuAD paragraphs for perplexity)."),
     max_model_gb: Optional[float] = typer.Option(None, help="Text generation: refuse fp32, int8 and int4 of models whose fp32 weights exceed this (default: a third of the memory)."),
 ) -> None:
@@ -152,7 +153,7 @@ def convert(
             calibration_texts=read_text_file(calibration_texts) if calibration_texts else None,
             tolerances=tolerances, threads=threads, force=force, name=name,
             int4_block_size=int4_block_size, int4_accuracy_level=int4_accuracy_level, native_gguf=native_gguf,
-            gate_short=gate_counts[0], gate_squad=gate_counts[1], max_model_gb=max_model_gb,
+            kv_cache=kv_cache, gate_short=gate_counts[0], gate_squad=gate_counts[1], max_model_gb=max_model_gb,
         )
         manifest = run_convert(cfg, steps=step)
         print_variants(out, manifest)

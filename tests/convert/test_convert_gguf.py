@@ -158,6 +158,11 @@ def test_k_quants_as_stored_for_the_native_operators(tmp_path):
     assert ops.count("GgufGather") == 1
     assert ops.count("GgufMatMul") == 2 * 6 + 1  # qk, v, o, gate, up, down per layer; the tied head
     assert ops.count("MatMulNBits") == 0
+    # by default the KV cache holds halves (KilnAttentionF16), its keys in blocks
+    assert packed.details["kv_cache"] == "f16" and ops.count("KilnAttentionF16") == 2
+    past = next(i for i in graph.input if i.name == "past_key_values.0.key")
+    assert past.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert TextGenerationModel(out).engine("gguf", EngineOptions(threads=1)).shape.halves
     _assert_logits_near_pytorch(out, gguf_path)
 
     # a graph of the operators' first layout (the file's rows, recorded as true) is refused, not run
@@ -206,9 +211,10 @@ def test_blocks_of_32_as_stored_for_the_native_operators(tmp_path):
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", matrices="Q4_1", embedding="Q8_0", hidden=256, ff=480,
                                 types={"attn_v": "Q5_0", "ffn_down": "Q5_1", "ffn_up": "Q4_0"})
     out = tmp_path / "art"
-    manifest = _convert(gguf_path, out)
+    manifest = _convert(gguf_path, out, kv_cache="f32")
     [packed] = [v for v in manifest.variants if v.name == "gguf"]
     assert packed.kept, packed.reason
+    assert packed.details["kv_cache"] == "f32"  # --kv-cache f32: KilnAttention over floats
     for kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         assert packed.details["from_gguf"][kind]["stored"] == f"{kind} blocks as in the file, in tiles of 16 rows (GgufMatMul)"
     # int8 dot products: VNNI where the CPU has it, AVX2's pair products elsewhere (convert's table names it)
@@ -217,6 +223,7 @@ def test_blocks_of_32_as_stored_for_the_native_operators(tmp_path):
     ops = [n.op_type for n in graph.node]
     assert ops.count("GgufGather") == 1 and "MatMulNBits" not in ops
     assert ops.count("GgufMatMul") == 2 * 6 + 1  # qk, v, o, gate, up (apart: Q4_1 and Q4_0), down per layer; the tied head
+    assert ops.count("KilnAttention") == 2 and "KilnAttentionF16" not in ops
     _assert_logits_near_pytorch(out, gguf_path)
 
 
@@ -270,6 +277,12 @@ def test_a_gguf_too_big_for_this_machine(tmp_path):
     os.truncate(gguf_path, 1 << 40)
     res = kiln("convert", str(gguf_path), "--task", "text-generation", "--out", str(tmp_path / "art"))
     assert_one_line_error(res, "1099.5 GB GGUF", "2200.5 GB of memory", "this machine has")
+    assert not (tmp_path / "art").exists()
+
+
+def test_an_unknown_kv_cache_type_is_refused_before_any_work(tmp_path):
+    result = kiln("convert", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "art"), "--kv-cache", "f8")
+    assert_one_line_error(result, "unknown KV cache type 'f8' (choose from f16, f32)")
     assert not (tmp_path / "art").exists()
 
 

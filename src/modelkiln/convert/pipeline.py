@@ -75,6 +75,7 @@ class ConvertConfig:
     int4_block_size: int = 32
     int4_accuracy_level: int = 4
     native_gguf: bool = True  # a GGUF's blocks as stored (Q4_0..Q8_0, Q2_K..Q6_K), for kiln's native operators (native/)
+    kv_cache: str = "f16"  # with native_gguf: KilnAttention's KV cache, f16 or f32 (KV_CACHE_TYPES)
     gate_short: int = 8  # STS-B sentences as plain prompts
     gate_squad: int = 4  # SQuAD question + context chat prompts (and as many perplexity paragraphs)
     generation_gate: dict | None = None  # precision → generation_gate.GateTolerance overrides
@@ -188,6 +189,8 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
     unknown = [p for p in wanted if p not in known]
     if unknown:
         raise ConversionError(f"unknown precision {unknown} for --engine {cfg.engine} (choose from {', '.join(known)})")
+    if cfg.kv_cache not in generation.KV_CACHE_TYPES:
+        raise ConversionError(f"unknown KV cache type {cfg.kv_cache!r} (choose from {', '.join(generation.KV_CACHE_TYPES)})")
     if cfg.task not in ("auto", generation.TASK):
         task_class(cfg.task)  # fail fast on a typo, before loading anything
     check_output(Path(cfg.out), cfg.force)

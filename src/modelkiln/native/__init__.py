@@ -5,7 +5,8 @@
 file stores them (Q4_K 4.5 and Q6_K 6.56 bits a weight, where MatMulNBits needs 6 and 10 for the same values
 exactly; Q5_0 5.5 against 9; Q3_K 3.4 against 6); ``GgufGather``
 dequantizes embedding rows bit for bit as gguf-py does; ``KilnAttention`` attends packed tokens of
-any number of sequences over a KV cache, each position reduced as a decode step reduces it. The library is built at install time
+any number of sequences over a KV cache, each position reduced as a decode step reduces it
+(``KilnAttentionF16`` over a cache of halves). The library is built at install time
 (setup.py) and registered with every onnxruntime session (``runtime/onnx.session_options``); a
 graph holds these operators only when the library was there when it was converted."""
 

@@ -1,7 +1,7 @@
-"""The engine core over a KilnAttention serving graph (the tiny Llama's, fp32), where a position's
-logits are the same bits in a decode step and in a prompt chunk: a resumed request prefills the
-tokens it had sent in chunks and still gives the uninterrupted answer, bit for bit, in fewer
-engine steps."""
+"""The engine core over a KilnAttention serving graph (the tiny Llama's, fp32; its KV cache of floats
+and of halves), where a position's logits are the same bits in a decode step and in a prompt chunk:
+a resumed request prefills the tokens it had sent in chunks and still gives the uninterrupted
+answer, bit for bit, in fewer engine steps."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def tiny(tiny_generation_artifact):
     return TextGenerationModel(tiny_generation_artifact)
 
 
+@pytest.fixture(scope="module", params=["f32", "f16"])
+def graph(request, tiny_kiln_attention_graph, tiny_kiln_attention_graph_f16):
+    return tiny_kiln_attention_graph_f16 if request.param == "f16" else tiny_kiln_attention_graph
+
+
 def kiln_core(tiny, graph, prefix_cache_tokens: int = 0, **core) -> EngineCore:
     engine = tiny.engine_for_file(graph, EngineOptions(threads=2, max_rows=8, keep_logits=True))
     engine.use_prefix_cache(prefix_cache_tokens)
@@ -48,12 +53,12 @@ def count_steps(engine) -> list[int]:
 
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("prefill_chunk", [4, 128])
-def test_a_resumed_request_prefills_what_it_sent_and_continues_bit_for_bit(tiny, tiny_kiln_attention_graph,
+def test_a_resumed_request_prefills_what_it_sent_and_continues_bit_for_bit(tiny, graph,
                                                                          sampled, prefill_chunk):
     """Every cut: the rest of the answer, its text and every logit equal the uninterrupted run's;
     the sent tokens cost no decode step (only the last one is fed, as the next step's input),
     where replaying them one by one (the capability off) took one step each."""
-    core = kiln_core(tiny, tiny_kiln_attention_graph, prefill_chunk=prefill_chunk)
+    core = kiln_core(tiny, graph, prefill_chunk=prefill_chunk)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, **(SAMPLED if sampled else {}))
     whole = complete(core, [Request("w", PROMPT, params)])[0]
     steps = count_steps(core.engine)
@@ -69,10 +74,10 @@ def test_a_resumed_request_prefills_what_it_sent_and_continues_bit_for_bit(tiny,
     assert replayed.token_ids == whole.token_ids[7:] and steps[0] == 15  # one a token, sent or not
 
 
-def test_a_resumed_request_after_a_cached_prompt(tiny, tiny_kiln_attention_graph):
+def test_a_resumed_request_after_a_cached_prompt(tiny, graph):
     """The prompt restored whole from the prefix cache, the sent tokens prefilled after it (or, for
     one sent token, nothing prefilled at all): still the uninterrupted answer."""
-    core = kiln_core(tiny, tiny_kiln_attention_graph, prefix_cache_tokens=1024)
+    core = kiln_core(tiny, graph, prefix_cache_tokens=1024)
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, **SAMPLED)
     whole = complete(core, [Request("w", PROMPT, params)])[0]
     for cut in (1, 5):
@@ -82,14 +87,14 @@ def test_a_resumed_request_after_a_cached_prompt(tiny, tiny_kiln_attention_graph
     assert core.engine.prefixes.hit_tokens >= 2 * len(PROMPT)
 
 
-def test_a_step_is_one_call_and_arrivals_change_no_answer(tiny, tiny_kiln_attention_graph):
+def test_a_step_is_one_call_and_arrivals_change_no_answer(tiny, graph):
     """Prompt chunks (4 tokens a step), decode rows and prompts arriving while others decode run as
     one call a step; every answer's tokens and logits are those it gets alone."""
     prompts = [PROMPT, PROMPT[5:] + [7, 8, 9], list(range(60, 75))]
     params = [SamplingParams(max_new_tokens=8, ignore_eos=True, **SAMPLED), SamplingParams(max_new_tokens=8, ignore_eos=True)]
     requests = [lambda i=i: Request(i, prompts[i], params[i % 2]) for i in range(len(prompts))]
-    alone = [complete(kiln_core(tiny, tiny_kiln_attention_graph, prefill_chunk=4), [make()])[0] for make in requests]
-    core = kiln_core(tiny, tiny_kiln_attention_graph, prefill_chunk=4)
+    alone = [complete(kiln_core(tiny, graph, prefill_chunk=4), [make()])[0] for make in requests]
+    core = kiln_core(tiny, graph, prefill_chunk=4)
     assert core.engine.capabilities.mixed_steps
     session, calls = core.engine.session, []
     run = session.run_with_iobinding

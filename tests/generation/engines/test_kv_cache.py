@@ -1,6 +1,7 @@
 """The serving graphs' KV cache regions (generation/engines/onnx/kv_cache.py): ``read`` and ``write``
-take position-major arrays whichever layout the region keeps, and a region kept in blocks holds
-its keys exactly where KilnAttention (native/attention.c, ``key_blocks = 1``) writes and reads them."""
+take position-major arrays of the cache's type whichever layout the region keeps, and a region kept
+in blocks (of floats or of halves) holds its keys exactly where KilnAttention (native/attention.c,
+``key_blocks = 1``) writes and reads them."""
 import ctypes
 
 import numpy as np
@@ -12,25 +13,30 @@ from modelkiln.native import library_path
 LAYERS, KV_HEADS, HEAD_DIM, LENGTH = 2, 2, 32, 64
 
 
-def region(key_blocks: bool, rows: int = 3) -> RowRegion:
-    return RowRegion(CacheShape(LAYERS, KV_HEADS, HEAD_DIM, LENGTH, key_blocks), rows)
+LAYOUTS = [(False, False), (True, False), (True, True)]  # (key_blocks, halves)
 
 
-def positions(start: int, stop: int, seed: int = 0) -> np.ndarray:
+def region(key_blocks: bool, rows: int = 3, halves: bool = False) -> RowRegion:
+    return RowRegion(CacheShape(LAYERS, KV_HEADS, HEAD_DIM, LENGTH, key_blocks, halves), rows)
+
+
+def positions(start: int, stop: int, seed: int = 0, halves: bool = False) -> np.ndarray:
     """Random keys and values of positions [start, stop) as ``read`` gives them."""
     shape = (2 * LAYERS, KV_HEADS, stop - start, HEAD_DIM)
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float16 if halves else np.float32)
 
 
-@pytest.mark.parametrize("key_blocks", [False, True])
-def test_what_is_written_at_any_positions_reads_back(key_blocks):
-    cache = region(key_blocks)
+@pytest.mark.parametrize("key_blocks, halves", LAYOUTS)
+def test_what_is_written_at_any_positions_reads_back(key_blocks, halves):
+    cache = region(key_blocks, halves=halves)
+    assert cache.shape.bytes_per_token == 2 * LAYERS * KV_HEADS * HEAD_DIM * (2 if halves else 4)
     pieces = [(0, 5), (5, 16), (16, 37), (37, 40), (40, 64)]  # inside, up to and across block edges
     for i, (start, stop) in enumerate(pieces):
-        cache.write(1, start, positions(start, stop, seed=i))
+        cache.write(1, start, positions(start, stop, seed=i, halves=halves))
     for i, (start, stop) in enumerate(pieces):
-        assert np.array_equal(cache.read(1, start, stop), positions(start, stop, seed=i))
-    whole = np.concatenate([positions(start, stop, seed=i) for i, (start, stop) in enumerate(pieces)], axis=2)
+        assert np.array_equal(cache.read(1, start, stop), positions(start, stop, seed=i, halves=halves))
+    whole = np.concatenate([positions(start, stop, seed=i, halves=halves) for i, (start, stop) in enumerate(pieces)],
+                           axis=2)
     assert np.array_equal(cache.read(1, 3, 50), whole[:, :, 3:50])
     assert not cache.read(0, 0, LENGTH).any() and not cache.read(2, 0, LENGTH).any()  # other rows untouched
 
@@ -45,10 +51,10 @@ def test_keys_in_blocks_are_kept_dimension_major_and_values_as_they_are():
     assert np.array_equal(cache.all[1, 0, :, :20], kv[1])
 
 
-@pytest.mark.parametrize("key_blocks", [False, True])
-def test_copy_row_moves_the_positions_asked_for(key_blocks):
-    staging, running = region(key_blocks), region(key_blocks, rows=2)
-    kv = positions(0, 21)
+@pytest.mark.parametrize("key_blocks, halves", LAYOUTS)
+def test_copy_row_moves_the_positions_asked_for(key_blocks, halves):
+    staging, running = region(key_blocks, halves=halves), region(key_blocks, rows=2, halves=halves)
+    kv = positions(0, 21, halves=halves)
     staging.write(2, 0, kv)
     running.copy_row(staging, 2, 1, 21)
     assert np.array_equal(running.read(1, 0, 21), kv)
@@ -64,7 +70,7 @@ def test_a_region_in_blocks_holds_whole_blocks():
 @pytest.mark.skipif(library_path() is None, reason="the native library is not built on this machine")
 def test_a_region_in_blocks_reads_what_kiln_attention_wrote():
     """The kernel writes keys into a region's layer-0 buffer; ``read`` gives them position-major,
-    equal to what it writes into a position-major region."""
+    equal to what it writes into a position-major region (halves: rounded to the nearest)."""
     lib = ctypes.CDLL(library_path())
     heads, tokens, half = 4, 23, HEAD_DIM // 2
     rng = np.random.default_rng(1)
@@ -74,15 +80,16 @@ def test_a_region_in_blocks_reads_what_kiln_attention_wrote():
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     rows, where = np.full(tokens, 1, np.int64), np.arange(tokens, dtype=np.int64)
     read = []
-    for key_blocks in (False, True):
-        cache = region(key_blocks)
+    for key_blocks, halves in LAYOUTS:
+        cache = region(key_blocks, halves=halves)
         out = np.empty_like(q)
         p = ctypes.c_void_p
         ok = lib.kiln_attention(heads, KV_HEADS, HEAD_DIM, ctypes.c_int64(tokens), q.ctypes.data_as(p), k.ctypes.data_as(p),
                                 v.ctypes.data_as(p), rows.ctypes.data_as(p), where.ctypes.data_as(p),
                                 ctypes.c_int64(cache.rows), ctypes.c_int64(LENGTH), cache.buffers[0].ctypes.data_as(p),
                                 cache.buffers[1].ctypes.data_as(p), cos.ctypes.data_as(p), sin.ctypes.data_as(p),
-                                ctypes.c_int64(LENGTH), half, out.ctypes.data_as(p), int(key_blocks), 0)
+                                ctypes.c_int64(LENGTH), half, out.ctypes.data_as(p), int(key_blocks), int(halves))
         assert ok
         read.append(cache.read(1, 0, tokens)[:2])
     assert read[0][0].any() and np.array_equal(read[0], read[1])
+    assert read[2].dtype == np.float16 and np.array_equal(read[2], read[0].astype(np.float16))

@@ -55,6 +55,9 @@ PARAGRAPH_TOKENS = 256  # perplexity paragraphs are cut to this many tokens
 INT8_BLOCK = 32  # weights per int8 scale: SmolLM2 perplexity +0.7% (docs/generation.md)
 DECODE_PAST = 64  # variants are timed decoding one token at batch 1 after this many
 DECODE_STEPS = 32  # steps timed per round and variant
+# KilnAttention's KV cache (the gguf variant with kiln's native operators): f16 halves a token's memory and
+# the bytes each step reads, as llama.cpp's default cache (docs/generation.md has its gate figures)
+KV_CACHE_TYPES = ("f16", "f32")
 DEFAULT_PPL_BUDGET = 0.01  # the default variant's perplexity is at most 1% above PyTorch's
 TIMING_ROUNDS = 20  # at most; fewer when the time budget (--timing-seconds) runs out
 GATE_ROWS = 16  # the torch engine's rows during the gate (its cache is allocated up front on CUDA)
@@ -237,14 +240,15 @@ def _build_onnx(cfg: Any, origin: Any, folder: Path, wanted: list[str], steps: A
     if "gguf" in wanted:
         path = folder / "model.gguf.onnx"
         notes = origin.unpackable_notes()
-        native = cfg.native_gguf and _native_ops_built()
+        native = cfg.native_gguf and _native_ops_built() and isinstance(origin, GgufSource)  # the serving graph's
         into = "kiln's native operators (Q4_0..Q8_0, Q2_K..Q6_K as stored) and MatMulNBits" if native else "MatMulNBits"
         with steps(f"Packing the GGUF's own blocks into {into} (accuracy level {level})"
                    + "".join(f"; {n}" for n in notes)):
-            types = origin.write_packed(path, fp32_path if needs_fp32 else None, level, native=native)
-        built.append(Built("gguf", path, "gguf", engine,
-                           {"from_gguf": types, "accuracy_level": level, **({"native_ops": NATIVE_LAYOUT} if native else {}),
-                            **({"notes": notes} if notes else {})}))
+            types = origin.write_packed(path, fp32_path if needs_fp32 else None, level, native=native,
+                                        kv_halves=native and cfg.kv_cache == "f16")
+        native_details = {"native_ops": NATIVE_LAYOUT, "kv_cache": cfg.kv_cache} if native else {}
+        built.append(Built("gguf", path, "gguf", engine, {"from_gguf": types, "accuracy_level": level, **native_details,
+                                                          **({"notes": notes} if notes else {})}))
     if "int8" in wanted:
         path = folder / "model.int8.onnx"
         # Weight-only MatMulNBits: dynamic int8's per-tensor activation scale is broken by Llama-family

@@ -29,7 +29,9 @@ decode step does, so a position's logits are the same bits in a decode step, in 
 any length, or among other rows, and rows of several tokens with a past can share one call;
 GroupQueryAttention's prompt path sums in another order than its one-query path. Its key cache is
 kept in blocks of 16 positions, dimension-major (``key_blocks = 1``; metadata ``kiln.key_cache``),
-the form its scores read, so a decode step does not transpose every block it reads.
+the form its scores read, so a decode step does not transpose every block it reads. With
+``kv_halves`` the cache holds float16 (``KilnAttentionF16``, as llama.cpp's default cache does):
+half the memory a token, and half the bytes each decode step reads.
 
 The graph's inputs and outputs are named in ``generation/engines/onnx/graph_io.py``. Weights come from a
 ``DecoderWeights``: a transformers model's (``TorchDecoderWeights``, fp32) or a GGUF file's, read
@@ -181,19 +183,22 @@ class GraphSummary:
 
 
 def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False, accuracy_level: int = 0,
-                        native: bool = False, kiln_attention: bool = False) -> GraphSummary:
+                        native: bool = False, kiln_attention: bool = False, kv_halves: bool = False) -> GraphSummary:
     """Write the serving graph to ``path``, its weights to ``path.data`` as each is made. ``pack``:
     GGUF tensors stay in their own blocks where they have an exact MatMulNBits form; ``native``:
     the types the native operators read (``native.GGML_TYPES``) stay exactly as the file stores them;
-    ``kiln_attention``: attention is kiln's native ``KilnAttention`` (module docstring)."""
+    ``kiln_attention``: attention is kiln's native ``KilnAttention`` (module docstring); ``kv_halves``
+    (with it): its KV cache holds float16 (``KilnAttentionF16``), half the bytes a token."""
     import onnx
     from onnx import TensorProto, helper
 
+    if kv_halves and not kiln_attention:
+        raise ValueError("a KV cache of halves is KilnAttention's (GroupQueryAttention's cache here is float32)")
     spec = weights.spec
     tensors = TensorFile(path)
     try:
         g = GraphBuilder(tensors, pack=pack, accuracy_level=accuracy_level, native=native)
-        _write_nodes(g, weights, spec, kiln_attention)
+        _write_nodes(g, weights, spec, kiln_attention, kv_halves)
     finally:
         tensors.close()
     past_shape: list[str | int] = ["batch", spec.kv_heads, "capacity", spec.head_dim]
@@ -206,11 +211,12 @@ def build_serving_graph(weights: DecoderWeights, path: Path, pack: bool = False,
                    helper.make_tensor_value_info(io.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, [])]
     inputs.append(helper.make_tensor_value_info(io.LOGIT_POSITIONS, TensorProto.INT64, ["positions"]))
     outputs = [helper.make_tensor_value_info(io.LOGITS, TensorProto.FLOAT, ["positions", spec.vocab])]
+    cache_type = TensorProto.FLOAT16 if kv_halves else TensorProto.FLOAT
     for i in range(spec.layers):
         for name in (io.past_key_name(i), io.past_value_name(i)):
-            inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, past_shape))
+            inputs.append(helper.make_tensor_value_info(name, cache_type, past_shape))
         for name in (io.present_key_name(i), io.present_value_name(i)):
-            outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, past_shape))
+            outputs.append(helper.make_tensor_value_info(name, cache_type, past_shape))
     graph = helper.make_graph(g.nodes, "kiln_serving_decoder", inputs, outputs, g.initializers)
     domains = [MS_DOMAIN] + ([NATIVE_DOMAIN] if any(n.domain == NATIVE_DOMAIN for n in g.nodes) else [])
     onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", SERVING_GRAPH_OPSET)]
@@ -231,7 +237,8 @@ def _values(weights: DecoderWeights, key: str) -> np.ndarray:
     return values
 
 
-def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec, kiln_attention: bool) -> None:
+def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec, kiln_attention: bool,
+                 kv_halves: bool) -> None:
     cos, sin = weights.rotary(spec.max_positions)
     g.constant("rotary.cos", cos)
     g.constant("rotary.sin", sin)
@@ -251,8 +258,9 @@ def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec, ki
             if len(qkv) == 1:  # KilnAttention takes q, k and v apart
                 q, k, v = g.split(qkv[0], [spec.heads * spec.head_dim] + [spec.kv_heads * spec.head_dim] * 2,
                                   f"layers.{i}.qkv")
-            attended = g.node("KilnAttention", [q, k, v, io.past_key_name(i), io.past_value_name(i), io.CACHE_ROWS,
-                                                io.POSITIONS, "rotary.cos", "rotary.sin"],
+            op = "KilnAttentionF16" if kv_halves else "KilnAttention"
+            attended = g.node(op, [q, k, v, io.past_key_name(i), io.past_value_name(i), io.CACHE_ROWS, io.POSITIONS,
+                                   "rotary.cos", "rotary.sin"],
                               f"layers.{i}.attention", outputs=outputs, domain=NATIVE_DOMAIN, num_heads=spec.heads,
                               kv_num_heads=spec.kv_heads, key_blocks=1)
         else:

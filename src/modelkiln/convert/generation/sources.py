@@ -95,12 +95,13 @@ class GgufSource:
         finally:
             self.decoder.release_pages()
 
-    def write_packed(self, path: Path, fp32_path: Path | None, accuracy_level: int, native: bool = False) -> dict[str, Any]:
+    def write_packed(self, path: Path, fp32_path: Path | None, accuracy_level: int, native: bool = False,
+                     kv_halves: bool = False) -> dict[str, Any]:
         try:
             # kiln's native attention comes with its native matmuls: a graph that needs the library for
             # one needs it for the other, and older artifacts keep GroupQueryAttention
             return build_serving_graph(self.decoder, path, pack=True, accuracy_level=accuracy_level, native=native,
-                                       kiln_attention=native).gguf_types
+                                       kiln_attention=native, kv_halves=kv_halves).gguf_types
         finally:
             self.decoder.release_pages()
 
@@ -144,8 +145,10 @@ class TransformersSource:
         export_decoder(self.model, path)
         return None
 
-    def write_packed(self, path: Path, fp32_path: Path | None, accuracy_level: int, native: bool = False) -> dict[str, Any]:
-        """``native`` is for the serving graph only: an exported graph's weights go into MatMulNBits."""
+    def write_packed(self, path: Path, fp32_path: Path | None, accuracy_level: int, native: bool = False,
+                     kv_halves: bool = False) -> dict[str, Any]:
+        """``native`` and ``kv_halves`` are for the serving graph only: an exported graph's weights go
+        into MatMulNBits, and its cache is the export's."""
         from ..gguf.export_packing import pack_gguf_blocks
 
         if self.source.gguf_path is None:

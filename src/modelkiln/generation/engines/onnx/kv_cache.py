@@ -15,8 +15,9 @@ the next running row once; a decode step copies nothing.
 
 A KilnAttention graph may keep its keys in another order within the same buffer shape
 (``key_blocks``: each block of 16 positions dimension-major, the form its scores read; values stay
-position-major). Only the graph reads the cache in place; ``read`` and ``write`` (the prefix
-cache's) take and give position-major arrays in either layout."""
+position-major), and KilnAttentionF16's caches hold halves (``halves``: float16, half the bytes a
+token). Only the graph reads the cache in place; ``read`` and ``write`` (the prefix cache's) take
+and give position-major arrays of the cache's own type in either layout."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class CacheShape:
     head_dim: int
     max_length: int  # tokens a row can hold (the model's context, or less; a multiple of 16 with key_blocks)
     key_blocks: bool = False  # keys in blocks of 16 positions, dimension-major (KilnAttention's key_blocks)
+    halves: bool = False  # float16 keys and values (KilnAttentionF16), else float32
 
     def __post_init__(self) -> None:
         if self.key_blocks and self.max_length % BLOCK:
@@ -41,11 +43,15 @@ class CacheShape:
                              f"not {self.max_length}")
 
     @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * 4
+    def dtype(self) -> type[np.floating]:
+        return np.float16 if self.halves else np.float32
 
     @property
-    def row_floats(self) -> int:
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+
+    @property
+    def row_elements(self) -> int:
         return self.kv_heads * self.max_length * self.head_dim
 
 
@@ -55,13 +61,13 @@ class RowRegion:
     def __init__(self, shape: CacheShape, rows: int):
         self.shape = shape
         self.rows = rows
-        buffer_floats = rows * shape.row_floats
-        self._map = reserve(2 * shape.layers * buffer_floats * 4)
+        item = np.dtype(shape.dtype).itemsize
+        self._map = reserve(2 * shape.layers * rows * shape.row_elements * item)
         # [layer key/value, row, kv_heads, position, head_dim]: index 2 * layer is the key, 2 * layer + 1 the value
-        self.all = np.frombuffer(self._map, dtype=np.float32).reshape(
+        self.all = np.frombuffer(self._map, dtype=shape.dtype).reshape(
             2 * shape.layers, rows, shape.kv_heads, shape.max_length, shape.head_dim)
         self.buffers = list(self.all)  # what the graph binds, one per past/present input
-        self._row_bytes = shape.row_floats * 4
+        self._row_bytes = shape.row_elements * item
 
     def copy_row(self, src: RowRegion, src_row: int, dst_row: int, length: int) -> None:
         """Copy the first ``length`` positions of a row (every layer, key and value): in blocks, up to

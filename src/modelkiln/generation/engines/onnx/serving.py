@@ -64,7 +64,8 @@ class ServingEngine(HostEngine):
         key_blocks = self.kiln_attention and metadata.get(io.KEY_CACHE_KEY) == io.KEY_BLOCKS
         if key_blocks:  # whole blocks (the model's context still bounds a sequence: _check_length)
             length = -(-length // io.KEY_BLOCK) * io.KEY_BLOCK
-        self.shape = CacheShape(self.layers, int(kv_heads), int(head_dim), length, key_blocks)
+        halves = inputs[io.past_key_name(0)].type == "tensor(float16)"  # KilnAttentionF16's caches
+        self.shape = CacheShape(self.layers, int(kv_heads), int(head_dim), length, key_blocks, halves)
         # rows × heads units share the threads of GroupQueryAttention; with fewer units than threads a
         # newer onnxruntime splits one row's keys across threads (another summation order): keep enough
         # rows. KilnAttention never splits a query's keys.
