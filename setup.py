@@ -14,7 +14,7 @@ ext_modules = [
          "src/modelkiln/native/gguf_amx.c", "src/modelkiln/native/attention.c"],
         depends=["src/modelkiln/native/ort_abi.h", "src/modelkiln/native/gguf_q32.h", "src/modelkiln/native/gguf_q32_blocks.h", "src/modelkiln/native/gguf_amx_tiles.h",
                  "src/modelkiln/native/gguf_tiles.h", "src/modelkiln/native/gguf_k.h",
-                 "src/modelkiln/native/attention_kernel.h"],
+                 "src/modelkiln/native/attention_kernel.h", "src/modelkiln/native/attention_caches.h"],
         # AVX2/FMA/F16C: every CPU the kernels are used on (checked again before loading);
         # no FMA contraction, so the gather rounds as gguf-py's numpy operations do, and attention's
         # AVX2 and AVX-512 forms round alike (their FMAs are written out)

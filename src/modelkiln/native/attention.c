@@ -75,7 +75,7 @@ typedef struct {
 #pragma GCC target("avx512f,avx512dq")
 typedef __m512 v16_512;
 #define V16 v16_512
-#define NAME(x) x##_512
+#define FORM _512
 #define SCORE_QUERIES 8
 #define v_zero _mm512_setzero_ps
 #define v_set _mm512_set1_ps
@@ -130,24 +130,11 @@ static void transpose16_512(const float *keys, int valid, int head_dim, float *k
     }
 }
 #define transpose16 transpose16_512
-#define CACHE_T float
-#define CACHE_HALF 0
-#define c_load v_load
-#include "attention_kernel.h"
-#undef NAME
-#undef CACHE_T
-#undef CACHE_HALF
-#undef c_load
-#define NAME(x) x##_512_f16
-#define CACHE_T uint16_t
-#define CACHE_HALF 1
-#define c_load(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#include "attention_kernel.h"
-#undef CACHE_T
-#undef CACHE_HALF
-#undef c_load
+#define c_load_half(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#include "attention_caches.h"
+#undef c_load_half
 #undef V16
-#undef NAME
+#undef FORM
 #undef SCORE_QUERIES
 #undef v_zero
 #undef v_set
@@ -170,7 +157,7 @@ static void transpose16_512(const float *keys, int valid, int head_dim, float *k
 /* AVX2: sixteen lanes as two registers of eight, each operation applied to both halves. */
 typedef struct { __m256 lo, hi; } v16_256;
 #define V16 v16_256
-#define NAME(x) x##_256
+#define FORM _256
 #define SCORE_QUERIES 2  /* sixteen registers: a query's two chains take four, the keys four */
 #define BOTH(op, a, b) ((v16_256){op((a).lo, (b).lo), op((a).hi, (b).hi)})
 static inline v16_256 v_zero(void) { return (v16_256){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -235,21 +222,10 @@ static void transpose16_256(const float *keys, int valid, int head_dim, float *k
     }
 }
 #define transpose16 transpose16_256
-#define CACHE_T float
-#define CACHE_HALF 0
-#define c_load v_load
-#include "attention_kernel.h"
-#undef NAME
-#undef CACHE_T
-#undef CACHE_HALF
-#undef c_load
-#define NAME(x) x##_256_f16
-#define CACHE_T uint16_t
-#define CACHE_HALF 1
-static inline v16_256 c_load(const uint16_t *p) {
+static inline v16_256 c_load_half(const uint16_t *p) {
     return (v16_256){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
 }
-#include "attention_kernel.h"
+#include "attention_caches.h"
 
 typedef void (*unit_fn)(const attention_unit *, const attention_job *);
 static unit_fn attend_unit = unit_256, attend_unit_f16 = unit_256_f16;

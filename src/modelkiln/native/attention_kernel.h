@@ -1,5 +1,6 @@
-/* KilnAttention's arithmetic, written once and compiled twice by attention.c: with AVX-512 (V16
- * is one 16-lane register) and with AVX2 (V16 is two 8-lane halves). Every operation below is
+/* KilnAttention's arithmetic, written once and compiled by attention.c with AVX-512 (V16 is one
+ * 16-lane register) and with AVX2 (V16 is two 8-lane halves), each over caches of floats and of
+ * halves (attention_caches.h). Every operation below is
  * lane by lane (FMA, multiply, add, max, the exponential's steps) except the few that move data
  * or take an exact maximum, so a lane's value is the same bits in either form: the instruction
  * set changes how many lanes one instruction carries, never what a lane computes.
