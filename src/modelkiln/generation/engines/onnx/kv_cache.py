@@ -28,6 +28,11 @@ import numpy as np
 from ..memory import give_back, reserve
 from .graph_io import KEY_BLOCK as BLOCK
 
+
+def whole_blocks(positions: int) -> int:
+    """``positions`` rounded up to whole key blocks."""
+    return -(-positions // BLOCK) * BLOCK
+
 @dataclass(frozen=True)
 class CacheShape:
     layers: int
@@ -74,17 +79,19 @@ class RowRegion:
         the end of the block holding the last one (the positions after it are written before read)."""
         assert src.shape == self.shape, "rows are copied between regions of one layout"
         if self.shape.key_blocks:
-            length = min(-(-length // BLOCK) * BLOCK, self.shape.max_length)
+            length = min(whole_blocks(length), self.shape.max_length)
         self.all[:, dst_row, :, :length] = src.all[:, src_row, :, :length]
 
     def read(self, row: int, start: int, stop: int) -> np.ndarray:
         """A copy of positions [start, stop) of a row: [layer key/value, kv_heads, positions, head_dim]."""
-        kv = self.all[:, row, :, start:stop].copy()
-        if self.shape.key_blocks:
-            first, last = start // BLOCK, -(-stop // BLOCK)
-            keys = self._key_blocks(row)[:, :, first:last]  # [layers, kv_heads, blocks, 16, head_dim]
-            layers, heads, blocks, _, dim = keys.shape
-            kv[0::2] = keys.reshape(layers, heads, blocks * BLOCK, dim)[:, :, start - first * BLOCK:stop - first * BLOCK]
+        if not self.shape.key_blocks:
+            return self.all[:, row, :, start:stop].copy()
+        kv = np.empty_like(self.all[:, row, :, start:stop])
+        kv[1::2] = self.all[1::2, row, :, start:stop]
+        first, last = start // BLOCK, -(-stop // BLOCK)
+        keys = self._key_blocks(row)[:, :, first:last]  # [layers, kv_heads, blocks, 16, head_dim]
+        layers, heads, blocks, _, dim = keys.shape
+        kv[0::2] = keys.reshape(layers, heads, blocks * BLOCK, dim)[:, :, start - first * BLOCK:stop - first * BLOCK]
         return kv
 
     def write(self, row: int, start: int, kv: np.ndarray) -> None:

@@ -28,7 +28,7 @@ from ....errors import InvalidInputError, KilnError
 from . import graph_io as io
 from .base import HostEngine
 from ..memory import host_kv_capacity
-from .kv_cache import CacheShape, RowRegion
+from .kv_cache import CacheShape, RowRegion, whole_blocks
 from ...plan import EngineCapabilities, SeqId
 from ...prefix_cache import PrefixCache
 
@@ -63,7 +63,7 @@ class ServingEngine(HostEngine):
         metadata = session.get_modelmeta().custom_metadata_map
         key_blocks = self.kiln_attention and metadata.get(io.KEY_CACHE_KEY) == io.KEY_BLOCKS
         if key_blocks:  # whole blocks (the model's context still bounds a sequence: _check_length)
-            length = -(-length // io.KEY_BLOCK) * io.KEY_BLOCK
+            length = whole_blocks(length)
         halves = inputs[io.past_key_name(0)].type == "tensor(float16)"  # KilnAttentionF16's caches
         self.shape = CacheShape(self.layers, int(kv_heads), int(head_dim), length, key_blocks, halves)
         # rows × heads units share the threads of GroupQueryAttention; with fewer units than threads a
