@@ -74,15 +74,21 @@ class Sequences:
         return outputs
 
 
-def attention(lib, q, k, v, rows, positions, key_cache, value_cache, cos, sin, key_blocks: int = 0) -> np.ndarray:
-    """One call of the library's kernel; the caches' dtype says floats or halves."""
+def call(lib, q, k, v, rows, positions, key_cache, value_cache, cos, sin, key_blocks: int = 0) -> tuple[int, np.ndarray]:
+    """One call of the library's kernel (1: done, 0: refused) and its output; the caches' dtype says
+    floats or halves."""
     out = np.empty_like(q)
     ok = lib.kiln_attention(HEADS, KV_HEADS, HEAD_DIM, ctypes.c_int64(len(q)), q.ctypes.data_as(P), k.ctypes.data_as(P),
                             v.ctypes.data_as(P), rows.ctypes.data_as(P), positions.ctypes.data_as(P),
-                            ctypes.c_int64(key_cache.shape[0]), ctypes.c_int64(CAPACITY), key_cache.ctypes.data_as(P),
-                            value_cache.ctypes.data_as(P), cos.ctypes.data_as(P), sin.ctypes.data_as(P),
-                            ctypes.c_int64(len(cos)), cos.shape[1], out.ctypes.data_as(P), key_blocks,
-                            int(key_cache.dtype == np.float16))
+                            ctypes.c_int64(key_cache.shape[0]), ctypes.c_int64(key_cache.shape[2]),
+                            key_cache.ctypes.data_as(P), value_cache.ctypes.data_as(P), cos.ctypes.data_as(P),
+                            sin.ctypes.data_as(P), ctypes.c_int64(len(cos)), cos.shape[1], out.ctypes.data_as(P),
+                            key_blocks, int(key_cache.dtype == np.float16))
+    return ok, out
+
+
+def attention(lib, q, k, v, rows, positions, key_cache, value_cache, cos, sin, key_blocks: int = 0) -> np.ndarray:
+    ok, out = call(lib, q, k, v, rows, positions, key_cache, value_cache, cos, sin, key_blocks)
     assert ok
     return out
 
@@ -225,14 +231,11 @@ def test_keys_and_values_are_written_rotated_at_their_rows_and_positions(lib, ca
 @pytest.mark.parametrize("capacity, key_blocks, halves", [(40, 1, 0), (48, 0, 1)])
 def test_keys_in_blocks_need_whole_blocks_and_halves_need_blocks(lib, capacity, key_blocks, halves):
     seqs = Sequences([4])
-    key_cache, value_cache = (np.zeros((1, KV_HEADS, capacity, HEAD_DIM), np.float32) for _ in range(2))
+    key_cache, value_cache = (np.zeros((1, KV_HEADS, capacity, HEAD_DIM), np.float16 if halves else np.float32)
+                              for _ in range(2))
     one = np.zeros(1, np.int64)
-    ok = lib.kiln_attention(HEADS, KV_HEADS, HEAD_DIM, ctypes.c_int64(1), seqs.q[0].ctypes.data_as(P),
-                            seqs.k[0].ctypes.data_as(P), seqs.v[0].ctypes.data_as(P), one.ctypes.data_as(P),
-                            one.ctypes.data_as(P), ctypes.c_int64(1), ctypes.c_int64(capacity), key_cache.ctypes.data_as(P),
-                            value_cache.ctypes.data_as(P), seqs.cos.ctypes.data_as(P), seqs.sin.ctypes.data_as(P),
-                            ctypes.c_int64(len(seqs.cos)), seqs.cos.shape[1], np.empty_like(seqs.q[0]).ctypes.data_as(P),
-                            key_blocks, halves)
+    ok, _ = call(lib, seqs.q[0][:1], seqs.k[0][:1], seqs.v[0][:1], one, one, key_cache, value_cache, seqs.cos, seqs.sin,
+                 key_blocks)
     assert ok == 0 and not key_cache.any()
 
 
