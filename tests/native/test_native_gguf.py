@@ -115,6 +115,53 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(kind):
     assert np.array_equal(some, together[:, 3:9])
 
 
+# X's rows as the kernels quantize them: per 32 inputs (q8_32) for the types with a scale per 32,
+# per 256 (q8_block, 64-byte aligned) for the K-quants.
+Q8_32 = np.dtype([("qs", "i1", 32), ("d", "<f4"), ("sum", "<i4")])
+Q8_BLOCK = np.dtype({"names": ["qs", "bsums", "bsums32", "d"], "formats": [("i1", 256), ("<i2", 16), ("<i2", 8), "<f4"],
+                     "offsets": [0, 256, 288, 304], "itemsize": 320})
+
+
+def reference_quantization(x: np.ndarray, size: int):
+    """llama.cpp's int8 activations in numpy: amax ignoring NaN, codes rint(x · (127 / amax)) (float32
+    operations, ties to even), their scale amax / 127; a block of zeros is all zeros."""
+    blocks = x.reshape(-1, size)
+    amax = np.fmax.reduce(np.abs(blocks), axis=1, initial=np.float32(0))
+    scale = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    codes = np.rint(blocks * scale[:, None]).astype(np.int8)
+    return codes, np.where(amax > 0, amax / np.float32(127), np.float32(0)).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+def test_activations_are_quantized_as_llama_cpp_rounds_them(kind):
+    lib = ctypes.CDLL(library_path())
+    lib.kiln_gguf_activation_bytes.restype = ctypes.c_size_t
+    size, dtype = (32, Q8_32) if kind in PER_32 else (256, Q8_BLOCK)
+    assert lib.kiln_gguf_activation_bytes(GGML_TYPES[kind]) == dtype.itemsize
+    rng = np.random.default_rng(8)
+    rows, k = 6, 512
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[1] = (rng.integers(-126, 126, k) + 0.5).astype(np.float32) / 2  # amax 63.5: scale 2, and x · 2 a tie
+    x[1, ::32] = 63.5
+    x[2] *= np.float32(1e-30)  # tiny and huge: the scale is a float division, not a reciprocal times
+    x[3] *= np.float32(1e30)
+    x[4, :256] = 0.0  # blocks of zeros
+    x[4, 256:] = -0.0
+    out = np.zeros(rows * k // size, dtype)
+    lib.kiln_gguf_quantize(GGML_TYPES[kind], x.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(rows), ctypes.c_int64(k),
+                           out.ctypes.data_as(ctypes.c_void_p))
+    codes, scales = reference_quantization(x, size)
+    assert np.array_equal(out["qs"], codes)
+    assert np.array_equal(out["d"].view(np.uint32), scales.view(np.uint32))
+    ties = np.abs(x[1] * (np.float32(127) / np.float32(63.5)) % 1) == 0.5
+    assert ties.sum() > 100 and np.array_equal(out["qs"][k // size:2 * k // size].ravel()[ties] % 2, np.zeros(ties.sum()))
+    if kind in PER_32:
+        assert np.array_equal(out["sum"], codes.sum(axis=1, dtype=np.int32))
+    else:
+        assert np.array_equal(out["bsums"], codes.reshape(-1, 16, 16).sum(axis=2, dtype=np.int16))
+        assert np.array_equal(out["bsums32"], codes.reshape(-1, 8, 32).sum(axis=2, dtype=np.int16))
+
+
 def test_the_avx2_and_avx512_forms_agree_bit_for_bit():
     lib = ctypes.CDLL(library_path())
     k, n, rows = 512, 33, 6

@@ -35,14 +35,11 @@
 static void quantize_row(const float *x, int64_t k, q8_block *out) {
     for (int64_t b = 0; b < k / QK_K; b++, x += QK_K) {
         q8_block *o = out + b;
-        float amax = 0.f;
-        for (int i = 0; i < QK_K; i++) amax = fmaxf(amax, fabsf(x[i]));
+        const float amax = quantize_codes(x, QK_K, o->qs, NULL);
         if (amax == 0.f) {
             memset(o, 0, sizeof *o);
             continue;
         }
-        const float scale = 127.f / amax;
-        for (int i = 0; i < QK_K; i++) o->qs[i] = (int8_t)lrintf(x[i] * scale);
         for (int j = 0; j < QK_K / 16; j++) {
             int s = 0;
             for (int i = 0; i < 16; i++) s += o->qs[16 * j + i];
@@ -703,6 +700,15 @@ void kiln_gguf_matmul(int type, const float *x, int64_t rows, int64_t k, const u
     matmul_job job = {type, w, qx, rows, n, nb, y};
     for (int64_t t = 0; t < (n + TILE - 1) / TILE; t++) matmul_task(&job, (size_t)t);
     free(qx);
+}
+
+/* For tests: X's rows quantized as the matmul quantizes them (q8_32 or q8_block structs, nb a row). */
+__attribute__((visibility("default")))
+size_t kiln_gguf_activation_bytes(int type) { return activation_bytes(type); }
+__attribute__((visibility("default")))
+void kiln_gguf_quantize(int type, const float *x, int64_t rows, int64_t k, void *out) {
+    quantize_job qjob = {type, x, k, k / block_inputs(type), out};
+    for (int64_t r = 0; r < rows; r++) quantize_rows_task(&qjob, (size_t)r);
 }
 
 __attribute__((visibility("default")))

@@ -42,17 +42,12 @@ size_t q32_tile_block_bytes(int64_t type) { return q32_type(type) ? (size_t)layo
 void q32_quantize_row(const float *x, int64_t k, q8_32 *out) {
     for (int64_t b = 0; b < k / QK32; b++, x += QK32) {
         q8_32 *o = out + b;
-        float amax = 0.f;
-        for (int i = 0; i < QK32; i++) amax = fmaxf(amax, fabsf(x[i]));
+        const float amax = quantize_codes(x, QK32, o->qs, &o->sum);
         if (amax == 0.f) {
             memset(o, 0, sizeof *o);
             continue;
         }
-        const float scale = 127.f / amax;
-        int sum = 0;
-        for (int i = 0; i < QK32; i++) sum += o->qs[i] = (int8_t)lrintf(x[i] * scale);
         o->d = amax / 127.f;
-        o->sum = sum;
     }
 }
 
