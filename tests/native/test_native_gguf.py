@@ -101,8 +101,9 @@ def test_the_matmul_is_the_dequantized_product_to_int8_activation_rounding(kind)
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch(kind):
-    """Rows are multiplied one to four at a time: the same integer sums and float operations
-    for each, so an answer does not depend on its batch."""
+    """Rows are multiplied one to four at a time, against one tile or (four rows, types with a scale
+    per 32) two: the same integer sums and float operations for each, so an answer does not depend
+    on its batch. 70 columns: two pairs of tiles and a short one alone."""
     k, n = 512 if kind not in PER_32 else 576, 70  # 576 = 18 blocks of 32 (SmolLM2's width), not of 256
     raw = random_blocks(kind, n, k, seed=3)
     x = np.random.default_rng(4).standard_normal((1, 11, k)).astype(np.float32)

@@ -23,7 +23,8 @@
  *            Q8_0: [8 v][16 col][4], code 4v+i
  *     high   Q5 only: [16 col][4]: byte i, bit 2v: the fifth bit of code 4v+i, bit 2v+1: of code 16+4v+i
  *     d      [16 col] fp16;  m  [16 col] fp16 (Q4_1, Q5_1)
- * A tile block takes sixteen times the file's block: the same bytes, moved. */
+ * A tile block takes sixteen times the file's block: the same bytes, moved. With four rows or more,
+ * AVX-512 takes two tiles at once (q32_pair_512): one broadcast of X's codes feeds both. */
 #include "gguf_q32.h"
 
 #include <immintrin.h>
@@ -108,6 +109,78 @@ TILE_ROWS_512(2)
 TILE_ROWS_512(3)
 TILE_ROWS_512(4)
 
+/* Two tiles (32 columns) against MAX_ROWS rows: each broadcast of X's four codes feeds a product of
+ * both tiles, so a product needs half a broadcast (one tile: one each, and the loads of X's codes,
+ * not the multiplies, had set the speed). Each column's integer sums and float step are q32_tile_512's,
+ * so the same bits. */
+AVX512 void q32_pair_512(int type, const uint8_t *t, const uint8_t *u, int64_t nb, const q8_32 *const *x, __m512 *acc,
+                         __m512 *acc2) {
+    const layout L = layout_of(type);
+    const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++, t += L.bytes, u += L.bytes) {
+        prefetch_ahead(t, L.bytes);
+        prefetch_ahead(u, L.bytes);
+        __m512i s[MAX_ROWS], s2[MAX_ROWS];  /* one chain a row and tile: eight in flight */
+        for (int r = 0; r < MAX_ROWS; r++) s[r] = s2[r] = _mm512_setzero_si512();
+        int offset = L.offset;
+        if (L.codes == 512) {  /* Q8_0, as q32_tile_512 */
+            offset = 128;
+            _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) {
+                const __m512i c = _mm512_xor_si512(_mm512_loadu_si512(t + 64 * v), flip);
+                const __m512i c2 = _mm512_xor_si512(_mm512_loadu_si512(u + 64 * v), flip);
+                for (int r = 0; r < MAX_ROWS; r++) {
+                    const __m512i xv = _mm512_set1_epi32(load32(x[r][b].qs + 4 * v));
+                    s[r] = _mm512_dpbusd_epi32(s[r], c, xv);
+                    s2[r] = _mm512_dpbusd_epi32(s2[r], c2, xv);
+                }
+            }
+        } else {
+            const __m512i h = L.high ? _mm512_loadu_si512(t + L.high) : _mm512_setzero_si512();
+            const __m512i h2 = L.high ? _mm512_loadu_si512(u + L.high) : _mm512_setzero_si512();
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) {
+                const __m512i q = _mm512_loadu_si512(t + 64 * v), q2 = _mm512_loadu_si512(u + 64 * v);
+                __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+                __m512i d0 = _mm512_and_si512(q2, low), d1 = _mm512_and_si512(_mm512_srli_epi16(q2, 4), low);
+                if (L.high) {
+                    c0 = _mm512_or_si512(c0, fifth_bits_512(h, v, 0)), c1 = _mm512_or_si512(c1, fifth_bits_512(h, v, 1));
+                    d0 = _mm512_or_si512(d0, fifth_bits_512(h2, v, 0)), d1 = _mm512_or_si512(d1, fifth_bits_512(h2, v, 1));
+                }
+                for (int r = 0; r < MAX_ROWS; r++) {
+                    const __m512i first = _mm512_set1_epi32(load32(x[r][b].qs + 4 * v));
+                    const __m512i second = _mm512_set1_epi32(load32(x[r][b].qs + 16 + 4 * v));
+                    s[r] = _mm512_dpbusd_epi32(s[r], c0, first);
+                    s2[r] = _mm512_dpbusd_epi32(s2[r], d0, first);
+                    s[r] = _mm512_dpbusd_epi32(s[r], c1, second);
+                    s2[r] = _mm512_dpbusd_epi32(s2[r], d1, second);
+                }
+            }
+        }
+        for (int r = 0; r < MAX_ROWS; r++) {
+            __m512i isum = s[r], isum2 = s2[r];
+            if (offset) {
+                const __m512i o = _mm512_set1_epi32(offset * x[r][b].sum);
+                isum = _mm512_sub_epi32(isum, o), isum2 = _mm512_sub_epi32(isum2, o);
+            }
+            float_step_512(&acc[r], isum, &x[r][b], t, L);
+            float_step_512(&acc2[r], isum2, &x[r][b], u, L);
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void pair_rows_512(
+    int type, const uint8_t *t, const uint8_t *u, int64_t nb, const q8_32 *const *x, float out[][TILE], float out2[][TILE]) {
+    __m512 acc[MAX_ROWS], acc2[MAX_ROWS];
+    for (int r = 0; r < MAX_ROWS; r++) acc[r] = acc2[r] = _mm512_setzero_ps();
+    switch (type) { /* each type's own loop: its layout known when compiled */
+    case GGML_Q4_0: q32_pair_512(GGML_Q4_0, t, u, nb, x, acc, acc2); break;
+    case GGML_Q4_1: q32_pair_512(GGML_Q4_1, t, u, nb, x, acc, acc2); break;
+    case GGML_Q5_0: q32_pair_512(GGML_Q5_0, t, u, nb, x, acc, acc2); break;
+    case GGML_Q5_1: q32_pair_512(GGML_Q5_1, t, u, nb, x, acc, acc2); break;
+    default: q32_pair_512(GGML_Q8_0, t, u, nb, x, acc, acc2);
+    }
+    for (int r = 0; r < MAX_ROWS; r++) _mm512_storeu_ps(out[r], acc[r]), _mm512_storeu_ps(out2[r], acc2[r]);
+}
+
 /* -- AVX2: eight columns a vector, the tile in two halves; vpmaddubsw makes pair sums of the
  *    products (4- and 5-bit codes: at most 2 · 31 · 127; Q8_0 as |q| times x with q's sign: at most
  *    2 · 128 · 127, no saturation), vpmaddwd adds the pairs into exact int32 sums -- */
@@ -189,8 +262,16 @@ void q32_tile_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32
     tile_rows[rows](type, t, nb, x, out);
 }
 
+static int pairs_on = 0;  /* the AVX-512 kernels are on: they have the two-tile form */
+int q32_pairs_on(void) { return pairs_on; }
+void q32_pair_rows(int type, const uint8_t *t, const uint8_t *u, int64_t nb, const q8_32 *const *x, float out[][16],
+                   float out2[][16]) {
+    pair_rows_512(type, t, u, nb, x, out, out2);
+}
+
 void q32_use_avx512(int on) {
     const int vnni = on && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    pairs_on = vnni;
     tile_rows[1] = vnni ? tile_rows_512_1 : tile_rows_256_1;
     tile_rows[2] = vnni ? tile_rows_512_2 : tile_rows_256_2;
     tile_rows[3] = vnni ? tile_rows_512_3 : tile_rows_256_3;

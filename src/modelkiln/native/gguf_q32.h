@@ -22,6 +22,11 @@ size_t q32_tile_block_bytes(int64_t type);  /* 16 columns × the file's bytes of
 void q32_quantize_row(const float *x, int64_t k, q8_32 *out);
 /* out[r][c] = row r of x · column c of a tile (16 columns), 1 ≤ rows ≤ 4 */
 void q32_tile_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32 *const *x, float out[][16]);
+/* Two tiles t and u (the next sixteen columns) against four rows (MAX_ROWS) where q32_pairs_on (AVX-512 VNNI):
+ * out the first tile's, out2 the second's; the same bits as q32_tile_rows on each. */
+int q32_pairs_on(void);
+void q32_pair_rows(int type, const uint8_t *t, const uint8_t *u, int64_t nb, const q8_32 *const *x, float out[][16],
+                   float out2[][16]);
 void q32_dequantize_row(int type, const uint8_t *w, int64_t row, int64_t nb, float *y);
 void q32_use_avx512(int on);
 /* AMX (gguf_amx.c): rows 1..AMX_MAX_ROWS (gguf_amx_tiles.h) of X at x, x + nb, ... (one q8_32 array) against a tile, where
