@@ -14,7 +14,8 @@
  * sums of each 16 and 32 codes). The weights come in tiles of sixteen columns whose codes are
  * interleaved four at a time, so that one 32-bit lane of a vector is one column: one vpdpbusd
  * multiplies four codes of sixteen columns by four of X's codes broadcast, with no sums across
- * lanes, and a tile is multiplied with up to four rows of X while its codes are in registers.
+ * lanes, and a tile is multiplied with up to four rows of X while its codes are in registers
+ * (with four rows or more, Q4_K, Q5_K and the types with a scale per 32 take two tiles at once).
  * For every row, column and super-block the kernel forms two exact integers (the scaled code
  * products, and the minimums or the Q6_K code offset against X's 16- or 32-sums) and then the same
  * float operations, so a row's result is the same bits alone or in any batch, on AVX2 or AVX-512:
@@ -173,6 +174,76 @@ TILE_ROWS_512(2)
 TILE_ROWS_512(3)
 TILE_ROWS_512(4)
 
+/* acc += codes · xv (xv: four int8 already broadcast to every lane), written out for the reason
+ * DPBUSD_BCAST is (gguf_k.h) */
+#define DPBUSD(acc, codes, xv) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(codes), "v"(xv))
+
+/* Q4_K and Q5_K, two tiles (t, and u: the next sixteen columns) against four rows: each broadcast of
+ * X's four codes feeds a product of both tiles (q32_pair_512's reason). Each column's integer sums,
+ * minimums and float step are q4_k_tile_512's, so the same bits. */
+AVX512 void q4_k_pair_512(const int five, const uint8_t *t, const uint8_t *u, int64_t nb, const q8_block *const *x,
+                          __m512 *acc, __m512 *acc2) {
+    enum { R = MAX_ROWS };
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int bytes = five ? K5_BYTES : K4_BYTES;
+    for (int64_t b = 0; b < nb; b++, t += bytes, u += bytes) {
+        prefetch_ahead(t, bytes);
+        prefetch_ahead(u, bytes);
+        __m512i sums[R], sums2[R];
+        for (int r = 0; r < R; r++) sums[r] = sums2[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {  /* sub-block j from the low nibbles, j + 4 from the high */
+            __m512i lo[1][R], hi[1][R], lo2[1][R], hi2[1][R];
+            for (int r = 0; r < R; r++) lo[0][r] = hi[0][r] = lo2[0][r] = hi2[0][r] = _mm512_setzero_si512();
+            for (int v = 8 * j; v < 8 * j + 8; v++) {
+                const __m512i q = _mm512_loadu_si512(t + K4_QS + 64 * v), q2 = _mm512_loadu_si512(u + K4_QS + 64 * v);
+                __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+                __m512i d0 = _mm512_and_si512(q2, low), d1 = _mm512_and_si512(_mm512_srli_epi16(q2, 4), low);
+                if (five) {
+                    __m512i f0, f1;
+                    k5_fifth_512(t, v, &f0, &f1);
+                    c0 = _mm512_or_si512(c0, f0), c1 = _mm512_or_si512(c1, f1);
+                    k5_fifth_512(u, v, &f0, &f1);
+                    d0 = _mm512_or_si512(d0, f0), d1 = _mm512_or_si512(d1, f1);
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m512i first = _mm512_set1_epi32(load32(x[r][b].qs + 4 * v));
+                    const __m512i second = _mm512_set1_epi32(load32(x[r][b].qs + 128 + 4 * v));
+                    DPBUSD(lo[0][r], c0, first);
+                    DPBUSD(lo2[0][r], d0, first);
+                    DPBUSD(hi[0][r], c1, second);
+                    DPBUSD(hi2[0][r], d1, second);
+                }
+            }
+            __m512i sc[2], mn[2];
+            k4_scales_mins_512(t, sc, mn);
+            add_scaled_512(sums, lo, hi, byte_512(sc[0], j), byte_512(sc[1], j), R);
+            k4_scales_mins_512(u, sc, mn);
+            add_scaled_512(sums2, lo2, hi2, byte_512(sc[0], j), byte_512(sc[1], j), R);
+        }
+        for (int tile = 0; tile < 2; tile++) {
+            const uint8_t *w = tile ? u : t;
+            __m512i sc[2], mn[2], mins[R];
+            k4_scales_mins_512(w, sc, mn);
+            for (int r = 0; r < R; r++) mins[r] = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                const __m512i m = byte_pair_512(mn[k / 2], 2 * (k % 2));
+                for (int r = 0; r < R; r++) mins[r] = _mm512_dpwssd_epi32(mins[r], m, _mm512_set1_epi32(load32(x[r][b].bsums32 + 2 * k)));
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + (five ? K5_D : K4_D))));
+            const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + (five ? K5_DMIN : K4_DMIN))));
+            for (int r = 0; r < R; r++) float_step_512(tile ? &acc2[r] : &acc[r], tile ? sums2[r] : sums[r], mins[r], x[r][b].d, d, dmin);
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void k_pair_rows_512(
+    int type, const uint8_t *t, const uint8_t *u, int64_t nb, const q8_block *const *x, float out[][TILE], float out2[][TILE]) {
+    __m512 acc[MAX_ROWS], acc2[MAX_ROWS];
+    for (int r = 0; r < MAX_ROWS; r++) acc[r] = acc2[r] = _mm512_setzero_ps();
+    q4_k_pair_512(type == GGML_Q5_K, t, u, nb, x, acc, acc2);
+    for (int r = 0; r < MAX_ROWS; r++) _mm512_storeu_ps(out[r], acc[r]), _mm512_storeu_ps(out2[r], acc2[r]);
+}
+
 AVX2 void k4_scales_mins_256(const uint8_t *t, int half, __m256i sc[2], __m256i mn[2]) {
     const __m256i six = _mm256_set1_epi32(0x3f3f3f3f), four = _mm256_set1_epi32(0x0f0f0f0f), two = _mm256_set1_epi32(0x03030303);
     const uint8_t *p = t + K4_SC + 32 * half;
@@ -265,6 +336,7 @@ typedef void (*tile_rows_fn)(int, const uint8_t *, int64_t, const q8_block *cons
 static tile_rows_fn tile_rows[MAX_ROWS + 1] = {NULL, tile_rows_256_1, tile_rows_256_2, tile_rows_256_3, tile_rows_256_4};
 typedef void (*k_low_rows_fn)(int, int, const uint8_t *, int64_t, const q8_block *const *, float[][TILE]);
 static k_low_rows_fn k_low_rows = k_low_tile_rows_256;  /* Q2_K, Q3_K (gguf_k_low.c) */
+static int k_pairs_on = 0;  /* k_pair_rows_512 for Q4_K and Q5_K (the AVX-512 kernels are on) */
 
 INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
     const size_t row_bytes = (size_t)nb * sizeof(q8_block);
@@ -428,9 +500,15 @@ static int64_t pair_rows_task(const matmul_job *job, size_t tile, int64_t first)
     int64_t r = first;
     for (; job->rows - r >= MAX_ROWS; r += MAX_ROWS) {
         float out[MAX_ROWS][TILE], out2[MAX_ROWS][TILE];
-        const q8_32 *x[MAX_ROWS];
-        for (int i = 0; i < MAX_ROWS; i++) x[i] = (const q8_32 *)job->x + (r + i) * job->nb;
-        q32_pair_rows(job->type, t, t + tile_bytes, job->nb, x, out, out2);
+        if (q32_type(job->type)) {
+            const q8_32 *x[MAX_ROWS];
+            for (int i = 0; i < MAX_ROWS; i++) x[i] = (const q8_32 *)job->x + (r + i) * job->nb;
+            q32_pair_rows(job->type, t, t + tile_bytes, job->nb, x, out, out2);
+        } else {
+            const q8_block *x[MAX_ROWS];
+            for (int i = 0; i < MAX_ROWS; i++) x[i] = (const q8_block *)job->x + (r + i) * job->nb;
+            k_pair_rows_512(job->type, t, t + tile_bytes, job->nb, x, out, out2);
+        }
         for (int i = 0; i < MAX_ROWS; i++) {
             memcpy(job->y + (r + i) * job->n + c0, out[i], sizeof(float) * TILE);
             memcpy(job->y + (r + i) * job->n + c0 + TILE, out2[i], sizeof(float) * (size_t)columns2);
@@ -459,7 +537,8 @@ static void matmul_task(void *data, size_t task) {
  * least four rows (with fewer, the weights' bytes, not X's loads, set the speed). */
 static size_t matmul_tasks(matmul_job *job) {
     const int64_t tiles = (job->n + TILE - 1) / TILE;
-    job->pairs = q32_type(job->type) && q32_pairs_on() && job->rows >= MAX_ROWS;
+    const int kernel = q32_type(job->type) ? q32_pairs_on() : (job->type == GGML_Q4_K || job->type == GGML_Q5_K) && k_pairs_on;
+    job->pairs = kernel && job->rows >= MAX_ROWS;
     return (size_t)(job->pairs ? (tiles + 1) / 2 : tiles);
 }
 
@@ -716,6 +795,7 @@ void kiln_gguf_use_avx512(int on) {
     tile_rows[2] = vnni ? tile_rows_512_2 : tile_rows_256_2;
     tile_rows[3] = vnni ? tile_rows_512_3 : tile_rows_256_3;
     tile_rows[4] = vnni ? tile_rows_512_4 : tile_rows_256_4;
+    k_pairs_on = vnni;
     k_low_rows = vnni ? k_low_tile_rows_512 : k_low_tile_rows_256;
     q32_use_avx512(on);
 }
