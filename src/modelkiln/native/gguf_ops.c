@@ -336,7 +336,6 @@ typedef void (*tile_rows_fn)(int, const uint8_t *, int64_t, const q8_block *cons
 static tile_rows_fn tile_rows[MAX_ROWS + 1] = {NULL, tile_rows_256_1, tile_rows_256_2, tile_rows_256_3, tile_rows_256_4};
 typedef void (*k_low_rows_fn)(int, int, const uint8_t *, int64_t, const q8_block *const *, float[][TILE]);
 static k_low_rows_fn k_low_rows = k_low_tile_rows_256;  /* Q2_K, Q3_K (gguf_k_low.c) */
-static int k_pairs_on = 0;  /* k_pair_rows_512 for Q4_K and Q5_K (the AVX-512 kernels are on) */
 
 INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
     const size_t row_bytes = (size_t)nb * sizeof(q8_block);
@@ -464,6 +463,10 @@ static int64_t amx_rows_task(const matmul_job *job, const uint8_t *t, int64_t c0
     return r;
 }
 
+static const uint8_t *tile_weights(const matmul_job *job, size_t tile) {
+    return job->w + tile * (size_t)job->nb * block_bytes(job->type);
+}
+
 static int64_t tile_columns(const matmul_job *job, size_t tile) {
     const int64_t c0 = (int64_t)tile * TILE;
     return job->n - c0 < TILE ? job->n - c0 : TILE;
@@ -472,7 +475,7 @@ static int64_t tile_columns(const matmul_job *job, size_t tile) {
 /* Rows first.. of the job against one tile, up to four rows at a time (inlined: called out of line,
  * the K-quants' 64-row products measured 6% slower on an AMD EPYC Zen 5) */
 static inline __attribute__((always_inline)) void tile_rows_task(const matmul_job *job, size_t tile, int64_t first) {
-    const uint8_t *t = job->w + tile * (size_t)job->nb * block_bytes(job->type);
+    const uint8_t *t = tile_weights(job, tile);
     const int64_t c0 = (int64_t)tile * TILE, columns = tile_columns(job, tile);
     for (int64_t r = first; r < job->rows; r += MAX_ROWS) {
         const int R = job->rows - r < MAX_ROWS ? (int)(job->rows - r) : MAX_ROWS;
@@ -491,11 +494,10 @@ static inline __attribute__((always_inline)) void tile_rows_task(const matmul_jo
     }
 }
 
-/* Rows first.. against tiles `tile` and `tile + 1` together, four rows at a time (q32_pair_rows);
- * returns the first row it left (fewer than four). */
+/* Rows first.. against tiles `tile` and `tile + 1` together, four rows at a time (q32_pair_rows,
+ * k_pair_rows_512); returns the first row it left (fewer than four). */
 static int64_t pair_rows_task(const matmul_job *job, size_t tile, int64_t first) {
-    const size_t tile_bytes = (size_t)job->nb * block_bytes(job->type);
-    const uint8_t *t = job->w + tile * tile_bytes;
+    const uint8_t *t = tile_weights(job, tile), *u = tile_weights(job, tile + 1);
     const int64_t c0 = (int64_t)tile * TILE, columns2 = tile_columns(job, tile + 1);
     int64_t r = first;
     for (; job->rows - r >= MAX_ROWS; r += MAX_ROWS) {
@@ -503,11 +505,11 @@ static int64_t pair_rows_task(const matmul_job *job, size_t tile, int64_t first)
         if (q32_type(job->type)) {
             const q8_32 *x[MAX_ROWS];
             for (int i = 0; i < MAX_ROWS; i++) x[i] = (const q8_32 *)job->x + (r + i) * job->nb;
-            q32_pair_rows(job->type, t, t + tile_bytes, job->nb, x, out, out2);
+            q32_pair_rows(job->type, t, u, job->nb, x, out, out2);
         } else {
             const q8_block *x[MAX_ROWS];
             for (int i = 0; i < MAX_ROWS; i++) x[i] = (const q8_block *)job->x + (r + i) * job->nb;
-            k_pair_rows_512(job->type, t, t + tile_bytes, job->nb, x, out, out2);
+            k_pair_rows_512(job->type, t, u, job->nb, x, out, out2);
         }
         for (int i = 0; i < MAX_ROWS; i++) {
             memcpy(job->y + (r + i) * job->n + c0, out[i], sizeof(float) * TILE);
@@ -525,10 +527,9 @@ static void matmul_task(void *data, size_t task) {
     const int q32 = q32_type(job->type);
     const int two = job->pairs && (int64_t)tile + 1 < tiles;
     int64_t first = 0;  /* AMX's rows depend only on the count, so both tiles leave the same */
-    for (int i = 0; i <= two; i++) {
-        const uint8_t *t = job->w + (tile + i) * (size_t)job->nb * block_bytes(job->type);
-        if (q32 ? q32_amx_on() : k_amx_rows != NULL) first = amx_rows_task(job, t, (int64_t)(tile + i) * TILE, tile_columns(job, tile + i), q32);
-    }
+    for (int i = 0; i <= two; i++)
+        if (q32 ? q32_amx_on() : k_amx_rows != NULL)
+            first = amx_rows_task(job, tile_weights(job, tile + i), (int64_t)(tile + i) * TILE, tile_columns(job, tile + i), q32);
     if (two) first = pair_rows_task(job, tile, first);
     for (int i = 0; i <= two; i++) tile_rows_task(job, tile + i, first);
 }
@@ -537,8 +538,8 @@ static void matmul_task(void *data, size_t task) {
  * least four rows (with fewer, the weights' bytes, not X's loads, set the speed). */
 static size_t matmul_tasks(matmul_job *job) {
     const int64_t tiles = (job->n + TILE - 1) / TILE;
-    const int kernel = q32_type(job->type) ? q32_pairs_on() : (job->type == GGML_Q4_K || job->type == GGML_Q5_K) && k_pairs_on;
-    job->pairs = kernel && job->rows >= MAX_ROWS;
+    const int paired_type = q32_type(job->type) || job->type == GGML_Q4_K || job->type == GGML_Q5_K;
+    job->pairs = paired_type && q32_pairs_on() && job->rows >= MAX_ROWS;  /* q32_pairs_on: the AVX-512 kernels are on */
     return (size_t)(job->pairs ? (tiles + 1) / 2 : tiles);
 }
 
@@ -795,7 +796,6 @@ void kiln_gguf_use_avx512(int on) {
     tile_rows[2] = vnni ? tile_rows_512_2 : tile_rows_256_2;
     tile_rows[3] = vnni ? tile_rows_512_3 : tile_rows_256_3;
     tile_rows[4] = vnni ? tile_rows_512_4 : tile_rows_256_4;
-    k_pairs_on = vnni;
     k_low_rows = vnni ? k_low_tile_rows_512 : k_low_tile_rows_256;
     q32_use_avx512(on);
 }
@@ -819,26 +819,26 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     return ((AddCustomOpDomainFn)kiln_ort_fn(api, SLOT_AddCustomOpDomain))(options, domain);
 }
 
-/* For tests and measurements without onnxruntime: the same kernels on one thread; w is tiles. */
-__attribute__((visibility("default")))
-void kiln_gguf_matmul(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, float *y) {
-    const int64_t nb = k / block_inputs(type);
-    void *qx = aligned(activation_bytes(type) * (size_t)(rows * nb));
-    quantize_job qjob = {type, x, k, nb, qx};
-    for (int64_t r = 0; r < rows; r++) quantize_rows_task(&qjob, (size_t)r);
-    matmul_job job = {type, w, qx, rows, n, nb, y, 0};
-    const size_t tasks = matmul_tasks(&job);
-    for (size_t t = 0; t < tasks; t++) matmul_task(&job, t);
-    free(qx);
-}
-
-/* For tests: X's rows quantized as the matmul quantizes them (q8_32 or q8_block structs, nb a row). */
+/* X's rows quantized as the matmul quantizes them (q8_32 or q8_block structs, nb a row): kiln_gguf_matmul's first
+ * step, and exported for the tests. */
 __attribute__((visibility("default")))
 size_t kiln_gguf_activation_bytes(int type) { return activation_bytes(type); }
 __attribute__((visibility("default")))
 void kiln_gguf_quantize(int type, const float *x, int64_t rows, int64_t k, void *out) {
     quantize_job qjob = {type, x, k, k / block_inputs(type), out};
     for (int64_t r = 0; r < rows; r++) quantize_rows_task(&qjob, (size_t)r);
+}
+
+/* For tests and measurements without onnxruntime: the same kernels on one thread; w is tiles. */
+__attribute__((visibility("default")))
+void kiln_gguf_matmul(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, float *y) {
+    const int64_t nb = k / block_inputs(type);
+    void *qx = aligned(activation_bytes(type) * (size_t)(rows * nb));
+    kiln_gguf_quantize(type, x, rows, k, qx);
+    matmul_job job = {type, w, qx, rows, n, nb, y, 0};
+    const size_t tasks = matmul_tasks(&job);
+    for (size_t t = 0; t < tasks; t++) matmul_task(&job, t);
+    free(qx);
 }
 
 __attribute__((visibility("default")))
