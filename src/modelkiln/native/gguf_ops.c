@@ -189,7 +189,9 @@ AVX512 void q4_k_pair_512(const int five, const uint8_t *t, const uint8_t *u, in
     for (int64_t b = 0; b < nb; b++, t += bytes, u += bytes) {
         prefetch_ahead(t, bytes);
         prefetch_ahead(u, bytes);
-        __m512i sums[R], sums2[R];
+        __m512i sums[R], sums2[R], sc[2], sc2[2], mn[2][2];
+        k4_scales_mins_512(t, sc, mn[0]);
+        k4_scales_mins_512(u, sc2, mn[1]);
         for (int r = 0; r < R; r++) sums[r] = sums2[r] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {  /* sub-block j from the low nibbles, j + 4 from the high */
             __m512i lo[1][R], hi[1][R], lo2[1][R], hi2[1][R];
@@ -214,19 +216,15 @@ AVX512 void q4_k_pair_512(const int five, const uint8_t *t, const uint8_t *u, in
                     DPBUSD(hi2[0][r], d1, second);
                 }
             }
-            __m512i sc[2], mn[2];
-            k4_scales_mins_512(t, sc, mn);
             add_scaled_512(sums, lo, hi, byte_512(sc[0], j), byte_512(sc[1], j), R);
-            k4_scales_mins_512(u, sc, mn);
-            add_scaled_512(sums2, lo2, hi2, byte_512(sc[0], j), byte_512(sc[1], j), R);
+            add_scaled_512(sums2, lo2, hi2, byte_512(sc2[0], j), byte_512(sc2[1], j), R);
         }
         for (int tile = 0; tile < 2; tile++) {
             const uint8_t *w = tile ? u : t;
-            __m512i sc[2], mn[2], mins[R];
-            k4_scales_mins_512(w, sc, mn);
+            __m512i mins[R];
             for (int r = 0; r < R; r++) mins[r] = _mm512_setzero_si512();
             for (int k = 0; k < 4; k++) {
-                const __m512i m = byte_pair_512(mn[k / 2], 2 * (k % 2));
+                const __m512i m = byte_pair_512(mn[tile][k / 2], 2 * (k % 2));
                 for (int r = 0; r < R; r++) mins[r] = _mm512_dpwssd_epi32(mins[r], m, _mm512_set1_epi32(load32(x[r][b].bsums32 + 2 * k)));
             }
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + (five ? K5_D : K4_D))));
