@@ -60,6 +60,8 @@ AVX512 void float_step_512(__m512 *acc, __m512i sums, __m512i mins, float dx, __
  * intrinsic copies the accumulator to another register and back around each product, which
  * doubled the instructions of the kernels' inner loops (the bits are the instruction's either way) */
 #define DPBUSD_BCAST(acc, codes, p) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const int32_t *)(p)))
+/* the same with X's four codes already broadcast to every lane (xv): one broadcast feeding two tiles */
+#define DPBUSD(acc, codes, xv) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(codes), "v"(xv))
 
 /* Four codes of sixteen columns (first, second) against each row's four codes at byte at and
  * at + 128 of its super-block (the two halves' k4 groups v: at = 4v; Q2_K's and Q3_K's segments s

@@ -174,10 +174,6 @@ TILE_ROWS_512(2)
 TILE_ROWS_512(3)
 TILE_ROWS_512(4)
 
-/* acc += codes · xv (xv: four int8 already broadcast to every lane), written out for the reason
- * DPBUSD_BCAST is (gguf_k.h) */
-#define DPBUSD(acc, codes, xv) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(codes), "v"(xv))
-
 /* Q4_K and Q5_K, two tiles (t, and u: the next sixteen columns) against four rows: each broadcast of
  * X's four codes feeds a product of both tiles (q32_pair_512's reason). Each column's integer sums,
  * minimums and float step are q4_k_tile_512's, so the same bits. */
