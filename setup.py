@@ -23,10 +23,11 @@ ext_modules = [
     )
 ] if X86 else []
 # The sampler's exact arithmetic (numpy's order of float64 sums, Philox draws): plain C for any CPU,
-# every + and * rounded as numpy rounds it (no contraction into FMA, no fast-math).
+# every + and * rounded as numpy rounds it (no contraction into FMA, no fast-math); beside it the
+# bounded draw, whose own exponentials need not round as numpy's (sampling_bounded.c says why).
 ext_modules.append(Extension(
     "modelkiln.native._sampling",
-    ["src/modelkiln/native/sampling.c"],
+    ["src/modelkiln/native/sampling.c", "src/modelkiln/native/sampling_bounded.c"],
     extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden"],
     optional=True,
 ))

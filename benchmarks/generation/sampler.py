@@ -9,9 +9,11 @@ table takes flat rows (normal, standard deviation 0.5: what a model with random 
 nucleus holds most of the vocabulary), the hardest case for top-p.
 
 For each setting: the time of ``TokenChooser.choose`` (bias and penalties included, one row at a
-time as the host engines call it) with today's sampler, and with the whole-vocabulary rule it must
-equal (``selection.reference_draw``, the sampler before it), and how many of the chosen tokens differ
-between the two over every row and several uniforms (must be 0).
+time as the host engines call it) with today's sampler, with its exact path alone (numpy's own
+exponentials and sums: ``selection.exact_draw``, what takes the rows the bounded draw declines), and
+with the whole-vocabulary rule they must equal (``selection.reference_draw``, the first sampler); how
+many of the chosen tokens differ from the rule's over every row and several uniforms (must be 0); and
+how many rows the bounded draw declined.
 
     python benchmarks/generation/sampler.py ARTIFACT --rows 256 --out benchmarks/results/sampler
 """
@@ -31,6 +33,7 @@ from modelkiln.generation.model import CoreOptions, TextGenerationModel
 from modelkiln.generation.sampling import SamplingParams, TokenChooser
 from modelkiln.generation.sampling import selection
 from modelkiln.machine import cpu_description
+from modelkiln.native import sampling_library
 
 SETTINGS = {
     "greedy": SamplingParams(),
@@ -79,6 +82,32 @@ class ReferenceChooser(TokenChooser):
         return token
 
 
+class ExactChooser(TokenChooser):
+    """Today's sampler without its bounded draw: numpy's exponentials and sums for every row."""
+
+    def choose(self, logits, allowed=None):  # type: ignore[override]
+        scores = self._processed(logits)
+        p = self.params
+        token = int(np.argmax(scores)) if p.greedy else selection.exact_draw(scores, p, self._uniform())
+        self._record(token)
+        return token
+
+
+def declined(params: SamplingParams, rows: np.ndarray, seeds: int) -> int:
+    """How many of the rows x seeds draws the bounded draw hands to the exact path."""
+    library = sampling_library()
+    if params.greedy or library is None:
+        return 0
+    count = 0
+    for seed in range(seeds):
+        chooser = TokenChooser(params, seed, range(200))
+        for row in rows:
+            scores, u = chooser._processed(row), chooser._uniform()
+            count += selection.bounded_draw(library, scores, params, u) < 0
+            chooser.choose(row)
+    return count
+
+
 def per_token_ms(chooser_type: type, params: SamplingParams, rows: np.ndarray, repeats: int) -> float:
     """Median over ``repeats`` passes of the mean time a row (a new chooser a pass, as a new request)."""
     times = []
@@ -115,18 +144,22 @@ def main() -> None:
     tables = {(rows.shape[1], "real"): rows, (LARGE_VOCAB, "real"): extended(rows, LARGE_VOCAB, rng),
               (128_256, "flat"): rng.normal(0, 0.5, (min(64, rows.shape[0]), 128_256)).astype(np.float32)}
     lines = [f"host sampler, one row at a time: {cpu_description()}; {rows.shape[0]} rows of real logits",
-             f"{'rows':>5} {'vocabulary':>10}  {'setting':<52} {'before ms':>9} {'now ms':>8} {'x':>6} {'differ':>12}"]
+             f"{'rows':>5} {'vocabulary':>10}  {'setting':<52} {'before ms':>9} {'exact ms':>8} {'now ms':>8} "
+             f"{'x exact':>7} {'differ':>12} {'declined':>12}"]
     results = []
     for (vocab, kind), table in tables.items():
         for name, params in SETTINGS.items():
             repeats = args.repeats if kind == "real" else 1
             before = per_token_ms(ReferenceChooser, params, table, repeats)
+            exact = per_token_ms(ExactChooser, params, table, repeats)
             now = per_token_ms(TokenChooser, params, table, repeats)
-            differ, compared = differing(params, table, args.seeds if vocab == rows.shape[1] else 1)
-            results.append({"rows": kind, "vocab": vocab, "setting": name, "before_ms": before, "now_ms": now,
-                            "differ": differ, "compared": compared})
-            lines.append(f"{kind:>5} {vocab:>10,}  {name:<52} {before:9.3f} {now:8.3f} {before / now:5.1f}x "
-                         f"{differ:>4} of {compared:<5}")
+            seeds = args.seeds if vocab == rows.shape[1] else 1
+            differ, compared = differing(params, table, seeds)
+            refused = declined(params, table, seeds)
+            results.append({"rows": kind, "vocab": vocab, "setting": name, "before_ms": before, "exact_ms": exact,
+                            "now_ms": now, "differ": differ, "compared": compared, "declined": refused})
+            lines.append(f"{kind:>5} {vocab:>10,}  {name:<52} {before:9.3f} {exact:8.3f} {now:8.3f} "
+                         f"{exact / now:6.1f}x {differ:>4} of {compared:<5} {refused:>4} of {compared:<5}")
             print(lines[-1], flush=True)
     text = "\n".join(lines)
     print()

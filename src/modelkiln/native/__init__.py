@@ -67,7 +67,8 @@ def check_layout(details: dict, variant: str) -> None:
 
 @lru_cache(maxsize=1)
 def sampling_library() -> ctypes.CDLL | None:
-    """The sampler's exact arithmetic (``sampling.c``: plain C, any CPU), or None where it was not
+    """The sampler's exact arithmetic (``sampling.c``: plain C, any CPU) and its bounded draw
+    (``sampling_bounded.c``), or None where they were not
     built; the sampler then computes the same values in numpy, more slowly."""
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
@@ -98,4 +99,10 @@ def _declare_sampling(library: ctypes.CDLL) -> ctypes.CDLL:
     library.kiln_pick.restype = ctypes.c_int64
     library.kiln_scale.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.c_double, ctypes.c_double, f64]
     library.kiln_scale.restype = None
+    library.kiln_bounded_draw.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.c_double,
+                                          ctypes.c_int64, ctypes.c_double, ctypes.c_double, ctypes.c_double, f64, f64,
+                                          i64, f64, ctypes.POINTER(ctypes.c_uint8), u64]
+    library.kiln_bounded_draw.restype = ctypes.c_int64
+    library.kiln_bounded_exp.argtypes = [f64, ctypes.c_int64, f64]
+    library.kiln_bounded_exp.restype = None
     return library

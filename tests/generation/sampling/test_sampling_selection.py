@@ -15,12 +15,16 @@ from modelkiln.generation.sampling.selection import cumulative_pick, draw, refer
 from modelkiln.native import sampling_library
 
 
-@pytest.fixture(params=["native", "numpy"])
+@pytest.fixture(params=["bounded", "native", "numpy"])
 def arithmetic(request, monkeypatch):
-    """Every check runs on the native library and on the numpy fallback (a machine without gcc)."""
-    if request.param == "native":
+    """Every check runs on the native library (with its bounded draw first, and on its exact path
+    alone, which takes the rows the bounded draw declines) and on the numpy fallback (a machine
+    without gcc)."""
+    if request.param in ("bounded", "native"):
         if sampling_library() is None:
             pytest.skip("the native sampling library was not built here")
+        if request.param == "native":
+            monkeypatch.setattr(selection, "bounded_draw", lambda *args: -1)
     else:
         monkeypatch.setattr(selection, "sampling_library", lambda: None)
         monkeypatch.setattr(draws, "sampling_library", lambda: None)

@@ -17,6 +17,11 @@ without sorting the vocabulary (a ~4 ms sort at 49k tokens, 13 ms at 152k):
   sum of the inverse transform, are taken over the kept tokens alone in numpy's exact order of
   additions (``native/sampling.c``; a numpy fallback where it was not built).
 
+Before all that, ``kiln_bounded_draw`` (``native/sampling_bounded.c``) tries the row with its own
+exponentials (one vectorised pass instead of numpy's scaling, exp and sum): it takes each of the
+rule's decisions only where no rounding of either computation can turn it, and otherwise declines,
+about once in 10,000 rows, to the exact path below.
+
 ``tests/generation/sampling/test_sampling_selection.py`` checks ``draw`` against ``reference_draw`` over thousands of
 random rows, settings and uniforms."""
 
@@ -46,17 +51,28 @@ _F64 = ctypes.POINTER(ctypes.c_double)
 _F32 = ctypes.POINTER(ctypes.c_float)
 _U64 = ctypes.POINTER(ctypes.c_uint64)
 _U8 = ctypes.POINTER(ctypes.c_uint8)
+_BLOCK = 64  # sampling_bounded.c's BLOCK: its work buffer holds two doubles per block
 
 
 def draw(scores: np.ndarray, params: SamplingParams, u: float) -> int:
     """The token ``reference_draw(scores, params, u)`` gives; ``scores`` [vocab] are the processed
     logits (bias and penalties applied), ``u`` the token's uniform."""
+    library = sampling_library()
+    if library is not None:
+        token = bounded_draw(library, scores, params, u)
+        if token >= 0:
+            return token
+    return exact_draw(scores, params, u)
+
+
+def exact_draw(scores: np.ndarray, params: SamplingParams, u: float) -> int:
+    """``draw`` on numpy's own exponentials and sums, where every value is the reference's."""
     vocab = scores.shape[-1]
+    library = sampling_library()
     best = float(scores.max())  # a float32 row's max converts exactly: the float64 row's max
     if not np.isfinite(best):  # NaN, or a bias that overflowed: the reference's own rule
         return reference_draw(scores, params, u)
     s, e = _scaled(scores, best, params.temperature)  # the best token scores 0
-    library = sampling_library()
     if library is not None:
         return _native_draw(library, s, e, params, u)
     # numpy's form of kiln_pick (where the native library was not built): the same operations in the same order
@@ -89,6 +105,19 @@ def draw(scores: np.ndarray, params: SamplingParams, u: float) -> int:
     if index >= probs.shape[-1]:  # the target at the very top: the reference's clamp to the last token
         return vocab - 1
     return int(index if ids is None else ids[index])
+
+
+def bounded_draw(library: ctypes.CDLL, scores: np.ndarray, params: SamplingParams, u: float) -> int:
+    """``kiln_bounded_draw``'s token, or -1 where it declines: a decision too near to take on its own
+    exponentials, a logit that is not finite, or a row that is not float32 in one piece."""
+    if scores.dtype != np.float32 or not scores.flags.c_contiguous:
+        return -1
+    n = scores.shape[-1]
+    return int(library.kiln_bounded_draw(
+        scores.ctypes.data_as(_F32), n, params.temperature, params.top_k, params.top_p, params.min_p, u,
+        _pointer("exponentials", n, np.float64), _pointer("blocks", 2 * (n // _BLOCK + 1), np.float64),
+        _pointer("pick ids", n, np.int64), _pointer("pick probs", n, np.float64), _pointer("marks", n, np.uint8),
+        _pointer("radix", 2 * n, np.uint64)))
 
 
 def _native_draw(library: ctypes.CDLL, s: np.ndarray, e: np.ndarray, params: SamplingParams, u: float) -> int:

@@ -1,0 +1,529 @@
+/* A sampled token from exponentials computed here, or a refusal: never another token than the rule's.
+
+   selection.draw computes every exponential of the row with numpy (float64, ~27 us at 49k tokens)
+   and sums them in numpy's order, so that each value is the reference's bit for bit. Yet the token
+   depends on those values only through a few comparisons: where top-p's cumulative sum first reaches
+   top_p, which tokens min-p keeps, and between which two cumulative sums the uniform's target falls.
+
+   kiln_bounded_draw takes the same decisions on its own exponentials (a vectorised exp fused with the
+   scaling and the sums, one pass over the row) and takes each only where its two sides are farther
+   apart than every difference the approximation and the two orders of summation can make (``margin``
+   below); where one is nearer than that, it returns KILN_DECLINED and the caller takes the exact
+   path. The chance of that is about 2 * margin * (tokens kept): under 1e-4 for any row. It also
+   declines flat rows with a top-p cut (``dense``), where the exact path is the faster one.
+
+   The differences, relative to the value compared (n: the vocabulary):
+   - an exponential: the scaling multiplies by 1 / temperature where numpy divides (|s| * 3 * 2^-53,
+     under 2.4e-13 for s >= -708), the degree-10 polynomial (2.2e-13 truncation, a few ulps of
+     rounding), numpy's own exp (about an ulp); exponentials of s < -708 are taken as 0 (the
+     reference's are below 1e-307, against a total of at least 1): together under 1e-12;
+   - a sum of up to n nonnegative terms, in any order: n * 2^-53 of it, for numpy's sums and for ours;
+   - a ratio or product of such values: the sum of their bounds and an ulp.
+   ``margin`` is twice the largest of these a decision can carry. */
+
+#include <stdint.h>
+#include <stddef.h>
+
+#if defined(_WIN32)
+#define KILN_EXPORT __declspec(dllexport)
+#else
+#define KILN_EXPORT __attribute__((visibility("default")))
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KILN_VECTOR_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#else
+#define KILN_VECTOR_CLONES
+#endif
+
+/* This file's rounding need not be numpy's (the margins cover it): contracting the polynomial's
+   products and sums into FMAs halves its instructions. */
+#pragma GCC optimize("fp-contract=fast")
+
+#define KILN_DECLINED (-1)
+#define BLOCK 64 /* tokens per block sum: the inverse transform walks the blocks, then one block */
+#define LANES 8
+
+KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, unsigned char *marks, uint64_t *scratch);
+
+typedef double v8d __attribute__((vector_size(64)));
+typedef int64_t v8l __attribute__((vector_size(64)));
+typedef uint64_t v8u __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static double margin(int64_t n) {
+    return 4e-12 + 8.0 * (double)n * 1.1102230246251565e-16;
+}
+
+/* ---- the exponentials ---------------------------------------------------------------------------- */
+
+#define SHIFTER 6755399441055744.0 /* 1.5 * 2^52: adding it rounds to an integer, kept in the low bits */
+#define LN2_HI 0.6931471803691238 /* fdlibm's ln2 in two parts: k * LN2_HI is exact for |k| < 2^20 */
+#define LN2_LO 1.9082149292705877e-10
+
+/* exp(s) for s <= 0 (or -inf), eight at a time: s = k ln2 + r with |r| <= ln2 / 2, exp(r) by its
+   Taylor polynomial to degree 10 (in Estrin's order: four products deep instead of Horner's ten, so
+   that the vectors of a block overlap), 2^k added into the exponent; 0 below -708 (where 2^k would
+   not be a normal number). */
+static inline __attribute__((always_inline)) void exp8(v8d *value) {
+    v8d s = *value;
+    const v8d zero = {0}, shifter = zero + SHIFTER;
+    v8d t = s * 1.4426950408889634 + shifter;
+    v8d k = t - shifter;
+    v8d r = s - k * LN2_HI;
+    r = r - k * LN2_LO;
+    v8d r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+    v8d a0 = r + 1.0, a1 = r * (1.0 / 6.0) + 0.5, a2 = r * (1.0 / 120.0) + 1.0 / 24.0;
+    v8d a3 = r * (1.0 / 5040.0) + 1.0 / 720.0, a4 = r * (1.0 / 362880.0) + 1.0 / 40320.0;
+    v8d b0 = a1 * r2 + a0, b1 = a3 * r2 + a2, b2 = r2 * (1.0 / 3628800.0) + a4;
+    v8d poly = (b2 * r8) + (b1 * r4 + b0);
+    v8u scaled = (v8u)poly + (((v8u)t - (v8u)shifter) << 52);
+    *value = (v8d)(scaled & ~(v8u)(s < -708.0));
+}
+
+/* exp8's arithmetic for one value (the row's last, partial group). */
+static inline double exp1(double s) {
+    union { double d; uint64_t u; } t = {s * 1.4426950408889634 + SHIFTER}, shifter = {SHIFTER}, poly;
+    double k = t.d - SHIFTER;
+    double r = s - k * LN2_HI;
+    r = r - k * LN2_LO;
+    double r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+    double a0 = r + 1.0, a1 = r * (1.0 / 6.0) + 0.5, a2 = r * (1.0 / 120.0) + 1.0 / 24.0;
+    double a3 = r * (1.0 / 5040.0) + 1.0 / 720.0, a4 = r * (1.0 / 362880.0) + 1.0 / 40320.0;
+    double b0 = a1 * r2 + a0, b1 = a3 * r2 + a2, b2 = r2 * (1.0 / 3628800.0) + a4;
+    poly.d = (b2 * r8) + (b1 * r4 + b0);
+    poly.u += (t.u - shifter.u) << 52;
+    return s < -708.0 ? 0.0 : poly.d;
+}
+
+/* The test's view of the exponentials: exp(s[i]) as kiln_bounded_draw computes it. */
+KILN_VECTOR_CLONES
+KILN_EXPORT void kiln_bounded_exp(const double *s, int64_t n, double *out) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        v8d v;
+        __builtin_memcpy(&v, s + i, sizeof v);
+        exp8(&v);
+        __builtin_memcpy(out + i, &v, sizeof v);
+    }
+    for (; i < n; i++) {
+        out[i] = exp1(s[i]);
+    }
+}
+
+/* ---- the row's pass ------------------------------------------------------------------------------- */
+
+/* The row's largest logit into *best; 0 where every logit is finite, else 1 (NaN or an infinity:
+   the caller declines, the exact path has its own rules for them). Four running maxima, so that
+   the comparisons do not wait on one another. */
+KILN_VECTOR_CLONES
+static int row_best(const float *x, int64_t n, float *best) {
+    float m = x[0], bad = 0.0f;
+    int64_t i = 0;
+    if (n >= 4 * LANES) {
+        v8f most[4], nonfinite = {0};
+        for (int a = 0; a < 4; a++) {
+            __builtin_memcpy(&most[a], x, sizeof most[a]);
+        }
+        for (; i + 4 * LANES <= n; i += 4 * LANES) {
+            for (int a = 0; a < 4; a++) {
+                v8f v;
+                __builtin_memcpy(&v, x + i + a * LANES, sizeof v);
+                v8i greater = v > most[a];
+                most[a] = (v8f)(((v8i)v & greater) | ((v8i)most[a] & ~greater));
+                nonfinite += v - v; /* 0 for a finite value, NaN for NaN and the infinities */
+            }
+        }
+        for (int a = 0; a < 4; a++) {
+            for (int j = 0; j < LANES; j++) {
+                m = most[a][j] > m ? most[a][j] : m;
+            }
+        }
+        for (int j = 0; j < LANES; j++) {
+            bad += nonfinite[j];
+        }
+    }
+    for (; i < n; i++) {
+        m = x[i] > m ? x[i] : m;
+        bad += x[i] - x[i];
+    }
+    *best = m;
+    return bad != 0.0f;
+}
+
+/* e[i] = exp((x[i] - best) / temperature) for the whole row (multiplied by inverse, the temperature's
+   inverse); each block of BLOCK tokens' sum in sums[] and its largest exponential in tops[]; returns
+   the sums' total. */
+KILN_VECTOR_CLONES
+static double exponentials(const float *x, int64_t n, double best, double inverse, double *e, double *sums,
+                           double *tops) {
+    double total = 0.0;
+    int64_t i = 0, b = 0;
+    for (; i + BLOCK <= n; i += BLOCK, b++) {
+        v8d sum = {0}, top = {0};
+        for (int64_t j = i; j < i + BLOCK; j += LANES) {
+            v8f xf;
+            __builtin_memcpy(&xf, x + j, sizeof xf);
+            v8d v = (__builtin_convertvector(xf, v8d) - best) * inverse;
+            exp8(&v);
+            __builtin_memcpy(e + j, &v, sizeof v);
+            sum += v;
+            v8l greater = v > top;
+            top = (v8d)(((v8l)v & greater) | ((v8l)top & ~greater));
+        }
+        double block = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+        double most = top[0];
+        for (int j = 1; j < LANES; j++) {
+            most = top[j] > most ? top[j] : most;
+        }
+        sums[b] = block;
+        tops[b] = most;
+        total += block;
+    }
+    if (i < n) {
+        double block = 0.0, most = 0.0;
+        for (; i < n; i++) {
+            e[i] = exp1(((double)x[i] - best) * inverse);
+            block += e[i];
+            most = e[i] > most ? e[i] : most;
+        }
+        sums[b] = block;
+        tops[b] = most;
+        total += block;
+    }
+    return total;
+}
+
+/* ---- the decisions --------------------------------------------------------------------------------- */
+
+/* The sum of v[0..n), and of only the marked ones where ``marks`` is not NULL, in sixteen running
+   sums (a flat row's nucleus holds most of the vocabulary: one running sum would wait on each add). */
+KILN_VECTOR_CLONES
+static double sum_of(const double *v, const unsigned char *marks, int64_t n) {
+    v8d low = {0}, high = {0};
+    int64_t i = 0;
+    for (; i + 2 * LANES <= n; i += 2 * LANES) {
+        v8d a, b;
+        __builtin_memcpy(&a, v + i, sizeof a);
+        __builtin_memcpy(&b, v + i + LANES, sizeof b);
+        if (marks != NULL) {
+            typedef unsigned char v8c __attribute__((vector_size(8)));
+            v8c ma, mb;
+            __builtin_memcpy(&ma, marks + i, sizeof ma);
+            __builtin_memcpy(&mb, marks + i + LANES, sizeof mb);
+            a = a * __builtin_convertvector(ma, v8d);
+            b = b * __builtin_convertvector(mb, v8d);
+        }
+        low += a;
+        high += b;
+    }
+    low += high;
+    double sum = ((low[0] + low[1]) + (low[2] + low[3])) + ((low[4] + low[5]) + (low[6] + low[7]));
+    for (; i < n; i++) {
+        sum += marks == NULL || marks[i] ? v[i] : 0.0;
+    }
+    return sum;
+}
+
+/* The index i in [0, n) whose cumulative sum of v (in order) is the first above ``target``, where
+   every cumulative sum is more than ``gap`` from it; KILN_DECLINED where one is nearer, or none is
+   above. Whole blocks of BLOCK values are stepped over by their sums (``sums``, or summed here). */
+static int64_t first_above(const double *v, int64_t n, const double *sums, double target, double gap) {
+    double sum = 0.0;
+    int64_t i = 0;
+    for (int64_t b = 0; i + BLOCK <= n; b++) {
+        double block = sums != NULL ? sums[b] : sum_of(v + i, NULL, BLOCK);
+        if (!(sum + block < target - gap)) {
+            break;
+        }
+        sum += block;
+        i += BLOCK;
+    }
+    for (; i < n; i++) {
+        double next = sum + v[i];
+        if (next > target) {
+            return sum < target - gap && next > target + gap ? i : KILN_DECLINED;
+        }
+        sum = next;
+    }
+    return KILN_DECLINED;
+}
+
+/* The positions whose exponential is at least ``floor`` into ids with those exponentials into vals,
+   in order; their number. Only the blocks whose largest exponential (tops) reaches it are read. */
+static int64_t candidates(const double *e, int64_t n, const double *tops, double floor, int64_t *ids, double *vals) {
+    int64_t k = 0;
+    for (int64_t start = 0, b = 0; start < n; start += BLOCK, b++) {
+        if (tops[b] < floor) {
+            continue;
+        }
+        int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        for (int64_t i = start; i < end; i++) { /* no branch: k advances past the kept ones */
+            ids[k] = i;
+            vals[k] = e[i];
+            k += e[i] >= floor;
+        }
+    }
+    return k;
+}
+
+/* Top-p's nucleus among the m candidates (vals: exponentials; the tokens below ``floor`` are not
+   among them), compacted in place; its size, or KILN_DECLINED. kiln_top_p marks the smallest set of
+   largest values whose sum reaches top_p * total (ties in token order). The rule's set is that one
+   where (a) the sums without and with the last value taken are more than the margin from the
+   target, so the rule's sums cross it at the same value, and (b) that value is more than the margin
+   from every other value (and from the floor), so the rule orders the values around it alike; where
+   the cut splits the tokens of equal value, they must hold equal logits (equal in the rule too). */
+static int64_t nucleus(const float *x, int64_t *ids, double *vals, int64_t m, double target, double floor, double gap,
+                       unsigned char *marks, uint64_t *radix) {
+    int64_t keep = kiln_top_p(vals, m, target, marks, radix);
+    if (keep > m) {
+        return KILN_DECLINED; /* no sum reaches the target: the caller widens the candidates */
+    }
+    /* the least value kept; the values nearest it on either side; the tokens holding it (all kept,
+       or the first of them in token order, holding equal logits or not). Without branches where
+       the values come in no order: a flat row's nucleus is most of the vocabulary. */
+    double last = __builtin_inf();
+    for (int64_t i = 0; i < m; i++) {
+        double v = marks[i] ? vals[i] : __builtin_inf();
+        last = v < last ? v : last;
+    }
+    double nearest_above = __builtin_inf(), nearest_below = floor;
+    int64_t kept_at = 0, at = 0, split_logits = 0;
+    float logit = 0.0f;
+    for (int64_t i = 0; i < m; i++) {
+        double v = vals[i];
+        double up = v > last ? v : __builtin_inf(), down = v < last ? v : floor;
+        nearest_above = up < nearest_above ? up : nearest_above;
+        nearest_below = down > nearest_below ? down : nearest_below;
+        if (v == last) {
+            if (at == 0) {
+                logit = x[ids[i]];
+            }
+            split_logits |= x[ids[i]] != logit;
+            at++;
+            kept_at += marks[i];
+        }
+    }
+    double with = sum_of(vals, marks, m), without = with - last;
+    double slack = gap * (with > target ? with : target);
+    if (!(without < target - slack) || !(with > target + slack)) {
+        return KILN_DECLINED;
+    }
+    if (!(nearest_above > last * (1.0 + gap)) || !(nearest_below < last * (1.0 - gap))) {
+        return KILN_DECLINED;
+    }
+    if (kept_at < at && split_logits) {
+        return KILN_DECLINED;
+    }
+    int64_t k = 0;
+    for (int64_t i = 0; i < m; i++) { /* k <= i: each move reads before it writes */
+        ids[k] = ids[i];
+        vals[k] = vals[i];
+        k += marks[i];
+    }
+    return k;
+}
+
+/* ---- top-k ---------------------------------------------------------------------------------------- */
+
+/* A min-heap of k floats with ``at`` out of place below: moved down until its children are not less. */
+static void float_sift_down(float *heap, int64_t k, int64_t at) {
+    for (;;) {
+        int64_t left = 2 * at + 1, least = at;
+        if (left < k && heap[left] < heap[least]) least = left;
+        if (left + 1 < k && heap[left + 1] < heap[least]) least = left + 1;
+        if (least == at) return;
+        float t = heap[at];
+        heap[at] = heap[least];
+        heap[least] = t;
+        at = least;
+    }
+}
+
+static inline int any_lane(const v8i *mask) {
+    typedef uint64_t v4u __attribute__((vector_size(32)));
+    v4u wide = (v4u)*mask;
+    return (wide[0] | wide[1] | wide[2] | wide[3]) != 0;
+}
+
+/* The k-th largest logit (a repeated value counted each time), with a heap of k: a group of eight
+   logits none above the heap's least, the usual case once the heap holds large values, costs one
+   vector comparison. */
+KILN_VECTOR_CLONES
+static float kth_largest(const float *x, int64_t n, int64_t k, float *heap) {
+    for (int64_t i = 0; i < k; i++) {
+        heap[i] = x[i];
+    }
+    for (int64_t start = k / 2 - 1; start >= 0; start--) {
+        float_sift_down(heap, k, start);
+    }
+    int64_t i = k;
+    for (; i + LANES <= n; i += LANES) {
+        v8f v;
+        __builtin_memcpy(&v, x + i, sizeof v);
+        v8f least = {0};
+        least += heap[0];
+        v8i above = v > least;
+        if (!any_lane(&above)) {
+            continue;
+        }
+        for (int j = 0; j < LANES; j++) {
+            if (x[i + j] > heap[0]) {
+                heap[0] = x[i + j];
+                float_sift_down(heap, k, 0);
+            }
+        }
+    }
+    for (; i < n; i++) {
+        if (x[i] > heap[0]) {
+            heap[0] = x[i];
+            float_sift_down(heap, k, 0);
+        }
+    }
+    return heap[0];
+}
+
+/* Top-k's tokens with their exponentials into ids and vals (in order); their number, or
+   KILN_DECLINED. The rule keeps the scaled scores s = (x - best) / temperature (float64) not below
+   the k-th largest; s grows with x, so those are the logits not below the k-th largest logit, unless
+   the division rounds a lower logit's s to the k-th's: the largest logit below is checked for that. */
+KILN_VECTOR_CLONES
+static int64_t top_k_tokens(const float *x, int64_t n, int64_t k, float best, double temperature, double inverse,
+                            int64_t *ids, double *vals, float *heap) {
+    float kth = kth_largest(x, n, k, heap);
+    float below = -__builtin_inff(); /* the largest logit under the k-th */
+    int64_t m = 0, i = 0;
+    v8f kths = {0}, belows = {0};
+    kths += kth;
+    belows += below;
+    for (; i + LANES <= n; i += LANES) {
+        v8f v;
+        __builtin_memcpy(&v, x + i, sizeof v);
+        v8i in = v >= kths, higher = (v > belows) & ~in;
+        belows = (v8f)(((v8i)v & higher) | ((v8i)belows & ~higher));
+        if (any_lane(&in)) {
+            for (int j = 0; j < LANES; j++) {
+                ids[m] = i + j;
+                m += x[i + j] >= kth;
+            }
+        }
+    }
+    for (int j = 0; j < LANES; j++) {
+        below = belows[j] > below ? belows[j] : below;
+    }
+    for (; i < n; i++) {
+        ids[m] = i;
+        m += x[i] >= kth;
+        below = x[i] < kth && x[i] > below ? x[i] : below;
+    }
+    if (below > -__builtin_inff() && ((double)below - best) / temperature == ((double)kth - best) / temperature) {
+        return KILN_DECLINED;
+    }
+    for (int64_t j = 0; j < m; j++) {
+        vals[j] = ((double)x[ids[j]] - best) * inverse;
+    }
+    kiln_bounded_exp(vals, m, vals);
+    return m;
+}
+
+/* ---- the draw -------------------------------------------------------------------------------------- */
+
+#define WIDEN (-2) /* top-p's nucleus may reach past the candidates: take in more of the row */
+
+/* The draw among the m candidates (ids, their exponentials vals; the others are below ``floor``),
+   ``total`` the whole row's sum: top-p, min-p, the inverse transform. */
+static int64_t draw_among(const float *x, int64_t *ids, double *vals, int64_t m, double total, double floor,
+                          double top_p, double min_p, double u, double gap, unsigned char *marks, uint64_t *radix) {
+    if (top_p < 1.0) {
+        double target = top_p * total;
+        if (!(sum_of(vals, NULL, m) > target * (1.0 + gap))) {
+            return floor > 0.0 ? WIDEN : KILN_DECLINED; /* every token in, their sum within the margin of top_p */
+        }
+        m = nucleus(x, ids, vals, m, target, floor, gap, marks, radix);
+        if (m < 0) {
+            return KILN_DECLINED;
+        }
+    }
+    if (min_p > 0.0) { /* the best token's exponential is exp(0) = 1 */
+        int64_t k = 0;
+        for (int64_t i = 0; i < m; i++) {
+            double v = vals[i];
+            if (!(v > min_p * (1.0 + gap) || v < min_p * (1.0 - gap))) {
+                return KILN_DECLINED;
+            }
+            ids[k] = ids[i];
+            vals[k] = v;
+            k += v > min_p;
+        }
+        m = k;
+    }
+    double kept = sum_of(vals, NULL, m);
+    if (!(kept > 0.0)) {
+        return KILN_DECLINED;
+    }
+    int64_t index = first_above(vals, m, NULL, u * kept, gap * kept);
+    return index < 0 ? KILN_DECLINED : ids[index];
+}
+
+/* Whether an eighth or more of 1,024 logits spread over the row are within 12 nats (after the
+   temperature) of the best: a flat row (a model with random weights), whose nucleus is most of the
+   vocabulary. The exact path has a form for those (the cut by selection over the whole row, then
+   sums over the row as it is) that this file's compacted candidates would not beat. */
+static int dense(const float *x, int64_t n, float best, double temperature) {
+    double reach = (double)best - 12.0 * temperature * (1.0 + 1e-6);
+    int64_t step = n > 1024 ? n / 1024 : 1, sampled = 0, near = 0;
+    for (int64_t i = 0; i < n; i += step, sampled++) {
+        near += (double)x[i] >= reach;
+    }
+    return near * 8 >= sampled && n > 4096;
+}
+
+/* The token selection.reference_draw gives for the row x [n] (float32 logits, bias and penalties
+   applied) at this temperature, top_k (0: off), top_p and min_p and uniform u, or KILN_DECLINED:
+   where a decision is within the margin, where a logit is not finite, and where the settings leave
+   nothing to draw. Work buffers: e [n], blocks [2 * (n / BLOCK + 1)], ids and vals [n], marks [n],
+   radix [2n]. */
+KILN_EXPORT int64_t kiln_bounded_draw(const float *x, int64_t n, double temperature, int64_t top_k, double top_p,
+                                      double min_p, double u, double *e, double *blocks, int64_t *ids, double *vals,
+                                      unsigned char *marks, uint64_t *radix) {
+    float best;
+    double inverse = 1.0 / temperature;
+    if (n <= 0 || row_best(x, n, &best) || !(inverse > 0.0 && inverse < __builtin_inf()) || !(u >= 0.0 && u < 1.0)) {
+        return KILN_DECLINED;
+    }
+    double gap = margin(n);
+    if (top_k > 0 && top_k < n) { /* the other tokens' probabilities are exact zeros */
+        int64_t m = top_k_tokens(x, n, top_k, best, temperature, inverse, ids, vals, (float *)radix);
+        if (m < 0) {
+            return KILN_DECLINED;
+        }
+        int64_t token = draw_among(x, ids, vals, m, sum_of(vals, NULL, m), 0.0, top_p, min_p, u, gap, marks, radix);
+        return token < 0 ? KILN_DECLINED : token;
+    }
+    if (top_p < 1.0 && dense(x, n, best, temperature)) {
+        return KILN_DECLINED;
+    }
+    double *sums = blocks, *tops = blocks + n / BLOCK + 1;
+    double total = exponentials(x, n, (double)best, inverse, e, sums, tops);
+    if (top_p >= 1.0 && min_p <= 0.0) { /* the inverse transform over the whole row */
+        return first_above(e, n, sums, u * total, gap * total);
+    }
+    /* the candidates: every token a cut can keep (exponential at least e^-12 of the best's, or min-p's
+       floor if lower), then more where top-p's nucleus reaches past them, as the exact path widens */
+    static const double shares[] = {6.14421235332821e-06 /* e^-12 */, 4.248354255291589e-18 /* e^-40 */, 0.0};
+    for (int s = 0; s < 3; s++) {
+        double share = top_p < 1.0 ? shares[s] : 1.0;
+        if (min_p > 0.0 && min_p < share) {
+            share = min_p;
+        }
+        double floor = share * (1.0 - 1e-6);
+        int64_t m = candidates(e, n, tops, floor, ids, vals);
+        int64_t token = draw_among(x, ids, vals, m, total, floor, top_p, min_p, u, gap, marks, radix);
+        if (token != WIDEN) {
+            return token;
+        }
+    }
+    return KILN_DECLINED;
+}

@@ -1,0 +1,128 @@
+"""The bounded draw (``native/sampling_bounded.c``): its own exponentials, and for every row, setting
+and uniform either the whole-vocabulary rule's token or a refusal, never another token."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from modelkiln.generation.sampling import SamplingParams
+from modelkiln.generation.sampling.selection import bounded_draw, reference_draw, reference_probabilities
+from modelkiln.native import sampling_library
+
+DECLINED = -1
+
+
+@pytest.fixture(scope="module")
+def library() -> ctypes.CDLL:
+    library = sampling_library()
+    if library is None:
+        pytest.skip("the native sampling library was not built here")
+    return library
+
+
+def test_its_exponentials_are_within_the_budget_the_margins_assume(library):
+    """The file's error budget gives its exp 5e-13 of relative error (the rest of 1e-12 goes to the
+    scaling); exp(0) is exactly 1 (the best token's, which min-p compares against); below -708, 0."""
+    rng = np.random.default_rng(3)
+    s = -np.concatenate([rng.uniform(0, 708, 100_000), rng.uniform(0, 1, 100_000), [0.0, 1e-300, 708.0]])
+    out = np.empty_like(s)
+    f64 = ctypes.POINTER(ctypes.c_double)
+    library.kiln_bounded_exp(s.ctypes.data_as(f64), s.shape[0], out.ctypes.data_as(f64))
+    exact = np.exp(s)
+    assert np.max(np.abs(out - exact) / exact) < 5e-13
+    assert out[-3] == 1.0
+    below = np.array([-708.5, -745.0, -np.inf])
+    library.kiln_bounded_exp(below.ctypes.data_as(f64), 3, out.ctypes.data_as(f64))
+    assert list(out[:3]) == [0.0, 0.0, 0.0]
+
+
+def rows(rng: np.random.Generator, vocab: int):
+    """Flat rows (a random-weight model's), real-looking ones (a few tokens far above a spread), and
+    rows with ties at the top (and so at top-k's k-th value)."""
+    flat = rng.standard_normal(vocab) * 0.5
+    peaked = rng.standard_normal(vocab) * 3.0
+    peaked[rng.integers(0, vocab, 5)] += rng.uniform(20, 40, 5)
+    tied = rng.standard_normal(vocab) * 2.0
+    tied[rng.integers(0, vocab, 30)] = tied.max() + 15
+    return [row.astype(np.float32) for row in (flat, peaked, tied)]
+
+
+SETTINGS = [SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0),
+            SamplingParams(temperature=0.7, min_p=0.05), SamplingParams(temperature=0.8, top_p=0.9, min_p=0.02),
+            SamplingParams(temperature=1.5, top_p=0.5), SamplingParams(temperature=0.05, top_p=0.999999),
+            SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=1.0, top_k=1),
+            SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05)]
+
+
+def test_uniforms_near_the_rules_cumulative_sums_get_its_token_or_a_refusal(library):
+    """Uniforms at the rule's cumulative sums and from one ulp to 1e-9 of them to either side: where
+    the two computations' sums can fall on different sides, the draw must decline; further out, it
+    must give the rule's token. The nearest ones are declined (the margin is there)."""
+    rng = np.random.default_rng(21)
+    declined = 0
+    for vocab in (100, 5000, 49_152):
+        for logits in rows(rng, vocab):
+            for params in SETTINGS:
+                cumulative = np.cumsum(reference_probabilities(logits, params))
+                edges = np.flatnonzero(np.diff(cumulative, prepend=0.0) > 0)
+                for j in rng.choice(edges, min(4, edges.size), replace=False):
+                    at = cumulative[j] / cumulative[-1]
+                    near = [np.nextafter(at, 0.0), at, np.nextafter(at, 1.0)]
+                    for scale in (1e-9, 1e-10, 1e-11, 1e-12, 1e-13, 1e-14, 1e-15):
+                        near += [at * (1 - scale), at * (1 + scale)]
+                    for u in near:
+                        if not 0.0 <= u < 1.0:
+                            continue
+                        token = bounded_draw(library, logits, params, float(u))
+                        assert token in (DECLINED, reference_draw(logits, params, float(u))), (vocab, params, u)
+                        declined += token == DECLINED
+    assert declined > 0
+
+
+def test_the_draw_declines_rarely_on_ordinary_rows(library):
+    """At random uniforms the draw answers nearly every row itself (else the exact path would do all
+    the work and the fast one would be dead code), and each answer is the rule's. Flat rows with a
+    top-p cut are the exception (next test)."""
+    rng = np.random.default_rng(22)
+    answered = total = 0
+    for vocab in (1000, 49_152, 151_936):
+        for _ in range(3):
+            flat, *ordinary = rows(rng, vocab)
+            for logits, params in [(row, params) for row in ordinary for params in SETTINGS] + \
+                    [(flat, params) for params in SETTINGS if params.top_p == 1.0 or 0 < params.top_k < 1000]:
+                u = float(rng.random())
+                token = bounded_draw(library, logits, params, u)
+                total += 1
+                if token != DECLINED:
+                    answered += 1
+                    assert token == reference_draw(logits, params, u), (vocab, params, u)
+    assert answered >= 0.99 * total, (answered, total)
+
+
+def test_flat_rows_with_a_top_p_cut_go_to_the_exact_path(library):
+    """A random-weight model's rows: the nucleus is most of a long vocabulary, which the exact path's
+    cut over the whole row takes faster than compacted candidates, so the draw declines at once; a
+    short row, or a peaked one, it answers."""
+    rng = np.random.default_rng(23)
+    params = SamplingParams(temperature=0.7, top_p=0.95)
+    flat = (rng.standard_normal(49_152) * 0.5).astype(np.float32)
+    assert bounded_draw(library, flat, params, 0.3) == DECLINED
+    assert bounded_draw(library, flat[:1000].copy(), params, 0.3) == reference_draw(flat[:1000], params, 0.3)
+    peaked = flat * 10
+    assert bounded_draw(library, peaked, params, 0.3) == reference_draw(peaked, params, 0.3)
+
+
+def test_rows_it_cannot_judge_are_declined(library):
+    """A logit that is not finite, a row of another type or not in one piece, and a temperature
+    whose inverse overflows go to the exact path, which has the rule's own answers for them."""
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    for bad in (np.nan, np.inf, -np.inf):
+        logits = np.zeros(300, dtype=np.float32)
+        logits[17] = bad
+        assert bounded_draw(library, logits, params, 0.5) == DECLINED
+    assert bounded_draw(library, np.zeros(300, dtype=np.float64), params, 0.5) == DECLINED
+    assert bounded_draw(library, np.zeros(600, dtype=np.float32)[::2], params, 0.5) == DECLINED
+    assert bounded_draw(library, np.zeros(300, dtype=np.float32), SamplingParams(temperature=1e-310), 0.5) == DECLINED
