@@ -105,4 +105,6 @@ def _declare_sampling(library: ctypes.CDLL) -> ctypes.CDLL:
     library.kiln_bounded_draw.restype = ctypes.c_int64
     library.kiln_bounded_exp.argtypes = [f64, ctypes.c_int64, f64]
     library.kiln_bounded_exp.restype = None
+    library.kiln_bounded_exp32.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.POINTER(ctypes.c_float)]
+    library.kiln_bounded_exp32.restype = None
     return library

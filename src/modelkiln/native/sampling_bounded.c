@@ -23,6 +23,7 @@
 
 #include <stdint.h>
 #include <stddef.h>
+#include <string.h>
 
 #if defined(_WIN32)
 #define KILN_EXPORT __declspec(dllexport)
@@ -153,46 +154,158 @@ static int row_best(const float *x, int64_t n, float *best) {
 }
 
 /* e[i] = exp((x[i] - best) / temperature) for the whole row (multiplied by inverse, the temperature's
-   inverse); each block of BLOCK tokens' sum in sums[] and its largest exponential in tops[]; returns
-   the sums' total. */
+   inverse), and each block of BLOCK tokens' sum in sums[]; returns the sums' total. */
 KILN_VECTOR_CLONES
-static double exponentials(const float *x, int64_t n, double best, double inverse, double *e, double *sums,
-                           double *tops) {
+static double exponentials(const float *x, int64_t n, double best, double inverse, double *e, double *sums) {
     double total = 0.0;
     int64_t i = 0, b = 0;
     for (; i + BLOCK <= n; i += BLOCK, b++) {
-        v8d sum = {0}, top = {0};
+        v8d sum[2] = {{0}, {0}};
         for (int64_t j = i; j < i + BLOCK; j += LANES) {
             v8f xf;
             __builtin_memcpy(&xf, x + j, sizeof xf);
             v8d v = (__builtin_convertvector(xf, v8d) - best) * inverse;
             exp8(&v);
             __builtin_memcpy(e + j, &v, sizeof v);
-            sum += v;
-            v8l greater = v > top;
-            top = (v8d)(((v8l)v & greater) | ((v8l)top & ~greater));
+            sum[(j >> 3) & 1] += v;
         }
-        double block = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
-        double most = top[0];
-        for (int j = 1; j < LANES; j++) {
-            most = top[j] > most ? top[j] : most;
-        }
+        v8d both = sum[0] + sum[1];
+        double block = ((both[0] + both[1]) + (both[2] + both[3])) + ((both[4] + both[5]) + (both[6] + both[7]));
         sums[b] = block;
-        tops[b] = most;
         total += block;
     }
     if (i < n) {
-        double block = 0.0, most = 0.0;
+        double block = 0.0;
         for (; i < n; i++) {
             e[i] = exp1(((double)x[i] - best) * inverse);
             block += e[i];
-            most = e[i] > most ? e[i] : most;
         }
         sums[b] = block;
-        tops[b] = most;
         total += block;
     }
     return total;
+}
+
+/* ---- the exponentials in float32, where a cut comes first ----------------------------------------- */
+
+/* Where top-p or min-p cuts, the first decisions (which tokens are candidates, where top-p crosses)
+   carry a margin of a few 1e-6 anyway (a cut's values are spread far wider), so the row's pass runs
+   in float32, sixteen tokens a vector, and the kept tokens' exponentials are computed again in
+   float64 for the decisions after the cut. The error of an exponential here, relative: EXP32_ERROR
+   for the polynomial and its rounding, and 2e-7 * |s| for s's three float32 roundings (x - best,
+   1 / temperature, the product), which exp turns into a relative error |s| times as large. */
+#define EXP32_ERROR 1e-6
+#define SCALE32_ERROR 2e-7
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* exp(s) for s <= 0 (or -inf), sixteen at a time: s = k ln2 + r (ln2 in Cephes' two parts),
+   exp(r) to degree 6 (Estrin), 2^k into the exponent; 0 below -87 (the float32 exponent's floor). */
+static inline __attribute__((always_inline)) void exp16(v16f *value) {
+    v16f s = *value;
+    const v16f zero = {0}, shifter = zero + 12582912.0f; /* 1.5 * 2^23 */
+    v16f t = s * 1.44269504f + shifter;
+    v16f k = t - shifter;
+    v16f r = s - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    v16f r2 = r * r, r4 = r2 * r2;
+    v16f a0 = r + 1.0f, a1 = r * (1.0f / 6.0f) + 0.5f, a2 = r * (1.0f / 120.0f) + (1.0f / 24.0f);
+    v16f poly = (a2 + r2 * (1.0f / 720.0f)) * r4 + (a1 * r2 + a0);
+    v16u scaled = (v16u)poly + (((v16u)t - (v16u)shifter) << 23);
+    *value = (v16f)(scaled & ~(v16u)(s < -87.0f));
+}
+
+/* The test's view: exp(s[i]) as the float32 pass computes it (n a multiple of 16). */
+KILN_VECTOR_CLONES
+KILN_EXPORT void kiln_bounded_exp32(const float *s, int64_t n, float *out) {
+    for (int64_t i = 0; i + 16 <= n; i += 16) {
+        v16f v;
+        __builtin_memcpy(&v, s + i, sizeof v);
+        exp16(&v);
+        __builtin_memcpy(out + i, &v, sizeof v);
+    }
+}
+
+/* The float32 pass: e[i] = exp((x[i] - best) / temperature) as floats, and near[i] = 1 where e[i]
+   reaches ``floor`` (the first candidates' floor: a flag per token costs two instructions a vector,
+   where a block's largest value would cost a chain of comparisons); *spread receives sum(e * |s|),
+   which bounds the error the scaling's roundings carry into the total. Returns the total: float32
+   sums of 256 tokens (two running sums a lane: at most 13 roundings, SUM32_ERROR), added in float64.
+   The row's last partial vector is padded with -inf. */
+#define SUM32_ERROR 1e-6
+KILN_VECTOR_CLONES
+static double exponentials32(const float *x, int64_t n, float best, float inverse, float floor, float *e,
+                             unsigned char *near, double *spread) {
+    typedef unsigned char v16c __attribute__((vector_size(16)));
+    double total = 0.0, weighted = 0.0;
+    const v16f zero = {0}, floors = zero + floor;
+    for (int64_t i = 0; i < n; i += 256) {
+        v16f sum[2] = {zero, zero}, moment[2] = {zero, zero};
+        for (int64_t j = i; j < i + 256 && j < n; j += 16) {
+            int part = j + 16 > n;
+            v16f v;
+            if (!part) {
+                __builtin_memcpy(&v, x + j, sizeof v);
+            } else {
+                for (int l = 0; l < 16; l++) {
+                    v[l] = j + l < n ? x[j + l] : -__builtin_inff();
+                }
+            }
+            v16f s = (v - best) * inverse;
+            v = s;
+            exp16(&v);
+            v16c hit = __builtin_convertvector(v >= floors, v16c) & 1;
+            if (!part) {
+                __builtin_memcpy(e + j, &v, sizeof v);
+                __builtin_memcpy(near + j, &hit, sizeof hit);
+            } else {
+                for (int l = 0; j + l < n; l++) {
+                    e[j + l] = v[l];
+                    near[j + l] = hit[l];
+                }
+            }
+            int lane = (int)((j >> 4) & 1);
+            sum[lane] += v;
+            moment[lane] -= (v16f)((v16i)(v * s) & (v16i)(s > -87.0f)); /* -inf * 0 would be NaN */
+        }
+        v16f both = sum[0] + sum[1], spread16 = moment[0] + moment[1];
+        double block = 0.0, weight = 0.0;
+        for (int l = 0; l < 16; l++) {
+            block += both[l];
+            weight += spread16[l];
+        }
+        total += block;
+        weighted += weight;
+    }
+    *spread = weighted * 1.01; /* a bound: its own float32 sums, with room */
+    return total;
+}
+
+/* The positions flagged in ``near`` whose float32 exponential reaches ``floor`` (at least the
+   flags' floor), into ids with those values into vals; their number. Eight flags are read at once. */
+static int64_t candidates32(const float *e, const unsigned char *near, int64_t n, float floor, int64_t *ids,
+                            double *vals) {
+    int64_t k = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t flags;
+        __builtin_memcpy(&flags, near + i, sizeof flags);
+        if (flags == 0) {
+            continue;
+        }
+        for (int64_t j = i; j < i + 8; j++) {
+            ids[k] = j;
+            vals[k] = e[j];
+            k += e[j] >= floor;
+        }
+    }
+    for (; i < n; i++) {
+        ids[k] = i;
+        vals[k] = e[i];
+        k += near[i] && e[i] >= floor;
+    }
+    return k;
 }
 
 /* ---- the decisions --------------------------------------------------------------------------------- */
@@ -248,24 +361,6 @@ static int64_t first_above(const double *v, int64_t n, const double *sums, doubl
         sum = next;
     }
     return KILN_DECLINED;
-}
-
-/* The positions whose exponential is at least ``floor`` into ids with those exponentials into vals,
-   in order; their number. Only the blocks whose largest exponential (tops) reaches it are read. */
-static int64_t candidates(const double *e, int64_t n, const double *tops, double floor, int64_t *ids, double *vals) {
-    int64_t k = 0;
-    for (int64_t start = 0, b = 0; start < n; start += BLOCK, b++) {
-        if (tops[b] < floor) {
-            continue;
-        }
-        int64_t end = start + BLOCK < n ? start + BLOCK : n;
-        for (int64_t i = start; i < end; i++) { /* no branch: k advances past the kept ones */
-            ids[k] = i;
-            vals[k] = e[i];
-            k += e[i] >= floor;
-        }
-    }
-    return k;
 }
 
 /* Top-p's nucleus among the m candidates (vals: exponentials; the tokens below ``floor`` are not
@@ -432,19 +527,34 @@ static int64_t top_k_tokens(const float *x, int64_t n, int64_t k, float best, do
 
 #define WIDEN (-2) /* top-p's nucleus may reach past the candidates: take in more of the row */
 
+/* What draw_among needs to compute the kept tokens' exponentials again in float64, after a cut
+   taken on float32 ones (NULL: the values are float64 already). */
+struct refine {
+    float best;
+    double inverse;
+};
+
 /* The draw among the m candidates (ids, their exponentials vals; the others are below ``floor``),
-   ``total`` the whole row's sum: top-p, min-p, the inverse transform. */
+   ``total`` the whole row's sum: top-p (its decisions within ``cut_gap``), min-p and the inverse
+   transform (within ``gap``, on float64 exponentials). */
 static int64_t draw_among(const float *x, int64_t *ids, double *vals, int64_t m, double total, double floor,
-                          double top_p, double min_p, double u, double gap, unsigned char *marks, uint64_t *radix) {
+                          double top_p, double min_p, double u, double cut_gap, double gap, const struct refine *refine,
+                          unsigned char *marks, uint64_t *radix) {
     if (top_p < 1.0) {
         double target = top_p * total;
-        if (!(sum_of(vals, NULL, m) > target * (1.0 + gap))) {
+        if (!(sum_of(vals, NULL, m) > target * (1.0 + cut_gap))) {
             return floor > 0.0 ? WIDEN : KILN_DECLINED; /* every token in, their sum within the margin of top_p */
         }
-        m = nucleus(x, ids, vals, m, target, floor, gap, marks, radix);
+        m = nucleus(x, ids, vals, m, target, floor, cut_gap, marks, radix);
         if (m < 0) {
             return KILN_DECLINED;
         }
+    }
+    if (refine != NULL) {
+        for (int64_t i = 0; i < m; i++) {
+            vals[i] = ((double)x[ids[i]] - refine->best) * refine->inverse;
+        }
+        kiln_bounded_exp(vals, m, vals);
     }
     if (min_p > 0.0) { /* the best token's exponential is exp(0) = 1 */
         int64_t k = 0;
@@ -483,8 +593,7 @@ static int dense(const float *x, int64_t n, float best, double temperature) {
 /* The token selection.reference_draw gives for the row x [n] (float32 logits, bias and penalties
    applied) at this temperature, top_k (0: off), top_p and min_p and uniform u, or KILN_DECLINED:
    where a decision is within the margin, where a logit is not finite, and where the settings leave
-   nothing to draw. Work buffers: e [n], blocks [2 * (n / BLOCK + 1)], ids and vals [n], marks [n],
-   radix [2n]. */
+   nothing to draw. Work buffers: e [n], blocks [n / BLOCK + 1], ids and vals [n], marks [n], radix [2n]. */
 KILN_EXPORT int64_t kiln_bounded_draw(const float *x, int64_t n, double temperature, int64_t top_k, double top_p,
                                       double min_p, double u, double *e, double *blocks, int64_t *ids, double *vals,
                                       unsigned char *marks, uint64_t *radix) {
@@ -499,30 +608,47 @@ KILN_EXPORT int64_t kiln_bounded_draw(const float *x, int64_t n, double temperat
         if (m < 0) {
             return KILN_DECLINED;
         }
-        int64_t token = draw_among(x, ids, vals, m, sum_of(vals, NULL, m), 0.0, top_p, min_p, u, gap, marks, radix);
+        int64_t token = draw_among(x, ids, vals, m, sum_of(vals, NULL, m), 0.0, top_p, min_p, u, gap, gap, NULL,
+                                   marks, radix);
         return token < 0 ? KILN_DECLINED : token;
+    }
+    if (top_p >= 1.0 && min_p <= 0.0) { /* the inverse transform over the whole row, in float64 */
+        double total = exponentials(x, n, (double)best, inverse, e, blocks);
+        return first_above(e, n, blocks, u * total, gap * total);
     }
     if (top_p < 1.0 && dense(x, n, best, temperature)) {
         return KILN_DECLINED;
     }
-    double *sums = blocks, *tops = blocks + n / BLOCK + 1;
-    double total = exponentials(x, n, (double)best, inverse, e, sums, tops);
-    if (top_p >= 1.0 && min_p <= 0.0) { /* the inverse transform over the whole row */
-        return first_above(e, n, sums, u * total, gap * total);
-    }
     /* the candidates: every token a cut can keep (exponential at least e^-12 of the best's, or min-p's
-       floor if lower), then more where top-p's nucleus reaches past them, as the exact path widens */
+       floor if lower), then more where top-p's nucleus reaches past them, as the exact path widens;
+       the floors sit 1e-4 under the shares, far more than a float32 exponential's error (< 2e-5) */
     static const double shares[] = {6.14421235332821e-06 /* e^-12 */, 4.248354255291589e-18 /* e^-40 */, 0.0};
+    double floors[3];
     for (int s = 0; s < 3; s++) {
         double share = top_p < 1.0 ? shares[s] : 1.0;
-        if (min_p > 0.0 && min_p < share) {
-            share = min_p;
+        floors[s] = (min_p > 0.0 && min_p < share ? min_p : share) * (1.0 - 1e-4);
+    }
+    double spread;
+    float *e32 = (float *)e;
+    unsigned char *near = (unsigned char *)(e32 + n);
+    double total = exponentials32(x, n, best, (float)inverse, (float)floors[0], e32, near, &spread);
+    double total_error = EXP32_ERROR + SUM32_ERROR + SCALE32_ERROR * spread / total; /* relative */
+    struct refine refine = {best, inverse};
+    for (int s = 0; s < 3; s++) {
+        if (s > 0) {
+            memset(near, 1, (size_t)n); /* a wider floor: every token is read again */
         }
-        double floor = share * (1.0 - 1e-6);
-        int64_t m = candidates(e, n, tops, floor, ids, vals);
-        int64_t token = draw_among(x, ids, vals, m, total, floor, top_p, min_p, u, gap, marks, radix);
-        if (token != WIDEN) {
-            return token;
+        int64_t m = candidates32(e32, near, n, (float)floors[s], ids, vals);
+        double reach = 0.0; /* the largest |s| among them: their exponentials' error grows with it */
+        for (int64_t i = 0; i < m; i++) {
+            double far = ((double)best - x[ids[i]]) * inverse;
+            reach = far > reach ? far : reach;
+        }
+        double cut_gap = 2.0 * (EXP32_ERROR + SCALE32_ERROR * reach) + total_error + gap;
+        int64_t token = draw_among(x, ids, vals, m, total, floors[s], top_p, min_p, u, cut_gap, gap, &refine, marks,
+                                   radix);
+        if (token != WIDEN || top_p >= 1.0) {
+            return token < 0 ? KILN_DECLINED : token;
         }
     }
     return KILN_DECLINED;

@@ -39,6 +39,23 @@ def test_its_exponentials_are_within_the_budget_the_margins_assume(library):
     assert list(out[:3]) == [0.0, 0.0, 0.0]
 
 
+def test_its_float32_exponentials_are_within_their_budget(library):
+    """The float32 pass's exp, for float32 inputs, against numpy's float64 exp: under 4e-7 relative
+    (EXP32_ERROR is 1e-6); exp(0) is 1; below -87, 0."""
+    rng = np.random.default_rng(4)
+    s = -np.concatenate([rng.uniform(0, 87, 100_000), rng.uniform(0, 1, 100_000), [0.0, 1e-30, 87.0, 86.9]])
+    s = np.concatenate([s, np.zeros(-s.shape[0] % 16)]).astype(np.float32)
+    out = np.empty_like(s)
+    f32 = ctypes.POINTER(ctypes.c_float)
+    library.kiln_bounded_exp32(s.ctypes.data_as(f32), s.shape[0], out.ctypes.data_as(f32))
+    exact = np.exp(s.astype(np.float64))
+    assert np.max(np.abs(out - exact) / exact) < 4e-7
+    assert out[200_000] == 1.0
+    below = np.array([-87.5, -100.0, -np.inf] + [0.0] * 13, dtype=np.float32)
+    library.kiln_bounded_exp32(below.ctypes.data_as(f32), 16, out.ctypes.data_as(f32))
+    assert list(out[:3]) == [0.0, 0.0, 0.0]
+
+
 def rows(rng: np.random.Generator, vocab: int):
     """Flat rows (a random-weight model's), real-looking ones (a few tokens far above a spread), and
     rows with ties at the top (and so at top-k's k-th value)."""
@@ -83,16 +100,17 @@ def test_uniforms_near_the_rules_cumulative_sums_get_its_token_or_a_refusal(libr
 
 
 def test_the_draw_declines_rarely_on_ordinary_rows(library):
-    """At random uniforms the draw answers nearly every row itself (else the exact path would do all
-    the work and the fast one would be dead code), and each answer is the rule's. Flat rows with a
-    top-p cut are the exception (next test)."""
+    """At random uniforms the draw answers nearly every peaked row itself (else the exact path would do
+    all the work and the fast one would be dead code), and each answer is the rule's. Not asked of it:
+    a top_p within a float32 exponential's error of 1 (0.999999), flat rows with a cut (next test)."""
     rng = np.random.default_rng(22)
     answered = total = 0
+    usual = [params for params in SETTINGS if params.top_p < 0.99999]
     for vocab in (1000, 49_152, 151_936):
         for _ in range(3):
-            flat, *ordinary = rows(rng, vocab)
-            for logits, params in [(row, params) for row in ordinary for params in SETTINGS] + \
-                    [(flat, params) for params in SETTINGS if params.top_p == 1.0 or 0 < params.top_k < 1000]:
+            flat, peaked, _ = rows(rng, vocab)
+            for logits, params in [(peaked, params) for params in usual] + \
+                    [(flat, params) for params in usual if params.top_p == 1.0 or 0 < params.top_k < 1000]:
                 u = float(rng.random())
                 token = bounded_draw(library, logits, params, u)
                 total += 1
@@ -100,6 +118,32 @@ def test_the_draw_declines_rarely_on_ordinary_rows(library):
                     answered += 1
                     assert token == reference_draw(logits, params, u), (vocab, params, u)
     assert answered >= 0.99 * total, (answered, total)
+
+
+def test_top_p_at_and_beside_the_rules_sorted_sums_gets_its_token_or_a_refusal(library):
+    """top_p equal to one of the rule's sorted cumulative sums, and from 1e-4 to 1e-9 of it to either
+    side: where the float32 pass's sums and the rule's can fall on different sides, the draw must
+    decline; further out, it must give the rule's token."""
+    rng = np.random.default_rng(24)
+    declined = 0
+    for vocab in (200, 5000, 49_152):
+        for logits in rows(rng, vocab)[1:]:
+            for temperature in (0.7, 1.0):
+                base = SamplingParams(temperature=temperature)
+                probs = reference_probabilities(logits, base)
+                cumulative = np.cumsum(np.sort(probs)[::-1])
+                for k in (0, 1, 2, 5, 20):
+                    at = float(cumulative[k])
+                    for scale in (0.0, 1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4):
+                        for top_p in {at * (1 - scale), at * (1 + scale)}:
+                            if not 0.0 < top_p < 1.0:
+                                continue
+                            params = SamplingParams(temperature=temperature, top_p=top_p)
+                            u = float(rng.random())
+                            token = bounded_draw(library, logits, params, u)
+                            assert token in (DECLINED, reference_draw(logits, params, u)), (vocab, params, u)
+                            declined += token == DECLINED
+    assert declined > 0
 
 
 def test_flat_rows_with_a_top_p_cut_go_to_the_exact_path(library):

@@ -51,7 +51,7 @@ _F64 = ctypes.POINTER(ctypes.c_double)
 _F32 = ctypes.POINTER(ctypes.c_float)
 _U64 = ctypes.POINTER(ctypes.c_uint64)
 _U8 = ctypes.POINTER(ctypes.c_uint8)
-_BLOCK = 64  # sampling_bounded.c's BLOCK: its work buffer holds two doubles per block
+_BLOCK = 64  # sampling_bounded.c: a block sum per BLOCK tokens
 
 
 def draw(scores: np.ndarray, params: SamplingParams, u: float) -> int:
@@ -115,7 +115,7 @@ def bounded_draw(library: ctypes.CDLL, scores: np.ndarray, params: SamplingParam
     n = scores.shape[-1]
     return int(library.kiln_bounded_draw(
         scores.ctypes.data_as(_F32), n, params.temperature, params.top_k, params.top_p, params.min_p, u,
-        _pointer("exponentials", n, np.float64), _pointer("blocks", 2 * (n // _BLOCK + 1), np.float64),
+        _pointer("exponentials", n, np.float64), _pointer("blocks", n // _BLOCK + 1, np.float64),
         _pointer("pick ids", n, np.int64), _pointer("pick probs", n, np.float64), _pointer("marks", n, np.uint8),
         _pointer("radix", 2 * n, np.uint64)))
 
