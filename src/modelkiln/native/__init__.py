@@ -103,6 +103,9 @@ def _declare_sampling(library: ctypes.CDLL) -> ctypes.CDLL:
                                           ctypes.c_int64, ctypes.c_double, ctypes.c_double, ctypes.c_double, f64, f64,
                                           i64, f64, ctypes.POINTER(ctypes.c_uint8), u64]
     library.kiln_bounded_draw.restype = ctypes.c_int64
+    library.kiln_bounded_draws.argtypes = [u64, ctypes.c_int64, ctypes.c_int64, f64, i64, f64, f64, f64, i64, f64, f64,
+                                           i64, f64, ctypes.POINTER(ctypes.c_uint8), u64]
+    library.kiln_bounded_draws.restype = None
     library.kiln_bounded_exp.argtypes = [f64, ctypes.c_int64, f64]
     library.kiln_bounded_exp.restype = None
     library.kiln_bounded_exp32.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.POINTER(ctypes.c_float)]

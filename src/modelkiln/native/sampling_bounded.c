@@ -653,3 +653,36 @@ KILN_EXPORT int64_t kiln_bounded_draw(const float *x, int64_t n, double temperat
     }
     return KILN_DECLINED;
 }
+
+/* ---- a step's rows in one call --------------------------------------------------------------------- */
+
+/* The first position of the row's largest logit (numpy's argmax), or KILN_DECLINED where a logit is
+   not finite (numpy's argmax has its own answer for NaN). */
+static int64_t first_best(const float *x, int64_t n) {
+    float best;
+    if (row_best(x, n, &best)) {
+        return KILN_DECLINED;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (x[i] == best) {
+            return i;
+        }
+    }
+    return KILN_DECLINED;
+}
+
+/* Each row's token (rows: the rows' addresses, each n float32 logits): its argmax at temperature 0,
+   else kiln_bounded_draw's, or KILN_DECLINED; one call a step instead of one a row (a call from
+   Python costs about as much as the draw of a short row). The work buffers are kiln_bounded_draw's. */
+KILN_EXPORT void kiln_bounded_draws(const uint64_t *rows, int64_t count, int64_t n, const double *temperatures,
+                                    const int64_t *top_ks, const double *top_ps, const double *min_ps,
+                                    const double *us, int64_t *tokens, double *e, double *blocks, int64_t *ids,
+                                    double *vals, unsigned char *marks, uint64_t *radix) {
+    for (int64_t r = 0; r < count; r++) {
+        const float *x = (const float *)(uintptr_t)rows[r];
+        tokens[r] = temperatures[r] == 0.0
+                        ? first_best(x, n)
+                        : kiln_bounded_draw(x, n, temperatures[r], top_ks[r], top_ps[r], min_ps[r], us[r], e, blocks,
+                                            ids, vals, marks, radix);
+    }
+}

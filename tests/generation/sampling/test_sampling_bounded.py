@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from modelkiln.generation.sampling import SamplingParams
-from modelkiln.generation.sampling.selection import bounded_draw, reference_draw, reference_probabilities
+from modelkiln.generation.sampling.selection import (bounded_draw, bounded_draws, reference_draw,
+                                                     reference_probabilities)
 from modelkiln.native import sampling_library
 
 DECLINED = -1
@@ -170,3 +171,28 @@ def test_rows_it_cannot_judge_are_declined(library):
     assert bounded_draw(library, np.zeros(300, dtype=np.float64), params, 0.5) == DECLINED
     assert bounded_draw(library, np.zeros(600, dtype=np.float32)[::2], params, 0.5) == DECLINED
     assert bounded_draw(library, np.zeros(300, dtype=np.float32), SamplingParams(temperature=1e-310), 0.5) == DECLINED
+
+
+def test_a_steps_rows_drawn_together_are_each_rows_own_token(library):
+    """The one call a step (``bounded_draws``): each row's token is the one it gets alone, greedy rows
+    their first largest logit (numpy's argmax, ties included), a row with NaN declined, whatever rows
+    stand beside it."""
+    rng = np.random.default_rng(25)
+    flat, peaked, tied = rows(rng, 5000)
+    nan = peaked.copy()
+    nan[9] = np.nan
+    table = [(peaked, SETTINGS[0]), (tied, SamplingParams()), (flat, SETTINGS[1]), (nan, SETTINGS[0]),
+             (peaked, SamplingParams()), (tied, SETTINGS[6])]
+    us = [float(u) for u in rng.random(len(table))]
+    tokens = bounded_draws([row for row, _ in table], [params for _, params in table], us)
+    for (row, params), u, token in zip(table, us, tokens.tolist()):
+        if params.greedy:
+            assert token == int(np.argmax(row))
+        elif np.isnan(row).any():
+            assert token == DECLINED
+        else:
+            assert token == bounded_draw(library, row, params, u) == reference_draw(row, params, u)
+    alone = bounded_draws([tied], [SETTINGS[6]], us[5:])
+    assert alone.tolist() == tokens.tolist()[5:]
+    with pytest.raises(ValueError):
+        bounded_draws([peaked.astype(np.float64)], [SETTINGS[0]], [0.5])

@@ -64,6 +64,16 @@ class TokenChooser:
         self._record(token)
         return token
 
+    @property
+    def plain(self) -> bool:
+        """Whether the logits go to the draw as they are (no bias, no penalty to apply): such rows of a
+        step can be drawn together (``selection.bounded_draws``), then ``accept``-ed."""
+        return self._bias is None and not self._seen and not self._counts
+
+    def accept(self, token: int) -> None:
+        """Records a token drawn for this sequence elsewhere (with this chooser's settings and uniform)."""
+        self._record(token)
+
     def _processed(self, logits: np.ndarray) -> np.ndarray:
         """Logit bias and penalties, in that order (OpenAI's and vLLM's); the grammar's mask comes after."""
         p = self.params

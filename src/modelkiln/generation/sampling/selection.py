@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -118,6 +118,30 @@ def bounded_draw(library: ctypes.CDLL, scores: np.ndarray, params: SamplingParam
         _pointer("exponentials", n, np.float64), _pointer("blocks", n // _BLOCK + 1, np.float64),
         _pointer("pick ids", n, np.int64), _pointer("pick probs", n, np.float64), _pointer("marks", n, np.uint8),
         _pointer("radix", 2 * n, np.uint64)))
+
+
+def bounded_draws(rows: Sequence[np.ndarray], params: Sequence[SamplingParams], us: Sequence[float]) -> np.ndarray | None:
+    """Each row's token as ``draw`` gives it (at temperature 0 its argmax), or -1 where the bounded draw
+    declines, in one native call for a step's rows (float32, each in one piece, all of one length);
+    None where the native library was not built."""
+    library = sampling_library()
+    if library is None or not rows:
+        return None
+    count, n = len(rows), rows[0].shape[-1]
+    if any(row.dtype != np.float32 or not row.flags.c_contiguous or row.shape != (n,) for row in rows):
+        raise ValueError("bounded_draws takes float32 rows in one piece, all of one length")
+    tokens = np.empty(count, dtype=np.int64)
+    library.kiln_bounded_draws(
+        np.fromiter((row.ctypes.data for row in rows), dtype=np.uint64, count=count).ctypes.data_as(_U64), count, n,
+        np.fromiter((p.temperature for p in params), dtype=np.float64, count=count).ctypes.data_as(_F64),
+        np.fromiter((p.top_k for p in params), dtype=np.int64, count=count).ctypes.data_as(_I64),
+        np.fromiter((p.top_p for p in params), dtype=np.float64, count=count).ctypes.data_as(_F64),
+        np.fromiter((p.min_p for p in params), dtype=np.float64, count=count).ctypes.data_as(_F64),
+        np.asarray(us, dtype=np.float64).ctypes.data_as(_F64), tokens.ctypes.data_as(_I64),
+        _pointer("exponentials", n, np.float64), _pointer("blocks", n // _BLOCK + 1, np.float64),
+        _pointer("pick ids", n, np.int64), _pointer("pick probs", n, np.float64), _pointer("marks", n, np.uint8),
+        _pointer("radix", 2 * n, np.uint64))
+    return tokens
 
 
 def _native_draw(library: ctypes.CDLL, s: np.ndarray, e: np.ndarray, params: SamplingParams, u: float) -> int:
