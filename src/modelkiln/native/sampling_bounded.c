@@ -616,8 +616,8 @@ KILN_EXPORT int64_t kiln_bounded_draw(const float *x, int64_t n, double temperat
         double total = exponentials(x, n, (double)best, inverse, e, blocks);
         return first_above(e, n, blocks, u * total, gap * total);
     }
-    if (top_p < 1.0 && dense(x, n, best, temperature)) {
-        return KILN_DECLINED;
+    if ((top_p < 1.0 && dense(x, n, best, temperature)) || !((float)inverse < __builtin_inff())) {
+        return KILN_DECLINED; /* a flat row; a temperature under float32's range (1 / T would be inf) */
     }
     /* the candidates: every token a cut can keep (exponential at least e^-12 of the best's, or min-p's
        floor if lower), then more where top-p's nucleus reaches past them, as the exact path widens;

@@ -171,6 +171,8 @@ def test_rows_it_cannot_judge_are_declined(library):
     assert bounded_draw(library, np.zeros(300, dtype=np.float64), params, 0.5) == DECLINED
     assert bounded_draw(library, np.zeros(600, dtype=np.float32)[::2], params, 0.5) == DECLINED
     assert bounded_draw(library, np.zeros(300, dtype=np.float32), SamplingParams(temperature=1e-310), 0.5) == DECLINED
+    tiny = SamplingParams(temperature=1e-40, top_p=0.9)  # 1 / T fits a double, not a float
+    assert bounded_draw(library, np.zeros(300, dtype=np.float32), tiny, 0.5) == DECLINED
 
 
 def test_a_steps_rows_drawn_together_are_each_rows_own_token(library):
