@@ -28,6 +28,7 @@ ext_modules = [
 ext_modules.append(Extension(
     "modelkiln.native._sampling",
     ["src/modelkiln/native/sampling.c", "src/modelkiln/native/sampling_bounded.c"],
+    depends=["src/modelkiln/native/sampling.h"],
     extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden"],
     optional=True,
 ))

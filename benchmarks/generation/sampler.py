@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -71,26 +72,22 @@ def extended(rows: np.ndarray, vocab: int, rng: np.random.Generator) -> np.ndarr
     return out
 
 
-class ReferenceChooser(TokenChooser):
-    """The sampler before: the same bias and penalties, the whole-vocabulary draw."""
+def chooser_drawing_with(draw: Callable[[np.ndarray, SamplingParams, float], int]) -> type[TokenChooser]:
+    """A TokenChooser with the same bias and penalties whose sampled rows are drawn by ``draw``."""
 
-    def choose(self, logits, allowed=None):  # type: ignore[override]
-        scores = self._processed(logits)
-        p = self.params
-        token = int(np.argmax(scores)) if p.greedy else selection.reference_draw(scores, p, self._uniform())
-        self._record(token)
-        return token
+    class Chooser(TokenChooser):
+        def choose(self, logits, allowed=None):
+            scores = self._processed(logits)
+            p = self.params
+            token = int(np.argmax(scores)) if p.greedy else draw(scores, p, self._uniform())
+            self._record(token)
+            return token
+
+    return Chooser
 
 
-class ExactChooser(TokenChooser):
-    """Today's sampler without its bounded draw: numpy's exponentials and sums for every row."""
-
-    def choose(self, logits, allowed=None):  # type: ignore[override]
-        scores = self._processed(logits)
-        p = self.params
-        token = int(np.argmax(scores)) if p.greedy else selection.exact_draw(scores, p, self._uniform())
-        self._record(token)
-        return token
+ReferenceChooser = chooser_drawing_with(selection.reference_draw)  # the sampler before: the whole-vocabulary rule
+ExactChooser = chooser_drawing_with(selection.exact_draw)  # today's without its bounded draw: numpy's exponentials
 
 
 def declined(params: SamplingParams, rows: np.ndarray, seeds: int) -> int:

@@ -25,14 +25,7 @@
 
    Built with -ffp-contract=off and no fast-math: every + and * rounds as numpy's does. */
 
-#include <stdint.h>
-#include <stddef.h>
-
-#if defined(_WIN32)
-#define KILN_EXPORT __declspec(dllexport)
-#else
-#define KILN_EXPORT __attribute__((visibility("default")))
-#endif
+#include "sampling.h"
 
 /* ---- the scaled row ---------------------------------------------------------------------------- */
 
@@ -157,8 +150,9 @@ KILN_EXPORT double kiln_sparse_sum(const int64_t *ids, const double *values, int
 
 /* ---- top-k's cut --------------------------------------------------------------------------------- */
 
-/* A min-heap of k values with ``at`` out of place below: moved down until its children are not less. */
-static void sift_down(double *heap, int64_t k, int64_t at) {
+/* A min-heap of k values with ``at`` out of place below: moved down until its children are not less
+   (the bounded draw's top-k too: not static, not exported). */
+void kiln_sift_down(double *heap, int64_t k, int64_t at) {
     for (;;) {
         int64_t left = 2 * at + 1, least = at;
         if (left < k && heap[left] < heap[least]) least = left;
@@ -183,12 +177,12 @@ KILN_EXPORT int64_t kiln_top_k(const double *s, int64_t n, int64_t k, double *he
         heap[i] = s[i];
     }
     for (int64_t start = k / 2 - 1; start >= 0; start--) {
-        sift_down(heap, k, start);
+        kiln_sift_down(heap, k, start);
     }
     for (int64_t i = k; i < n; i++) {
         if (s[i] > heap[0]) { /* replace the least of the k largest */
             heap[0] = s[i];
-            sift_down(heap, k, 0);
+            kiln_sift_down(heap, k, 0);
         }
     }
     double kth = heap[0];
@@ -528,8 +522,9 @@ KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, unsigne
 
 KILN_EXPORT int64_t kiln_cumulative_pick(const double *p, int64_t count, double u, double *total);
 
-/* The tokens in (ids, probs) compacted to those marked, in order. */
-static int64_t compact(int64_t *ids, double *probs, int64_t m, const unsigned char *marked) {
+/* The tokens in (ids, probs) compacted to those marked, in order (the bounded draw's nucleus too:
+   not static, not exported). */
+int64_t kiln_compact(int64_t *ids, double *probs, int64_t m, const unsigned char *marked) {
     int64_t k = 0;
     for (int64_t i = 0; i < m; i++) { /* k <= i: each move reads before it writes */
         ids[k] = ids[i];
@@ -675,7 +670,7 @@ KILN_EXPORT int64_t kiln_pick(const int64_t *support, const double *values, int6
         for (int64_t i = 0; i < m; i++) {
             marks[i] = probs[i] >= floor;
         }
-        m = compact(ids, probs, m, marks);
+        m = kiln_compact(ids, probs, m, marks);
         renormalise(ids, probs, m, vocab);
     }
     double sum;

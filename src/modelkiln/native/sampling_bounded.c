@@ -21,15 +21,9 @@
    - a ratio or product of such values: the sum of their bounds and an ulp.
    ``margin`` is twice the largest of these a decision can carry. */
 
-#include <stdint.h>
-#include <stddef.h>
 #include <string.h>
 
-#if defined(_WIN32)
-#define KILN_EXPORT __declspec(dllexport)
-#else
-#define KILN_EXPORT __attribute__((visibility("default")))
-#endif
+#include "sampling.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KILN_VECTOR_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
@@ -45,7 +39,6 @@
 #define BLOCK 64 /* tokens per block sum: the inverse transform walks the blocks, then one block */
 #define LANES 8
 
-KILN_EXPORT int64_t kiln_top_p(const double *p, int64_t n, double top_p, unsigned char *marks, uint64_t *scratch);
 
 typedef double v8d __attribute__((vector_size(64)));
 typedef int64_t v8l __attribute__((vector_size(64)));
@@ -83,19 +76,11 @@ static inline __attribute__((always_inline)) void exp8(v8d *value) {
     *value = (v8d)(scaled & ~(v8u)(s < -708.0));
 }
 
-/* exp8's arithmetic for one value (the row's last, partial group). */
+/* exp8 for one value (a row's last, partial group; a few kept tokens). */
 static inline double exp1(double s) {
-    union { double d; uint64_t u; } t = {s * 1.4426950408889634 + SHIFTER}, shifter = {SHIFTER}, poly;
-    double k = t.d - SHIFTER;
-    double r = s - k * LN2_HI;
-    r = r - k * LN2_LO;
-    double r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
-    double a0 = r + 1.0, a1 = r * (1.0 / 6.0) + 0.5, a2 = r * (1.0 / 120.0) + 1.0 / 24.0;
-    double a3 = r * (1.0 / 5040.0) + 1.0 / 720.0, a4 = r * (1.0 / 362880.0) + 1.0 / 40320.0;
-    double b0 = a1 * r2 + a0, b1 = a3 * r2 + a2, b2 = r2 * (1.0 / 3628800.0) + a4;
-    poly.d = (b2 * r8) + (b1 * r4 + b0);
-    poly.u += (t.u - shifter.u) << 52;
-    return s < -708.0 ? 0.0 : poly.d;
+    v8d v = {s, s, s, s, s, s, s, s};
+    exp8(&v);
+    return v[0];
 }
 
 /* The test's view of the exponentials: exp(s[i]) as kiln_bounded_draw computes it. */
@@ -412,30 +397,10 @@ static int64_t nucleus(const float *x, int64_t *ids, double *vals, int64_t m, do
     if (kept_at < at && split_logits) {
         return KILN_DECLINED;
     }
-    int64_t k = 0;
-    for (int64_t i = 0; i < m; i++) { /* k <= i: each move reads before it writes */
-        ids[k] = ids[i];
-        vals[k] = vals[i];
-        k += marks[i];
-    }
-    return k;
+    return kiln_compact(ids, vals, m, marks);
 }
 
 /* ---- top-k ---------------------------------------------------------------------------------------- */
-
-/* A min-heap of k floats with ``at`` out of place below: moved down until its children are not less. */
-static void float_sift_down(float *heap, int64_t k, int64_t at) {
-    for (;;) {
-        int64_t left = 2 * at + 1, least = at;
-        if (left < k && heap[left] < heap[least]) least = left;
-        if (left + 1 < k && heap[left + 1] < heap[least]) least = left + 1;
-        if (least == at) return;
-        float t = heap[at];
-        heap[at] = heap[least];
-        heap[least] = t;
-        at = least;
-    }
-}
 
 static inline int any_lane(const v8i *mask) {
     typedef uint64_t v4u __attribute__((vector_size(32)));
@@ -443,23 +408,23 @@ static inline int any_lane(const v8i *mask) {
     return (wide[0] | wide[1] | wide[2] | wide[3]) != 0;
 }
 
-/* The k-th largest logit (a repeated value counted each time), with a heap of k: a group of eight
-   logits none above the heap's least, the usual case once the heap holds large values, costs one
-   vector comparison. */
+/* The k-th largest logit (a repeated value counted each time), with a heap of k (float32 values held
+   exactly as doubles): a group of eight logits none above the heap's least, the usual case once the
+   heap holds large values, costs one vector comparison. */
 KILN_VECTOR_CLONES
-static float kth_largest(const float *x, int64_t n, int64_t k, float *heap) {
+static float kth_largest(const float *x, int64_t n, int64_t k, double *heap) {
     for (int64_t i = 0; i < k; i++) {
         heap[i] = x[i];
     }
     for (int64_t start = k / 2 - 1; start >= 0; start--) {
-        float_sift_down(heap, k, start);
+        kiln_sift_down(heap, k, start);
     }
     int64_t i = k;
     for (; i + LANES <= n; i += LANES) {
         v8f v;
         __builtin_memcpy(&v, x + i, sizeof v);
         v8f least = {0};
-        least += heap[0];
+        least += (float)heap[0];
         v8i above = v > least;
         if (!any_lane(&above)) {
             continue;
@@ -467,17 +432,17 @@ static float kth_largest(const float *x, int64_t n, int64_t k, float *heap) {
         for (int j = 0; j < LANES; j++) {
             if (x[i + j] > heap[0]) {
                 heap[0] = x[i + j];
-                float_sift_down(heap, k, 0);
+                kiln_sift_down(heap, k, 0);
             }
         }
     }
     for (; i < n; i++) {
         if (x[i] > heap[0]) {
             heap[0] = x[i];
-            float_sift_down(heap, k, 0);
+            kiln_sift_down(heap, k, 0);
         }
     }
-    return heap[0];
+    return (float)heap[0];
 }
 
 /* Top-k's tokens with their exponentials into ids and vals (in order); their number, or
@@ -486,7 +451,7 @@ static float kth_largest(const float *x, int64_t n, int64_t k, float *heap) {
    the division rounds a lower logit's s to the k-th's: the largest logit below is checked for that. */
 KILN_VECTOR_CLONES
 static int64_t top_k_tokens(const float *x, int64_t n, int64_t k, float best, double temperature, double inverse,
-                            int64_t *ids, double *vals, float *heap) {
+                            int64_t *ids, double *vals, double *heap) {
     float kth = kth_largest(x, n, k, heap);
     float below = -__builtin_inff(); /* the largest logit under the k-th */
     int64_t m = 0, i = 0;
@@ -604,7 +569,7 @@ KILN_EXPORT int64_t kiln_bounded_draw(const float *x, int64_t n, double temperat
     }
     double gap = margin(n);
     if (top_k > 0 && top_k < n) { /* the other tokens' probabilities are exact zeros */
-        int64_t m = top_k_tokens(x, n, top_k, best, temperature, inverse, ids, vals, (float *)radix);
+        int64_t m = top_k_tokens(x, n, top_k, best, temperature, inverse, ids, vals, (double *)radix);
         if (m < 0) {
             return KILN_DECLINED;
         }
