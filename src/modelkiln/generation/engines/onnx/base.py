@@ -226,14 +226,14 @@ class HostEngine:
         """Each row's token (or the error of its own settings; None for a resumed row's forced token),
         with the step's uniforms drawn in one call, and the sampled rows whose logits need nothing
         first drawn in one more. One thread: splitting the rows over a second one was measured
-        no faster, because onnxruntime's worker spins on the other core after a run (64 real rows:
-        57 us a row on one thread, 62 on two; 39 on two only with the session's
-        ``session.force_spinning_stop``, which cost greedy decoding 1-4% at 16 streams)."""
+        no faster, because onnxruntime's worker spins on the other core after a run (64 real rows, the
+        bounded draw's first, float64 form: 57 us a row on one thread, 62 on two; 39 on two only with
+        the session's ``session.force_spinning_stop``, which cost greedy decoding 1-4% at 16 streams)."""
         draws = self._draws([seq for seq, _ in to_choose])
         together = [i for i, (seq, row) in enumerate(to_choose) if self._drawn_together(seq, row, masks, draws)]
         tokens = bounded_draws([to_choose[i][1] for i in together], [self._choosers[to_choose[i][0]].params
                                                                        for i in together],
-                               [draws.get(to_choose[i][0], 0.0) for i in together]) if together else None
+                               [draws[to_choose[i][0]] for i in together]) if together else None
         drawn = dict(zip(together, tokens.tolist())) if tokens is not None else {}
         picks: list[int | Exception | None] = []
         for i, (seq, row) in enumerate(to_choose):
