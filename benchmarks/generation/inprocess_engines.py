@@ -7,8 +7,12 @@ Per engine and number of streams N:
 - N = 1: the first 8 prompts one after another; time to first token and inter-token time (p50);
 - N = 16, 64: the first N prompts submitted together, each answered with 128 tokens (end-of-sequence
   ignored); output tokens/s over the wave;
-- answers: each of the first 8 prompts' greedy tokens within the N-stream wave compared with the same
+- answers: each of the first 8 prompts' tokens within the N-stream wave compared with the same
   prompt alone (the N = 1 run): "changed" counts those that differ.
+
+``--mode sampled`` draws instead of taking the most likely token: temperature 0.7, top_p 0.95, the
+prompt's index as its seed (the same seed alone and in a wave, so an answer that changes under load
+is one the batch changed). onnxruntime-genai takes one seed per batch, so its answers are not compared.
 
 The prompts: STS-B sentences as one-message chats in the model's chat template, in the order
 `kiln loadtest --inputs sts` sends them (seeded shuffle), tokenized once by the parent.
@@ -32,6 +36,7 @@ from pathlib import Path
 
 ALONE = 8  # prompts timed one at a time, and compared within the waves
 ORT_GENAI_MAX_BATCH = 32  # onnxruntime-genai 0.18: "batch_size (64) must be in [1, 32]"
+SAMPLED = {"temperature": 0.7, "top_p": 0.95}  # --mode sampled: what most chat clients send
 
 
 def percentile50(values: list[float]) -> float:
@@ -56,8 +61,12 @@ def run_kiln(spec: dict) -> dict:
     variant = spec.get("variant") or model.default_variant().name
     core = model.core(variant, CoreOptions(threads=spec["threads"], max_running=max(spec["streams"])))
 
-    def wave(prompts: list[list[int]], tag: str) -> tuple[list[list[int]], list[list[float]], list[float], float]:
-        requests = [Request(f"{tag}-{i}", ids, greedy(spec["tokens"])) for i, ids in enumerate(prompts)]
+    drawn = SAMPLED if spec["mode"] == "sampled" else {}
+
+    def wave(prompts: list[list[int]], tag: str, first: int) -> tuple[list[list[int]], list[list[float]], list[float],
+                                                                      float]:
+        requests = [Request(f"{tag}-{i}", ids, greedy(spec["tokens"], **drawn, seed=first + i if drawn else None))
+                    for i, ids in enumerate(prompts)]
         tokens: dict = {r.request_id: [] for r in requests}
         times: dict = {r.request_id: [] for r in requests}
         started = time.perf_counter()
@@ -83,7 +92,8 @@ def run_ort_genai(spec: dict) -> dict:
     backend = OrtGenaiBackend(TextGenerationModel(spec["artifact"]), spec["threads"])
     og, model, pad = backend.og, backend.model, backend.pad_token_id
 
-    def wave(prompts: list[list[int]], tag: str) -> tuple[list[list[int]], list[list[float]], list[float], float]:
+    def wave(prompts: list[list[int]], tag: str, first: int) -> tuple[list[list[int]], list[list[float]], list[float],
+                                                                      float]:
         # its Generator takes at most 32 rows: more prompts run as static batches one after the other
         started = time.perf_counter()
         tokens: list[list[int]] = []
@@ -100,7 +110,11 @@ def run_ort_genai(spec: dict) -> dict:
         batch = np.asarray([p + [pad] * (width - len(p)) for p in prompts], dtype=np.int32)
         params = og.GeneratorParams(model)
         length = width + spec["tokens"]
-        params.set_search_options(max_length=length, min_length=length, do_sample=False, batch_size=len(prompts))
+        if spec["mode"] == "sampled":  # one seed for the whole batch: its answers are not compared
+            params.set_search_options(max_length=length, min_length=length, do_sample=True, random_seed=0,
+                                      batch_size=len(prompts), **SAMPLED)
+        else:
+            params.set_search_options(max_length=length, min_length=length, do_sample=False, batch_size=len(prompts))
         generator = og.Generator(model, params)
         generator.append_tokens(batch)
         tokens: list[list[int]] = [[] for _ in prompts]
@@ -113,7 +127,8 @@ def run_ort_genai(spec: dict) -> dict:
                 times[row].append(now)
         return tokens, times
 
-    return drive(spec, wave, "onnxruntime-genai int4 (its builder; static batches of at most 32)")
+    return drive(spec, wave, "onnxruntime-genai int4 (its builder; static batches of at most 32)",
+                 comparable=spec["mode"] != "sampled")
 
 
 def run_openvino(spec: dict) -> dict:
@@ -127,16 +142,22 @@ def run_openvino(spec: dict) -> dict:
     scheduler.cache_size = 1  # GB of KV cache
     pipe = ovg.ContinuousBatchingPipeline(spec["ov_model"], scheduler, "CPU",
                                           {"INFERENCE_NUM_THREADS": spec["threads"]})
-    config = ovg.GenerationConfig()
-    config.max_new_tokens = spec["tokens"]
-    config.ignore_eos = True
-    config.do_sample = False
     counter = iter(range(10**9))
 
-    def wave(prompts: list[list[int]], tag: str) -> tuple[list[list[int]], list[list[float]], list[float], float]:
+    def config(seed: int) -> ovg.GenerationConfig:
+        made = ovg.GenerationConfig()
+        made.max_new_tokens = spec["tokens"]
+        made.ignore_eos = True
+        made.do_sample = spec["mode"] == "sampled"
+        if made.do_sample:
+            made.temperature, made.top_p, made.rng_seed = SAMPLED["temperature"], SAMPLED["top_p"], seed
+        return made
+
+    def wave(prompts: list[list[int]], tag: str, first: int) -> tuple[list[list[int]], list[list[float]], list[float],
+                                                                      float]:
         started = time.perf_counter()
-        handles = [pipe.add_request(next(counter), ov.Tensor(__import__("numpy").asarray([p], dtype="int64")), config)
-                   for p in prompts]
+        handles = [pipe.add_request(next(counter), ov.Tensor(__import__("numpy").asarray([p], dtype="int64")),
+                                    config(first + i)) for i, p in enumerate(prompts)]
         tokens: list[list[int]] = [[] for _ in prompts]
         times: list[list[float]] = [[] for _ in prompts]
         while pipe.has_non_finished_requests():
@@ -153,13 +174,14 @@ def run_openvino(spec: dict) -> dict:
                              f"{spec['ov_batched_tokens']}, prefix caching)")
 
 
-def drive(spec: dict, wave, label: str) -> dict:
-    """The N = 1 runs, then the waves; the same for every engine."""
+def drive(spec: dict, wave, label: str, comparable: bool = True) -> dict:
+    """The N = 1 runs, then the waves; the same for every engine. ``comparable``: whether a prompt's
+    answer in a wave should be its answer alone (not where a seed is shared by a batch)."""
     prompts = spec["prompts"]
-    wave(prompts[:1], "warm")  # first-call costs out of the figures
+    wave(prompts[:1], "warm", 0)  # first-call costs out of the figures
     alone_tokens, alone_times, alone_starts, alone_seconds = [], [], [], 0.0
     for i in range(ALONE):
-        tokens, times, starts, seconds = wave([prompts[i]], f"alone{i}")
+        tokens, times, starts, seconds = wave([prompts[i]], f"alone{i}", i)
         alone_tokens += tokens
         alone_times += times
         alone_starts += starts
@@ -169,11 +191,11 @@ def drive(spec: dict, wave, label: str) -> dict:
     for streams in spec["streams"]:
         if streams == 1:
             continue
-        tokens, times, starts, seconds = wave(prompts[:streams], f"wave{streams}")
+        tokens, times, starts, seconds = wave(prompts[:streams], f"wave{streams}", 0)
         compared = min(ALONE, streams)
         changed = sum(tokens[i] != alone_tokens[i] for i in range(compared))
         results.append({"streams": streams, "prompts": streams, "output_tokens_per_s": sum(map(len, tokens)) / seconds,
-                        **stream_stats(times, starts), "changed": f"{changed}/{compared}",
+                        **stream_stats(times, starts), "changed": f"{changed}/{compared}" if comparable else None,
                         "tokens_per_answer": statistics.median(map(len, tokens))})
     return {"engine": label, "results": results}
 
@@ -234,6 +256,8 @@ def main() -> None:
     parser.add_argument("--ov-batched-tokens", type=int, default=256, help="its max_num_batched_tokens")
     parser.add_argument("--streams", default="1,16,64")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--mode", choices=("greedy", "sampled"), default="greedy",
+                        help=f"sampled: {SAMPLED}, each prompt's index its seed")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/generation-inprocess"))
@@ -250,12 +274,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in args.engines.split(",")]
     spec = {"artifact": str(args.artifact.resolve()), "variant": args.variant, "threads": args.threads,
-            "tokens": args.tokens, "streams": streams, "prompts": prompt_ids(args.artifact, max(streams + [ALONE])),
+            "tokens": args.tokens, "mode": args.mode, "streams": streams, "prompts": prompt_ids(args.artifact, max(streams + [ALONE])),
             "ov_model": str(args.ov_model) if args.ov_model else None, "ov_batched_tokens": args.ov_batched_tokens}
     cpu = cpu_description()
+    mode = "greedy" if args.mode == "greedy" else f"sampled ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())}, seeded)"
     pythons = {"openvino-genai": args.openvino_python or sys.executable}
     header = (f"# SmolLM2-135M-Instruct in process: {args.threads} threads, STS-B chats, {args.tokens} tokens per "
-              f"answer (end-of-sequence ignored), greedy; median of {args.rounds} rounds; "
+              f"answer (end-of-sequence ignored), {mode}; median of {args.rounds} rounds; "
               f"{cpu['cpu']} ({cpu['isa']}), {cpu['cores']} cores")
     runs = []
     for round_ in range(1, args.rounds + 1):
