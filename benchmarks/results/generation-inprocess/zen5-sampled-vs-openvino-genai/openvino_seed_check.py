@@ -1,5 +1,8 @@
-import json, numpy as np, openvino as ov, openvino_genai as ovg
-spec = json.load(open("/tmp/ip-sampled/spec-openvino-genai.json"))
+"""Are OpenVINO GenAI's seeded draws the same alone and in a batch? Run in its environment:
+    OV_VENV/bin/python openvino_seed_check.py sampled/spec-openvino-genai.json
+(the spec holds the export's folder and the prompts' token ids)."""
+import json, sys, numpy as np, openvino as ov, openvino_genai as ovg
+spec = json.load(open(sys.argv[1]))
 s = ovg.SchedulerConfig(); s.enable_prefix_caching = True; s.max_num_batched_tokens = 256; s.max_num_seqs = 16; s.cache_size = 1
 pipe = ovg.ContinuousBatchingPipeline(spec["ov_model"], s, "CPU", {"INFERENCE_NUM_THREADS": 2})
 def cfg(seed):
