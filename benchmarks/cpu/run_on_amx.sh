@@ -8,7 +8,7 @@
 #   2. the kernels alone, one thread: AMX, AVX-512 VNNI, AVX2 at 1, 4, 16, 64 rows (gguf_kernels.py);
 #   3. MiniLM: every variant converted (OpenVINO's too), in process (openvino_vs_onnxruntime.py) and served
 #      (serve_variants_ab.sh: int8, openvino-int8, openvino-bf16);
-#   4. SmolLM2 in process at 1, 16, 64 streams with AMX off and on (inprocess_engines.py, kiln alone;
+#   4. SmolLM2 in process at 1, 16, 64 streams, greedy and sampled, AMX off and on (inprocess_engines.py, kiln alone;
 #      OpenVINO GenAI's row needs its own environment: docs/generation-results.md says how);
 #   5. with a 0.5B-shape GGUF artifact: served against llama-server at 1 and 16 streams, AMX on.
 set -uo pipefail
@@ -37,9 +37,11 @@ step minilm-inprocess "$PY" benchmarks/encoders/openvino_vs_onnxruntime.py "$OUT
 step minilm-served bash benchmarks/encoders/serve_variants_ab.sh "$OUT/minilm" "$OUT/serve-minilm" \
   "int8 openvino-int8 openvino-bf16" 2
 
-for amx in 0 1; do
-  step "smollm2-inprocess-amx$amx" env KILN_AMX=$amx "$PY" benchmarks/generation/inprocess_engines.py "$LLM" \
-    --engines kiln --streams 1,16,64 --rounds 2 --out "$OUT/smollm2-inprocess-amx$amx"
+for mode in greedy sampled; do
+  for amx in 0 1; do
+    step "smollm2-inprocess-$mode-amx$amx" env KILN_AMX=$amx "$PY" benchmarks/generation/inprocess_engines.py "$LLM" \
+      --engines kiln --mode $mode --streams 1,16,64 --rounds 2 --out "$OUT/smollm2-inprocess-$mode-amx$amx"
+  done
 done
 
 if [ -n "$ART05" ] && [ -n "$GGUF05" ]; then
