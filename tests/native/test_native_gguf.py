@@ -116,6 +116,31 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(kind):
     assert np.array_equal(some, together[:, 3:9])
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K"])
+def test_split_outputs_are_the_single_outputs_columns_bit_for_bit(kind):
+    """split1 and split2 cut Y's columns into three outputs (a fused q/k/v without a Split node):
+    each is its columns of the one output, bit for bit, at rows that take one tile or two a pass
+    (1, 4, 11) and at parts whose boundary falls between the two tiles of a pass (16 | 48 | 6)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    k = 576 if kind in PER_32 else 512
+    widths = [16, 48, 6]
+    n = sum(widths)
+    raw = random_blocks(kind, n, k, seed=9)
+    whole = matmul_session(kind, raw, k)
+    parts = session([helper.make_node("GgufMatMul", ["x", "w"], ["y0", "y1", "y2"], domain=DOMAIN, ggml_type=GGML_TYPES[kind],
+                                      K=k, N=n, split1=16, split2=64)],
+                    [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", k])],
+                    [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["b", "s", w]) for i, w in enumerate(widths)],
+                    [numpy_helper.from_array(tiles(kind, raw), "w")])
+    for rows in (1, 4, 11):
+        x = np.random.default_rng(rows).standard_normal((1, rows, k)).astype(np.float32)
+        [y] = whole.run(None, {"x": x})
+        y0, y1, y2 = parts.run(None, {"x": x})
+        assert [a.shape[-1] for a in (y0, y1, y2)] == widths
+        assert np.array_equal(np.concatenate([y0, y1, y2], axis=-1), y), rows
+
+
 # X's rows as the kernels quantize them: per 32 inputs (q8_32) for the types with a scale per 32,
 # per 256 (q8_block, 64-byte aligned) for the K-quants.
 Q8_32 = np.dtype([("qs", "i1", 32), ("d", "<f4"), ("sum", "<i4")])

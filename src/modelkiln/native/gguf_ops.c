@@ -1,6 +1,9 @@
 /* onnxruntime operators that compute with a GGUF file's K-quant blocks, their values as stored.
  *
- * GgufMatMul  Y[..., N] = X[..., K] · Wᵀ, W: Q4_K, Q5_K or Q6_K rows in tiles of 16 (convert/gguf/tiles.py)
+ * GgufMatMul  Y[..., N] = X[..., K] · Wᵀ, W: Q4_K, Q5_K or Q6_K rows in tiles of 16 (convert/gguf/tiles.py);
+ *             with attributes split1 (and split2), multiples of 16, Y's columns go to two (three)
+ *             outputs, [0, split1), [split1, split2), [split2, N): q, k and v of a fused projection
+ *             without a Split node copying them after it
  * GgufGather  Y[..., K] = the rows of W for token ids, dequantized exactly as gguf-py does
  * (domain "kiln.gguf"; attributes ggml_type (12: Q4_K, 13: Q5_K, 14: Q6_K), K and N). Q2_K and Q3_K (10,
  * 11) are gguf_k_low.c's and the types with a scale per 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
@@ -429,14 +432,26 @@ static int64_t block_inputs(int64_t type) { return q32_type(type) ? QK32 : QK_K;
 static size_t block_bytes(int64_t type) { return q32_type(type) ? q32_tile_block_bytes(type) : TILE_BLOCK_BYTES[type]; }
 static size_t activation_bytes(int64_t type) { return q32_type(type) ? sizeof(q8_32) : sizeof(q8_block); }
 
+#define MAX_PARTS 3  /* outputs of one GgufMatMul: q, k and v of a fused projection */
+
 typedef struct {
     int type;
     const uint8_t *w;  /* tiles */
     const void *x;     /* q8_block or q8_32, nb a row */
     int64_t rows, n, nb;
-    float *y;
     int pairs;         /* a task takes two tiles (matmul_tasks) */
+    int parts;         /* Y's columns go to `parts` outputs: columns starts[p] .. starts[p + 1] - 1 to y[p] */
+    int64_t starts[MAX_PARTS + 1];
+    float *y[MAX_PARTS];
 } matmul_job;
+
+/* Where row r's columns from c0 on are written: the output holding column c0 (parts start at
+ * multiples of 16, so a tile's columns are all in one). */
+static inline float *out_at(const matmul_job *job, int64_t r, int64_t c0) {
+    int p = 0;
+    while (p + 1 < job->parts && c0 >= job->starts[p + 1]) p++;
+    return job->y[p] + r * (job->starts[p + 1] - job->starts[p]) + (c0 - job->starts[p]);
+}
 
 /* Rows left at which a tile goes to AMX (where it is on): below it the VNNI kernel, whose four rows'
  * sums stay in registers, is at least as fast in principle; where AMX starts to win is for an AMX
@@ -452,7 +467,7 @@ static int64_t amx_rows_task(const matmul_job *job, const uint8_t *t, int64_t c0
         R = job->rows - r < AMX_MAX_ROWS ? job->rows - r : AMX_MAX_ROWS;
         if (q32) q32_amx_rows(job->type, (int)R, t, job->nb, (const q8_32 *)job->x + r * job->nb, out);
         else k_amx_rows(job->type, (int)R, t, job->nb, (const q8_block *)job->x + r * job->nb, out);
-        for (int i = 0; i < R; i++) memcpy(job->y + (r + i) * job->n + c0, out[i], sizeof(float) * (size_t)columns);
+        for (int i = 0; i < R; i++) memcpy(out_at(job, r + i, c0), out[i], sizeof(float) * (size_t)columns);
     }
     return r;
 }
@@ -484,7 +499,7 @@ static inline __attribute__((always_inline)) void tile_rows_task(const matmul_jo
             if (k_low_type(job->type)) k_low_rows(job->type, R, t, job->nb, x, out);
             else tile_rows[R](job->type, t, job->nb, x, out);
         }
-        for (int i = 0; i < R; i++) memcpy(job->y + (r + i) * job->n + c0, out[i], sizeof(float) * (size_t)columns);
+        for (int i = 0; i < R; i++) memcpy(out_at(job, r + i, c0), out[i], sizeof(float) * (size_t)columns);
     }
 }
 
@@ -506,8 +521,8 @@ static int64_t pair_rows_task(const matmul_job *job, size_t tile, int64_t first)
             k_pair_rows_512(job->type, t, u, job->nb, x, out, out2);
         }
         for (int i = 0; i < MAX_ROWS; i++) {
-            memcpy(job->y + (r + i) * job->n + c0, out[i], sizeof(float) * TILE);
-            memcpy(job->y + (r + i) * job->n + c0 + TILE, out2[i], sizeof(float) * (size_t)columns2);
+            memcpy(out_at(job, r + i, c0), out[i], sizeof(float) * TILE);
+            memcpy(out_at(job, r + i, c0 + TILE), out2[i], sizeof(float) * (size_t)columns2);
         }
     }
     return r;
@@ -609,6 +624,8 @@ typedef struct {
     const OrtApi *api;
     int gather;
     int64_t type, k, n;
+    int parts;  /* GgufMatMul's outputs: attributes split1 (and split2) cut Y's columns into 2 (3) */
+    int64_t starts[MAX_PARTS + 1];
 } kernel;
 
 static void compute(void *state, OrtKernelContext *context) {
@@ -660,9 +677,13 @@ static void compute(void *state, OrtKernelContext *context) {
     CHECK(((GetTensorMutableDataFn)kiln_ort_fn(api, SLOT_GetTensorMutableData))((OrtValue *)second, (void **)&w));
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
-    dims[rank - 1] = kn->n;
-    CHECK(((KernelContextGetOutputFn)kiln_ort_fn(api, SLOT_KernelContext_GetOutput))(context, 0, dims, rank, &output));
-    CHECK(((GetTensorMutableDataFn)kiln_ort_fn(api, SLOT_GetTensorMutableData))(output, (void **)&y));
+    matmul_job job = {(int)kn->type, w, NULL, rows, kn->n, nb, 0, kn->parts, {0}, {NULL}};
+    for (int p = 0; p < kn->parts; p++) {
+        job.starts[p + 1] = kn->starts[p + 1];
+        dims[rank - 1] = kn->starts[p + 1] - kn->starts[p];
+        CHECK(((KernelContextGetOutputFn)kiln_ort_fn(api, SLOT_KernelContext_GetOutput))(context, (size_t)p, dims, rank, &output));
+        CHECK(((GetTensorMutableDataFn)kiln_ort_fn(api, SLOT_GetTensorMutableData))(output, (void **)&job.y[p]));
+    }
     if (rows == 0) return;
     void *qx = aligned(activation_bytes(kn->type) * (size_t)(rows * nb));
     if (!qx) return;
@@ -674,7 +695,7 @@ static void compute(void *state, OrtKernelContext *context) {
     } else {
         quantize_rows_task(&qjob, 0);
     }
-    matmul_job job = {(int)kn->type, w, qx, rows, kn->n, nb, y, 0};
+    job.x = qx;
     OrtStatus *status = parallel(context, matmul_task, matmul_tasks(&job), 0, &job);
     if (status) ((ReleaseStatusFn)kiln_ort_fn(api, SLOT_ReleaseStatus))(status);
     free(qx);
@@ -702,6 +723,22 @@ static void *create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInf
         free(kn);
         return NULL;
     }
+    kn->parts = 1;
+    kn->starts[1] = kn->n;
+    for (const char *const *name = (const char *const[]){"split1", "split2", NULL}; !gather && *name; name++) {
+        int64_t at;
+        if ((status = attr(info, *name, &at))) {  /* absent: no more parts */
+            ((ReleaseStatusFn)kiln_ort_fn(api, SLOT_ReleaseStatus))(status);
+            break;
+        }
+        /* each part a whole number of tiles, in order, none empty */
+        if (at % TILE || at <= kn->starts[kn->parts - 1] || at >= kn->n) {
+            free(kn);
+            return NULL;
+        }
+        kn->starts[kn->parts++] = at;
+        kn->starts[kn->parts] = kn->n;
+    }
     return kn;
 }
 
@@ -717,10 +754,12 @@ static int matmul_input(const OrtCustomOp *op, size_t i) { (void)op; return i ==
 static int gather_input(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? KILN_TENSOR_UINT8 : 7 /* int64 */; }
 static int float_output(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return KILN_TENSOR_FLOAT; }
 static int required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
+static size_t matmul_outputs(const OrtCustomOp *op) { (void)op; return MAX_PARTS; }
+static int first_required(const OrtCustomOp *op, size_t i) { (void)op; return i ? 1 /* optional */ : 0; }
 static int default_memory(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 
-static const OrtCustomOp MATMUL = {13, create_matmul, matmul_name, cpu, matmul_input, two, float_output, one,
-                                   compute, destroy, required, required, default_memory};
+static const OrtCustomOp MATMUL = {13, create_matmul, matmul_name, cpu, matmul_input, two, float_output, matmul_outputs,
+                                   compute, destroy, required, first_required, default_memory};
 static const OrtCustomOp GATHER = {13, create_gather, gather_name, cpu, gather_input, two, float_output, one,
                                    compute, destroy, required, required, default_memory};
 
@@ -829,7 +868,7 @@ void kiln_gguf_matmul(int type, const float *x, int64_t rows, int64_t k, const u
     const int64_t nb = k / block_inputs(type);
     void *qx = aligned(activation_bytes(type) * (size_t)(rows * nb));
     kiln_gguf_quantize(type, x, rows, k, qx);
-    matmul_job job = {type, w, qx, rows, n, nb, y, 0};
+    matmul_job job = {type, w, qx, rows, n, nb, 0, 1, {0, n}, {y}};
     const size_t tasks = matmul_tasks(&job);
     for (size_t t = 0; t < tasks; t++) matmul_task(&job, t);
     free(qx);

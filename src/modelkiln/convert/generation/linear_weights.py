@@ -124,36 +124,51 @@ class GraphBuilder:
         return None
 
     def linear(self, x: str, name: str, weights: list[Matrix], biases: list[np.ndarray] | None = None,
-               output: str | None = None, parts: list[str] | None = None, rank: int = 3) -> list[str]:
+               output: str | None = None, parts: list[str] | None = None, rank: int = 3,
+               apart: bool = False) -> list[str]:
         """``x`` times the projections ``weights`` (each [N_i, K]). Returns one output when they share
-        one node (stacked along N, in order), else one output per projection. ``rank``: of ``x``."""
+        one node (stacked along N, in order) and ``apart`` is false, else one output per projection:
+        where projections stored alike share a node, its GgufMatMul writes each one's columns to an
+        output of its own (``_split_outputs``), or a Split node cuts them apart. ``rank``: of ``x``."""
         groups: dict[Storage | AsStored | None, list[int]] = {}
         for i, w in enumerate(weights):
             groups.setdefault(self.storage(w), []).append(i)
         parts = parts or [str(i) for i in range(len(weights))]
-        if len(groups) == 1:
+        if len(groups) == 1 and not apart:
             return [self._projection(x, name, weights, biases, output or name, next(iter(groups)), rank)]
         outputs: list[str] = [""] * len(weights)
         for storage, members in groups.items():
-            group_name = f"{name}.{'_'.join(parts[m] for m in members)}"
-            out = self._projection(x, group_name, [weights[m] for m in members],
-                                   None if biases is None else [biases[m] for m in members], group_name, storage, rank)
-            if len(members) == 1:
-                outputs[members[0]] = out
+            group_name = name if len(groups) == 1 else f"{name}.{'_'.join(parts[m] for m in members)}"
+            group = [weights[m] for m in members]
+            group_biases = None if biases is None else [biases[m] for m in members]
+            if len(members) > 1 and _split_outputs(storage, group, group_biases):
+                names = [f"{group_name}.part{j}" for j in range(len(members))]
+                self._projection(x, group_name, group, None, names, storage, rank)
+                outputs_of_group = names
             else:
-                for m, part in zip(members, self.split(out, [weights[m].shape[0] for m in members], group_name)):
-                    outputs[m] = part
+                out = self._projection(x, group_name, group, group_biases, group_name, storage, rank)
+                outputs_of_group = [out] if len(members) == 1 else self.split(out, [w.shape[0] for w in group], group_name)
+            for m, part in zip(members, outputs_of_group):
+                outputs[m] = part
         return outputs
 
-    def _projection(self, x: str, name: str, weights: list[Matrix], biases: list[np.ndarray] | None, out: str,
-                    storage: Storage | AsStored | None, rank: int) -> str:
-        product = out if biases is None else f"{name}.product"
+    def _projection(self, x: str, name: str, weights: list[Matrix], biases: list[np.ndarray] | None,
+                    out: str | list[str], storage: Storage | AsStored | None, rank: int) -> str:
+        """The node(s) of ``x`` times ``weights`` stacked; returns the (first) output. ``out`` a list:
+        one output per weight, a GgufMatMul's split outputs (where ``_split_outputs`` allows them)."""
         for w in weights:
             self._count(w, storage)
+        if isinstance(out, list):
+            assert isinstance(storage, AsStored) and biases is None
+            self.formats[str(storage)] += 1
+            self._gguf_matmul(x, name, self._write_tiles(name, _gguf(weights)), storage.kind, weights[0].shape[1],
+                              [w.shape[0] for w in weights], out)
+            return out[0]
+        product = out if biases is None else f"{name}.product"
         if isinstance(storage, AsStored):
             self.formats[str(storage)] += 1
             self._gguf_matmul(x, name, self._write_tiles(name, _gguf(weights)), storage.kind, weights[0].shape[1],
-                              sum(w.shape[0] for w in weights), product)
+                              [sum(w.shape[0] for w in weights)], [product])
         elif storage is None:
             self.formats["fp32"] += 1
             stacked = np.concatenate([_fp32(w) for w in weights]).T  # [K, ΣN]
@@ -177,11 +192,15 @@ class GraphBuilder:
         self.initializers.append(proto)
         return proto.name
 
-    def _gguf_matmul(self, x: str, name: str, blocks: str, kind: str, k: int, n: int, out: str) -> None:
+    def _gguf_matmul(self, x: str, name: str, blocks: str, kind: str, k: int, widths: list[int], outs: list[str]) -> None:
+        """One GgufMatMul; several ``widths``: its columns cut into that many outputs (split1, split2:
+        where the second and third begin)."""
         from ...native import DOMAIN, GGML_TYPES
 
-        self.node("GgufMatMul", [x, blocks], f"{name}.gguf_matmul", outputs=[out], domain=DOMAIN,
-                  ggml_type=GGML_TYPES[kind], K=k, N=n)
+        starts = np.cumsum(widths)[:-1].tolist()
+        splits = {f"split{j + 1}": int(at) for j, at in enumerate(starts)}
+        self.node("GgufMatMul", [x, blocks], f"{name}.gguf_matmul", outputs=outs, domain=DOMAIN,
+                  ggml_type=GGML_TYPES[kind], K=k, N=sum(widths), **splits)
 
     def _count(self, matrix: Matrix, storage: Storage | AsStored | None) -> None:
         if isinstance(matrix, GgufMatrix) and matrix.name not in self._counted:  # a tied head is the embedding
@@ -288,12 +307,23 @@ class GraphBuilder:
             embedding, weights = self._embedding
             if isinstance(weights, str):  # the file's rows, for the native operators
                 self.formats[str(AsStored(embedding.kind))] += 1
-                self._gguf_matmul(x, "lm_head", weights, embedding.kind, embedding.shape[1], embedding.shape[0], output)
+                self._gguf_matmul(x, "lm_head", weights, embedding.kind, embedding.shape[1], [embedding.shape[0]], [output])
             else:
                 self.formats[str(weights.storage)] += 1
                 self._matmul_nbits(x, "lm_head", weights, output, rank=2)
             return output
         return self.linear(x, "lm_head", [matrix], output=output, rank=2)[0]
+
+
+# GgufMatMul's outputs at most (native/gguf_ops.c: MAX_PARTS)
+MAX_SPLIT_OUTPUTS = 3
+
+
+def _split_outputs(storage: Storage | AsStored | None, weights: list[Matrix], biases: list[np.ndarray] | None) -> bool:
+    """Whether one GgufMatMul can write these projections to outputs of their own: kiln's native
+    operator, no bias to add after it, each part but the last a whole number of tiles."""
+    return (isinstance(storage, AsStored) and biases is None and len(weights) <= MAX_SPLIT_OUTPUTS
+            and all(w.shape[0] % TILE == 0 for w in weights[:-1]))
 
 
 def _gguf(matrices: list[Matrix]) -> list[GgufMatrix]:

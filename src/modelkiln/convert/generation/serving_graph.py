@@ -251,13 +251,12 @@ def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec, ki
     for i in range(spec.layers):
         w = lambda role: weights.tensor(f"layers.{i}.{role}")  # noqa: E731
         biases = [_values(weights, f"layers.{i}.{r}_bias") for r in "qkv"] if spec.qkv_bias else None
-        qkv = g.linear(h, f"layers.{i}.qkv", [w("q"), w("k"), w("v")], biases, parts=["q", "k", "v"])
-        q, k, v = qkv if len(qkv) == 3 else (qkv[0], "", "")  # one packed input, or three
+        # KilnAttention takes q, k and v apart; GroupQueryAttention one packed input, or three
+        qkv = g.linear(h, f"layers.{i}.qkv", [w("q"), w("k"), w("v")], biases, parts=["q", "k", "v"],
+                       apart=kiln_attention)
+        q, k, v = qkv if len(qkv) == 3 else (qkv[0], "", "")
         outputs = [f"layers.{i}.attention", io.present_key_name(i), io.present_value_name(i)]
         if kiln_attention:
-            if len(qkv) == 1:  # KilnAttention takes q, k and v apart
-                q, k, v = g.split(qkv[0], [spec.heads * spec.head_dim] + [spec.kv_heads * spec.head_dim] * 2,
-                                  f"layers.{i}.qkv")
             op = "KilnAttentionF16" if kv_halves else "KilnAttention"
             attended = g.node(op, [q, k, v, io.past_key_name(i), io.past_value_name(i), io.CACHE_ROWS, io.POSITIONS,
                                    "rotary.cos", "rotary.sin"],
@@ -273,8 +272,7 @@ def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec, ki
         out = g.linear(attended, f"layers.{i}.o_proj", [w("o")])[0]
         post_norm = _values(weights, f"layers.{i}.post_attention_norm")
         h, residual = g.skip_norm(out, residual, post_norm, spec.rms_eps, f"layers.{i}.post_attention_norm")
-        gate_up = g.linear(h, f"layers.{i}.gate_up", [w("gate"), w("up")], parts=["gate", "up"])
-        gate, up = gate_up if len(gate_up) == 2 else g.split(gate_up[0], [spec.intermediate, spec.intermediate], f"layers.{i}.gate_up")
+        gate, up = g.linear(h, f"layers.{i}.gate_up", [w("gate"), w("up")], parts=["gate", "up"], apart=True)
         silu = g.node("Mul", [gate, g.node("Sigmoid", [gate], f"layers.{i}.sigmoid")], f"layers.{i}.silu")
         act = g.node("Mul", [silu, up], f"layers.{i}.act")
         out = g.linear(act, f"layers.{i}.down_proj", [w("down")])[0]
