@@ -833,7 +833,7 @@ void kiln_gguf_use_avx512(int on) {
     q32_use_avx512(on);
 }
 
-extern const OrtCustomOp KILN_ATTENTION, KILN_ATTENTION_F16;  /* attention.c: the library's other operators */
+extern const OrtCustomOp KILN_ATTENTION, KILN_ATTENTION_F16, KILN_SKIP_NORM;  /* attention.c, norm.c: the library's other operators */
 
 __attribute__((visibility("default")))
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
@@ -849,6 +849,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     if ((status = ((CustomOpDomainAddFn)kiln_ort_fn(api, SLOT_CustomOpDomain_Add))(domain, &GATHER))) return status;
     if ((status = ((CustomOpDomainAddFn)kiln_ort_fn(api, SLOT_CustomOpDomain_Add))(domain, &KILN_ATTENTION))) return status;
     if ((status = ((CustomOpDomainAddFn)kiln_ort_fn(api, SLOT_CustomOpDomain_Add))(domain, &KILN_ATTENTION_F16))) return status;
+    if ((status = ((CustomOpDomainAddFn)kiln_ort_fn(api, SLOT_CustomOpDomain_Add))(domain, &KILN_SKIP_NORM))) return status;
     return ((AddCustomOpDomainFn)kiln_ort_fn(api, SLOT_AddCustomOpDomain))(options, domain);
 }
 

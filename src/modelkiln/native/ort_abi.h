@@ -60,6 +60,7 @@ enum {
     SLOT_GetDimensionsCount = 61,
     SLOT_GetDimensions = 62,
     SLOT_GetTensorTypeAndShape = 65,
+    SLOT_KernelInfoGetAttribute_float = 85,
     SLOT_KernelInfoGetAttribute_int64 = 86,
     SLOT_KernelContext_GetInput = 90,
     SLOT_KernelContext_GetOutput = 91,
@@ -79,6 +80,7 @@ typedef OrtStatus *(*GetDimensionsCountFn)(const OrtTensorTypeAndShapeInfo *info
 typedef OrtStatus *(*GetDimensionsFn)(const OrtTensorTypeAndShapeInfo *info, int64_t *dims, size_t count);
 typedef OrtStatus *(*GetTensorTypeAndShapeFn)(const OrtValue *value, OrtTensorTypeAndShapeInfo **out);
 typedef OrtStatus *(*KernelInfoGetAttributeInt64Fn)(const OrtKernelInfo *info, const char *name, int64_t *out);
+typedef OrtStatus *(*KernelInfoGetAttributeFloatFn)(const OrtKernelInfo *info, const char *name, float *out);
 typedef OrtStatus *(*KernelContextGetInputFn)(const OrtKernelContext *context, size_t index, const OrtValue **out);
 typedef OrtStatus *(*KernelContextGetOutputFn)(OrtKernelContext *context, size_t index, const int64_t *dims,
                                                size_t count, OrtValue **out);

@@ -104,10 +104,18 @@ class GraphBuilder:
         return parts
 
     def skip_norm(self, x: str, residual: str, weight: np.ndarray, eps: float, name: str) -> tuple[str, str]:
-        """RMSNorm of ``x + residual``; returns (normalized, the sum: the next residual)."""
+        """RMSNorm of ``x + residual``; returns (normalized, the sum: the next residual). With the
+        native operators, kiln's KilnSkipNorm: onnxruntime's bits, its rows' sums eight at a time."""
         total = f"{name}.residual"
-        normed = self.node("SkipSimplifiedLayerNormalization", [x, residual, self.constant(f"{name}.weight", weight)],
-                           name, outputs=[name, "", "", total], domain=MS_DOMAIN, epsilon=eps)
+        gamma = self.constant(f"{name}.weight", weight)
+        if self.native:
+            from ...native import DOMAIN
+
+            normed = self.node("KilnSkipNorm", [x, residual, gamma], name, outputs=[name, total], domain=DOMAIN,
+                               epsilon=eps)
+        else:
+            normed = self.node("SkipSimplifiedLayerNormalization", [x, residual, gamma], name,
+                               outputs=[name, "", "", total], domain=MS_DOMAIN, epsilon=eps)
         return normed, total
 
     # -- projections ------------------------------------------------------------------------------

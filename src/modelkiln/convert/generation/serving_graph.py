@@ -31,7 +31,9 @@ GroupQueryAttention's prompt path sums in another order than its one-query path.
 kept in blocks of 16 positions, dimension-major (``key_blocks = 1``; metadata ``kiln.key_cache``),
 the form its scores read, so a decode step does not transpose every block it reads. With
 ``kv_halves`` the cache holds float16 (``KilnAttentionF16``, as llama.cpp's default cache does):
-half the memory a token, and half the bytes each decode step reads.
+half the memory a token, and half the bytes each decode step reads. With ``native``, the fused
+projections' GgufMatMul writes q, k, v (gate, up) to outputs of their own, and the norms are
+``KilnSkipNorm`` (native/norm.c): SkipSimplifiedLayerNormalization's bits, eight rows at a time.
 
 The graph's inputs and outputs are named in ``generation/engines/onnx/graph_io.py``. Weights come from a
 ``DecoderWeights``: a transformers model's (``TorchDecoderWeights``, fp32) or a GGUF file's, read
