@@ -141,6 +141,27 @@ def test_split_outputs_are_the_single_outputs_columns_bit_for_bit(kind):
         assert np.array_equal(np.concatenate([y0, y1, y2], axis=-1), y), rows
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+def test_a_third_input_multiplies_x_as_a_mul_node_would(kind):
+    """GgufMatMul(X, W, T) is GgufMatMul(Mul(X, T), W) bit for bit (the MLP's silu(gate) · up without a
+    Mul node): 576 inputs, not a multiple of 256, for the type with a scale per 32."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n = (576, 40) if kind in PER_32 else (512, 40)
+    raw = random_blocks(kind, n, k, seed=11)
+    w = numpy_helper.from_array(tiles(kind, raw), "w")
+    xs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", "s", k]) for name in ("x", "t")]
+    y = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", n])]
+    attributes = {"domain": DOMAIN, "ggml_type": GGML_TYPES[kind], "K": k, "N": n}
+    fused = session([helper.make_node("GgufMatMul", ["x", "w", "t"], ["y"], **attributes)], xs, y, [w])
+    apart = session([helper.make_node("Mul", ["x", "t"], ["xt"]), helper.make_node("GgufMatMul", ["xt", "w"], ["y"], **attributes)],
+                    xs, y, [w])
+    for rows in (1, 5):
+        rng = np.random.default_rng(rows)
+        feeds = {name: rng.standard_normal((1, rows, k)).astype(np.float32) for name in ("x", "t")}
+        assert np.array_equal(fused.run(None, feeds)[0], apart.run(None, feeds)[0]), rows
+
+
 # X's rows as the kernels quantize them: per 32 inputs (q8_32) for the types with a scale per 32,
 # per 256 (q8_block, 64-byte aligned) for the K-quants.
 Q8_32 = np.dtype([("qs", "i1", 32), ("d", "<f4"), ("sum", "<i4")])

@@ -3,7 +3,9 @@
  * GgufMatMul  Y[..., N] = X[..., K] · Wᵀ, W: Q4_K, Q5_K or Q6_K rows in tiles of 16 (convert/gguf/tiles.py);
  *             with attributes split1 (and split2), multiples of 16, Y's columns go to two (three)
  *             outputs, [0, split1), [split1, split2), [split2, N): q, k and v of a fused projection
- *             without a Split node copying them after it
+ *             without a Split node copying them after it; with a third input T (X's shape), the
+ *             product is (X · T) Wᵀ, X · T element by element as ONNX's Mul rounds it: the MLP's
+ *             silu(gate) · up without a Mul node writing it out first
  * GgufGather  Y[..., K] = the rows of W for token ids, dequantized exactly as gguf-py does
  * (domain "kiln.gguf"; attributes ggml_type (12: Q4_K, 13: Q5_K, 14: Q6_K), K and N). Q2_K and Q3_K (10,
  * 11) are gguf_k_low.c's and the types with a scale per 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
@@ -557,12 +559,27 @@ typedef struct {
     const float *x;
     int64_t k, nb;
     void *out;
+    const float *times;  /* NULL, or X is x · times, element by element (GgufMatMul's third input) */
 } quantize_job;
 
 static void quantize_rows_task(void *data, size_t row) {
     const quantize_job *job = data;
-    if (q32_type(job->type)) q32_quantize_row(job->x + row * job->k, job->k, (q8_32 *)job->out + row * job->nb);
-    else quantize_row(job->x + row * job->k, job->k, (q8_block *)job->out + row * job->nb);
+    const float *x = job->x + row * job->k;
+    if (!job->times) {
+        if (q32_type(job->type)) q32_quantize_row(x, job->k, (q8_32 *)job->out + row * job->nb);
+        else quantize_row(x, job->k, (q8_block *)job->out + row * job->nb);
+        return;
+    }
+    /* the products, 256 at a time (a K-quant block, eight of a scale per 32), each one float
+     * multiplication as ONNX's Mul rounds it, then quantized as X's own values would be */
+    const float *times = job->times + row * job->k;
+    for (int64_t at = 0; at < job->k; at += QK_K) {
+        float product[QK_K];
+        const int64_t n = job->k - at < QK_K ? job->k - at : QK_K;
+        for (int64_t i = 0; i < n; i++) product[i] = x[at + i] * times[at + i];
+        if (q32_type(job->type)) q32_quantize_row(product, n, (q8_32 *)job->out + row * job->nb + at / QK32);
+        else quantize_row(product, n, (q8_block *)job->out + row * job->nb + at / QK_K);
+    }
 }
 
 /* ---- exact dequantization (the gather): gguf-py's float32 operations, in its order -------------- */
@@ -666,7 +683,7 @@ static void compute(void *state, OrtKernelContext *context) {
         }
         return;
     }
-    const float *x;  /* inputs: X [..., K], W [N / 16 tiles, tile bytes] → [..., N] */
+    const float *x, *times = NULL;  /* inputs: X [..., K], W [N / 16 tiles, tile bytes], optionally T [..., K] → (X · T) Wᵀ */
     const uint8_t *w;
     int64_t wdims[8];
     size_t wrank;
@@ -675,6 +692,14 @@ static void compute(void *state, OrtKernelContext *context) {
         return;
     CHECK(((GetTensorMutableDataFn)kiln_ort_fn(api, SLOT_GetTensorMutableData))((OrtValue *)first, (void **)&x));
     CHECK(((GetTensorMutableDataFn)kiln_ort_fn(api, SLOT_GetTensorMutableData))((OrtValue *)second, (void **)&w));
+    const OrtValue *third = NULL;
+    CHECK(((KernelContextGetInputFn)kiln_ort_fn(api, SLOT_KernelContext_GetInput))(context, 2, &third));
+    if (third) {  /* the same shape as X */
+        int64_t tdims[8];
+        size_t trank;
+        if (!shape_of(api, third, tdims, &trank) || trank != rank || memcmp(tdims, dims, sizeof(int64_t) * rank)) return;
+        CHECK(((GetTensorMutableDataFn)kiln_ort_fn(api, SLOT_GetTensorMutableData))((OrtValue *)third, (void **)&times));
+    }
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
     matmul_job job = {(int)kn->type, w, NULL, rows, kn->n, nb, 0, kn->parts, {0}, {NULL}};
@@ -688,7 +713,7 @@ static void compute(void *state, OrtKernelContext *context) {
     void *qx = aligned(activation_bytes(kn->type) * (size_t)(rows * nb));
     if (!qx) return;
     KernelContextParallelForFn parallel = (KernelContextParallelForFn)kiln_ort_fn(api, SLOT_KernelContext_ParallelFor);
-    quantize_job qjob = {(int)kn->type, x, kn->k, nb, qx};
+    quantize_job qjob = {(int)kn->type, x, kn->k, nb, qx, times};
     if (rows > 1) {
         OrtStatus *status = parallel(context, quantize_rows_task, (size_t)rows, 0, &qjob);
         if (status) ((ReleaseStatusFn)kiln_ort_fn(api, SLOT_ReleaseStatus))(status);
@@ -750,16 +775,18 @@ static const char *gather_name(const OrtCustomOp *op) { (void)op; return "GgufGa
 static const char *cpu(const OrtCustomOp *op) { (void)op; return NULL; }
 static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
 static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
-static int matmul_input(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? KILN_TENSOR_FLOAT : KILN_TENSOR_UINT8; }
+static int matmul_input(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? KILN_TENSOR_UINT8 : KILN_TENSOR_FLOAT; }
+static size_t matmul_inputs(const OrtCustomOp *op) { (void)op; return 3; }
 static int gather_input(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? KILN_TENSOR_UINT8 : 7 /* int64 */; }
 static int float_output(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return KILN_TENSOR_FLOAT; }
 static int required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 static size_t matmul_outputs(const OrtCustomOp *op) { (void)op; return MAX_PARTS; }
 static int first_required(const OrtCustomOp *op, size_t i) { (void)op; return i ? 1 /* optional */ : 0; }
+static int two_required(const OrtCustomOp *op, size_t i) { (void)op; return i >= 2 ? 1 /* optional */ : 0; }
 static int default_memory(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 
-static const OrtCustomOp MATMUL = {13, create_matmul, matmul_name, cpu, matmul_input, two, float_output, matmul_outputs,
-                                   compute, destroy, required, first_required, default_memory};
+static const OrtCustomOp MATMUL = {13, create_matmul, matmul_name, cpu, matmul_input, matmul_inputs, float_output, matmul_outputs,
+                                   compute, destroy, two_required, first_required, default_memory};
 static const OrtCustomOp GATHER = {13, create_gather, gather_name, cpu, gather_input, two, float_output, one,
                                    compute, destroy, required, required, default_memory};
 
@@ -859,7 +886,7 @@ __attribute__((visibility("default")))
 size_t kiln_gguf_activation_bytes(int type) { return activation_bytes(type); }
 __attribute__((visibility("default")))
 void kiln_gguf_quantize(int type, const float *x, int64_t rows, int64_t k, void *out) {
-    quantize_job qjob = {type, x, k, k / block_inputs(type), out};
+    quantize_job qjob = {type, x, k, k / block_inputs(type), out, NULL};
     for (int64_t r = 0; r < rows; r++) quantize_rows_task(&qjob, (size_t)r);
 }
 

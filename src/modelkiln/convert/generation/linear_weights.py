@@ -160,6 +160,19 @@ class GraphBuilder:
                 outputs[m] = part
         return outputs
 
+    def linear_of_product(self, x: str, times: str, name: str, weight: Matrix, product: str) -> str:
+        """``(x · times) Wᵀ``, the product element by element: where W is kiln's GgufMatMul it takes
+        ``times`` as its third input and multiplies as it reads X (a Mul's bits, no tensor written in
+        between); else a Mul node named ``product``, then ``linear``."""
+        storage = self.storage(weight)
+        if isinstance(storage, AsStored):
+            self._count(weight, storage)
+            self.formats[str(storage)] += 1
+            self._gguf_matmul(x, name, self._write_tiles(name, _gguf([weight])), storage.kind, weight.shape[1],
+                              [weight.shape[0]], [name], times=times)
+            return name
+        return self.linear(self.node("Mul", [x, times], product), name, [weight])[0]
+
     def _projection(self, x: str, name: str, weights: list[Matrix], biases: list[np.ndarray] | None,
                     out: str | list[str], storage: Storage | AsStored | None, rank: int) -> str:
         """The node(s) of ``x`` times ``weights`` stacked; returns the (first) output. ``out`` a list:
@@ -200,14 +213,15 @@ class GraphBuilder:
         self.initializers.append(proto)
         return proto.name
 
-    def _gguf_matmul(self, x: str, name: str, blocks: str, kind: str, k: int, widths: list[int], outs: list[str]) -> None:
+    def _gguf_matmul(self, x: str, name: str, blocks: str, kind: str, k: int, widths: list[int], outs: list[str],
+                     times: str | None = None) -> None:
         """One GgufMatMul; several ``widths``: its columns cut into that many outputs (split1, split2:
-        where the second and third begin)."""
+        where the second and third begin); ``times``: X multiplied by it first (its third input)."""
         from ...native import DOMAIN, GGML_TYPES
 
         starts = np.cumsum(widths)[:-1].tolist()
         splits = {f"split{j + 1}": int(at) for j, at in enumerate(starts)}
-        self.node("GgufMatMul", [x, blocks], f"{name}.gguf_matmul", outputs=outs, domain=DOMAIN,
+        self.node("GgufMatMul", [x, blocks] + ([times] if times else []), f"{name}.gguf_matmul", outputs=outs, domain=DOMAIN,
                   ggml_type=GGML_TYPES[kind], K=k, N=sum(widths), **splits)
 
     def _count(self, matrix: Matrix, storage: Storage | AsStored | None) -> None:

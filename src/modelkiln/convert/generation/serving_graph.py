@@ -32,8 +32,9 @@ kept in blocks of 16 positions, dimension-major (``key_blocks = 1``; metadata ``
 the form its scores read, so a decode step does not transpose every block it reads. With
 ``kv_halves`` the cache holds float16 (``KilnAttentionF16``, as llama.cpp's default cache does):
 half the memory a token, and half the bytes each decode step reads. With ``native``, the fused
-projections' GgufMatMul writes q, k, v (gate, up) to outputs of their own, and the norms are
-``KilnSkipNorm`` (native/norm.c): SkipSimplifiedLayerNormalization's bits, eight rows at a time.
+projections' GgufMatMul writes q, k, v (gate, up) to outputs of their own, the down projection's
+multiplies silu(gate) by up as it reads them (its third input), and the norms are ``KilnSkipNorm``
+(native/norm.c): SkipSimplifiedLayerNormalization's bits, eight rows at a time.
 
 The graph's inputs and outputs are named in ``generation/engines/onnx/graph_io.py``. Weights come from a
 ``DecoderWeights``: a transformers model's (``TorchDecoderWeights``, fp32) or a GGUF file's, read
@@ -276,8 +277,7 @@ def _write_nodes(g: GraphBuilder, weights: DecoderWeights, spec: DecoderSpec, ki
         h, residual = g.skip_norm(out, residual, post_norm, spec.rms_eps, f"layers.{i}.post_attention_norm")
         gate, up = g.linear(h, f"layers.{i}.gate_up", [w("gate"), w("up")], parts=["gate", "up"], apart=True)
         silu = g.node("Mul", [gate, g.node("Sigmoid", [gate], f"layers.{i}.sigmoid")], f"layers.{i}.silu")
-        act = g.node("Mul", [silu, up], f"layers.{i}.act")
-        out = g.linear(act, f"layers.{i}.down_proj", [w("down")])[0]
+        out = g.linear_of_product(silu, up, f"layers.{i}.down_proj", w("down"), f"layers.{i}.act")
         last = i + 1 == spec.layers
         norm = _values(weights, "final_norm" if last else f"layers.{i + 1}.input_norm")
         h, residual = g.skip_norm(out, residual, norm, spec.rms_eps, "final_norm" if last else f"layers.{i + 1}.input_norm")
