@@ -149,10 +149,9 @@ class GraphBuilder:
             group_name = name if len(groups) == 1 else f"{name}.{'_'.join(parts[m] for m in members)}"
             group = [weights[m] for m in members]
             group_biases = None if biases is None else [biases[m] for m in members]
-            if len(members) > 1 and _split_outputs(storage, group, group_biases):
-                names = [f"{group_name}.part{j}" for j in range(len(members))]
-                self._projection(x, group_name, group, None, names, storage, rank)
-                outputs_of_group = names
+            if len(members) > 1 and isinstance(storage, AsStored) and _split_outputs(group, group_biases):
+                outputs_of_group = [f"{group_name}.part{j}" for j in range(len(members))]
+                self._stored_matmul(x, group_name, group, storage, [w.shape[0] for w in group], outputs_of_group)
             else:
                 out = self._projection(x, group_name, group, group_biases, group_name, storage, rank)
                 outputs_of_group = [out] if len(members) == 1 else self.split(out, [w.shape[0] for w in group], group_name)
@@ -166,30 +165,17 @@ class GraphBuilder:
         between); else a Mul node named ``product``, then ``linear``."""
         storage = self.storage(weight)
         if isinstance(storage, AsStored):
-            self._count(weight, storage)
-            self.formats[str(storage)] += 1
-            self._gguf_matmul(x, name, self._write_tiles(name, _gguf([weight])), storage.kind, weight.shape[1],
-                              [weight.shape[0]], [name], times=times)
+            self._stored_matmul(x, name, [weight], storage, [weight.shape[0]], [name], times=times)
             return name
         return self.linear(self.node("Mul", [x, times], product), name, [weight])[0]
 
-    def _projection(self, x: str, name: str, weights: list[Matrix], biases: list[np.ndarray] | None,
-                    out: str | list[str], storage: Storage | AsStored | None, rank: int) -> str:
-        """The node(s) of ``x`` times ``weights`` stacked; returns the (first) output. ``out`` a list:
-        one output per weight, a GgufMatMul's split outputs (where ``_split_outputs`` allows them)."""
+    def _projection(self, x: str, name: str, weights: list[Matrix], biases: list[np.ndarray] | None, out: str,
+                    storage: Storage | AsStored | None, rank: int) -> str:
+        product = out if biases is None else f"{name}.product"
         for w in weights:
             self._count(w, storage)
-        if isinstance(out, list):
-            assert isinstance(storage, AsStored) and biases is None
-            self.formats[str(storage)] += 1
-            self._gguf_matmul(x, name, self._write_tiles(name, _gguf(weights)), storage.kind, weights[0].shape[1],
-                              [w.shape[0] for w in weights], out)
-            return out[0]
-        product = out if biases is None else f"{name}.product"
         if isinstance(storage, AsStored):
-            self.formats[str(storage)] += 1
-            self._gguf_matmul(x, name, self._write_tiles(name, _gguf(weights)), storage.kind, weights[0].shape[1],
-                              [sum(w.shape[0] for w in weights)], [product])
+            self._stored_matmul(x, name, weights, storage, [sum(w.shape[0] for w in weights)], [product])
         elif storage is None:
             self.formats["fp32"] += 1
             stacked = np.concatenate([_fp32(w) for w in weights]).T  # [K, ΣN]
@@ -202,6 +188,15 @@ class GraphBuilder:
             self.node("Add", [product, self.constant(f"{name}.bias", np.concatenate(biases))], f"{name}.bias_add",
                       outputs=[out])
         return out
+
+    def _stored_matmul(self, x: str, name: str, weights: list[Matrix], storage: AsStored, widths: list[int],
+                       outs: list[str], times: str | None = None) -> None:
+        """``weights`` stacked, the file's own rows in tiles, one GgufMatMul (``_gguf_matmul``)."""
+        for w in weights:
+            self._count(w, storage)
+        self.formats[str(storage)] += 1
+        self._gguf_matmul(x, name, self._write_tiles(name, _gguf(weights)), storage.kind, weights[0].shape[1], widths,
+                          outs, times)
 
     def _write_tiles(self, stem: str, matrices: list[GgufMatrix]) -> str:
         """The file's own rows of ``matrices``, stacked along N, in the native operators' tiles of
@@ -341,11 +336,10 @@ class GraphBuilder:
 MAX_SPLIT_OUTPUTS = 3
 
 
-def _split_outputs(storage: Storage | AsStored | None, weights: list[Matrix], biases: list[np.ndarray] | None) -> bool:
-    """Whether one GgufMatMul can write these projections to outputs of their own: kiln's native
-    operator, no bias to add after it, each part but the last a whole number of tiles."""
-    return (isinstance(storage, AsStored) and biases is None and len(weights) <= MAX_SPLIT_OUTPUTS
-            and all(w.shape[0] % TILE == 0 for w in weights[:-1]))
+def _split_outputs(weights: list[Matrix], biases: list[np.ndarray] | None) -> bool:
+    """Whether one GgufMatMul can write these projections to outputs of their own: no bias to add
+    after it, each part but the last a whole number of tiles."""
+    return biases is None and len(weights) <= MAX_SPLIT_OUTPUTS and all(w.shape[0] % TILE == 0 for w in weights[:-1])
 
 
 def _gguf(matrices: list[Matrix]) -> list[GgufMatrix]:
