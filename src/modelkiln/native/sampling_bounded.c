@@ -109,7 +109,9 @@ static int row_best(const float *x, int64_t n, float *best) {
     float m = x[0], bad = 0.0f;
     int64_t i = 0;
     if (n >= 4 * LANES) {
-        v8f most[4], nonfinite = {0};
+        /* a finiteness sum per running maximum too: one sum for all four made every add wait on the
+           one before (a third of the pass's time) */
+        v8f most[4], nonfinite[4] = {{0}, {0}, {0}, {0}};
         for (int a = 0; a < 4; a++) {
             __builtin_memcpy(&most[a], x, sizeof most[a]);
         }
@@ -119,16 +121,14 @@ static int row_best(const float *x, int64_t n, float *best) {
                 __builtin_memcpy(&v, x + i + a * LANES, sizeof v);
                 v8i greater = v > most[a];
                 most[a] = (v8f)(((v8i)v & greater) | ((v8i)most[a] & ~greater));
-                nonfinite += v - v; /* 0 for a finite value, NaN for NaN and the infinities */
+                nonfinite[a] += v - v; /* 0 for a finite value, NaN for NaN and the infinities */
             }
         }
         for (int a = 0; a < 4; a++) {
             for (int j = 0; j < LANES; j++) {
                 m = most[a][j] > m ? most[a][j] : m;
+                bad += nonfinite[a][j];
             }
-        }
-        for (int j = 0; j < LANES; j++) {
-            bad += nonfinite[j];
         }
     }
     for (; i < n; i++) {
@@ -221,42 +221,65 @@ KILN_EXPORT void kiln_bounded_exp32(const float *s, int64_t n, float *out) {
    sums of 256 tokens (two running sums a lane: at most 13 roundings, SUM32_ERROR), added in float64.
    The row's last partial vector is padded with -inf. */
 #define SUM32_ERROR 1e-6
+typedef unsigned char v16c __attribute__((vector_size(16)));
+
+/* One vector of the float32 pass at x + j: its exponentials and flags written out, added into the
+   running sum and moment given (the caller keeps them in registers: an array indexed by the vector's
+   parity kept them in memory, each add waiting on the store before it). ``count`` < 16 for the row's
+   last, partial vector (padded with -inf). */
+static inline __attribute__((always_inline)) void exponentials32_vector(const float *x, int64_t j, int count,
+                                                                       float best, float inverse, float floor,
+                                                                       float *e, unsigned char *near, v16f *sum,
+                                                                       v16f *moment) {
+    v16f v;
+    if (count == 16) {
+        __builtin_memcpy(&v, x + j, sizeof v);
+    } else {
+        for (int l = 0; l < 16; l++) {
+            v[l] = l < count ? x[j + l] : -__builtin_inff();
+        }
+    }
+    v16f s = (v - best) * inverse;
+    v = s;
+    exp16(&v);
+    v16c hit = __builtin_convertvector(v >= floor, v16c) & 1;
+    if (count == 16) {
+        __builtin_memcpy(e + j, &v, sizeof v);
+        __builtin_memcpy(near + j, &hit, sizeof hit);
+    } else {
+        for (int l = 0; l < count; l++) {
+            e[j + l] = v[l];
+            near[j + l] = hit[l];
+        }
+    }
+    *sum += v;
+    *moment -= (v16f)((v16i)(v * s) & (v16i)(s > -87.0f)); /* -inf * 0 would be NaN */
+}
+
 KILN_VECTOR_CLONES
 static double exponentials32(const float *x, int64_t n, float best, float inverse, float floor, float *e,
                              unsigned char *near, double *spread) {
-    typedef unsigned char v16c __attribute__((vector_size(16)));
     double total = 0.0, weighted = 0.0;
-    const v16f zero = {0}, floors = zero + floor;
+    const v16f zero = {0};
     for (int64_t i = 0; i < n; i += 256) {
-        v16f sum[2] = {zero, zero}, moment[2] = {zero, zero};
-        for (int64_t j = i; j < i + 256 && j < n; j += 16) {
-            int part = j + 16 > n;
-            v16f v;
-            if (!part) {
-                __builtin_memcpy(&v, x + j, sizeof v);
-            } else {
-                for (int l = 0; l < 16; l++) {
-                    v[l] = j + l < n ? x[j + l] : -__builtin_inff();
-                }
-            }
-            v16f s = (v - best) * inverse;
-            v = s;
-            exp16(&v);
-            v16c hit = __builtin_convertvector(v >= floors, v16c) & 1;
-            if (!part) {
-                __builtin_memcpy(e + j, &v, sizeof v);
-                __builtin_memcpy(near + j, &hit, sizeof hit);
-            } else {
-                for (int l = 0; j + l < n; l++) {
-                    e[j + l] = v[l];
-                    near[j + l] = hit[l];
-                }
-            }
-            int lane = (int)((j >> 4) & 1);
-            sum[lane] += v;
-            moment[lane] -= (v16f)((v16i)(v * s) & (v16i)(s > -87.0f)); /* -inf * 0 would be NaN */
+        /* two running sums a lane: vectors 0, 2, 4, ... of the block into the first, 1, 3, 5, ... into
+           the second */
+        v16f sum0 = zero, sum1 = zero, moment0 = zero, moment1 = zero;
+        const int64_t end = i + 256 < n ? i + 256 : n;
+        int64_t j = i;
+        for (; j + 32 <= end; j += 32) {
+            exponentials32_vector(x, j, 16, best, inverse, floor, e, near, &sum0, &moment0);
+            exponentials32_vector(x, j + 16, 16, best, inverse, floor, e, near, &sum1, &moment1);
         }
-        v16f both = sum[0] + sum[1], spread16 = moment[0] + moment[1];
+        if (j < end) { /* the row's end: one vector, whole or not, then maybe a partial second */
+            int count = end - j < 16 ? (int)(end - j) : 16;
+            exponentials32_vector(x, j, count, best, inverse, floor, e, near, &sum0, &moment0);
+            j += 16;
+            if (j < end) {
+                exponentials32_vector(x, j, (int)(end - j), best, inverse, floor, e, near, &sum1, &moment1);
+            }
+        }
+        v16f both = sum0 + sum1, spread16 = moment0 + moment1;
         double block = 0.0, weight = 0.0;
         for (int l = 0; l < 16; l++) {
             block += both[l];

@@ -81,7 +81,7 @@ def test_uniforms_near_the_rules_cumulative_sums_get_its_token_or_a_refusal(libr
     must give the rule's token. The nearest ones are declined (the margin is there)."""
     rng = np.random.default_rng(21)
     declined = 0
-    for vocab in (100, 5000, 49_152):
+    for vocab in (100, 4889, 5000, 49_152):  # 4889: the float32 pass ends on a whole vector and 9 tokens
         for logits in rows(rng, vocab):
             for params in SETTINGS:
                 cumulative = np.cumsum(reference_probabilities(logits, params))
