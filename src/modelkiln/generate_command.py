@@ -22,6 +22,18 @@ _TYPES = {FLOAT: Optional[float], INT: Optional[int], BOOL: bool, INTS: Optional
 _FLAGS = {"max_tokens": ("--max-new-tokens", "-n")}
 
 
+def _flags(name: str) -> tuple[str, ...]:
+    return _FLAGS.get(name, ("--" + name.replace("_", "-"),))
+
+
+def _in_option_names(message: str) -> str:
+    """A settings error in the command line's words: each quoted field name (the request's, which the
+    shared checks name) as its option."""
+    for setting in SETTINGS:
+        message = message.replace(f"'{setting.name}'", _flags(setting.name)[0])
+    return message
+
+
 class GenerateCommand(DerivedOptionsCommand):
     """``kiln generate`` with an option for every sampling setting, before ``--variant``."""
 
@@ -30,7 +42,7 @@ class GenerateCommand(DerivedOptionsCommand):
     def derive(self) -> list[Any]:
         params = []
         for setting in SETTINGS:
-            flags = _FLAGS.get(setting.name, ("--" + setting.name.replace("_", "-"),))
+            flags = _flags(setting.name)
             kind = _TYPES.get(setting.kind, Optional[list[str]])
             default = False if setting.kind == BOOL else None
             params.append(keyword(setting.name, kind, typer.Option(default, *flags, help=setting.help,
@@ -54,7 +66,7 @@ def generate(
     precision: Optional[str] = PRECISION,
 ) -> None:
     """Generate text from PROMPT with a text-generation artifact, streaming tokens as they come."""
-    from .errors import ArtifactError
+    from .errors import ArtifactError, InvalidInputError
     from .generation.core import Request, run_to_completion
     from .generation.model import CoreOptions, TextGenerationModel
     from .generation.request.params import sampling_params
@@ -73,7 +85,10 @@ def generate(
     ids = model.prompt_ids(prompt, chat=chat, system=system)
     given = ctx.meta.get(DERIVED, {})
     fields = {s.name: from_command_line(s, given.get(s.name)) for s in SETTINGS}
-    params = sampling_params(fields, model.default_params(), len(ids), model.max_context or model.manifest.max_length)
+    try:
+        params = sampling_params(fields, model.default_params(), len(ids), model.max_context or model.manifest.max_length)
+    except InvalidInputError as exc:
+        raise InvalidInputError(_in_option_names(str(exc))) from None
     variant_name, _ = model.variant_path(variant, device)
     core = model.core(variant_name, CoreOptions(threads=threads, device=device, max_running=1,
                                                 speculation=speculation))
