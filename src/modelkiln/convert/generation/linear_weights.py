@@ -172,18 +172,19 @@ class GraphBuilder:
     def _projection(self, x: str, name: str, weights: list[Matrix], biases: list[np.ndarray] | None, out: str,
                     storage: Storage | AsStored | None, rank: int) -> str:
         product = out if biases is None else f"{name}.product"
-        for w in weights:
-            self._count(w, storage)
-        if isinstance(storage, AsStored):
+        if isinstance(storage, AsStored):  # _stored_matmul counts its weights
             self._stored_matmul(x, name, weights, storage, [sum(w.shape[0] for w in weights)], [product])
-        elif storage is None:
-            self.formats["fp32"] += 1
-            stacked = np.concatenate([_fp32(w) for w in weights]).T  # [K, ΣN]
-            self.node("MatMul", [x, self.constant(f"{name}.weight", stacked)], f"{name}.matmul", outputs=[product])
         else:
-            self.formats[str(storage)] += 1
-            quantized = self._write_blocks(name, _gguf(weights), storage)
-            self._matmul_nbits(x, name, quantized, product, rank)
+            for w in weights:
+                self._count(w, storage)
+            if storage is None:
+                self.formats["fp32"] += 1
+                stacked = np.concatenate([_fp32(w) for w in weights]).T  # [K, ΣN]
+                self.node("MatMul", [x, self.constant(f"{name}.weight", stacked)], f"{name}.matmul", outputs=[product])
+            else:
+                self.formats[str(storage)] += 1
+                quantized = self._write_blocks(name, _gguf(weights), storage)
+                self._matmul_nbits(x, name, quantized, product, rank)
         if biases is not None:
             self.node("Add", [product, self.constant(f"{name}.bias", np.concatenate(biases))], f"{name}.bias_add",
                       outputs=[out])
