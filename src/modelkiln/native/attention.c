@@ -77,6 +77,8 @@ typedef __m512 v16_512;
 #define V16 v16_512
 #define FORM _512
 #define SCORE_QUERIES 8
+#define WIDE_VALUES_QUERIES 4  /* thirty-two registers: 16 accumulators, 4 values, a weight */
+#define PAIR_QUERIES 4         /* 16 score chains, 4 keys, 2 query elements */
 #define v_zero _mm512_setzero_ps
 #define v_set _mm512_set1_ps
 #define v_load _mm512_loadu_ps
@@ -136,6 +138,8 @@ static void transpose16_512(const float *keys, int valid, int head_dim, float *k
 #undef V16
 #undef FORM
 #undef SCORE_QUERIES
+#undef WIDE_VALUES_QUERIES
+#undef PAIR_QUERIES
 #undef v_zero
 #undef v_set
 #undef v_load
@@ -159,6 +163,8 @@ typedef struct { __m256 lo, hi; } v16_256;
 #define V16 v16_256
 #define FORM _256
 #define SCORE_QUERIES 2  /* sixteen registers: a query's two chains take four, the keys four */
+#define WIDE_VALUES_QUERIES 0  /* four chunks of two halves each would spill */
+#define PAIR_QUERIES 0         /* so would two blocks' chains */
 #define BOTH(op, a, b) ((v16_256){op((a).lo, (b).lo), op((a).hi, (b).hi)})
 static inline v16_256 v_zero(void) { return (v16_256){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline v16_256 v_set(float f) { return (v16_256){_mm256_set1_ps(f), _mm256_set1_ps(f)}; }

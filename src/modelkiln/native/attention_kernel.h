@@ -14,7 +14,9 @@
  *   v_zero(), v_set(f), v_load(p), v_store(p, v), v_fma(a, b, c) = a·b + c rounded once,
  *   v_mul, v_add, v_sub, v_max, v_div, v_round (to nearest, ties to even), v_pow2(n) (2^n for an
  *   integral n), v_zero_below(x, limit, y) (0 where x < limit, else y), v_valid(v, n) (lanes ≥ n
- *   become −∞), v_hmax(v) (an exact maximum), SCORE_QUERIES, and
+ *   become −∞), v_hmax(v) (an exact maximum), SCORE_QUERIES (the most queries a block's scores take
+ *   at once), WIDE_VALUES_QUERIES (the most whose values take four chunks at once; 0: never),
+ *   PAIR_QUERIES (the most whose scores take two blocks at once: 4, or 0: never), and
  *   transpose16(keys, valid, head_dim, kt): a block's keys, position-major → kt[d][16] (data only). */
 
 /* exp(x) for x ≤ 0 (Cephes' expf: n = round(x·log2 e), r = x − n·ln 2 in two parts, a degree-7
@@ -36,18 +38,20 @@ static inline V16 NAME(exp)(V16 x) {
 }
 
 /* The weighted values of a block's keys, key by key in position order (one FMA each), into
- * ``chunks`` (1 or 2: constants once inlined) sixteen-float chunks of each query's accumulator from
- * dimension d: two chunks keep twice the independent FMAs in flight; a lane's operations are the
- * same either way. Keys [0, valid[r]) only. */
+ * ``chunks`` (1, 2 or 4: constants once inlined) sixteen-float chunks of each query's accumulator
+ * from dimension d. Each FMA waits for the one before it on its chunk, so more chunks keep more
+ * independent FMAs in flight: a decode step's 3 queries with 2 chunks are 6 chains, too few to
+ * fill two FMA units with a 4-cycle latency; 4 chunks make 12. A lane's operations are the same
+ * either way. Keys [0, valid[r]) only. */
 static inline __attribute__((always_inline)) void NAME(values)(const int count, const int chunks,
                                                                 const float (*weights)[16], const int *valid, int fewest,
                                                                 int most, const CACHE_T *v, int head_dim,
                                                                 float *const *state, int d) {
-    V16 acc[2][SCORE_QUERIES];
+    V16 acc[4][SCORE_QUERIES];
     for (int c = 0; c < chunks; c++)
         for (int r = 0; r < count; r++) acc[c][r] = v_load(state[r] + 32 + d + 16 * c);
     for (int j = 0; j < most; j++) {
-        V16 vj[2];
+        V16 vj[4];
         for (int c = 0; c < chunks; c++) vj[c] = c_load(v + (size_t)j * head_dim + d + 16 * c);
         for (int r = 0; r < count; r++) {
             if (j >= fewest && j >= valid[r]) continue;  /* (never taken before ``fewest``) */
@@ -68,6 +72,10 @@ static inline __attribute__((always_inline)) void NAME(values)(const int count, 
  * lane into its sixteen partial sums, and its weighted values: key by key in position order, one
  * FMA each, over keys [0, valid) of the block only (later slots may hold a chunk's later tokens,
  * or nothing). ``state`` of a query: m (padded to 16 floats), lsum[16], acc[head_dim]. */
+static inline __attribute__((always_inline)) void NAME(absorb)(const int count, const V16 *lo, const V16 *hi,
+                                                                const int *valid, float *const *state, const CACHE_T *v,
+                                                                int head_dim);
+
 static inline __attribute__((always_inline)) void NAME(block)(const int count, const float *const *q, const int *valid,
                                                                float *const *state, const CACHE_T *kt, const CACHE_T *v,
                                                                int head_dim) {
@@ -81,6 +89,54 @@ static inline __attribute__((always_inline)) void NAME(block)(const int count, c
             hi[r] = v_fma(v_set(q[r][d + half]), k1, hi[r]);
         }
     }
+    NAME(absorb)(count, lo, hi, valid, state, v, head_dim);
+}
+
+#if PAIR_QUERIES
+/* Two key blocks in a row (keys in blocks: the second's at kt + 16 · head_dim) for ``count`` queries
+ * that all reach past the first, whose keys then all count. Each block's scores are the same
+ * chains as NAME(block)'s, computed side by side: a decode step's 3 queries make 6 chains, each FMA
+ * waiting 4 cycles for the one before it; two blocks make 12, enough to keep both FMA units busy,
+ * and each query element is broadcast once for both. Then the first block's softmax step and
+ * values, then the second's, as two calls of NAME(block) would take them. */
+static inline __attribute__((always_inline)) void NAME(block_pair)(const int count, const float *const *q,
+                                                                    const int *valid_second, float *const *state,
+                                                                    const CACHE_T *kt, const CACHE_T *v, int head_dim) {
+    V16 lo[2][PAIR_QUERIES], hi[2][PAIR_QUERIES];
+    for (int r = 0; r < count; r++) lo[0][r] = hi[0][r] = lo[1][r] = hi[1][r] = v_zero();
+    const int half = head_dim / 2;
+    const CACHE_T *kt2 = kt + (size_t)16 * head_dim;
+    for (int d = 0; d < half; d++) {
+        const V16 k0 = c_load(kt + 16 * d), k1 = c_load(kt + 16 * (d + half));
+        const V16 k2 = c_load(kt2 + 16 * d), k3 = c_load(kt2 + 16 * (d + half));
+        for (int r = 0; r < count; r++) {
+            const V16 qd = v_set(q[r][d]), qh = v_set(q[r][d + half]);
+            lo[0][r] = v_fma(qd, k0, lo[0][r]);
+            hi[0][r] = v_fma(qh, k1, hi[0][r]);
+            lo[1][r] = v_fma(qd, k2, lo[1][r]);
+            hi[1][r] = v_fma(qh, k3, hi[1][r]);
+        }
+    }
+    const int whole[PAIR_QUERIES] = {16, 16, 16, 16};
+    NAME(absorb)(count, lo[0], hi[0], whole, state, v, head_dim);
+    NAME(absorb)(count, lo[1], hi[1], valid_second, state, v + (size_t)16 * head_dim, head_dim);
+}
+
+static void NAME(pairs)(int count, const float *const *q, const int *valid_second, float *const *state,
+                        const CACHE_T *kt, const CACHE_T *v, int head_dim) {
+    switch (count) {
+#define CASE(n) case n: NAME(block_pair)(n, q, valid_second, state, kt, v, head_dim); break;
+        CASE(1) CASE(2) CASE(3) CASE(4)
+#undef CASE
+        default: break;
+    }
+}
+#endif
+
+/* A block's softmax step and weighted values for ``count`` queries, from their scores' two chains. */
+static inline __attribute__((always_inline)) void NAME(absorb)(const int count, const V16 *lo, const V16 *hi,
+                                                                const int *valid, float *const *state, const CACHE_T *v,
+                                                                int head_dim) {
     float weights[SCORE_QUERIES][16] __attribute__((aligned(64)));
     int fewest = 16, most = 0;
     for (int r = 0; r < count; r++) {
@@ -104,6 +160,8 @@ static inline __attribute__((always_inline)) void NAME(block)(const int count, c
         most = valid[r] > most ? valid[r] : most;
     }
     int d = 0;
+    if (count <= WIDE_VALUES_QUERIES)  /* 4 chunks × count accumulators, the values' 4 and a weight fit the registers */
+        for (; d + 64 <= head_dim; d += 64) NAME(values)(count, 4, weights, valid, fewest, most, v, head_dim, state, d);
     for (; d + 32 <= head_dim; d += 32) NAME(values)(count, 2, weights, valid, fewest, most, v, head_dim, state, d);
     for (; d < head_dim; d += 16) NAME(values)(count, 1, weights, valid, fewest, most, v, head_dim, state, d);
 }
@@ -142,12 +200,13 @@ static void NAME(unit)(const attention_unit *u, const attention_job *job) {
     float kt[16 * MAX_HEAD_DIM] __attribute__((aligned(64)));  /* a position-major block, transposed */
 #endif
     const float *q_of[MAX_QUERIES];
-    int64_t position_of[MAX_QUERIES], last = 0;
+    int64_t position_of[MAX_QUERIES], last = 0, earliest = INT64_MAX;
     for (int q = 0; q < queries; q++) {
         const int64_t token = u->first + q / group, head = (int64_t)u->kv_head * group + q % group;
         q_of[q] = job->rotated_q + ((size_t)token * (size_t)job->heads + (size_t)head) * (size_t)head_dim;
         position_of[q] = job->positions[token];
         last = position_of[q] > last ? position_of[q] : last;
+        earliest = position_of[q] < earliest ? position_of[q] : earliest;
         float *st = state + (size_t)q * stride;
         st[0] = -INFINITY;
         memset(st + 16, 0, sizeof(float) * (size_t)(16 + head_dim));
@@ -157,6 +216,26 @@ static void NAME(unit)(const attention_unit *u, const attention_job *job) {
             const char *nk = (const char *)(keys + (size_t)(start + 16) * head_dim), *nv = (const char *)(values + (size_t)(start + 16) * head_dim);
             for (size_t at = 0; at < 16 * sizeof(CACHE_T) * (size_t)head_dim; at += 64) __builtin_prefetch(nk + at), __builtin_prefetch(nv + at);
         }
+#if PAIR_QUERIES
+        /* two blocks at once where every query reaches past the first (a decode step's unit, up to
+         * its last block); their next two asked for while they compute */
+        if (queries <= PAIR_QUERIES && (CACHE_HALF || job->key_blocks) && earliest >= start + 16) {
+            if (start + 32 <= last) {
+                const char *nk = (const char *)(keys + (size_t)(start + 32) * head_dim), *nv = (const char *)(values + (size_t)(start + 32) * head_dim);
+                for (size_t at = 0; at < 16 * sizeof(CACHE_T) * (size_t)head_dim; at += 64) __builtin_prefetch(nk + at), __builtin_prefetch(nv + at);
+            }
+            float *states[PAIR_QUERIES];
+            int valid_second[PAIR_QUERIES];
+            for (int q = 0; q < queries; q++) {
+                states[q] = state + (size_t)q * stride;
+                valid_second[q] = position_of[q] - start - 16 + 1 < 16 ? (int)(position_of[q] - start - 16 + 1) : 16;
+            }
+            NAME(pairs)(queries, q_of, valid_second, states, keys + (size_t)start * head_dim,
+                        values + (size_t)start * head_dim, head_dim);
+            start += 16;
+            continue;
+        }
+#endif
         /* the block's keys dimension-major: as the cache keeps them, or transposed here. Lanes past a
          * query's own position are masked before they count, so the layout changes no bit. */
         const CACHE_T *block_keys = keys + (size_t)start * head_dim;
