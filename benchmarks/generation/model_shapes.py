@@ -220,9 +220,10 @@ def embedded_tokenizer_gguf() -> Path:
     return embedded_model_path(TOKENIZER_MODEL)
 
 
-def make_shape(shape: Shape, out: Path, llama_cpp: Path) -> None:
-    """The GGUF files of ``shape`` in OUT/<shape>-random/; each step writes a .partial name and renames it when done,
-    so a file with its final name is whole, and a run goes on from the first missing file."""
+def make_shape(shape: Shape, out: Path, llama_cpp: Path, types: set[str] | None = None) -> None:
+    """The GGUF files of ``shape`` in OUT/<shape>-random/ (of its ``types`` only, when given); each step writes a
+    .partial name and renames it when done, so a file with its final name is whole, and a run goes on from the first
+    missing file."""
     folder = out / shape.folder_name
     folder.mkdir(parents=True, exist_ok=True)
     recipe_path = folder / "recipe.json"
@@ -237,7 +238,7 @@ def make_shape(shape: Shape, out: Path, llama_cpp: Path) -> None:
     def save_recipe() -> None:
         recipe_path.write_text(json.dumps(recipe, indent=2) + "\n")
 
-    ggufs = {kind: folder / f"{shape.folder_name}.{kind}.gguf" for kind in shape.types}
+    ggufs = {kind: folder / f"{shape.folder_name}.{kind}.gguf" for kind in shape.types if not types or kind in types}
     missing = [kind for kind, path in ggufs.items() if not path.exists()]
     print(f"{shape.name}: {'making ' + ', '.join(missing) if missing else 'made already'} in {folder}", flush=True)
     hf = folder / "hf"
@@ -382,6 +383,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="where each shape's folder goes (not a git worktree)")
     parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source folder (convert_hf_to_gguf.py, build/bin)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from: {', '.join(SHAPES)}")
+    parser.add_argument("--types", default="", help="comma-separated GGUF types to make (default: each shape's own list)")
     parser.add_argument("--list", action="store_true", help="describe the GGUF files made so far, make nothing")
     parser.add_argument("--report", type=Path, help="write what --list and --check print to this file too")
     parser.add_argument("--check", action="store_true", help="load each Q4_K_M file and generate a few tokens")
@@ -407,8 +409,9 @@ def main() -> None:
     unknown = [name for name in names if name not in SHAPES]
     if unknown:
         parser.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    types = {kind.strip() for kind in args.types.split(",") if kind.strip()}
     for name in names:
-        make_shape(SHAPES[name], args.out, args.llama_cpp.resolve())
+        make_shape(SHAPES[name], args.out, args.llama_cpp.resolve(), types)
 
 
 if __name__ == "__main__":

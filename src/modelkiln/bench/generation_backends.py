@@ -218,7 +218,7 @@ def ort_genai_model(source_model: str) -> Path:
     if (cache / "genai_config.json").is_file():
         return cache
     with tempfile.TemporaryDirectory(prefix="kiln-ort-genai-") as tmp:
-        hf = _hf_folder(source_model, Path(tmp) / "hf")
+        hf = hf_folder(source_model, Path(tmp) / "hf")
         out = Path(tmp) / "int4"
         built = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
                                 "-p", "int4", "-e", "cpu", "-c", str(Path(tmp) / "cache")],
@@ -231,7 +231,7 @@ def ort_genai_model(source_model: str) -> Path:
     return cache
 
 
-def _hf_folder(source_model: str, folder: Path) -> Path:
+def hf_folder(source_model: str, folder: Path) -> Path:
     """A Hugging Face folder (fp32 safetensors, tokenizer) of the source, which the builder reads:
     a GGUF file is loaded dequantized by transformers and saved without its quantization config."""
     from ..convert.generation.sources import load_causal_lm
