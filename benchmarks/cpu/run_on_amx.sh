@@ -26,16 +26,16 @@
 # into the same OUT (their names are OUT's .txt files).
 set -uo pipefail
 OUT=${1:?usage: run_on_amx.sh OUT}
+if grep -qw amx_int8 /proc/cpuinfo; then AMX_MODES="0 1"
+elif [ "${REHEARSE:-0}" = 1 ]; then AMX_MODES="0"; echo "REHEARSE=1: no AMX here, the AMX-on steps are left out"
+else echo "this CPU has no AMX-INT8: nothing to measure here (REHEARSE=1 tries the script without it)" >&2; exit 2
+fi
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 PEERS=${PEERS:-$OUT/peers}
 ROUNDS=${ROUNDS:-2}
 PY=${PYTHON:-$PWD/.venv/bin/python}
 export PATH="$(dirname "$PY"):$PATH"
 mkdir -p "$PEERS"
-if grep -qw amx_int8 /proc/cpuinfo; then AMX_MODES="0 1"
-elif [ "${REHEARSE:-0}" = 1 ]; then AMX_MODES="0"; echo "REHEARSE=1: no AMX here, the AMX-on steps are left out"
-else echo "this CPU has no AMX-INT8: nothing to measure here (REHEARSE=1 tries the script without it)" >&2; exit 2
-fi
 AMX_ON=${AMX_MODES##* }  # 1 where the CPU has AMX, else 0
 { "$PY" -c "from modelkiln.machine import cpu_description; print(cpu_description())"
   lscpu | grep -E "Model name|CPU family|^Model:|^CPU\(s\)"
