@@ -75,13 +75,15 @@ from modelkiln.machine import cpu_flags; print(llama_cpp_cmake_args(cpu_flags())
     cmake --build "$LLAMA_CPP/build" --target llama-server llama-quantize -j"$(nproc)" 2>&1 | tail -3
 }
 
-build_openvino_genai() {  # its own environment: its pins (optimum-intel, a newer transformers) are not ours
+build_openvino_genai() {  # its own environment: its pins (optimum-intel, a newer transformers) are not ours.
+  # torch stays the CPU wheel: named again with the rest, or optimum-intel's torchvision pulls the newest (CUDA)
+  # torch; then torchvision goes (built for another torch, it breaks the export: "torchvision::nms does not exist")
   if [ ! -x "$OV_PY" ]; then
     python3 -m venv "$PEERS/ov-venv" &&
       "$OV_PY" -m pip install -q --upgrade pip &&
       { "$OV_PY" -m pip install -q --retries 0 --timeout 5 --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 ||
         "$OV_PY" -m pip install -q torch==2.13.0; } &&
-      "$OV_PY" -m pip install -q openvino-genai optimum-intel nncf transformers gguf accelerate &&
+      "$OV_PY" -m pip install -q torch==2.13.0 openvino-genai optimum-intel nncf transformers gguf accelerate &&
       { "$OV_PY" -m pip uninstall -q -y torchvision 2> /dev/null; true; } || { rm -rf "$PEERS/ov-venv"; return 1; }
   fi
   "$OV_PY" -m pip list 2> /dev/null | grep -i -E "^(openvino|optimum|torch|transformers) "
