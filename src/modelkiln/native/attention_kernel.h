@@ -63,6 +63,39 @@ static inline __attribute__((always_inline)) void NAME(values)(const int count, 
         for (int r = 0; r < count; r++) v_store(state[r] + 32 + d + 16 * c, acc[c][r]);
 }
 
+/* A block's softmax step and weighted values for ``count`` queries, from their scores' two chains. */
+static inline __attribute__((always_inline)) void NAME(absorb)(const int count, const V16 *lo, const V16 *hi,
+                                                                const int *valid, float *const *state, const CACHE_T *v,
+                                                                int head_dim) {
+    float weights[SCORE_QUERIES][16] __attribute__((aligned(64)));
+    int fewest = 16, most = 0;
+    for (int r = 0; r < count; r++) {
+        float *m = state[r], *lsum = state[r] + 16, *acc = state[r] + 32;
+        const V16 s = v_valid(v_add(lo[r], hi[r]), valid[r]);
+        const float block_max = v_hmax(s);
+        const float m_new = *m > block_max ? *m : block_max;
+        const V16 p = NAME(exp)(v_sub(s, v_set(m_new)));
+        v_store(weights[r], p);
+        if (m_new != *m) {  /* 0 for the first block (m = -inf): nothing to keep */
+            float alpha[16];
+            v_store(alpha, NAME(exp)(v_set(*m - m_new)));
+            const V16 a = v_set(alpha[0]);
+            v_store(lsum, v_fma(v_load(lsum), a, p));
+            for (int d = 0; d < head_dim; d += 16) v_store(acc + d, v_mul(v_load(acc + d), a));
+        } else {
+            v_store(lsum, v_add(v_load(lsum), p));
+        }
+        *m = m_new;
+        fewest = valid[r] < fewest ? valid[r] : fewest;
+        most = valid[r] > most ? valid[r] : most;
+    }
+    int d = 0;
+    if (count <= WIDE_VALUES_QUERIES)  /* 4 chunks × count accumulators, the values' 4 and a weight fit the registers */
+        for (; d + 64 <= head_dim; d += 64) NAME(values)(count, 4, weights, valid, fewest, most, v, head_dim, state, d);
+    for (; d + 32 <= head_dim; d += 32) NAME(values)(count, 2, weights, valid, fewest, most, v, head_dim, state, d);
+    for (; d < head_dim; d += 16) NAME(values)(count, 1, weights, valid, fewest, most, v, head_dim, state, d);
+}
+
 /* One key block for ``count`` queries (a constant once inlined: their sums stay in registers).
  *
  * Scores, lanes = the block's keys: for each query two chains over d (the first and the second
@@ -72,10 +105,6 @@ static inline __attribute__((always_inline)) void NAME(values)(const int count, 
  * lane into its sixteen partial sums, and its weighted values: key by key in position order, one
  * FMA each, over keys [0, valid) of the block only (later slots may hold a chunk's later tokens,
  * or nothing). ``state`` of a query: m (padded to 16 floats), lsum[16], acc[head_dim]. */
-static inline __attribute__((always_inline)) void NAME(absorb)(const int count, const V16 *lo, const V16 *hi,
-                                                                const int *valid, float *const *state, const CACHE_T *v,
-                                                                int head_dim);
-
 static inline __attribute__((always_inline)) void NAME(block)(const int count, const float *const *q, const int *valid,
                                                                float *const *state, const CACHE_T *kt, const CACHE_T *v,
                                                                int head_dim) {
@@ -133,39 +162,6 @@ static void NAME(pairs)(int count, const float *const *q, const int *valid_secon
 }
 #endif
 
-/* A block's softmax step and weighted values for ``count`` queries, from their scores' two chains. */
-static inline __attribute__((always_inline)) void NAME(absorb)(const int count, const V16 *lo, const V16 *hi,
-                                                                const int *valid, float *const *state, const CACHE_T *v,
-                                                                int head_dim) {
-    float weights[SCORE_QUERIES][16] __attribute__((aligned(64)));
-    int fewest = 16, most = 0;
-    for (int r = 0; r < count; r++) {
-        float *m = state[r], *lsum = state[r] + 16, *acc = state[r] + 32;
-        const V16 s = v_valid(v_add(lo[r], hi[r]), valid[r]);
-        const float block_max = v_hmax(s);
-        const float m_new = *m > block_max ? *m : block_max;
-        const V16 p = NAME(exp)(v_sub(s, v_set(m_new)));
-        v_store(weights[r], p);
-        if (m_new != *m) {  /* 0 for the first block (m = -inf): nothing to keep */
-            float alpha[16];
-            v_store(alpha, NAME(exp)(v_set(*m - m_new)));
-            const V16 a = v_set(alpha[0]);
-            v_store(lsum, v_fma(v_load(lsum), a, p));
-            for (int d = 0; d < head_dim; d += 16) v_store(acc + d, v_mul(v_load(acc + d), a));
-        } else {
-            v_store(lsum, v_add(v_load(lsum), p));
-        }
-        *m = m_new;
-        fewest = valid[r] < fewest ? valid[r] : fewest;
-        most = valid[r] > most ? valid[r] : most;
-    }
-    int d = 0;
-    if (count <= WIDE_VALUES_QUERIES)  /* 4 chunks × count accumulators, the values' 4 and a weight fit the registers */
-        for (; d + 64 <= head_dim; d += 64) NAME(values)(count, 4, weights, valid, fewest, most, v, head_dim, state, d);
-    for (; d + 32 <= head_dim; d += 32) NAME(values)(count, 2, weights, valid, fewest, most, v, head_dim, state, d);
-    for (; d < head_dim; d += 16) NAME(values)(count, 1, weights, valid, fewest, most, v, head_dim, state, d);
-}
-
 static void NAME(blocks)(int count, const float *const *q, const int *valid, float *const *state, const CACHE_T *kt,
                          const CACHE_T *v, int head_dim) {
     switch (count) {  /* each its own inlined copy, its queries' sums in registers */
@@ -184,6 +180,12 @@ static inline void NAME(finish)(const float *lsum, const float *acc, int head_di
     for (int i = 0; i < 16; i++) l += lsum[i];  /* in lane order, the same in either form */
     const V16 total = v_set(l);
     for (int d = 0; d < head_dim; d += 16) v_store(out + d, v_div(v_load(acc + d), total));
+}
+
+/* Asks for the keys and values of the block at ``start`` (a row's cache), ahead of their use. */
+static inline void NAME(prefetch_block)(const CACHE_T *keys, const CACHE_T *values, int64_t start, int head_dim) {
+    const char *nk = (const char *)(keys + (size_t)start * head_dim), *nv = (const char *)(values + (size_t)start * head_dim);
+    for (size_t at = 0; at < 16 * sizeof(CACHE_T) * (size_t)head_dim; at += 64) __builtin_prefetch(nk + at), __builtin_prefetch(nv + at);
 }
 
 /* A unit: queries (tokens of one cache row × the query heads of one key/value head) over that
@@ -212,18 +214,12 @@ static void NAME(unit)(const attention_unit *u, const attention_job *job) {
         memset(st + 16, 0, sizeof(float) * (size_t)(16 + head_dim));
     }
     for (int64_t start = 0; start <= last; start += 16) {
-        if (start + 16 <= last) {  /* the next block's keys and values, asked for while this one computes */
-            const char *nk = (const char *)(keys + (size_t)(start + 16) * head_dim), *nv = (const char *)(values + (size_t)(start + 16) * head_dim);
-            for (size_t at = 0; at < 16 * sizeof(CACHE_T) * (size_t)head_dim; at += 64) __builtin_prefetch(nk + at), __builtin_prefetch(nv + at);
-        }
+        if (start + 16 <= last) NAME(prefetch_block)(keys, values, start + 16, head_dim);  /* while this one computes */
 #if PAIR_QUERIES
         /* two blocks at once where every query reaches past the first (a decode step's unit, up to
          * its last block); their next two asked for while they compute */
         if (queries <= PAIR_QUERIES && (CACHE_HALF || job->key_blocks) && earliest >= start + 16) {
-            if (start + 32 <= last) {
-                const char *nk = (const char *)(keys + (size_t)(start + 32) * head_dim), *nv = (const char *)(values + (size_t)(start + 32) * head_dim);
-                for (size_t at = 0; at < 16 * sizeof(CACHE_T) * (size_t)head_dim; at += 64) __builtin_prefetch(nk + at), __builtin_prefetch(nv + at);
-            }
+            if (start + 32 <= last) NAME(prefetch_block)(keys, values, start + 32, head_dim);
             float *states[PAIR_QUERIES];
             int valid_second[PAIR_QUERIES];
             for (int q = 0; q < queries; q++) {
