@@ -55,8 +55,8 @@ def test_every_sampling_setting_is_an_option_of_kiln_generate(artifact):
 
 
 def test_generate_errors_are_one_line(artifact, tmp_path):
-    bad = kiln("generate", str(artifact), "hi", "--top-p", "0")
-    assert bad.returncode == 2 and "top_p" in bad.stderr and "Traceback" not in bad.stderr
+    bad = kiln("generate", str(artifact), "hi", "--top-p", "7")  # named as the option, not the field
+    assert bad.returncode == 2 and "--top-p must be in (0, 1], got 7.0" in bad.stderr and "Traceback" not in bad.stderr
     negative = kiln("generate", str(artifact), "hi", "--max-new-tokens", "-3")  # named as the option, not the field
     assert negative.returncode == 2 and "--max-new-tokens must be at least 1, got -3" in negative.stderr
     missing = kiln("generate", str(tmp_path), "hi")

@@ -30,7 +30,7 @@ def parse(fields, grammars=None, **kw) -> SamplingParams:
 def test_penalties_and_logit_bias(grammars):
     p = parse({"frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"7": 5, "3": -100}}, grammars)
     assert (p.frequency_penalty, p.presence_penalty, p.logit_bias) == (0.5, -1.0, ((3, -100.0), (7, 5.0)))
-    for fields, message in [({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+    for fields, message in [({"presence_penalty": 2.5}, r"'presence_penalty' must be in \[-2, 2\]"),
                             ({"logit_bias": {"400": 1}}, r"'400' is not a token id .* \[0, 400\)"),
                             ({"logit_bias": {"x": 1}}, "'x' is not a token id"),
                             ({"logit_bias": {"-1": 1}}, "'-1' is not a token id"),
@@ -51,7 +51,8 @@ def test_logprobs_in_both_shapes():
     assert parse({"prompt_logprobs": 1}).prompt_logprobs == 1  # vLLM's
     for fields, message in [({"top_logprobs": 2}, "needs 'logprobs': true"),
                             ({"logprobs": 2, "top_logprobs": 2}, "not both"),
-                            ({"logprobs": True, "top_logprobs": 21}, r"logprobs must be in \[0, 20\]"),
+                            ({"logprobs": True, "top_logprobs": 21}, r"'top_logprobs' must be in \[0, 20\], got 21"),
+                            ({"logprobs": 21}, r"'logprobs' must be in \[0, 20\], got 21"),
                             ({"echo": "yes"}, "'echo' must be true or false")]:
         with pytest.raises(InvalidInputError, match=message):
             parse(fields)

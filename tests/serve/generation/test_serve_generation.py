@@ -125,7 +125,7 @@ def test_openai_errors_are_openai_shaped(client, server):
         client.completions.create(model=MODEL, prompt=PROMPT, n=17)
     with pytest.raises(openai.BadRequestError, match="context is 1024 tokens"):
         client.completions.create(model=MODEL, prompt="fox " * 2000, max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match=r"frequency_penalty must be in \[-2, 2\]"):
+    with pytest.raises(openai.BadRequestError, match=r"'frequency_penalty' must be in \[-2, 2\]"):
         client.completions.create(model=MODEL, prompt=PROMPT, frequency_penalty=2.5)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)

@@ -26,7 +26,7 @@ from typing import Any
 
 from ...errors import InvalidInputError
 from ..structured_output.grammars import Grammars, compile_constraint
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # OpenAI's n; the server also refuses more than its running rows
@@ -105,6 +105,8 @@ def _logprobs(fields: Mapping[str, Any]) -> tuple[int | None, int | None]:
     if logprobs is None or isinstance(logprobs, bool):
         if top is not None and not logprobs:
             raise InvalidInputError("'top_logprobs' needs 'logprobs': true")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:  # named here: SamplingParams knows only 'logprobs'
+            raise InvalidInputError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}")
         answer = (top or 0) if logprobs else None
     else:
         answer = _number(fields, "logprobs", int)

@@ -43,29 +43,29 @@ class SamplingParams:
         if not self.max_new_tokens >= 1:
             raise InvalidInputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if not 0 <= self.temperature < math.inf:
-            raise InvalidInputError(f"temperature must be >= 0 and finite, got {self.temperature}")
+            raise InvalidInputError(f"'temperature' must be >= 0 and finite, got {self.temperature}")
         if not self.top_k >= 0:
-            raise InvalidInputError(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidInputError(f"'top_k' must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidInputError(f"'top_p' must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidInputError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidInputError(f"'min_p' must be in [0, 1], got {self.min_p}")
         if not 0 < self.repetition_penalty < math.inf:
-            raise InvalidInputError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+            raise InvalidInputError(f"'repetition_penalty' must be > 0 and finite, got {self.repetition_penalty}")
         if self.seed is not None and not 0 <= self.seed < 2**64:  # numpy refuses negative seeds; 64-bit as OpenAI's
-            raise InvalidInputError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise InvalidInputError(f"'seed' must be in [0, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise InvalidInputError("stop strings must not be empty")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise InvalidInputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise InvalidInputError(f"'{name}' must be in [-2, 2], got {getattr(self, name)}")
         for token, bias in self.logit_bias:
             if not -100.0 <= bias <= 100.0:
                 raise InvalidInputError(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise InvalidInputError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+                raise InvalidInputError(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:
