@@ -158,6 +158,8 @@ class Manifest:
     @classmethod
     def load(cls, folder: Path | str) -> Manifest:
         path = Path(folder) / MANIFEST_NAME
+        if not Path(folder).exists():  # a mistyped path: say so, not that a manifest is missing
+            raise ArtifactError(f"{folder}: no such file or folder")
         if not path.is_file():
             raise ArtifactError(f"{folder} is not a modelkiln artifact (no {MANIFEST_NAME})")
         try:

@@ -59,8 +59,10 @@ def test_generate_errors_are_one_line(artifact, tmp_path):
     assert bad.returncode == 2 and "--top-p must be in (0, 1], got 7.0" in bad.stderr and "Traceback" not in bad.stderr
     negative = kiln("generate", str(artifact), "hi", "--max-new-tokens", "-3")  # named as the option, not the field
     assert negative.returncode == 2 and "--max-new-tokens must be at least 1, got -3" in negative.stderr
-    missing = kiln("generate", str(tmp_path), "hi")
-    assert missing.returncode == 2 and "not a modelkiln artifact" in missing.stderr
+    empty = kiln("generate", str(tmp_path), "hi")
+    assert empty.returncode == 2 and "not a modelkiln artifact" in empty.stderr
+    typo = kiln("generate", str(tmp_path / "smollm2.gguf"), "hi")  # a path that does not exist is named as such
+    assert typo.returncode == 2 and f"{tmp_path / 'smollm2.gguf'}: no such file or folder" in typo.stderr
 
 
 @pytest.mark.slow  # ~35 s on 2 shared cores: PyTorch is loaded twice
