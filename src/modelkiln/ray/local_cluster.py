@@ -77,8 +77,12 @@ class LocalCluster:
         # after its default 30 s. (Its raylet also gives its dashboard agent 30 s to start, which no setting
         # changes: a node started while a benchmark loads the same 2 cores failed that way, three times out
         # of four; start the nodes a run needs before its load.)
+        # Authentication off, whatever the home folder holds: with RAY_AUTH_MODE unset, `ray start --head`
+        # turns token authentication on when ~/.ray/auth_token exists (an earlier ray.init() writes it), but
+        # the nodes started with --address and this process's own GCS client then send no token, and
+        # every node fails to register ("InvalidAuthToken"). A cluster on 127.0.0.1 for tests needs none.
         self.env = child_environment(RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s=str(int(timeout)),
-                                     RAY_worker_niceness=WORKER_NICENESS, **(env or {}))
+                                     RAY_worker_niceness=WORKER_NICENESS, RAY_AUTH_MODE="disabled", **(env or {}))
         self.timeout = timeout
         self.nodes: list[Node] = []
         self._count = 0
