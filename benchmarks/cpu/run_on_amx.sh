@@ -13,7 +13,8 @@
 # Then it measures, each step into OUT/<step>.txt (a failed step does not stop the others), KILN_AMX=0 being the
 # same build with the AVX-512 kernels:
 #   1. the AMX kernels against the AVX-512 ones, bit for bit, on the unit itself (KILN_AMX=1 pytest);
-#   2. the kernels alone, one thread: AMX, AVX-512 VNNI, AVX2 at 1, 4, 16, 64 rows (gguf_kernels.py);
+#   2. the kernels alone, one thread: AMX, AVX-512 VNNI, AVX2 at 1, 4, 8, 12, 16, 64 rows (gguf_kernels.py; 8 and 12:
+#      whether AMX from 8 rows on, gguf_ops.c's AMX_MIN_ROWS, is where it starts to win);
 #   3. MiniLM: every variant converted (OpenVINO's too; the gate checks alone = batched), STS-B of each, in process
 #      at 1 x 16 and 1 x 128 (openvino_vs_onnxruntime.py) and served at c1 and c16 (serve_variants_ab.sh);
 #   4. SmolLM2 (converted afresh): `kiln bench` prefill of 16, 128 and 512 tokens and decode steps, AMX off and on;
@@ -124,7 +125,7 @@ export LLAMA_SERVER=$LLAMA_CPP/build/bin/llama-server
 
 # ---- 1, 2: the kernels
 [ "$AMX_ON" = 1 ] && step amx-tests env KILN_AMX=1 "$PY" -m pytest -q -rs tests/native
-step gguf-kernels "$PY" benchmarks/generation/gguf_kernels.py --rows 1,4,16,64 --json "$OUT/gguf-kernels.json"
+step gguf-kernels "$PY" benchmarks/generation/gguf_kernels.py --rows 1,4,8,12,16,64 --json "$OUT/gguf-kernels.json"
 
 # ---- 3: MiniLM (encoders do not use KILN_AMX: onnxruntime's and OpenVINO's own kernels choose)
 MINILM=$("$PY" -m modelkiln.embedded all-MiniLM-L6-v2)
