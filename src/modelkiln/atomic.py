@@ -37,6 +37,28 @@ def remove_abandoned(out: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it: a race with other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def _readable_by_all(folder: Path) -> None:
+    """Every folder and file as a new one of the user's gets them (the umask's modes): mkdtemp makes the
+    folder owner-only, and onnx writes external data files 0600; an artifact or repository is meant
+    to be read by other users and containers too."""
+    umask = _umask()
+    for root, _, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it replaces ``out`` by rename, on any
@@ -52,6 +74,7 @@ def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
         raise OutputNotWritableError(f"cannot write to {out.parent}: {exc.strerror or exc}") from exc
     try:
         yield tmp
+        _readable_by_all(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / out.name)

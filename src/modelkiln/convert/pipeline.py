@@ -270,7 +270,6 @@ def convert(cfg: ConvertConfig, steps: Steps = _no_steps) -> Manifest:
                 v.file = None
         manifest.variants = b.variants
         manifest.save(folder)
-        folder.chmod(0o755)  # mkdtemp makes it owner-only; an artifact is meant to be shared
     return manifest
 
 

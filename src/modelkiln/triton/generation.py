@@ -62,7 +62,6 @@ def write_generation_repository(artifact: Path, out: Path, opts: Options, name: 
         raise ArtifactError(f"variant '{chosen.name}' has no file")
     config = generation_config(name, opts, chosen.name)  # a bad setting fails here, before anything is written
     with atomic_folder(out, force) as tmp:
-        tmp.chmod(0o755)
         version_dir = tmp / name / "1"
         version_dir.mkdir(parents=True)
         (tmp / name / "config.pbtxt").write_text(config.to_pbtxt())

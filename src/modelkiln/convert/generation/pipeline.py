@@ -208,7 +208,6 @@ def convert_generation(cfg: Any, source: src.SourceModel, steps: Any) -> Manifes
         settings["default_variant"] = _default_variant(variants, cfg.device)
         manifest.variants = variants
         manifest.save(folder)
-        folder.chmod(0o755)
     return manifest
 
 
