@@ -165,7 +165,6 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
     ensemble = cfg.ensemble_config(manifest, opts, tokenize, model, post)
 
     with atomic_folder(out, force) as tmp:
-        tmp.chmod(0o755)
         _python_model(tmp, tokenize, "tokenize_model.py", artifact, manifest)
         _python_model(tmp, post, "postprocess_model.py", artifact, manifest)
         version_dir = _model_folder(tmp, model)
@@ -177,8 +176,9 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
             from . import tensorrt
 
             tensorrt.build_plan(artifact / chosen.file, version_dir / "model.plan", manifest, opts)
-        else:
-            shutil.copy2(artifact / chosen.file, version_dir / "model.onnx")
+        else:  # the graph under Triton's default name, its weights under the name the graph gives them
+            for path in variant_files(artifact, chosen.file):
+                shutil.copy2(path, version_dir / ("model.onnx" if path.name == chosen.file else path.name))
         _model_folder(tmp, ensemble)
         (tmp / "README.md").write_text(readme.render(manifest, chosen, opts, [tokenize, model, post, ensemble], engine_version))
     return out
