@@ -187,6 +187,26 @@ def test_weights_beside_the_graph_and_readable_by_all(zoo, tmp_path):
     assert a[0][0]["label"] == b[0][0]["label"] and abs(a[0][0]["score"] - b[0][0]["score"]) < 1e-5
 
 
+def test_sessions_of_a_variant_share_its_weights_read_once(zoo, tmp_path):
+    """Two engines on one variant hold the same buffer of its weights file (a server's instances), and
+    rewriting the artifact in place under them (truncating the weights) changes no answer: the weights
+    were read, not mapped (a mapped file truncated under a process stops it with SIGBUS)."""
+    import shutil
+
+    from modelkiln.runtime.onnx import OnnxEngine
+
+    artifact = shutil.copytree(zoo.artifact("bert", "text-classification"), tmp_path / "a")
+    graph = artifact / Manifest.load(artifact).variant("int8").file
+    first, second = OnnxEngine(graph, threads=1), OnnxEngine(graph, threads=1)
+    assert first._weights is not None and first._weights is second._weights
+    feeds = {name: np.ones((2, 7), np.int64) for name in first.input_names}
+    before = first.run(feeds)
+    (artifact / (graph.name + ".data")).write_bytes(b"")
+    for engine in (first, second):
+        after = engine.run(feeds)
+        assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
 def test_serving_path_needs_neither_torch_nor_transformers(zoo):
     import subprocess
     import sys

@@ -18,10 +18,9 @@ log = logging.getLogger(__name__)
 
 OPSET = 17
 # Weights above this many bytes go to a file beside the graph (FILE.data), which every variant made
-# from it keeps: 0, always. onnxruntime maps such a file into memory, so the sessions a server runs on
-# one file (its instances, the lone-request session; other worker processes too) share one copy of the
-# weights where an inline graph gives each session its own (all-MiniLM-L6-v2 int8, three sessions:
-# 227 → 112 MB). Above 2 GiB an inline graph is not even possible (protobuf's limit).
+# from it keeps: 0, always. A server's sessions of one variant (its instances, the lone-request session)
+# then share one copy of the weights, read once (runtime/onnx.py, shared_weights), where an inline graph
+# gives each session its own. Above 2 GiB an inline graph is not even possible (protobuf's limit).
 EXTERNAL_DATA_THRESHOLD = 0
 
 

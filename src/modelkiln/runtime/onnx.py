@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +50,33 @@ def register_native_ops(options: ort.SessionOptions) -> None:
         options.register_custom_ops_library(path)
 
 
+# A graph's weights file (FILE.data beside it, as kiln convert writes every ONNX variant), read once per
+# process and given to each session of that graph in memory, which onnxruntime then uses as it is
+# (``use_external_initializer_file_buffers_directly``): the sessions a server runs on one variant (its
+# instances, the lone-request session) share one copy (all-MiniLM-L6-v2 int8 served with the defaults:
+# 344 MiB with the weights inline in the graph, 246 so; benchmarks/results/serve-memory/). Read, not
+# mapped: onnxruntime's own loading maps the file, and a process whose mapped file is truncated (an
+# artifact copied over in place) dies (SIGBUS). Kept while an engine holds it.
+_weights: weakref.WeakValueDictionary[tuple[str, int, int], np.ndarray] = weakref.WeakValueDictionary()
+_weights_lock = threading.Lock()
+
+
+def shared_weights(graph: Path) -> np.ndarray | None:
+    """The bytes of ``graph``'s weights file, one buffer per file version in this process; None where
+    the graph has its weights inline."""
+    data = graph.parent / (graph.name + ".data")
+    try:
+        stat = data.stat()
+    except FileNotFoundError:
+        return None
+    key = (os.path.realpath(data), stat.st_size, stat.st_mtime_ns)
+    with _weights_lock:
+        buffer = _weights.get(key)
+        if buffer is None:
+            buffer = _weights[key] = np.fromfile(data, dtype=np.uint8)
+        return buffer
+
+
 class OnnxEngine:
     def __init__(
         self,
@@ -62,8 +92,14 @@ class OnnxEngine:
         providers: list = list(PROVIDERS[device])
         if provider_options:
             providers[0] = (providers[0], provider_options)
+        options = session_options(threads, memory_arena)
+        self._weights = shared_weights(Path(path)) if device == "cpu" else None  # held for the session's life
+        if self._weights is not None:
+            options.add_external_initializers_from_files_in_memory([Path(path).name + ".data"], [self._weights],
+                                                                   [self._weights.nbytes])
+            options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
         try:
-            self.session = ort.InferenceSession(str(path), session_options(threads, memory_arena), providers=providers)
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own untyped errors for bad files
             raise ArtifactError(f"cannot load {path}: {exc}") from exc
         self.name = label or f"onnxruntime-{device}"
