@@ -56,7 +56,9 @@ def _readable_by_all(folder: Path) -> None:
     for root, _, files in os.walk(folder):
         os.chmod(root, 0o777 & ~umask)
         for name in files:
-            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+            path = os.path.join(root, name)
+            if not os.path.islink(path):  # a link's mode is its target's: never reach outside the folder
+                os.chmod(path, 0o666 & ~umask)
 
 
 @contextlib.contextmanager
