@@ -112,6 +112,22 @@ def test_rows_run_in_buckets_of_their_length_and_padded_positions_are_zeros(arti
     assert calls[-1] == (1, BUCKET)
 
 
+def test_weights_files_are_read_not_mapped(artifact, tmp_path):
+    """The ONNX file's external data (fp32) and the IR's .bin (int8) truncated under a running engine
+    (an artifact copied over in place) change no answer: mapped, they would stop the process (SIGBUS)."""
+    import shutil
+
+    copy = shutil.copytree(artifact, tmp_path / "a")
+    feeds = dict(load_encoder(copy, Manifest.load(copy)).encode([SAMPLE_TEXTS[0]])[0])
+    for name, precision, weights in (("model.onnx", "fp32", "model.onnx.data"),
+                                     ("model.openvino-int8.xml", "int8", "model.openvino-int8.bin")):
+        engine = OpenVinoEngine(copy / name, precision, threads=1)
+        before = engine.run(feeds)
+        (copy / weights).write_bytes(b"")
+        after = engine.run(feeds)
+        assert all(np.array_equal(before[k], after[k]) for k in before), name
+
+
 def test_calibration_is_real_text_in_each_tasks_form():
     from modelkiln.convert.pipeline import CALIBRATION_SIZE, calibration_inputs
     from modelkiln.tasks import task_class

@@ -53,9 +53,13 @@ class OpenVinoEngine:
                  pad_id: int = 0, max_length: int = 0):
         if precision not in PRECISION_HINTS:
             raise ArtifactError(f"the openvino engine runs {', '.join(PRECISION_HINTS)}, not {precision}")
+        core = openvino.Core()
+        # Weights read, not mapped (OpenVINO maps an IR's .bin and an ONNX file's external data by
+        # default): a mapped file truncated under a running server (an artifact copied over in place)
+        # stops the process with SIGBUS.
+        core.set_property({"ENABLE_MMAP": False})
         try:
-            self.compiled = openvino.Core().compile_model(
-                str(path), "CPU", compile_config(precision, threads or available_cpus().count))
+            self.compiled = core.compile_model(str(path), "CPU", compile_config(precision, threads or available_cpus().count))
         except RuntimeError as exc:  # OpenVINO raises RuntimeError for unreadable or unsupported files
             raise ArtifactError(f"openvino cannot load {path}: {str(exc).splitlines()[0]}") from exc
         self.name = label or f"openvino {precision}"
