@@ -173,9 +173,15 @@ def is_artifact(path: Path | str) -> bool:
     return (Path(path) / MANIFEST_NAME).is_file()
 
 
+def weights_file(graph: Path) -> Path:
+    """Where an ONNX graph's external weights are (``FILE.data`` beside it): what kiln convert writes,
+    and the name the graph records for them."""
+    return graph.parent / (graph.name + ".data")
+
+
 def variant_files(folder: Path, file: str) -> list[Path]:
     """A variant's file and the weights beside it that exist: an ONNX file's external data
     (``FILE.data``), an OpenVINO IR's ``.bin``."""
     path = Path(folder) / file
-    companions = [path.parent / (path.name + ".data"), path.with_suffix(".bin") if path.suffix == ".xml" else None]
+    companions = [weights_file(path), path.with_suffix(".bin") if path.suffix == ".xml" else None]
     return [path, *(c for c in companions if c is not None and c.is_file())]

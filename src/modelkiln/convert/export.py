@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConversionError
+from ..manifest import weights_file
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +99,11 @@ def save_onnx(proto: Any, path: Path, external_data: bool) -> None:
     if external_data:
         onnx.save_model(
             proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-            location=path.name + ".data", size_threshold=1024,
+            location=weights_file(path).name, size_threshold=1024,
         )
     else:
         onnx.save_model(proto, str(path))
 
 
 def has_external_data(path: Path) -> bool:
-    return (path.parent / (path.name + ".data")).is_file()
+    return weights_file(path).is_file()

@@ -13,17 +13,19 @@ from typing import Any
 
 import numpy as np
 
+from ..manifest import weights_file
+
 INLINE_BYTES = 1024  # smaller tensors (shapes, axes, norms of tiny models) stay in the proto
 ALIGN = 4096  # each external tensor starts on a page, so onnxruntime can map it as it is
 
 
 class TensorFile:
     """The external-data file beside a model: ``path`` is the ``.onnx`` file, the data goes to
-    ``path.name + ".data"`` (the name the proto records, relative to the model)."""
+    ``weights_file(path)`` (its name is what the proto records, relative to the model)."""
 
     def __init__(self, model_path: Path):
-        self.location = model_path.name + ".data"
-        self.path = model_path.parent / self.location
+        self.path = weights_file(model_path)
+        self.location = self.path.name
         self._file = self.path.open("wb")
         self.offset = 0
 

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..manifest import weights_file
 from .export import has_external_data
 
 # Rows of zeros (or denormal noise) would divide by zero; any scale works for them, since every
@@ -117,7 +118,7 @@ def quantize_per_row(src: Path, dst: Path, min_size: int = 0) -> int:
     del graph.node[:]
     graph.node.extend(nodes)
     if has_external_data(src):  # keep the artifact's layout: weights beside the graph
-        onnx.save(model, str(dst), save_as_external_data=True, location=dst.name + ".data")
+        onnx.save(model, str(dst), save_as_external_data=True, location=weights_file(dst).name)
     else:
         onnx.save(model, str(dst))
     return count

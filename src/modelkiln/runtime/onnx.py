@@ -11,6 +11,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ArtifactError
+from ..manifest import weights_file
 
 # execution providers by device, in the order onnxruntime should try them
 PROVIDERS = {
@@ -64,7 +65,7 @@ _weights_lock = threading.Lock()
 def shared_weights(graph: Path) -> np.ndarray | None:
     """The bytes of ``graph``'s weights file, one buffer per file version in this process; None where
     the graph has its weights inline."""
-    data = graph.parent / (graph.name + ".data")
+    data = weights_file(graph)
     try:
         stat = data.stat()
     except FileNotFoundError:
@@ -95,7 +96,7 @@ class OnnxEngine:
         options = session_options(threads, memory_arena)
         self._weights = shared_weights(Path(path)) if device == "cpu" else None  # held for the session's life
         if self._weights is not None:
-            options.add_external_initializers_from_files_in_memory([Path(path).name + ".data"], [self._weights],
+            options.add_external_initializers_from_files_in_memory([weights_file(Path(path)).name], [self._weights],
                                                                    [self._weights.nbytes])
             options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
         try:

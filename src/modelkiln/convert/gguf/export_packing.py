@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConversionError
+from ...manifest import weights_file
 from .blocks import STORAGE, Blocks, decode_blocks
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def pack_gguf_blocks(src: Path, dst: Path, gguf_path: Path, accuracy_level: int)
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=dst.name + ".data", size_threshold=1024)
+                    location=weights_file(dst).name, size_threshold=1024)
     log.info("packed GGUF blocks into MatMulNBits: %s", found)
     return found
 
