@@ -19,39 +19,26 @@ import httpx
 
 from modelkiln.data import sts_sentences
 from modelkiln.machine import cpu_description
-from modelkiln.tune.sweep import ServeProcess
+from modelkiln.tune.sweep import ServeProcess, process_tree, server_memory_mb
 
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "Pss")
 
 
-def family(pid: int) -> list[int]:
-    """``pid`` and its descendants (a server's worker processes)."""
-    found, queue = [], [pid]
-    while queue:
-        p = queue.pop()
-        found.append(p)
-        try:
-            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            children = []
-        queue += [int(c) for c in children]
-    return found
+def pss_mb(pid: int) -> float:
+    """A process's Pss from /proc/PID/smaps_rollup, in MiB (0 where it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def memory_mb(pid: int) -> dict[str, float]:
-    """The fields above, summed over the server's processes, in MiB."""
-    total = dict.fromkeys(FIELDS, 0.0)
-    for p in family(pid):
-        try:
-            lines = Path(f"/proc/{p}/status").read_text().splitlines()
-            lines += Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            key, _, value = line.partition(":")
-            if key in total:
-                total[key] += int(value.split()[0]) / 1024
-    return total
+    """The fields above, summed over the server's processes (``kiln serve --workers N``), in MiB."""
+    status = {field: server_memory_mb(pid, field) or 0.0 for field in FIELDS if field != "Pss"}
+    return {**status, "Pss": sum(pss_mb(p) for p in process_tree(pid))}
 
 
 def one_round(artifact: Path, variant: str | None, requests: int, server_args: list[str]) -> dict[str, float]:
