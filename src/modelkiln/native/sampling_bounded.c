@@ -348,10 +348,11 @@ static double sum_of(const double *v, const unsigned char *marks, int64_t n) {
     return sum;
 }
 
-/* The index i in [0, n) whose cumulative sum of v (in order) is the first above ``target``, where
-   every cumulative sum is more than ``gap`` from it; KILN_DECLINED where one is nearer, or none is
-   above. Whole blocks of BLOCK values are stepped over by their sums (``sums``, or summed here). */
-static int64_t first_above(const double *v, int64_t n, const double *sums, double target, double gap) {
+/* The index i in [0, n) whose cumulative sum of v (in order; the values under ``floor`` taken as
+   zeros) is the first above ``target``, where every cumulative sum is more than ``gap`` from it;
+   KILN_DECLINED where one is nearer, or none is above. Whole blocks of BLOCK values are stepped over
+   by their sums (``sums``, of the values at or above the floor, or summed here where the floor is 0). */
+static int64_t first_above(const double *v, int64_t n, const double *sums, double floor, double target, double gap) {
     double sum = 0.0;
     int64_t i = 0;
     for (int64_t b = 0; i + BLOCK <= n; b++) {
@@ -363,6 +364,9 @@ static int64_t first_above(const double *v, int64_t n, const double *sums, doubl
         i += BLOCK;
     }
     for (; i < n; i++) {
+        if (v[i] < floor) {
+            continue;
+        }
         double next = sum + v[i];
         if (next > target) {
             return sum < target - gap && next > target + gap ? i : KILN_DECLINED;
@@ -565,14 +569,14 @@ static int64_t draw_among(const float *x, int64_t *ids, double *vals, int64_t m,
     if (!(kept > 0.0)) {
         return KILN_DECLINED;
     }
-    int64_t index = first_above(vals, m, NULL, u * kept, gap * kept);
+    int64_t index = first_above(vals, m, NULL, 0.0, u * kept, gap * kept);
     return index < 0 ? KILN_DECLINED : ids[index];
 }
 
 /* Whether an eighth or more of 1,024 logits spread over the row are within 12 nats (after the
    temperature) of the best: a flat row (a model with random weights), whose nucleus is most of the
-   vocabulary. The exact path has a form for those (the cut by selection over the whole row, then
-   sums over the row as it is) that this file's compacted candidates would not beat. */
+   vocabulary: ``flat_draw`` takes it over the row as it is, where compacted candidates would cost a
+   pass of their own. */
 static int dense(const float *x, int64_t n, float best, double temperature) {
     double reach = (double)best - 12.0 * temperature * (1.0 + 1e-6);
     int64_t step = n > 1024 ? n / 1024 : 1, sampled = 0, near = 0;
@@ -580,6 +584,74 @@ static int dense(const float *x, int64_t n, float best, double temperature) {
         near += (double)x[i] >= reach;
     }
     return near * 8 >= sampled && n > 4096;
+}
+
+/* The sums of the values at or above ``floor`` in each block of BLOCK (into sums[]) and their total;
+   the nearest values above and below ``floor`` into *above and *below (inf and 0 where none). */
+KILN_VECTOR_CLONES
+static double kept_blocks(const double *v, int64_t n, double floor, double *sums, double *above, double *below) {
+    const v8d zero = {0}, floors = zero + floor, infinite = zero + __builtin_inf();
+    v8d up = infinite, down = zero;
+    double total = 0.0;
+    int64_t i = 0, b = 0;
+    for (; i + BLOCK <= n; i += BLOCK, b++) {
+        v8d sum[2] = {{0}, {0}};
+        for (int64_t j = i; j < i + BLOCK; j += LANES) {
+            v8d x;
+            __builtin_memcpy(&x, v + j, sizeof x);
+            v8u in = (v8u)(x >= floors);
+            sum[(j >> 3) & 1] += (v8d)((v8u)x & in);
+            v8d higher = (v8d)(((v8u)x & (v8u)(x > floors)) | ((v8u)infinite & (v8u)(x <= floors)));
+            v8d lower = (v8d)((v8u)x & (v8u)(x < floors));
+            v8u nearer_up = (v8u)(higher < up), nearer_down = (v8u)(lower > down);
+            up = (v8d)(((v8u)higher & nearer_up) | ((v8u)up & ~nearer_up));
+            down = (v8d)(((v8u)lower & nearer_down) | ((v8u)down & ~nearer_down));
+        }
+        v8d both = sum[0] + sum[1];
+        double block = ((both[0] + both[1]) + (both[2] + both[3])) + ((both[4] + both[5]) + (both[6] + both[7]));
+        sums[b] = block;
+        total += block;
+    }
+    double nearest_above = __builtin_inf(), nearest_below = 0.0;
+    for (int l = 0; l < LANES; l++) {
+        nearest_above = up[l] < nearest_above ? up[l] : nearest_above;
+        nearest_below = down[l] > nearest_below ? down[l] : nearest_below;
+    }
+    double block = 0.0;
+    for (; i < n; i++) {
+        block += v[i] >= floor ? v[i] : 0.0;
+        nearest_above = v[i] > floor && v[i] < nearest_above ? v[i] : nearest_above;
+        nearest_below = v[i] < floor && v[i] > nearest_below ? v[i] : nearest_below;
+    }
+    sums[b] = block;
+    *above = nearest_above;
+    *below = nearest_below;
+    return total + block;
+}
+
+/* A flat row's draw (a top-p cut, no min-p) over the row as it is: its float64 exponentials with their
+   block sums (one pass), top-p's cut of them by sampling.c's selection (the rule's cut of these values),
+   the kept tokens' block sums, and the inverse transform over them by those sums. The cut is the
+   rule's on numpy's values under nucleus()'s conditions: the sums without and with the least kept
+   value more than the margin from the target, that value more than the margin from its neighbours,
+   and the tokens equal to it all kept (else declined). */
+static int64_t flat_draw(const float *x, int64_t n, float best, double inverse, double top_p, double u, double gap,
+                         double *e, double *blocks, uint64_t *radix) {
+    double total = exponentials(x, n, (double)best, inverse, e, blocks);
+    double target = top_p * total, last;
+    int64_t equal, ties;
+    int64_t keep = kiln_top_p_cut(e, n, target, &last, &equal, &ties, radix);
+    if (keep > n || equal != ties) {
+        return KILN_DECLINED; /* no sum reaches top_p (it is within rounding of 1), or the cut splits ties */
+    }
+    double above, below;
+    double with = kept_blocks(e, n, last, blocks, &above, &below), without = with - last;
+    double slack = gap * (with > target ? with : target);
+    if (!(without < target - slack) || !(with > target + slack) || !(above > last * (1.0 + gap)) ||
+        !(below < last * (1.0 - gap))) {
+        return KILN_DECLINED;
+    }
+    return first_above(e, n, blocks, last, u * with, gap * with);
 }
 
 /* The token selection.reference_draw gives for the row x [n] (float32 logits, bias and penalties
@@ -606,10 +678,13 @@ KILN_EXPORT int64_t kiln_bounded_draw(const float *x, int64_t n, double temperat
     }
     if (top_p >= 1.0 && min_p <= 0.0) { /* the inverse transform over the whole row, in float64 */
         double total = exponentials(x, n, (double)best, inverse, e, blocks);
-        return first_above(e, n, blocks, u * total, gap * total);
+        return first_above(e, n, blocks, 0.0, u * total, gap * total);
     }
-    if ((top_p < 1.0 && dense(x, n, best, temperature)) || !((float)inverse < __builtin_inff())) {
-        return KILN_DECLINED; /* a flat row; a temperature under float32's range (1 / T would be inf) */
+    if (!((float)inverse < __builtin_inff())) {
+        return KILN_DECLINED; /* a temperature under float32's range (1 / T would be inf) */
+    }
+    if (top_p < 1.0 && dense(x, n, best, temperature)) {
+        return min_p > 0.0 ? KILN_DECLINED : flat_draw(x, n, best, inverse, top_p, u, gap, e, blocks, radix);
     }
     /* the candidates: every token a cut can keep (exponential at least e^-12 of the best's, or min-p's
        floor if lower), then more where top-p's nucleus reaches past them, as the exact path widens;

@@ -103,7 +103,7 @@ def test_uniforms_near_the_rules_cumulative_sums_get_its_token_or_a_refusal(libr
 def test_the_draw_declines_rarely_on_ordinary_rows(library):
     """At random uniforms the draw answers nearly every peaked row itself (else the exact path would do
     all the work and the fast one would be dead code), and each answer is the rule's. Not asked of it:
-    a top_p within a float32 exponential's error of 1 (0.999999), flat rows with a cut (next test)."""
+    a top_p within a float32 exponential's error of 1 (0.999999), flat rows with a cut (a test below)."""
     rng = np.random.default_rng(22)
     answered = total = 0
     usual = [params for params in SETTINGS if params.top_p < 0.99999]
@@ -128,7 +128,7 @@ def test_top_p_at_and_beside_the_rules_sorted_sums_gets_its_token_or_a_refusal(l
     rng = np.random.default_rng(24)
     declined = 0
     for vocab in (200, 5000, 49_152):
-        for logits in rows(rng, vocab)[1:]:
+        for logits in rows(rng, vocab):
             for temperature in (0.7, 1.0):
                 base = SamplingParams(temperature=temperature)
                 probs = reference_probabilities(logits, base)
@@ -147,17 +147,26 @@ def test_top_p_at_and_beside_the_rules_sorted_sums_gets_its_token_or_a_refusal(l
     assert declined > 0
 
 
-def test_flat_rows_with_a_top_p_cut_go_to_the_exact_path(library):
-    """A random-weight model's rows: the nucleus is most of a long vocabulary, which the exact path's
-    cut over the whole row takes faster than compacted candidates, so the draw declines at once; a
-    short row, or a peaked one, it answers."""
+def test_flat_rows_with_a_top_p_cut_are_drawn_over_the_row_as_it_is(library):
+    """A random-weight model's rows: the nucleus is most of a long vocabulary. The draw takes the cut
+    over the whole row (no candidates to compact) and answers nearly every such row, each with the
+    rule's token; with min-p beside top-p it declines them."""
     rng = np.random.default_rng(23)
-    params = SamplingParams(temperature=0.7, top_p=0.95)
+    answered = total = 0
+    for vocab in (5000, 49_152, 151_936):
+        for spread in (0.5, 1.5):
+            flat = (rng.standard_normal(vocab) * spread).astype(np.float32)
+            for params in (SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.5),
+                           SamplingParams(temperature=1.3, top_p=0.99)):
+                for u in rng.random(4).tolist() + [1e-9, 0.999999]:
+                    token = bounded_draw(library, flat, params, u)
+                    total += 1
+                    if token != DECLINED:
+                        answered += 1
+                        assert token == reference_draw(flat, params, u), (vocab, spread, params, u)
+    assert answered >= 0.95 * total, (answered, total)
     flat = (rng.standard_normal(49_152) * 0.5).astype(np.float32)
-    assert bounded_draw(library, flat, params, 0.3) == DECLINED
-    assert bounded_draw(library, flat[:1000].copy(), params, 0.3) == reference_draw(flat[:1000], params, 0.3)
-    peaked = flat * 10
-    assert bounded_draw(library, peaked, params, 0.3) == reference_draw(peaked, params, 0.3)
+    assert bounded_draw(library, flat, SamplingParams(temperature=0.7, top_p=0.95, min_p=0.02), 0.3) == DECLINED
 
 
 def test_rows_it_cannot_judge_are_declined(library):
