@@ -279,7 +279,7 @@ def main() -> None:
     cpu = cpu_description()
     mode = "greedy" if args.mode == "greedy" else f"sampled ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())}, seeded)"
     pythons = {"openvino-genai": args.openvino_python or sys.executable}
-    header = (f"# SmolLM2-135M-Instruct in process: {args.threads} threads, STS-B chats, {args.tokens} tokens per "
+    header = (f"# {args.artifact.resolve().name} in process: {args.threads} threads, STS-B chats, {args.tokens} tokens per "
               f"answer (end-of-sequence ignored), {mode}; median of {args.rounds} rounds; "
               f"{cpu['cpu']} ({cpu['isa']}), {cpu['cores']} cores")
     runs = []
