@@ -27,6 +27,9 @@
 
 #include "sampling.h"
 
+/* Inlined into each caller, so that the callers' vector clones (KILN_VECTOR_CLONES) vectorise it too. */
+#define KILN_INLINE static inline __attribute__((always_inline))
+
 /* ---- the scaled row ---------------------------------------------------------------------------- */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -201,7 +204,7 @@ KILN_EXPORT int64_t kiln_top_k(const double *s, int64_t n, int64_t k, double *he
    least a floor a little under ``share`` of the best's, into ``ids`` with those probabilities into
    ``probs``; returns their number. selection._likely's numpy form computes the same floor and the
    same bound a little under floor * total that e[i] must reach. A flat row gives every token (n). */
-static inline __attribute__((always_inline)) int64_t kiln_likely(const double *e, int64_t n, double total, double share, int64_t *ids, double *probs) {
+KILN_INLINE int64_t kiln_likely(const double *e, int64_t n, double total, double share, int64_t *ids, double *probs) {
     double floor = share / total * (1 - 1e-9); /* the best token's exponential is exp(0) = 1 */
     double near = floor * total * (1 - 1e-9);
     /* how many reach the bound, from 1024 tokens spread over the row: it picks the loop below, not
@@ -382,7 +385,7 @@ static int64_t compact_cut(int64_t *ids, double *probs, int64_t m, struct cut cu
    the sum with it more than E over, the rule's sums cross at the same value, and the cut is the
    rule's (written to ``cut``); otherwise (top_p within ~1e-10 of a sum: rare) returns -1 and the caller
    sorts. A flat row (a nucleus of most of a 128k vocabulary) costs four passes instead of a sort. */
-static inline __attribute__((always_inline)) int64_t top_p_by_selection(const double *p, int64_t n, double top_p, struct cut *cut, uint64_t *scratch) {
+KILN_INLINE int64_t top_p_by_selection(const double *p, int64_t n, double top_p, struct cut *cut, uint64_t *scratch) {
     union bits { double d; uint64_t u; };
     /* the largest value's bits, and the smallest nonzero value's (a zero adds nothing to a sum): a
        zero's bits less one wrap to the largest number, so one unsigned minimum skips zeros (a form
@@ -481,7 +484,7 @@ static inline __attribute__((always_inline)) int64_t top_p_by_selection(const do
    values are needed for the sums, not which token holds each: the kept tokens are then those above
    the last kept value, and the first of those equal to it in position order. ``scratch`` holds 2n
    64-bit words. */
-static inline __attribute__((always_inline)) int64_t top_p_cut(const double *p, int64_t n, double top_p, struct cut *cut, uint64_t *scratch) {
+KILN_INLINE int64_t top_p_cut(const double *p, int64_t n, double top_p, struct cut *cut, uint64_t *scratch) {
     if (n == 0) {
         return 1;
     }

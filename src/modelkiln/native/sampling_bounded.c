@@ -11,8 +11,9 @@
    below); where one is nearer than that, it returns KILN_DECLINED and the caller takes the exact
    path. The chance of that is about 2 * margin * (tokens kept): under 1e-4 for any row where the
    decisions are taken in float64; where a top-p cut is taken on the float32 pass (its margin a few
-   1e-6, below), under 1% of real rows. It also declines flat rows with a top-p cut (``dense``),
-   where the exact path is the faster one.
+   1e-6, below), under 1% of real rows. Flat rows with a top-p cut (``dense``) are drawn over the row
+   as it is (``flat_draw``), in float64, declined where the cut splits tokens of equal value or min-p
+   cuts too.
 
    The differences, relative to the value compared (n: the vocabulary):
    - an exponential: the scaling multiplies by 1 / temperature where numpy divides (|s| * 3 * 2^-53,
