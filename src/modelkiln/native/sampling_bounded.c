@@ -52,6 +52,11 @@ static double margin(int64_t n) {
     return 4e-12 + 8.0 * (double)n * 1.1102230246251565e-16;
 }
 
+/* The sum of a vector's eight lanes, pairwise (every running-sum pass of this file ends with it). */
+static inline double lanes_total(v8d v) {
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
 /* ---- the exponentials ---------------------------------------------------------------------------- */
 
 #define SHIFTER 6755399441055744.0 /* 1.5 * 2^52: adding it rounds to an integer, kept in the low bits */
@@ -156,8 +161,7 @@ static double exponentials(const float *x, int64_t n, double best, double invers
             __builtin_memcpy(e + j, &v, sizeof v);
             sum[(j >> 3) & 1] += v;
         }
-        v8d both = sum[0] + sum[1];
-        double block = ((both[0] + both[1]) + (both[2] + both[3])) + ((both[4] + both[5]) + (both[6] + both[7]));
+        double block = lanes_total(sum[0] + sum[1]);
         sums[b] = block;
         total += block;
     }
@@ -342,7 +346,7 @@ static double sum_of(const double *v, const unsigned char *marks, int64_t n) {
         high += b;
     }
     low += high;
-    double sum = ((low[0] + low[1]) + (low[2] + low[3])) + ((low[4] + low[5]) + (low[6] + low[7]));
+    double sum = lanes_total(low);
     for (; i < n; i++) {
         sum += marks == NULL || marks[i] ? v[i] : 0.0;
     }
@@ -608,8 +612,7 @@ static double kept_blocks(const double *v, int64_t n, double floor, double *sums
             up = (v8d)(((v8u)higher & nearer_up) | ((v8u)up & ~nearer_up));
             down = (v8d)(((v8u)lower & nearer_down) | ((v8u)down & ~nearer_down));
         }
-        v8d both = sum[0] + sum[1];
-        double block = ((both[0] + both[1]) + (both[2] + both[3])) + ((both[4] + both[5]) + (both[6] + both[7]));
+        double block = lanes_total(sum[0] + sum[1]);
         sums[b] = block;
         total += block;
     }
