@@ -209,6 +209,7 @@ def bench(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
     peer_timeout: float = typer.Option(DEFAULT_PEER_TIMEOUT_S, help="Seconds a peer row (PyTorch, llama.cpp: each runs in a child process) may take; one that runs longer is stopped and noted, as a crash is."),
     peers: str = typer.Option("llama.cpp,onnxruntime-genai", help="Text generation: the other engines to run, each in a child process (llama.cpp, onnxruntime-genai; 'none': none); a missing one is a note with its install command."),
+    sampled: bool = typer.Option(False, "--sampled", help="Text generation: the decode cells sample as `kiln loadtest --sampled` asks (temperature 0.7, top_p 0.95, a seed per sequence) instead of taking the most likely token; PyTorch and onnxruntime-genai draw the same way (top-k off), llama.cpp's cells time its model alone either way."),
     task: Optional[str] = MODEL_TASK,
     precision: Optional[str] = MODEL_PRECISION,
 ) -> None:
@@ -232,7 +233,9 @@ def bench(
 
     if generation_artifact(target):
         return bench_generation(target, batch, seq, past, threads, variants, reference, json_path, out, step,
-                                peer_timeout=peer_timeout, peers=peers)
+                                peer_timeout=peer_timeout, peers=peers, sampled=sampled)
+    if sampled:
+        raise KilnError(f"--sampled is for text generation; {target} is an encoder artifact (it chooses no tokens)")
     cfg = BenchConfig(batches=number_list(batch, "--batch"), seqs=number_list(seq or "16,128,384", "--seq"), threads=threads,
                       variants=split_list(variants), reference=reference, warmup=warmup, min_iters=min_iters,
                       min_seconds=min_seconds, peer_timeout=peer_timeout)

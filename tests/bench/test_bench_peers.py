@@ -129,3 +129,27 @@ def test_the_onnxruntime_genai_row_builds_its_own_model_and_runs(gguf_artifact, 
     theirs = {(c["phase"], c["batch"]) for c in cells if c["backend"].startswith("onnxruntime-genai")}
     assert theirs == {("prefill", 1), ("decode", 1), ("decode", 2)}
     assert list((tmp_path / "cache" / "onnxruntime-genai").glob("*/genai_config.json"))
+
+
+def test_sampled_decode_cells_are_said_and_refused_for_encoders(gguf_artifact, zoo, tmp_path):
+    """`kiln bench --sampled`: the decode cells sample (said under the table and kept in the JSON's
+    config), PyTorch's row with them (generate's top-k turned off, as the others draw); an encoder
+    artifact, which chooses no tokens, is refused with a one-line error."""
+    from modelkiln.bench.generation_backends import TorchBackend
+    from modelkiln.generation.model import TextGenerationModel
+
+    out = tmp_path / "bench.json"
+    res = kiln("bench", str(gguf_artifact), *SMALL, "--batch", "1,2", "--peers", "none", "--sampled", "--json", str(out),
+               timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "sampled (temperature 0.7, top_p 0.95, a seed per sequence" in " ".join(res.stdout.split())
+    report = json.loads(out.read_text())
+    assert report["config"]["sampled"] is True
+    assert {(c["phase"], c["batch"]) for c in report["cells"]} == {("prefill", 1), ("decode", 1), ("decode", 2)}
+    torch_row = TorchBackend(TextGenerationModel(gguf_artifact), 1)
+    assert len(torch_row.decode_step_seconds([list(range(5, 13))] * 2, 2, sampled=True)) == 2
+    assert TorchBackend.drawing(True) == {"do_sample": True, "top_k": 0, "temperature": 0.7, "top_p": 0.95}
+    encoder = zoo.artifact("bert", "sentence-embeddings", precisions=("fp32",))
+    refused = kiln("bench", str(encoder), "--batch", "1", "--seq", "8", "--no-reference", "--sampled")
+    assert refused.returncode == 2 and "--sampled is for text generation" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr

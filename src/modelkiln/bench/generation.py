@@ -21,6 +21,7 @@ from typing import Any, ContextManager
 from ..errors import KilnError
 from ..generation.core import DEFAULT_MAX_RUNNING, Request, greedy, run_to_completion
 from ..generation.model import CoreOptions, TextGenerationModel
+from ..generation.sampling import SamplingParams
 from ..extras import install_hint
 from .generation_backends import (LlamaCppBackend, OrtGenaiBackend, TorchBackend, gguf_path, llama_cpp_available,
                                   llama_cpp_install_hint, ort_genai_available)
@@ -45,6 +46,7 @@ class GenerationBenchConfig:
     reference: bool = True
     peers: list[str] = field(default_factory=lambda: list(PEERS))  # engines besides PyTorch (PEERS)
     peer_timeout: float = DEFAULT_TIMEOUT_S  # seconds one peer row (PyTorch, llama.cpp) may run
+    sampled: bool = False  # decode cells draw with SAMPLED's settings (each sequence its own seed), not greedy
 
 
 @dataclass
@@ -129,11 +131,14 @@ class OnnxBackend:
             pass
         return time.perf_counter() - started
 
-    def decode_step_seconds(self, prompts: list[list[int]], steps: int) -> list[float]:
-        """Seconds per core step once every prompt is prefilled and decoding together."""
+    def decode_step_seconds(self, prompts: list[list[int]], steps: int, sampled: bool = False) -> list[float]:
+        """Seconds per core step once every prompt is prefilled and decoding together (``sampled``:
+        each sequence draws with SAMPLED's settings and its row as its seed)."""
         # long enough that the first sequences still run when the last prompt has joined (prompts join
         # as the step's prefill budget allows: one 128-token prompt per step)
-        requests = [Request(("bench", row), ids, greedy(len(prompts) + steps + 8)) for row, ids in enumerate(prompts)]
+        tokens = len(prompts) + steps + 8
+        requests = [Request(("bench", row), ids, sampled_params(tokens, row) if sampled else greedy(tokens))
+                    for row, ids in enumerate(prompts)]
         for request in requests:
             self.core.add_request(request)
         while self.core.decoding < len(prompts):  # prefill, chunk by chunk
@@ -149,6 +154,15 @@ class OnnxBackend:
             self.core.abort(request.request_id)
         self.core.step()
         return samples
+
+
+def sampled_params(tokens: int, seed: int) -> SamplingParams:
+    """Exactly ``tokens`` tokens (end-of-sequence ignored) drawn as `kiln loadtest --sampled` asks
+    (its SAMPLED settings: temperature 0.7, top_p 0.95), with ``seed``."""
+    from ..loadtest.streaming import SAMPLED
+
+    return SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=SAMPLED["temperature"],
+                          top_p=SAMPLED["top_p"], seed=seed)
 
 
 def measure_backend(backend: Any, label: str, inputs: GenerationInputs, cfg: GenerationBenchConfig,
@@ -167,7 +181,7 @@ def measure_backend(backend: Any, label: str, inputs: GenerationInputs, cfg: Gen
             notes.append(f"{label}: batch {b} not measured (llama-cpp-python's Llama runs one sequence)")
             continue
         with steps(f"{label}: decode at batch {b}, past {cfg.past}"):
-            samples = backend.decode_step_seconds(inputs.decode_prompts[:b], cfg.decode_steps)
+            samples = backend.decode_step_seconds(inputs.decode_prompts[:b], cfg.decode_steps, cfg.sampled)
         cells.append(GenerationCell(label, "decode", b, cfg.past, Stats.of(samples)))
     return cells, notes
 

@@ -85,7 +85,7 @@ class TorchBackend:
         self.model = load_causal_lm(load_source(model.manifest.source["model"], with_tokenizer=False))
         self.pad_id = (model.eos_ids or [0])[0]
 
-    def _token_times(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+    def _token_times(self, prompts: list[list[int]], new_tokens: int, sampled: bool = False) -> tuple[float, list[float]]:
         torch = self.torch
         stamps: list[float] = []
 
@@ -97,15 +97,25 @@ class TorchBackend:
         started = time.perf_counter()
         with torch.inference_mode():
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, logits_processor=[stamp],
-                                pad_token_id=self.pad_id)
+                                min_new_tokens=new_tokens, logits_processor=[stamp], pad_token_id=self.pad_id,
+                                **self.drawing(sampled))
         return stamps[0] - started, [b - a for a, b in zip(stamps, stamps[1:])]
 
     def prefill_seconds(self, ids: list[int]) -> float:
         return self._token_times([ids], 1)[0]
 
-    def decode_step_seconds(self, prompts: list[list[int]], steps: int) -> list[float]:
-        return self._token_times(prompts, steps + 2)[1][1:]  # the first gap is a warm-up
+    @staticmethod
+    def drawing(sampled: bool) -> dict[str, Any]:
+        """``generate``'s settings: greedy, or sampled as the bench's own rows draw (top-k off: its
+        generation config's default of 50 would cut what the others keep)."""
+        if not sampled:
+            return {"do_sample": False}
+        from ..loadtest.streaming import SAMPLED
+
+        return {"do_sample": True, "top_k": 0, **SAMPLED}
+
+    def decode_step_seconds(self, prompts: list[list[int]], steps: int, sampled: bool = False) -> list[float]:
+        return self._token_times(prompts, steps + 2, sampled)[1][1:]  # the first gap is a warm-up
 
     # -- for kiln eval ---------------------------------------------------------------------
     def logits(self, ids: list[int]) -> Any:
@@ -140,7 +150,8 @@ class LlamaCppBackend:
         self.llm.eval(ids)
         return time.perf_counter() - started
 
-    def decode_step_seconds(self, prompts: list[list[int]], steps: int) -> list[float]:
+    def decode_step_seconds(self, prompts: list[list[int]], steps: int, sampled: bool = False) -> list[float]:
+        """The model's step alone (``eval`` of one token), greedy or sampled alike: no token is chosen."""
         self.llm.reset()
         self.llm.eval(prompts[0])
         token = prompts[0][-1]
@@ -176,12 +187,13 @@ class OrtGenaiBackend:
         self.model = og.Model(og_config)
         self.pad_token_id = config["model"]["pad_token_id"]  # what its Generator takes for padding in a batch
 
-    def _generator(self, prompts: list[list[int]], new_tokens: int) -> Any:
+    def _generator(self, prompts: list[list[int]], new_tokens: int, sampled: bool = False) -> Any:
         params = self.og.GeneratorParams(self.model)
         length = len(prompts[0]) + new_tokens + 2
         # min_length = max_length: no end-of-sequence stops a row early (a done generator returns at once
         # from generate_next_token, which would time nothing)
-        params.set_search_options(max_length=length, min_length=length, do_sample=False, batch_size=len(prompts))
+        params.set_search_options(max_length=length, min_length=length, batch_size=len(prompts),
+                                  **TorchBackend.drawing(sampled))
         return self.og.Generator(self.model, params)
 
     def prefill_seconds(self, ids: list[int]) -> float:
@@ -190,8 +202,8 @@ class OrtGenaiBackend:
         generator.append_tokens(np.asarray([ids], dtype=np.int32))
         return time.perf_counter() - started
 
-    def decode_step_seconds(self, prompts: list[list[int]], steps: int) -> list[float]:
-        generator = self._generator(prompts, steps + 1)
+    def decode_step_seconds(self, prompts: list[list[int]], steps: int, sampled: bool = False) -> list[float]:
+        generator = self._generator(prompts, steps + 1, sampled)
         generator.append_tokens(np.asarray(prompts, dtype=np.int32))
         generator.generate_next_token()  # warm-up
         samples = []

@@ -15,7 +15,7 @@ def generation_artifact(target: str | Path) -> bool:
 
 
 def bench_generation(target: str, batch: str, seq: str, past: int, threads, variants, reference: bool,
-                     json_path: Path | None, out, steps, peer_timeout: float, peers: str) -> None:
+                     json_path: Path | None, out, steps, peer_timeout: float, peers: str, sampled: bool = False) -> None:
     from ..errors import KilnError
     from ..generation.model import TextGenerationModel
     from .generation import PEERS, GenerationBenchConfig, run_generation_bench
@@ -29,7 +29,7 @@ def bench_generation(target: str, batch: str, seq: str, past: int, threads, vari
     cfg = GenerationBenchConfig(prompt_lengths=number_list(seq or "16,128,512", "--seq"),
                                 batches=number_list(batch, "--batch"), past=past, threads=threads,
                                 variants=split_list(variants), reference=reference, peer_timeout=peer_timeout,
-                                peers=chosen)
+                                peers=chosen, sampled=sampled)
     result = run_generation_bench(TextGenerationModel(target), cfg, steps)
     print_generation_bench(out, result)
     if json_path:

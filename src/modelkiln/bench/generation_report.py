@@ -29,7 +29,8 @@ def print_generation_bench(console: Console, result: GenerationBenchResult) -> N
                       f"{c.tokens_per_s:,.1f}", f"{c.speedup:.2f}×" if c.speedup else "—")
     console.print(table)
     console.print("[dim]prefill: one prompt of `tokens` tokens; decode: one step of `batch` sequences, each with a past of "
-                  "`tokens` tokens (ms per step = ms per token of each sequence); speed-up against pytorch in this run[/]")
+                  f"`tokens` tokens, {_drawing(result)} (ms per step = ms per token of each sequence); speed-up against "
+                  "pytorch in this run[/]")
     past = result.config.past
     for phase, batch, tokens, label in (("decode", 1, past, "decode batch 1"), ("prefill", 1, max(result.config.prompt_lengths), "prefill")):
         parts = [f"{against}: {r:.2f}×" for against in ("pytorch", "llama.cpp", "onnxruntime-genai")
@@ -39,6 +40,16 @@ def print_generation_bench(console: Console, result: GenerationBenchResult) -> N
     for note in result.notes:
         # escaped: a note may carry an install hint, and rich would take "[llamacpp]" for a markup tag
         console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)  # one line, e.g. a command to copy
+
+
+def _drawing(result: GenerationBenchResult) -> str:
+    """How the decode cells chose their tokens."""
+    if not result.config.sampled:
+        return "greedy"
+    from ..loadtest.streaming import SAMPLED
+
+    return (f"sampled (temperature {SAMPLED['temperature']}, top_p {SAMPLED['top_p']}, a seed per sequence; "
+            "llama.cpp: its model alone)")
 
 
 def generation_bench_dict(result: GenerationBenchResult) -> dict:

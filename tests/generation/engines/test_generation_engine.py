@@ -486,6 +486,25 @@ def test_the_bench_times_a_batch_larger_than_its_steps(tiny):
     assert len(samples) == 2 and backend.core.running == 0
 
 
+def test_the_bench_samples_its_decode_cells_when_asked(tiny):
+    """kiln bench --sampled: each decode sequence draws with the settings `kiln loadtest --sampled`
+    sends and its row as its seed (greedy otherwise), end-of-sequence ignored either way."""
+    from modelkiln.bench.generation import OnnxBackend
+    from modelkiln.loadtest.streaming import SAMPLED
+
+    backend = OnnxBackend(tiny, "fp32", 1, max_batch=4)
+    asked: list[SamplingParams] = []
+    add = backend.core.add_request
+    backend.core.add_request = lambda request: (asked.append(request.params), add(request))[1]
+    for sampled in (True, False):
+        samples = backend.decode_step_seconds([list(range(5, 15))] * 3, steps=2, sampled=sampled)
+        assert len(samples) == 2 and backend.core.running == 0
+    drawn, greedy_ones = asked[:3], asked[3:]
+    assert [(p.temperature, p.top_p, p.seed) for p in drawn] == [(SAMPLED["temperature"], SAMPLED["top_p"], row)
+                                                                 for row in range(3)]
+    assert all(p.greedy for p in greedy_ones) and all(p.ignore_eos for p in asked)
+
+
 # --- the seam: what a request can ask of the engine beyond tokens -------------------------------------
 
 
