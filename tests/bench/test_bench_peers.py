@@ -153,3 +153,27 @@ def test_sampled_decode_cells_are_said_and_refused_for_encoders(gguf_artifact, z
     refused = kiln("bench", str(encoder), "--batch", "1", "--seq", "8", "--no-reference", "--sampled")
     assert refused.returncode == 2 and "--sampled is for text generation" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
+
+def test_a_peers_refused_decode_cell_is_a_note_and_its_other_cells_stay():
+    """onnxruntime-genai's Generator refuses more than 32 sequences: that cell becomes a note and the
+    peer's other cells stay in the table; the same failure in one of the artifact's own variants ends
+    the bench (it would be kiln's bug, not a peer's bound)."""
+    from modelkiln.bench.generation import GenerationBenchConfig, GenerationInputs, measure_backend
+
+    class Bounded:
+        def prefill_seconds(self, ids):
+            return 0.001
+
+        def decode_step_seconds(self, prompts, steps, sampled=False):
+            if len(prompts) > 32:
+                raise RuntimeError(f"batch_size ({len(prompts)}) must be in [1, 32]")
+            return [0.002] * steps
+
+    inputs = GenerationInputs({8: list(range(8))}, [list(range(8))] * 64)
+    cfg = GenerationBenchConfig(prompt_lengths=[8], batches=[1, 64, 16], past=8, decode_steps=2)
+    cells, notes = measure_backend(Bounded(), "peer", inputs, cfg, peer=True)
+    assert [(c.phase, c.batch) for c in cells] == [("prefill", 1), ("decode", 1), ("decode", 16)]
+    assert notes == ["peer: batch 64 not measured (RuntimeError: batch_size (64) must be in [1, 32])"]
+    with pytest.raises(RuntimeError, match="must be in"):
+        measure_backend(Bounded(), "own", inputs, cfg)

@@ -166,9 +166,12 @@ def sampled_params(tokens: int, seed: int) -> SamplingParams:
 
 
 def measure_backend(backend: Any, label: str, inputs: GenerationInputs, cfg: GenerationBenchConfig,
-                    steps: Steps = lambda d: contextlib.nullcontext()) -> tuple[list[GenerationCell], list[str]]:
+                    steps: Steps = lambda d: contextlib.nullcontext(),
+                    peer: bool = False) -> tuple[list[GenerationCell], list[str]]:
     """Every prefill and decode cell of one backend (anything with ``prefill_seconds`` and
-    ``decode_step_seconds``), and notes on the cells it cannot run."""
+    ``decode_step_seconds``), and notes on the cells it cannot run. A ``peer``'s decode cell that
+    fails (an engine's own bound, as onnxruntime-genai's Generator refuses more than 32 sequences) is
+    a note, and its other cells stay; an own variant's failure ends the bench."""
     cells: list[GenerationCell] = []
     notes: list[str] = []
     for n, ids in inputs.prompts.items():
@@ -181,7 +184,13 @@ def measure_backend(backend: Any, label: str, inputs: GenerationInputs, cfg: Gen
             notes.append(f"{label}: batch {b} not measured (llama-cpp-python's Llama runs one sequence)")
             continue
         with steps(f"{label}: decode at batch {b}, past {cfg.past}"):
-            samples = backend.decode_step_seconds(inputs.decode_prompts[:b], cfg.decode_steps, cfg.sampled)
+            try:
+                samples = backend.decode_step_seconds(inputs.decode_prompts[:b], cfg.decode_steps, cfg.sampled)
+            except Exception as exc:  # noqa: BLE001 - a peer engine's own refusal of this cell
+                if not peer:
+                    raise
+                notes.append(f"{label}: batch {b} not measured ({type(exc).__name__}: {exc})")
+                continue
         cells.append(GenerationCell(label, "decode", b, cfg.past, Stats.of(samples)))
     return cells, notes
 
@@ -211,7 +220,8 @@ def measure_peer(argument: dict[str, Any]) -> dict[str, Any]:
     the inputs it was given, return its cells and notes (as JSON)."""
     cfg = GenerationBenchConfig(**argument["config"])
     backend = _peer_backend(argument, cfg.threads)
-    cells, notes = measure_backend(backend, argument["label"], GenerationInputs.from_dict(argument["inputs"]), cfg)
+    cells, notes = measure_backend(backend, argument["label"], GenerationInputs.from_dict(argument["inputs"]), cfg,
+                                   peer=True)
     return {"cells": [asdict(c) for c in cells], "notes": notes}
 
 
