@@ -42,6 +42,7 @@ SETTINGS = {
     "temperature 0.7, top_p 0.95": SamplingParams(temperature=0.7, top_p=0.95),
     "temperature 0.7, top_k 40": SamplingParams(temperature=0.7, top_k=40),
     "temperature 0.7, min_p 0.05": SamplingParams(temperature=0.7, min_p=0.05),
+    "temperature 0.7, top_p 0.95, min_p 0.05": SamplingParams(temperature=0.7, top_p=0.95, min_p=0.05),
     "top_p 0.95, top_k 40, min_p 0.05, penalties, bias": SamplingParams(
         temperature=0.7, top_p=0.95, top_k=40, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.5,
         presence_penalty=0.3, logit_bias=((11, 2.0), (13, -5.0))),

@@ -12,8 +12,7 @@
    path. The chance of that is about 2 * margin * (tokens kept): under 1e-4 for any row where the
    decisions are taken in float64; where a top-p cut is taken on the float32 pass (its margin a few
    1e-6, below), under 1% of real rows. Flat rows with a top-p cut (``dense``) are drawn over the row
-   as it is (``flat_draw``), in float64, declined where the cut splits tokens of equal value or min-p
-   cuts too.
+   as it is (``flat_draw``), in float64, declined where the cut splits tokens of equal value.
 
    The differences, relative to the value compared (n: the vocabulary):
    - an exponential: the scaling multiplies by 1 / temperature where numpy divides (|s| * 3 * 2^-53,
@@ -633,14 +632,14 @@ static double kept_blocks(const double *v, int64_t n, double floor, double *sums
     return total + block;
 }
 
-/* A flat row's draw (a top-p cut, no min-p) over the row as it is: its float64 exponentials with their
-   block sums (one pass), top-p's cut of them by sampling.c's selection (the rule's cut of these values),
-   the kept tokens' block sums, and the inverse transform over them by those sums. The cut is the
-   rule's on numpy's values under nucleus()'s conditions: the sums without and with the least kept
-   value more than the margin from the target, that value more than the margin from its neighbours,
-   and the tokens equal to it all kept (else declined). */
-static int64_t flat_draw(const float *x, int64_t n, float best, double inverse, double top_p, double u, double gap,
-                         double *e, double *blocks, uint64_t *radix) {
+/* A flat row's draw (a top-p cut, and min-p's if asked) over the row as it is: its float64 exponentials
+   with their block sums (one pass), top-p's cut of them by sampling.c's selection (the rule's cut of
+   these values), the kept tokens' block sums, and the inverse transform over them by those sums. The
+   cut is the rule's on numpy's values under nucleus()'s conditions: the sums without and with the
+   least kept value more than the margin from the target, that value more than the margin from its
+   neighbours, and the tokens equal to it all kept (else declined); min-p's floor under draw_among's. */
+static int64_t flat_draw(const float *x, int64_t n, float best, double inverse, double top_p, double min_p, double u,
+                         double gap, double *e, double *blocks, uint64_t *radix) {
     double total = exponentials(x, n, (double)best, inverse, e, blocks);
     double target = top_p * total, last;
     int64_t equal, ties;
@@ -655,7 +654,17 @@ static int64_t flat_draw(const float *x, int64_t n, float best, double inverse, 
         !(below < last * (1.0 - gap))) {
         return KILN_DECLINED;
     }
-    return first_above(e, n, blocks, last, u * with, gap * with);
+    double floor = last;
+    if (min_p > 0.0 && min_p * (1.0 + gap) > last) {
+        /* min-p cuts inside the nucleus: the tokens at least min_p of the best's exponential (exp(0) = 1),
+           none of the nucleus within the margin of that floor (draw_among's rule) */
+        floor = min_p * (1.0 + gap);
+        with = kept_blocks(e, n, floor, blocks, &above, &below);
+        if (!(below < min_p * (1.0 - gap) || below < last)) {
+            return KILN_DECLINED;
+        }
+    }
+    return first_above(e, n, blocks, floor, u * with, gap * with);
 }
 
 /* The token selection.reference_draw gives for the row x [n] (float32 logits, bias and penalties
@@ -688,7 +697,7 @@ KILN_EXPORT int64_t kiln_bounded_draw(const float *x, int64_t n, double temperat
         return KILN_DECLINED; /* a temperature under float32's range (1 / T would be inf) */
     }
     if (top_p < 1.0 && dense(x, n, best, temperature)) {
-        return min_p > 0.0 ? KILN_DECLINED : flat_draw(x, n, best, inverse, top_p, u, gap, e, blocks, radix);
+        return flat_draw(x, n, best, inverse, top_p, min_p, u, gap, e, blocks, radix);
     }
     /* the candidates: every token a cut can keep (exponential at least e^-12 of the best's, or min-p's
        floor if lower), then more where top-p's nucleus reaches past them, as the exact path widens;

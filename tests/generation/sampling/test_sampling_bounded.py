@@ -149,15 +149,17 @@ def test_top_p_at_and_beside_the_rules_sorted_sums_gets_its_token_or_a_refusal(l
 
 def test_flat_rows_with_a_top_p_cut_are_drawn_over_the_row_as_it_is(library):
     """A random-weight model's rows: the nucleus is most of a long vocabulary. The draw takes the cut
-    over the whole row (no candidates to compact) and answers nearly every such row, each with the
-    rule's token; with min-p beside top-p it declines them."""
+    over the whole row (no candidates to compact), and min-p's after it, and answers nearly every such
+    row, each with the rule's token."""
     rng = np.random.default_rng(23)
     answered = total = 0
     for vocab in (5000, 49_152, 151_936):
         for spread in (0.5, 1.5):
             flat = (rng.standard_normal(vocab) * spread).astype(np.float32)
             for params in (SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.5),
-                           SamplingParams(temperature=1.3, top_p=0.99)):
+                           SamplingParams(temperature=1.3, top_p=0.99), SamplingParams(temperature=0.7, top_p=0.95,
+                                                                                       min_p=0.05),
+                           SamplingParams(temperature=1.0, top_p=0.9, min_p=0.5)):
                 for u in rng.random(4).tolist() + [1e-9, 0.999999]:
                     token = bounded_draw(library, flat, params, u)
                     total += 1
@@ -165,8 +167,27 @@ def test_flat_rows_with_a_top_p_cut_are_drawn_over_the_row_as_it_is(library):
                         answered += 1
                         assert token == reference_draw(flat, params, u), (vocab, spread, params, u)
     assert answered >= 0.95 * total, (answered, total)
-    flat = (rng.standard_normal(49_152) * 0.5).astype(np.float32)
-    assert bounded_draw(library, flat, SamplingParams(temperature=0.7, top_p=0.95, min_p=0.02), 0.3) == DECLINED
+
+
+def test_min_p_at_and_beside_a_flat_rows_probabilities_gets_its_token_or_a_refusal(library):
+    """min_p equal to a flat row's token's probability over the best's (within top-p's nucleus), and
+    from 1e-15 to 1e-8 of it to either side: where the two computations can put that token on either
+    side of min-p's floor, the draw must decline; further out, it must give the rule's token."""
+    rng = np.random.default_rng(26)
+    declined = 0
+    for vocab in (5000, 49_152):
+        flat = (rng.standard_normal(vocab) * 0.5).astype(np.float32)
+        probs = reference_probabilities(flat, SamplingParams(temperature=0.7, top_p=0.95))
+        ratios = probs[probs > 0] / probs.max()
+        for at in rng.choice(ratios[ratios > 0.1], 4, replace=False).tolist():
+            for scale in (0.0, 1e-15, 1e-13, 1e-12, 1e-10, 1e-8):
+                for min_p in {at * (1 - scale), at * (1 + scale)}:
+                    params = SamplingParams(temperature=0.7, top_p=0.95, min_p=min_p)
+                    for u in rng.random(3).tolist():
+                        token = bounded_draw(library, flat, params, u)
+                        assert token in (DECLINED, reference_draw(flat, params, u)), (vocab, min_p, u)
+                        declined += token == DECLINED
+    assert declined > 0
 
 
 def test_rows_it_cannot_judge_are_declined(library):
