@@ -380,6 +380,16 @@ static int64_t first_above(const double *v, int64_t n, const double *sums, doubl
     return KILN_DECLINED;
 }
 
+/* Whether top-p's cut at ``last`` (the least value kept; ``with``: the kept values' sum) is the rule's
+   on numpy's values: the sums without and with ``last`` more than the margin from the target, so the
+   rule's sums cross it at the same value, and ``last`` more than the margin from the nearest values
+   on either side (``above``, ``below``), so the rule orders the values around it alike. */
+static int cut_holds(double with, double last, double target, double above, double below, double gap) {
+    double without = with - last, slack = gap * (with > target ? with : target);
+    return without < target - slack && with > target + slack && above > last * (1.0 + gap) &&
+           below < last * (1.0 - gap);
+}
+
 /* Top-p's nucleus among the m candidates (vals: exponentials; the tokens below ``floor`` are not
    among them), compacted in place; its size, or KILN_DECLINED. kiln_top_p marks the smallest set of
    largest values whose sum reaches top_p * total (ties in token order). The rule's set is that one
@@ -418,12 +428,7 @@ static int64_t nucleus(const float *x, int64_t *ids, double *vals, int64_t m, do
             kept_at += marks[i];
         }
     }
-    double with = sum_of(vals, marks, m), without = with - last;
-    double slack = gap * (with > target ? with : target);
-    if (!(without < target - slack) || !(with > target + slack)) {
-        return KILN_DECLINED;
-    }
-    if (!(nearest_above > last * (1.0 + gap)) || !(nearest_below < last * (1.0 - gap))) {
+    if (!cut_holds(sum_of(vals, marks, m), last, target, nearest_above, nearest_below, gap)) {
         return KILN_DECLINED;
     }
     if (kept_at < at && split_logits) {
@@ -648,10 +653,8 @@ static int64_t flat_draw(const float *x, int64_t n, float best, double inverse, 
         return KILN_DECLINED; /* no sum reaches top_p (it is within rounding of 1), or the cut splits ties */
     }
     double above, below;
-    double with = kept_blocks(e, n, last, blocks, &above, &below), without = with - last;
-    double slack = gap * (with > target ? with : target);
-    if (!(without < target - slack) || !(with > target + slack) || !(above > last * (1.0 + gap)) ||
-        !(below < last * (1.0 - gap))) {
+    double with = kept_blocks(e, n, last, blocks, &above, &below);
+    if (!cut_holds(with, last, target, above, below, gap)) {
         return KILN_DECLINED;
     }
     double floor = last;
