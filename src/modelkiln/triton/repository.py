@@ -177,8 +177,10 @@ def write_repository(artifact: Path | str, out: Path | str, opts: Options, varia
 
             tensorrt.build_plan(artifact / chosen.file, version_dir / "model.plan", manifest, opts)
         else:  # the graph under Triton's default name, its weights under the name the graph gives them
-            for path in variant_files(artifact, chosen.file):
-                shutil.copy2(path, version_dir / ("model.onnx" if path.name == chosen.file else path.name))
+            graph, *weights = variant_files(artifact, chosen.file)
+            shutil.copy2(graph, version_dir / "model.onnx")
+            for path in weights:
+                shutil.copy2(path, version_dir / path.name)
         _model_folder(tmp, ensemble)
         (tmp / "README.md").write_text(readme.render(manifest, chosen, opts, [tokenize, model, post, ensemble], engine_version))
     return out
