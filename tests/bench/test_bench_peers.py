@@ -135,7 +135,7 @@ def test_sampled_decode_cells_are_said_and_refused_for_encoders(gguf_artifact, z
     """`kiln bench --sampled`: the decode cells sample (said under the table and kept in the JSON's
     config), PyTorch's row with them (generate's top-k turned off, as the others draw); an encoder
     artifact, which chooses no tokens, is refused with a one-line error."""
-    from modelkiln.bench.generation_backends import TorchBackend
+    from modelkiln.bench.generation_backends import TorchBackend, drawing
     from modelkiln.generation.model import TextGenerationModel
 
     out = tmp_path / "bench.json"
@@ -148,7 +148,7 @@ def test_sampled_decode_cells_are_said_and_refused_for_encoders(gguf_artifact, z
     assert {(c["phase"], c["batch"]) for c in report["cells"]} == {("prefill", 1), ("decode", 1), ("decode", 2)}
     torch_row = TorchBackend(TextGenerationModel(gguf_artifact), 1)
     assert len(torch_row.decode_step_seconds([list(range(5, 13))] * 2, 2, sampled=True)) == 2
-    assert TorchBackend.drawing(True) == {"do_sample": True, "top_k": 0, "temperature": 0.7, "top_p": 0.95}
+    assert drawing(True) == {"do_sample": True, "top_k": 0, "temperature": 0.7, "top_p": 0.95}
     encoder = zoo.artifact("bert", "sentence-embeddings", precisions=("fp32",))
     refused = kiln("bench", str(encoder), "--batch", "1", "--seq", "8", "--no-reference", "--sampled")
     assert refused.returncode == 2 and "--sampled is for text generation" in refused.stderr

@@ -72,6 +72,17 @@ def llama_cpp_available() -> bool:
         return False
 
 
+def drawing(sampled: bool) -> dict[str, Any]:
+    """The peers' token choice (transformers' ``generate``, onnxruntime-genai's search options): greedy,
+    or sampled as the bench's own rows draw (``kiln loadtest --sampled``'s settings), top-k off: each
+    one's default of 50 would cut what the others keep."""
+    if not sampled:
+        return {"do_sample": False}
+    from ..loadtest.streaming import SAMPLED
+
+    return {"do_sample": True, "top_k": 0, **SAMPLED}
+
+
 class TorchBackend:
     def __init__(self, model: TextGenerationModel, threads: int | None):
         import torch
@@ -98,21 +109,11 @@ class TorchBackend:
         with torch.inference_mode():
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, logits_processor=[stamp], pad_token_id=self.pad_id,
-                                **self.drawing(sampled))
+                                **drawing(sampled))
         return stamps[0] - started, [b - a for a, b in zip(stamps, stamps[1:])]
 
     def prefill_seconds(self, ids: list[int]) -> float:
         return self._token_times([ids], 1)[0]
-
-    @staticmethod
-    def drawing(sampled: bool) -> dict[str, Any]:
-        """``generate``'s settings: greedy, or sampled as the bench's own rows draw (top-k off: its
-        generation config's default of 50 would cut what the others keep)."""
-        if not sampled:
-            return {"do_sample": False}
-        from ..loadtest.streaming import SAMPLED
-
-        return {"do_sample": True, "top_k": 0, **SAMPLED}
 
     def decode_step_seconds(self, prompts: list[list[int]], steps: int, sampled: bool = False) -> list[float]:
         return self._token_times(prompts, steps + 2, sampled)[1][1:]  # the first gap is a warm-up
@@ -193,7 +194,7 @@ class OrtGenaiBackend:
         # min_length = max_length: no end-of-sequence stops a row early (a done generator returns at once
         # from generate_next_token, which would time nothing)
         params.set_search_options(max_length=length, min_length=length, batch_size=len(prompts),
-                                  **TorchBackend.drawing(sampled))
+                                  **drawing(sampled))
         return self.og.Generator(self.model, params)
 
     def prefill_seconds(self, ids: list[int]) -> float:
