@@ -234,7 +234,9 @@ def bench(
     if generation_artifact(target):
         return bench_generation(target, batch, seq, past, threads, variants, reference, json_path, out, step,
                                 peer_timeout=peer_timeout, peers=peers, sampled=sampled)
-    if sampled:
+    from .manifest import is_artifact
+
+    if sampled and is_artifact(target):  # not an artifact at all: run_bench names what is wrong with the path
         raise KilnError(f"--sampled is for text generation; {target} is an encoder artifact (it chooses no tokens)")
     cfg = BenchConfig(batches=number_list(batch, "--batch"), seqs=number_list(seq or "16,128,384", "--seq"), threads=threads,
                       variants=split_list(variants), reference=reference, warmup=warmup, min_iters=min_iters,

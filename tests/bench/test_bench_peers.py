@@ -153,6 +153,8 @@ def test_sampled_decode_cells_are_said_and_refused_for_encoders(gguf_artifact, z
     refused = kiln("bench", str(encoder), "--batch", "1", "--seq", "8", "--no-reference", "--sampled")
     assert refused.returncode == 2 and "--sampled is for text generation" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    missing = kiln("bench", str(tmp_path / "no-such-artifact"), "--no-reference", "--sampled")
+    assert missing.returncode == 2 and f"{tmp_path / 'no-such-artifact'}: no such file or folder" in missing.stderr
 
 
 def test_a_peers_refused_decode_cell_is_a_note_and_its_other_cells_stay():
