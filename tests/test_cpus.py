@@ -18,6 +18,7 @@ from helpers import SRC
 from modelkiln import cpus
 from modelkiln.cpus import CpuBudget, Quota, available_cpus, cgroup_quota, cpu_budget, quota_cpus
 from modelkiln.errors import KilnError
+from modelkiln.machine import cpu_flags, matrix_engine
 from modelkiln.serve.settings import ServeSettings
 
 
@@ -128,6 +129,7 @@ def test_a_pinned_server_sizes_its_engines_from_one_cpu_and_refuses_more(zoo):
                               capture_output=True, text=True, env=env, timeout=120)
     assert "CPU budget: 1 (affinity)" in done.stderr
     assert "1 instance(s) x 1 thread(s), alone: 0 thread(s)" in done.stderr, done.stderr[-2000:]
+    assert f"variant fp32 on {matrix_engine('fp32', 'cpu', cpu_flags())}," in done.stderr  # the unit it runs on
 
 
 @taskset

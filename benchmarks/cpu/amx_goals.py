@@ -103,8 +103,7 @@ def inprocess(out: Path, amx_on: int) -> list[str]:
                     rate = statistics.median(r["output_tokens_per_s"] for r in results)
                     changed = sorted({r["changed"] for r in results if r.get("changed")})
                     cells.append(f"{n}: {rate:.1f} tok/s" + (f" (changed {', '.join(changed)})" if changed else ""))
-                kind = "kiln" if engine.startswith("kiln") else engine
-                lines.append(f"  {mode}, KILN_AMX={amx}, {kind}: " + "; ".join(cells))
+                lines.append(f"  {mode}, KILN_AMX={amx}, {engine}: " + "; ".join(cells))  # kiln's names its unit
             kiln = next((s for e, s in by_engine.items() if e.startswith("kiln")), None)
             openvino = next((s for e, s in by_engine.items() if "OpenVINO" in e), None)
             if kiln and openvino:
@@ -124,8 +123,14 @@ def bench(out: Path, amx_modes: list[int]) -> list[str]:
         if data is None:
             lines.append(f"  missing: smollm2-bench-amx{amx}.json")
             continue
-        cells[amx] = {(c["phase"], c["batch"], c["tokens"]): c["median"] for c in data["cells"]
-                      if c["backend"].startswith("onnxruntime")}
+        own = [c for c in data["cells"] if c["backend"].startswith("onnxruntime")]
+        cells[amx] = {(c["phase"], c["batch"], c["tokens"]): c["median"] for c in own}
+        # the unit the bench process ran on (kiln bench names it after loading: AMX on, or refused and why)
+        units = sorted({c.get("matrix_engine", "?") for c in own})
+        lines.append(f"  KILN_AMX={amx} ran on: {', '.join(units)}")
+        if amx == 1 and not all(unit.startswith("AMX") for unit in units):
+            why = [n for n in data.get("notes", []) if "KILN_AMX" in n]
+            lines.append("  AMX WAS NOT ON in the KILN_AMX=1 runs: their figures are not AMX's" + "".join(f" ({n})" for n in why))
     for key in sorted({k for c in cells.values() for k in c}):
         text = ", ".join(f"KILN_AMX={amx} {cells[amx][key]:.2f}" for amx in sorted(cells) if key in cells[amx])
         if 0 in cells and 1 in cells and key in cells[0] and key in cells[1]:

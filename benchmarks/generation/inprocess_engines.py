@@ -56,10 +56,13 @@ def stream_stats(token_times: list[list[float]], starts: list[float]) -> dict:
 def run_kiln(spec: dict) -> dict:
     from modelkiln.generation.core import Request, greedy, run_to_completion
     from modelkiln.generation.model import CoreOptions, TextGenerationModel
+    from modelkiln.native import variant_matrix_engine
 
     model = TextGenerationModel(spec["artifact"])
     variant = spec.get("variant") or model.default_variant().name
     core = model.core(variant, CoreOptions(threads=spec["threads"], max_running=max(spec["streams"])))
+    chosen = model.manifest.variant(variant)
+    unit = variant_matrix_engine(chosen.details, chosen.precision, chosen.device)  # AMX on or refused: the core exists
 
     drawn = SAMPLED if spec["mode"] == "sampled" else {}
 
@@ -79,7 +82,7 @@ def run_kiln(spec: dict) -> dict:
         ids = [r.request_id for r in requests]
         return [tokens[i] for i in ids], [times[i] for i in ids], [started] * len(ids), elapsed
 
-    return drive(spec, wave, f"kiln {variant} (engine core)")
+    return drive(spec, wave, f"kiln {variant} (engine core, {unit})")
 
 
 def run_ort_genai(spec: dict) -> dict:

@@ -63,3 +63,34 @@ def test_sts_eval_fp32_matches_pytorch(zoo):
     assert "pytorch fp32" in by_name and "onnxruntime fp32" in by_name
     assert abs(by_name["onnxruntime fp32"].delta) < 0.01
     assert -100 <= by_name["pytorch fp32"].spearman <= 100
+
+
+def test_generation_bench_names_the_unit_this_process_ran_on(tiny_generation_artifact, tmp_path, monkeypatch):
+    """Not the one convert recorded: an artifact converted without AMX and benched with KILN_AMX=1 (or the
+    other way) would be mislabelled. Here the record says AMX; where KILN_AMX=1 is refused, a note says why."""
+    import shutil
+
+    from modelkiln import native
+    from modelkiln.bench.generation import GenerationBenchConfig, run_generation_bench
+    from modelkiln.generation.model import TextGenerationModel
+    from modelkiln.machine import cpu_flags
+
+    artifact = tmp_path / "art"
+    shutil.copytree(tiny_generation_artifact, artifact)
+    manifest = json.loads((artifact / "kiln.json").read_text())
+    for v in manifest["variants"]:  # as a GGUF variant on kiln's operators records itself, converted with AMX on
+        v.setdefault("details", {}).update(native_ops=native.LAYOUT, matrix_engine="AMX (8+ rows), VNNI")
+    (artifact / "kiln.json").write_text(json.dumps(manifest))
+    monkeypatch.setenv("KILN_AMX", "1")
+    cfg = GenerationBenchConfig(prompt_lengths=[8], batches=[1], past=8, decode_steps=2, repeats=1, threads=1,
+                                variants=["fp32"], reference=False, peers=[])
+    result = run_generation_bench(TextGenerationModel(artifact), cfg)
+    engines = {c.matrix_engine for c in result.cells}
+    refusal = native.amx_refusal()
+    if "amx_int8" in cpu_flags() and refusal is None:
+        assert engines == {native.variant_matrix_engine({"native_ops": 2}, "fp32", "cpu")}
+        assert all(e.startswith("AMX (8+ rows)") for e in engines)
+    else:
+        assert refusal and engines == {native.variant_matrix_engine({"native_ops": 2}, "fp32", "cpu")}
+        assert not any(e.startswith("AMX") for e in engines)
+        assert f"KILN_AMX=1: AMX refused ({refusal}); kiln's GGUF operators ran on {engines.pop()}" in result.notes

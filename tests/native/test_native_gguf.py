@@ -2,6 +2,7 @@
 onnxruntime as a served graph runs them: the K-quants and the types with a scale per 32 weights."""
 import ctypes
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from generation_helpers import random_gguf_blocks
 from modelkiln.convert.gguf.blocks import FP16_FIELDS
 from modelkiln.convert.gguf.tiles import tiles
 from modelkiln.machine import cpu_flags
-from modelkiln.native import DOMAIN, GGML_TYPES, amx_on, library_path
+from modelkiln.native import (AMX_REFUSALS, DOMAIN, GGML_TYPES, amx_on, amx_refusal, library_path,
+                              variant_matrix_engine)
 
 pytestmark = pytest.mark.skipif(library_path() is None, reason="the native library is not built on this machine")
 
@@ -247,14 +249,16 @@ def _amx_agrees(mode: int) -> None:
             assert lib.kiln_gguf_use_amx(0)
             plain = _matmul(lib, kind, x, tiled, n, k)
             assert lib.kiln_gguf_use_amx(mode), "the kernel's own check against the AVX-512 kernel failed"
-            assert amx_on()  # what kiln convert's matrix engine column reads
+            assert amx_on() and amx_refusal() is None
+            # what kiln convert's matrix engine column, kiln bench's rows and kiln serve's log name
+            assert variant_matrix_engine({"native_ops": 2}, "int4", "cpu").startswith("AMX (8+ rows), ")
             tiled_rows = _matmul(lib, kind, x, tiled, n, k)
             assert np.array_equal(tiled_rows, plain), kind
             for row in (0, 15, 16, 31, 36):
                 assert np.array_equal(_matmul(lib, kind, x[row:row + 1], tiled, n, k)[0], tiled_rows[row]), (kind, row)
     finally:
         lib.kiln_gguf_use_amx(0)
-    assert not amx_on()
+    assert not amx_on() and not variant_matrix_engine({"native_ops": 2}, "int4", "cpu").startswith("AMX")
 
 
 @pytest.mark.skipif(not {"avx512bw", "avx512_vnni"} <= cpu_flags(), reason="the AMX kernel's float step is AVX-512's: this CPU has no AVX-512 VNNI")
@@ -268,8 +272,20 @@ def test_amx_is_refused_where_the_cpu_lacks_it_and_tested_where_asked():
     lib = ctypes.CDLL(library_path())
     if "amx_int8" not in cpu_flags():
         assert lib.kiln_gguf_use_amx(1) == 0  # never turned on without the unit
+        assert amx_refusal() == AMX_REFUSALS[4]  # and says why (kiln bench's note, kiln serve's log)
         lib.kiln_gguf_use_amx(0)
+        assert amx_refusal() is None  # not asked
         pytest.skip("this CPU has no AMX-INT8: the kernel on the unit itself is not run here")
     if os.environ.get("KILN_AMX") != "1":
         pytest.skip("AMX is opt-in (KILN_AMX=1) until measured on an AMX CPU; set it to run this test")
     _amx_agrees(1)
+
+
+def test_the_amx_refusals_named_are_the_kernels_states():
+    """native.AMX_REFUSALS reads gguf_q32.h's amx_state by number: the two lists must agree."""
+    header = (Path(__file__).parents[2] / "src" / "modelkiln" / "native" / "gguf_q32.h").read_text()
+    states = [name.strip() for name in header.split("enum amx_state {", 1)[1].split("}", 1)[0].split(",")]
+    assert states[:3] == ["AMX_OFF", "AMX_ON", "AMX_MODEL"]
+    assert {i: name for i, name in enumerate(states) if i >= 3} == {
+        3: "AMX_NOT_BUILT", 4: "AMX_NO_UNIT", 5: "AMX_NOT_GRANTED", 6: "AMX_DISAGREES"}
+    assert set(AMX_REFUSALS) == {3, 4, 5, 6}

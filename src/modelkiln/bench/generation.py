@@ -18,11 +18,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any, ContextManager
 
+from .. import native
 from ..errors import KilnError
 from ..generation.core import DEFAULT_MAX_RUNNING, Request, greedy, run_to_completion
 from ..generation.model import CoreOptions, TextGenerationModel
 from ..generation.sampling import SamplingParams
 from ..extras import install_hint
+from ..manifest import Variant
 from .generation_backends import (LlamaCppBackend, OrtGenaiBackend, TorchBackend, gguf_path, llama_cpp_available,
                                   llama_cpp_install_hint, ort_genai_available)
 from .isolation import DEFAULT_TIMEOUT_S, ChildFailed, run_in_child
@@ -57,7 +59,7 @@ class GenerationCell:
     tokens: int  # prompt length (prefill) or past length (decode)
     stats: Stats  # per call (prefill) or per step (decode), ms
     speedup: float | None = None
-    matrix_engine: str = "—"  # the unit an own variant's products ran on (recorded by kiln convert); peers: unknown
+    matrix_engine: str = "—"  # the unit an own variant's products ran on (native.variant_matrix_engine); peers: unknown
 
     @property
     def tokens_per_s(self) -> float:
@@ -253,14 +255,13 @@ def _run_peer(label: str, peer: dict[str, Any], inputs: GenerationInputs, cfg: G
 OWN_PREFIXES = ("onnxruntime ", "kiln ")
 
 
-def _own_variants(model: TextGenerationModel, cfg: GenerationBenchConfig) -> Iterator[tuple[str, Callable[[], Any], str]]:
-    """(label, the backend's factory, the matrix engine convert recorded: "—" in older artifacts)"""
+def _own_variants(model: TextGenerationModel, cfg: GenerationBenchConfig) -> Iterator[tuple[str, Callable[[], Any], Variant]]:
+    """(label, the backend's factory, the variant)"""
     for v in model.manifest.kept_variants():
         if v.device != "cpu" or (cfg.variants and v.name not in cfg.variants):
             continue
         label = f"kiln {v.name}" if v.engine == "torch" else f"onnxruntime {v.name}"
-        yield (label, partial(OnnxBackend, model, v.name, cfg.threads, max_batch=max(cfg.batches)),
-               v.details.get("matrix_engine", "—"))
+        yield label, partial(OnnxBackend, model, v.name, cfg.threads, max_batch=max(cfg.batches)), v
 
 
 def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
@@ -277,12 +278,17 @@ def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
         peer_cells, peer_notes = _run_peer(label, peer, inputs, cfg, steps)
         cells += peer_cells
         notes += peer_notes
-    for label, factory, engine in _own_variants(model, cfg):
+    for label, factory, variant in _own_variants(model, cfg):
         with steps(f"Loading {label}"):
             backend = factory()
+        # the unit this process runs it on (loaded: AMX is on, or refused), not the one convert recorded
+        engine = native.variant_matrix_engine(variant.details, variant.precision, variant.device)
         own_cells, own_notes = measure_backend(backend, label, inputs, cfg, steps)
         for cell in own_cells:
             cell.matrix_engine = engine
+        refusal = native.amx_refusal() if "native_ops" in variant.details else None
+        if refusal and not any(note.startswith("KILN_AMX=1") for note in notes):
+            notes.append(f"KILN_AMX=1: AMX refused ({refusal}); kiln's GGUF operators ran on {engine}")
         cells += own_cells
         notes += own_notes
         del backend  # free it before the next variant loads

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from ..errors import ArtifactError
 from ..manifest import Manifest, Variant
-from ..native import check_layout
+from ..native import check_layout, log_amx_refusal
 from ..tasks.text_generation import is_generation
 from .chat.templates import chat_messages, render_chat
 from .chat.tokens import ChatTokens
@@ -119,7 +119,9 @@ class TextGenerationModel:
     def engine(self, variant: str | None = None, options: EngineOptions = EngineOptions()) -> Engine:
         chosen = self._chosen(variant, options.device)
         assert chosen.file is not None
-        return self.engine_for_file(self.folder / chosen.file, options, chosen.engine)
+        engine = self.engine_for_file(self.folder / chosen.file, options, chosen.engine)
+        log_amx_refusal(chosen.details)
+        return engine
 
     def engine_for_file(self, path: Path, options: EngineOptions = EngineOptions(), kind: str | None = None) -> Engine:
         """An engine on a graph file of this model (the converter's candidates are not variants yet)."""
@@ -131,7 +133,9 @@ class TextGenerationModel:
         the gate and the bench all run, built here alone so they schedule alike."""
         chosen = self._chosen(variant, (options or CoreOptions()).device)
         assert chosen.file is not None
-        return self.core_for_file(self.folder / chosen.file, options, hooks, chosen.engine)
+        core = self.core_for_file(self.folder / chosen.file, options, hooks, chosen.engine)
+        log_amx_refusal(chosen.details)
+        return core
 
     def core_for_file(self, path: Path, options: CoreOptions | None = None, hooks: CoreHooks | None = None,
                       kind: str | None = None) -> EngineCore:

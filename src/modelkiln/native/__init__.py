@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import logging
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from ..errors import ArtifactError
+from ..machine import cpu_flags, matrix_engine
+
+log = logging.getLogger(__name__)
 
 DOMAIN = "kiln.gguf"
 # the GGUF types these operators read (ggml's type numbers)
@@ -55,6 +61,48 @@ def amx_on() -> bool:
     AMX-INT8 and the kernels' check passed, set when a session registers the operators: gguf_amx.c)."""
     path = library_path()
     return bool(path and ctypes.CDLL(path).kiln_gguf_amx_on())
+
+
+# Why ``KILN_AMX=1`` left AMX off (gguf_q32.h's amx_state, from the third on)
+AMX_REFUSALS = {
+    3: "this kiln was compiled without AMX's instructions (GCC older than 11 or clang older than 12)",
+    4: "this CPU has no AMX-INT8",
+    5: "Linux did not grant this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)",
+    6: "the AMX kernels' check product differed from the AVX-512 kernels' bits",
+}
+
+
+def amx_refusal() -> str | None:
+    """Why ``KILN_AMX=1`` did not turn AMX on in this process, or None (on, or not asked). Set when a
+    session registers the operators (gguf_ops.c's RegisterCustomOps runs the check)."""
+    path = library_path()
+    return AMX_REFUSALS.get(ctypes.CDLL(path).kiln_gguf_amx_state()) if path else None
+
+
+def log_amx_refusal(details: Mapping[str, Any]) -> None:
+    """Says once a process why ``KILN_AMX=1`` left AMX off, for a variant on these operators (a session
+    of it exists: registering the operators ran the check)."""
+    refusal = amx_refusal() if "native_ops" in details else None
+    if refusal and refusal not in _refusals_said:
+        _refusals_said.add(refusal)
+        log.warning("KILN_AMX=1 asked for AMX, refused: %s; kiln's GGUF operators run on their AVX-512 or AVX2 "
+                    "kernels (the same bits)", refusal)
+
+
+_refusals_said: set[str] = set()
+
+
+def variant_matrix_engine(details: Mapping[str, Any], precision: str, device: str) -> str:
+    """The unit a text-generation variant's matrix products run on in this process (``kiln convert``'s
+    table, ``kiln bench``'s rows, ``kiln serve``'s log): int8 dot products where its activations are
+    quantized to int8 (these operators; MatMulNBits at accuracy level 4), else the unit of its float
+    precision (``machine.matrix_engine``); these operators with AMX on run eight rows and more on its
+    tiles. Ask after a session of the variant exists: AMX is turned on, or refused, when one registers
+    the operators."""
+    native = "native_ops" in details
+    int8 = native or details.get("accuracy_level") == 4
+    unit = matrix_engine("int8" if int8 else precision, device, cpu_flags())
+    return f"AMX (8+ rows), {unit}" if native and device == "cpu" and amx_on() else unit
 
 
 def check_layout(details: dict, variant: str) -> None:

@@ -141,14 +141,28 @@ static int agrees_with_avx512(amx_rows_fn fn) {
     return 1;
 }
 
-/* 0: off; 1: the CPU's AMX (returns 0, and stays off, where it is missing, refused, or disagrees);
- * 2: the model of the tiles (tests). Call after q32_use_avx512(1): the check compares with it. */
+/* Why the CPU's AMX cannot run these kernels here (an amx_state), or AMX_ON. */
+static int amx_refusal(void) {
+    if (!AMX_COMPILED) return AMX_NOT_BUILT;
+    if (!cpu_has_amx_int8()) return AMX_NO_UNIT;
+    if (!linux_grants_tiles()) return AMX_NOT_GRANTED;
+    return agrees_with_avx512(rows_amx) ? AMX_ON : AMX_DISAGREES;
+}
+
+/* 0: off; 1: the CPU's AMX (stays off where it is missing, refused, or disagrees); 2: the model of the tiles
+ * (tests). Returns what it found (an amx_state). Call after q32_use_avx512(1): the check compares with it. */
 int q32_use_amx(int mode) {
     amx_rows = NULL;
-    if (mode == 1 && AMX_COMPILED && cpu_has_amx_int8() && linux_grants_tiles() && agrees_with_avx512(rows_amx))
-        amx_rows = rows_amx;
-    if (mode == 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
-        agrees_with_avx512(rows_model))
+    if (mode == 1) {
+        const int state = amx_refusal();
+        if (state == AMX_ON) amx_rows = rows_amx;
+        return state;
+    }
+    if (mode == 2) {
+        if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vnni")) return AMX_NO_UNIT;
+        if (!agrees_with_avx512(rows_model)) return AMX_DISAGREES;
         amx_rows = rows_model;
-    return mode == 0 || amx_rows != NULL;
+        return AMX_MODEL;
+    }
+    return AMX_OFF;
 }

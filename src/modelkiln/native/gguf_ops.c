@@ -827,18 +827,22 @@ static int k_agrees_with_avx512(k_amx_fn fn) {
     return same;
 }
 
+static int amx_state = AMX_OFF;  /* what the last kiln_gguf_use_amx found (kiln_gguf_amx_state) */
+
 /* AMX (gguf_amx_tiles.h): 0 off, 1 the CPU's, 2 a model of its tiles (tests); returns whether the
  * mode took: every kernel's check against the AVX-512 kernels passed (call after
  * kiln_gguf_use_avx512(1)). Rows go to AMX in groups of up to sixteen while at least AMX_MIN_ROWS
  * are left (fewer: the VNNI kernels, four at a time); the same bits either way. */
+
 __attribute__((visibility("default")))
 int kiln_gguf_use_amx(int mode) {
     k_amx_rows = NULL;
-    if (!q32_use_amx(mode)) return 0;
-    if (mode == 0) return 1;
+    amx_state = q32_use_amx(mode);
+    if (amx_state != AMX_ON && amx_state != AMX_MODEL) return amx_state == AMX_OFF;
     const k_amx_fn fn = mode == 1 ? k_rows_amx : k_rows_model;
     if (!k_agrees_with_avx512(fn)) {
         q32_use_amx(0);
+        amx_state = AMX_DISAGREES;
         return 0;
     }
     k_amx_rows = fn;
@@ -847,6 +851,9 @@ int kiln_gguf_use_amx(int mode) {
 
 __attribute__((visibility("default")))
 int kiln_gguf_amx_on(void) { return k_amx_rows != NULL; }
+
+__attribute__((visibility("default")))
+int kiln_gguf_amx_state(void) { return amx_state; }
 
 /* The AVX-512 (VNNI) forms where the CPU has them (the same results as the AVX2 forms). */
 __attribute__((visibility("default")))

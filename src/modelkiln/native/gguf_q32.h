@@ -31,8 +31,11 @@ void q32_dequantize_row(int type, const uint8_t *w, int64_t row, int64_t nb, flo
 void q32_use_avx512(int on);
 /* AMX (gguf_amx.c): rows 1..AMX_MAX_ROWS (gguf_amx_tiles.h) of X at x, x + nb, ... (one q8_32 array) against a tile, where
  * q32_use_amx turned it on (q32_amx_on); the same bits as q32_tile_rows. */
-int q32_use_amx(int mode);
+int q32_use_amx(int mode);  /* an amx_state */
 int q32_amx_on(void);
+/* What turning AMX on found (kiln_gguf_amx_state; native/__init__.py names them): off (not asked), on, on over the
+ * model of the tiles (tests), or why it was refused. */
+enum amx_state { AMX_OFF, AMX_ON, AMX_MODEL, AMX_NOT_BUILT, AMX_NO_UNIT, AMX_NOT_GRANTED, AMX_DISAGREES };
 void q32_amx_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][16]);
 
 #endif

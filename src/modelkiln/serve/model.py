@@ -21,7 +21,8 @@ import numpy as np
 from ..errors import InvalidInputError, KilnError, RequestTimeoutError
 from ..manifest import Manifest
 from ..runtime.pipeline import load_encoder, load_variant
-from ..runtime.registry import capabilities
+from ..machine import cpu_flags, matrix_engine
+from ..runtime.registry import capabilities, engine_kind
 from ..tasks import make_task
 from ..tasks import tensors as tensors_protocol
 from .batcher import Batcher, BatchHooks, Item, Job, wait_for
@@ -114,9 +115,10 @@ class EncoderModel(BatchHooks):
                 self._warm_up(0, alone=True)
         self.batcher.start()
         self.ready = True
-        log.info("loaded model %s (%s, variant %s, %d instance(s) x %d thread(s), alone: %d thread(s)) in %.1fs",
-                 self.name, self.task.name, self.variant.name, self.instances, self.threads, self.alone_threads,
-                 time.perf_counter() - started)
+        v = self.variant
+        log.info("loaded model %s (%s, variant %s on %s, %d instance(s) x %d thread(s), alone: %d thread(s)) in %.1fs",
+                 self.name, self.task.name, v.name, matrix_engine(v.precision, v.device, cpu_flags(), engine_kind(v)),
+                 self.instances, self.threads, self.alone_threads, time.perf_counter() - started)
 
     def _warm_up(self, instance: int, alone: bool = False) -> None:
         """Run a short and a full-size batch so first requests don't pay for arena growth."""

@@ -31,7 +31,7 @@ from ...errors import ConversionError, ModelLoadError, ValidationFailedError
 from ...generation.core import EngineCore, Request, greedy
 from ...generation.engines.registry import ONNX_EXPORT, ONNX_SERVING, TORCH
 from ...generation.model import CoreOptions, TextGenerationModel
-from ...machine import cpu_description, cpu_flags, matrix_engine
+from ...machine import cpu_description
 from ...manifest import Manifest, TokenizerSpec, Variant
 from ... import native
 from ...native import LAYOUT as NATIVE_LAYOUT
@@ -302,12 +302,14 @@ def _gate(cfg: Any, artifact: TextGenerationModel, gate: GatePrompts, built: lis
             ref = ReferenceRun(store, reference.run(sequences, gate.paragraphs, store), reference.description)
             variants = []
             for b in built:
+                device = options[b.name].device
                 validation, found, reason = judge(ref, runs[b.name], gate.prompts, gate_cfg[b.precision])
                 reason = _refuse_batch_variant(invariance[b.name], validation, found, reason)
-                variants.append(Variant(b.name, b.precision, options[b.name].device, b.path.name, validation.passed,
+                engine = native.variant_matrix_engine(b.details, b.precision, device)
+                variants.append(Variant(b.name, b.precision, device, b.path.name, validation.passed,
                                         reason=reason, validation=validation, latency_ms=latency[b.name],
                                         latency_shape=[1, 1], details={**b.details, **found, "decode_past": DECODE_PAST,
-                                                                       "matrix_engine": _matrix_engine(b, options[b.name].device)},
+                                                                       "matrix_engine": engine},
                                         engine=b.engine))
     finally:
         for run in runs.values():
@@ -357,16 +359,6 @@ def _default_variant(variants: list[Variant], device: str) -> str:
         return v.latency_ms
 
     return min(close or kept, key=latency).name
-
-
-def _matrix_engine(b: Built, device: str) -> str:
-    """The unit a variant's products run on (``machine.matrix_engine``, named in convert's table):
-    int8 dot products where its activations are quantized to int8 (kiln's native GGUF operators,
-    MatMulNBits at accuracy level 4), else the unit of its float precision; kiln's native operators
-    with AMX on (``KILN_AMX=1``) run eight rows and more on its tiles."""
-    int8 = "native_ops" in b.details or b.details.get("accuracy_level") == 4
-    unit = matrix_engine("int8" if int8 else b.precision, device, cpu_flags())
-    return f"AMX (8+ rows), {unit}" if "native_ops" in b.details and native.amx_on() else unit
 
 
 def _refuse_batch_variant(invariance: Any, validation: Any, details: dict[str, Any], reason: str) -> str:

@@ -37,6 +37,7 @@ from . import oip, resume
 from ...generation.structured_output.grammars import Grammars
 from ...generation.request.params import requested_constraint, sampling_params
 from ...generation.structured_output.vocabulary import Vocabulary
+from ...native import variant_matrix_engine
 from .loop_driver import CoreHooks, Job, LoopDriver
 
 log = logging.getLogger("modelkiln.serve")
@@ -106,9 +107,10 @@ class GenerationModel:
             driver.start()
         self.kv_budget = sum(totals.budgets)
         self.ready = True
-        log.info("loaded text-generation model %s (variant %s, %d engine replica(s) x %d thread(s), KV budget %d tokens, "
-                 "context %d) in %.1fs", self.name, self.variant.name, self.instances, self.threads, self.kv_budget,
-                 self.max_context, time.perf_counter() - started)
+        v = self.variant
+        log.info("loaded text-generation model %s (variant %s on %s, %d engine replica(s) x %d thread(s), KV budget %d "
+                 "tokens, context %d) in %.1fs", self.name, v.name, variant_matrix_engine(v.details, v.precision, v.device),
+                 self.instances, self.threads, self.kv_budget, self.max_context, time.perf_counter() - started)
 
     def stop(self) -> None:
         """Refuse new requests; finish the accepted ones; end the driver threads."""
