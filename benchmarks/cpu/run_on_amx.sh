@@ -22,13 +22,16 @@
 #      and kiln with AMX off (inprocess_engines.py; answers changed by load counted for each);
 #   6. the 0.5B and 1B shapes served against llama-server at 1 and 16 streams, greedy and sampled, AMX on.
 # OUT/goals.txt then puts each goal beside its figures (amx_goals.py). A CPU without AMX stops here with exit 2, unless
-# REHEARSE=1 (runs every step but the AMX-on ones: to try the script on another machine); ROUNDS=N (default 2)
+# REHEARSE=1 (runs every step but the AMX-on ones: to try the script on another machine) or REHEARSE=amx (the AMX-on
+# steps too, where KILN_AMX=1 is refused and says why: their plumbing, and goals.txt's flag); ROUNDS=N (default 2)
 # sets the interleaved rounds of steps 3 to 6; ONLY="minilm-served smollm2-inprocess-*" runs those steps again
 # into the same OUT (their names are OUT's .txt files).
 set -uo pipefail
 OUT=${1:?usage: run_on_amx.sh OUT}
 if grep -qw amx_int8 /proc/cpuinfo; then AMX_MODES="0 1"
 elif [ "${REHEARSE:-0}" = 1 ]; then AMX_MODES="0"; echo "REHEARSE=1: no AMX here, the AMX-on steps are left out"
+elif [ "${REHEARSE:-0}" = amx ]; then AMX_MODES="0 1"
+  echo "REHEARSE=amx: no AMX here; the AMX-on steps run all the same, with KILN_AMX=1 refused (their plumbing, not AMX)"
 else echo "this CPU has no AMX-INT8: nothing to measure here (REHEARSE=1 tries the script without it)" >&2; exit 2
 fi
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -41,7 +44,8 @@ AMX_ON=${AMX_MODES##* }  # 1 where the CPU has AMX, else 0
 { "$PY" -c "from modelkiln.machine import cpu_description; print(cpu_description())"
   lscpu | grep -E "Model name|CPU family|^Model:|^CPU\(s\)"
   grep -m1 -o -E "amx[a-z_0-9]*" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
-  git log -1 --format="build %h %s"; date -u; } | tee "$OUT/cpu.txt"
+  git log -1 --format="build %h %s"; date -u
+  [ "${REHEARSE:-0}" = amx ] && echo "REHEARSE=amx"; } | tee "$OUT/cpu.txt"
 
 step() {  # step NAME COMMAND...: run, tee its output to OUT/NAME.txt, report its exit status
   if [ -n "${ONLY:-}" ] && [[ $1 != prepare-* ]]; then  # ONLY: the steps to run again (patterns); peers are kept

@@ -306,6 +306,7 @@ def _gate(cfg: Any, artifact: TextGenerationModel, gate: GatePrompts, built: lis
                 validation, found, reason = judge(ref, runs[b.name], gate.prompts, gate_cfg[b.precision])
                 reason = _refuse_batch_variant(invariance[b.name], validation, found, reason)
                 engine = native.variant_matrix_engine(b.details, b.precision, device)
+                native.log_amx_refusal(b.details)  # KILN_AMX=1 and the table says VNNI: why
                 variants.append(Variant(b.name, b.precision, device, b.path.name, validation.passed,
                                         reason=reason, validation=validation, latency_ms=latency[b.name],
                                         latency_shape=[1, 1], details={**b.details, **found, "decode_past": DECODE_PAST,
