@@ -229,12 +229,15 @@ def test_stack_and_split_round_trip():
 
 # Each generated python model imports modelkiln from the snapshot next to it; a module missing from
 # the snapshot would fail only inside tritonserver. Run each model file's imports with a stand-in
-# for Triton's ``triton_python_backend_utils`` and check that every modelkiln module came from the snapshot.
+# for Triton's ``triton_python_backend_utils``, then import every module of the snapshot (what the
+# model imports when it loads its engine), and check that every modelkiln module came from the snapshot.
 _IMPORT_CHECK = """
-import runpy, sys, types
+import importlib, pathlib, runpy, sys, types
 sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
 folder = sys.argv[1]
 runpy.run_path(folder + "/model.py")
+for path in sorted(pathlib.Path(folder, "modelkiln").rglob("*.py")):
+    importlib.import_module(".".join(path.relative_to(folder).with_suffix("").parts).removesuffix(".__init__"))
 outside = sorted(n for n, m in sys.modules.items()
                  if n.split(".")[0] == "modelkiln" and not (getattr(m, "__file__", None) or folder).startswith(folder))
 assert not outside, outside

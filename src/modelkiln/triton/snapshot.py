@@ -21,9 +21,9 @@ _TASKS = (
 )
 
 # kiln's native libraries: the onnxruntime operators over GGUF K-quant blocks, which runtime/onnx.py
-# registers with every session, and the sampler's exact arithmetic; the finder and, where they were
-# built, the libraries themselves.
-_NATIVE = ("native/__init__.py", *sorted(f"native/{p.name}" for p in (Path(__file__).parent.parent / "native").glob("_*")
+# registers with every session, and the sampler's exact arithmetic; the finder (with machine.py, which
+# names the unit a variant runs on) and, where they were built, the libraries themselves.
+_NATIVE = ("native/__init__.py", "machine.py", *sorted(f"native/{p.name}" for p in (Path(__file__).parent.parent / "native").glob("_*")
                                          if p.suffix in (".so", ".pyd")))
 
 # The encoder models (tokenize, postprocess, the python-backend model); the engines (the registry,
