@@ -2,7 +2,8 @@
 of their length buys back (runtime/openvino.py's BUCKET), against onnxruntime on kiln's int8.
 
 1. One compiled model, batch 1: the same shape call after call (16 tokens, 20 tokens), then 16 and
-   20 alternating, then 16/20/32 in turn: the difference is what each shape change costs.
+   20 alternating, then 16/20/32 in turn: the difference is what each shape change costs. 1b: the
+   same for the number of rows (1 to 4 rows of 16 tokens, each repeated, then in turn).
 2. STS-B sentences (shuffled, seed 0) in batches of 4 of neighbouring lengths, as a server forms them,
    and one at a time: ms per text with each row run at its exact length, in buckets of 8 and of 16
    tokens, and onnxruntime's int8 on the same batches (padded to the longest, one call).
@@ -70,6 +71,16 @@ def main() -> None:
             for f in (f16, f20, f32):
                 run(f)
             cells = [per_call_ms(run, seq) for seq in ([f16], [f20], [f16, f20], [f16, f20, f32])]
+            say(f"   {label:32s} " + " | ".join(f"{c:.3f}" for c in cells))
+    # a server's batches differ in their number of rows too, which buckets of width do not cover
+    sizes = [make_feeds(args.artifact, manifest, rows, 16) for rows in (1, 2, 3, 4)]
+    say("1b. ms a call, 16 tokens: 1 | 2 | 3 | 4 rows, each repeated; their mean; the four sizes in turn")
+    for _ in range(args.rounds):
+        for label, run in (("openvino (one call, as given)", engine._infer), ("onnxruntime int8", onnx.run)):
+            for f in sizes:
+                run(f)
+            repeated = [per_call_ms(run, [f]) for f in sizes]
+            cells = [*repeated, float(np.mean(repeated)), per_call_ms(run, sizes)]
             say(f"   {label:32s} " + " | ".join(f"{c:.3f}" for c in cells))
 
     encoder = load_encoder(args.artifact, manifest)
