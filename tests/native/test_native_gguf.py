@@ -2,12 +2,15 @@
 onnxruntime as a served graph runs them: the K-quants and the types with a scale per 32 weights."""
 import ctypes
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from generation_helpers import random_gguf_blocks
+from helpers import SRC
 from modelkiln.convert.gguf.blocks import FP16_FIELDS
 from modelkiln.convert.gguf.tiles import tiles
 from modelkiln.machine import cpu_flags
@@ -289,3 +292,16 @@ def test_the_amx_refusals_named_are_the_kernels_states():
     assert {i: name for i, name in enumerate(states) if i >= 3} == {
         3: "AMX_NOT_BUILT", 4: "AMX_NO_UNIT", 5: "AMX_NOT_GRANTED", 6: "AMX_DISAGREES"}
     assert set(AMX_REFUSALS) == {3, 4, 5, 6}
+
+
+def test_what_turning_amx_on_found_outlives_the_sessions():
+    """kiln convert names the unit after its sessions end, and onnxruntime unloads the library with the last
+    session options that registered it: loaded again, the library would say AMX was never asked for. A
+    fresh process, KILN_AMX=1, one session's options made and dropped: the state is still there."""
+    code = ("import gc; from modelkiln import native; from modelkiln.runtime.onnx import session_options; "
+            "session_options(1); gc.collect(); print(native.amx_on(), native.amx_refusal())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "KILN_AMX": "1", "PYTHONPATH": str(SRC)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = "True None" if "amx_int8" in cpu_flags() else f"False {AMX_REFUSALS[4]}"
+    assert done.stdout.strip() == expected, done.stderr[-2000:]

@@ -38,13 +38,20 @@ _CPU_FLAGS = ("avx2", "fma", "f16c")  # what the library is compiled for
 
 @lru_cache(maxsize=1)
 def library_path() -> str | None:
-    """The built library, or None where it was not built or this CPU cannot run it."""
+    """The built library, or None where it was not built or this CPU cannot run it. Found, it is also
+    loaded here, once, and stays loaded: onnxruntime unloads a custom-operator library with the last
+    session options that registered it, and loaded again it would have forgotten what registering found
+    (AMX on or refused: ``amx_on``, ``amx_refusal``), which ``kiln convert`` reads after its sessions end."""
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = here / f"_gguf_ops{suffix}"
         if path.exists() and _cpu_supported():
+            _loaded.append(ctypes.CDLL(str(path)))
             return str(path)
     return None
+
+
+_loaded: list[ctypes.CDLL] = []  # library_path's handle, held for the life of the process
 
 
 def _cpu_supported() -> bool:
