@@ -38,20 +38,23 @@ _CPU_FLAGS = ("avx2", "fma", "f16c")  # what the library is compiled for
 
 @lru_cache(maxsize=1)
 def library_path() -> str | None:
-    """The built library, or None where it was not built or this CPU cannot run it. Found, it is also
-    loaded here, once, and stays loaded: onnxruntime unloads a custom-operator library with the last
-    session options that registered it, and loaded again it would have forgotten what registering found
-    (AMX on or refused: ``amx_on``, ``amx_refusal``), which ``kiln convert`` reads after its sessions end."""
+    """The built library, or None where it was not built or this CPU cannot run it."""
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = here / f"_gguf_ops{suffix}"
         if path.exists() and _cpu_supported():
-            _loaded.append(ctypes.CDLL(str(path)))
             return str(path)
     return None
 
 
-_loaded: list[ctypes.CDLL] = []  # library_path's handle, held for the life of the process
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The library loaded once; the cache holds it for the life of the process. onnxruntime unloads a
+    custom-operator library with the last session options that registered it, and loaded again it would
+    have forgotten what registering found (AMX on or refused: ``amx_on``, ``amx_refusal``), which
+    ``kiln convert`` reads after its sessions end: ``runtime/onnx.register_native_ops`` loads it here first."""
+    path = library_path()
+    return ctypes.CDLL(path) if path else None
 
 
 def _cpu_supported() -> bool:
@@ -66,8 +69,8 @@ def _cpu_supported() -> bool:
 def amx_on() -> bool:
     """Whether GgufMatMul runs rows on AMX's tiles in this process (``KILN_AMX=1`` where the CPU has
     AMX-INT8 and the kernels' check passed, set when a session registers the operators: gguf_amx.c)."""
-    path = library_path()
-    return bool(path and ctypes.CDLL(path).kiln_gguf_amx_on())
+    lib = library()
+    return bool(lib and lib.kiln_gguf_amx_on())
 
 
 # Why ``KILN_AMX=1`` left AMX off (gguf_q32.h's amx_state, from the third on)
@@ -82,8 +85,8 @@ AMX_REFUSALS = {
 def amx_refusal() -> str | None:
     """Why ``KILN_AMX=1`` did not turn AMX on in this process, or None (on, or not asked). Set when a
     session registers the operators (gguf_ops.c's RegisterCustomOps runs the check)."""
-    path = library_path()
-    return AMX_REFUSALS.get(ctypes.CDLL(path).kiln_gguf_amx_state()) if path else None
+    lib = library()
+    return AMX_REFUSALS.get(lib.kiln_gguf_amx_state()) if lib else None
 
 
 def log_amx_refusal(details: Mapping[str, Any]) -> None:

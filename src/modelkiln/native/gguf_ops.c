@@ -833,7 +833,6 @@ static int amx_state = AMX_OFF;  /* what the last kiln_gguf_use_amx found (kiln_
  * mode took: every kernel's check against the AVX-512 kernels passed (call after
  * kiln_gguf_use_avx512(1)). Rows go to AMX in groups of up to sixteen while at least AMX_MIN_ROWS
  * are left (fewer: the VNNI kernels, four at a time); the same bits either way. */
-
 __attribute__((visibility("default")))
 int kiln_gguf_use_amx(int mode) {
     k_amx_rows = NULL;

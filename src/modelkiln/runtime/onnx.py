@@ -44,10 +44,11 @@ def session_options(threads: int | None, memory_arena: bool = True) -> ort.Sessi
 def register_native_ops(options: ort.SessionOptions) -> None:
     """kiln's own operators (native/: GGUF K-quant blocks), where the library was built: a graph
     converted with them needs them, any other graph ignores them."""
-    from ..native import library_path
+    from ..native import library, library_path
 
     path = library_path()
     if path:
+        library()  # held by kiln first, so that what registering finds outlives these options (native.library)
         options.register_custom_ops_library(path)
 
 
