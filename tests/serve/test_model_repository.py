@@ -49,6 +49,13 @@ def index(server: Server, **body) -> dict[str, dict]:
     return {e["name"]: e for e in r.json()}
 
 
+def loaded_info(server: Server) -> dict[str, float]:
+    """kiln_model_info's value per model in /metrics (1 while loaded, 0 once unloaded)."""
+    text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    lines = [ln for ln in text.splitlines() if ln.startswith("kiln_model_info{")]
+    return {ln.split('model="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines}
+
+
 def wait_until(check, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -125,8 +132,10 @@ def test_explicit_index_load_unload_and_failed_loads(tmp_path, sources, workers)
         assert after.status_code == 200 and after.json()["outputs"] == before["outputs"]
         assert index(server)["emb"]["state"] == "READY"
 
+        assert loaded_info(server) == {"cls": 1.0, "emb": 1.0}  # the failed reloads left emb's as it was
         assert call(server, "/v2/repository/models/cls/unload").status_code == 200
         everywhere(server, "/v2/models/cls/predict", TEXT, 404)
+        assert loaded_info(server) == {"cls": 0.0, "emb": 1.0}
         assert index(server)["cls"] == {"name": "cls", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
         assert set(index(server, ready=True)) == {"emb"}
         assert call(server, "/v2/repository/models/cls/unload").status_code == 200  # not loaded: nothing to do
@@ -293,6 +302,7 @@ def test_poll_picks_up_added_changed_and_removed_folders_while_serving(tmp_path,
         steady = asyncio.run(scenario())
         assert set(steady) == {200} and steady[200] > 20, steady
         assert {n: e["state"] for n, e in index(server).items()} == {"steady": "READY", "broken": "UNAVAILABLE"}
+        assert loaded_info(server) == {"steady": 1.0, "emb": 0.0}  # reloaded: the new one's 1, the old one's gone
     finally:
         code, err = server.stop()
     assert code == 0, err[-2000:]

@@ -20,6 +20,7 @@ import pytest
 
 from error_cases import CASES, HTTP_STATUS
 from modelkiln.errors import ErrorKind
+from modelkiln.machine import cpu_flags, matrix_engine
 from modelkiln.net import free_port
 from modelkiln.runtime.pipeline import load_pipeline
 from modelkiln.samples import SAMPLE_QA, SAMPLE_TEXTS
@@ -57,10 +58,12 @@ def test_health_metadata_and_stats(server):
     assert httpx.get(server.url + "/v2/health/ready").status_code == 200
     meta = httpx.get(server.url + "/v2").json()
     assert meta["name"] == "modelkiln" and "binary_tensor_data" in meta["extensions"]
+    fp32_unit = matrix_engine("fp32", "cpu", cpu_flags())
     for name, task in TASKS.items():
         for path in (f"/v2/models/{name}", f"/v2/models/{name}/versions/1"):
             m = httpx.get(server.url + path).json()
             assert m["name"] == name and m["parameters"]["task"] == task and m["versions"] == ["1"]
+            assert m["parameters"]["matrix_engine"] == fp32_unit  # the unit its products run on
         assert httpx.get(f"{server.url}/v2/models/{name}/ready").status_code == 200
     emb = httpx.get(server.url + "/v2/models/emb").json()
     assert emb["inputs"] == [{"name": "TEXT", "datatype": "BYTES", "shape": [-1]}]
@@ -73,6 +76,9 @@ def test_health_metadata_and_stats(server):
                  "kiln_batch_compute_seconds", "kiln_requests_in_flight"):
         assert name in metrics
     assert 'route="predict",status="200"' in metrics
+    for name, task in TASKS.items():  # Prometheus' info pattern: what each model runs, on which unit
+        assert (f'kiln_model_info{{matrix_engine="{fp32_unit}",model="{name}",task="{task}",variant="fp32"}} 1.0'
+                in metrics)
 
 
 # --- tritonclient: every task, JSON and binary ------------------------------------------------------

@@ -24,6 +24,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from helpers import SRC
+from modelkiln.manifest import Manifest
+from modelkiln.native import variant_matrix_engine
 from modelkiln.samples import SAMPLE_TEXTS
 from servers import GrpcServer
 from servers import Server
@@ -236,6 +238,12 @@ def test_text_generation_runs_its_engine_in_one_process_behind_the_workers(tiny_
         bad = post_fresh(server.url, "/v1/completions", {"model": "gen", "prompt": "x", "max_tokens": -3})
         assert bad.status_code == 400 and "max_tokens" in bad.text
         assert metric(server.url, "vllm:generation_tokens_total", 'model_name="gen"') >= 24 * 10
+        meta = httpx.get(server.url + "/v2/models/gen", timeout=10).json()["parameters"]  # a worker's answer
+        variant = Manifest.load(tiny_generation_artifact).variant(meta["variant"])
+        unit = variant_matrix_engine(variant.details, variant.precision, variant.device)
+        assert meta["matrix_engine"] == unit
+        assert metric(server.url, "kiln_model_info",  # written by the engine process
+                      f'matrix_engine="{unit}",model="gen",task="text-generation",variant="{variant.name}"') == 1.0
         late = threading.Thread(target=ask, args=(1, True, 9))
         late.start()
         time.sleep(0.2)

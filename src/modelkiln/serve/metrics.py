@@ -44,6 +44,12 @@ class Metrics:
                                multiprocess_mode=live)
         self.queued = Gauge("kiln_queue_inputs", "Inputs waiting for a batch.", ["model"], registry=r,
                             multiprocess_mode=live)
+        # What each loaded model runs, as Prometheus' info pattern: which hosts of a fleet really multiply on AMX,
+        # which fell back (a refused KILN_AMX=1 says why in the load log). A load adds 1 and its release takes it
+        # away (0 once unloaded): a reload loads the new model before it releases the old, under the same labels.
+        self.model_info = Gauge("kiln_model_info", "A loaded model: its task, variant and the matrix engine its "
+                                "products run on (1 while loaded).", ["model", "task", "variant", "matrix_engine"],
+                                registry=r, multiprocess_mode="livemax")
         # kiln ray's router, when a replica is lost under a request (ray/failover.py)
         self.retries = Counter("kiln_retries_total", "Requests sent again to another replica after theirs was "
                                "lost before answering (encoder requests; generation before its first token).",

@@ -88,6 +88,7 @@ class EncoderModel(BatchHooks):
         self._size_hist = metrics.batch_size.labels(self.name)
         self._tokens_hist = metrics.batch_tokens.labels(self.name)
         self._queued_gauge = metrics.queued.labels(self.name)
+        self.matrix_engine: str | None = None  # the unit its products run on, found at load
 
     # -- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
@@ -114,11 +115,13 @@ class EncoderModel(BatchHooks):
             if self.alone_engine is not None:
                 self._warm_up(0, alone=True)
         self.batcher.start()
-        self.ready = True
         v = self.variant
+        self.matrix_engine = matrix_engine(v.precision, v.device, cpu_flags(), engine_kind(v))
+        self.metrics.model_info.labels(self.name, self.task.name, v.name, self.matrix_engine).inc()
+        self.ready = True
         log.info("loaded model %s (%s, variant %s on %s, %d instance(s) x %d thread(s), alone: %d thread(s)) in %.1fs",
-                 self.name, self.task.name, v.name, matrix_engine(v.precision, v.device, cpu_flags(), engine_kind(v)),
-                 self.instances, self.threads, self.alone_threads, time.perf_counter() - started)
+                 self.name, self.task.name, v.name, self.matrix_engine, self.instances, self.threads,
+                 self.alone_threads, time.perf_counter() - started)
 
     def _warm_up(self, instance: int, alone: bool = False) -> None:
         """Run a short and a full-size batch so first requests don't pay for arena growth."""
@@ -138,6 +141,8 @@ class EncoderModel(BatchHooks):
         (an unloaded model). Blocking: the batcher finishes what is queued first."""
         if self.ready:
             self.stop()
+        if self.matrix_engine is not None:
+            self.metrics.model_info.labels(self.name, self.task.name, self.variant.name, self.matrix_engine).dec()
         for attribute in ("engines", "engine", "alone_engine", "encoder"):
             self.__dict__.pop(attribute, None)
 
@@ -211,8 +216,8 @@ class EncoderModel(BatchHooks):
         return ModelMetadata(
             name=self.name, versions=(self.version,), platform=platform_of(self.variant.engine),
             inputs=self.input_specs(), outputs=self.output_specs(),
-            parameters={"task": self.task.name, "variant": self.variant.name, "max_length": self.manifest.max_length,
-                        "tokenized_inputs": list(self.manifest.input_names)})
+            parameters={"task": self.task.name, "variant": self.variant.name, "matrix_engine": self.matrix_engine,
+                        "max_length": self.manifest.max_length, "tokenized_inputs": list(self.manifest.input_names)})
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """OIP infer: text tensors (or pre-tokenized rows) in, the task's answer tensors out."""

@@ -18,6 +18,7 @@ from typing import Any
 from ...errors import KilnError, ModelNotReadyError
 from ...generation.sampling import SamplingParams
 from ...generation.sequence import Delta
+from ...native import variant_matrix_engine
 from ..metrics import Metrics
 from ..settings import ModelSpec, ServeSettings
 from .engine_process import event_from_wire, frame, params_to_wire, read_frame
@@ -81,6 +82,11 @@ class FrontGenerationModel(EnginelessGenerationModel):
         super().__init__(spec, settings, metrics)  # the artifact's tokenizer and chat template, no engine
         self.address = address
         self._link: EngineLink | None = None
+
+    def load(self) -> None:
+        super().load()
+        v = self.variant  # the engine process runs on this host, in this environment (KILN_AMX): the same unit
+        self.matrix_engine = variant_matrix_engine(v.details, v.precision, v.device)
 
     @property
     def link(self) -> EngineLink:

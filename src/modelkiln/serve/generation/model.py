@@ -87,6 +87,9 @@ class GenerationModel:
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_context)
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
+        # The unit its products run on, found at load (None where the engine runs on another host: kiln ray
+        # forwards a model's metadata to a replica, which says its own).
+        self.matrix_engine: str | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -106,11 +109,13 @@ class GenerationModel:
         for driver in self.drivers:
             driver.start()
         self.kv_budget = sum(totals.budgets)
-        self.ready = True
         v = self.variant
+        self.matrix_engine = variant_matrix_engine(v.details, v.precision, v.device)
+        self.metrics.model_info.labels(self.name, self.task.name, v.name, self.matrix_engine).inc()
+        self.ready = True
         log.info("loaded text-generation model %s (variant %s on %s, %d engine replica(s) x %d thread(s), KV budget %d "
-                 "tokens, context %d) in %.1fs", self.name, v.name, variant_matrix_engine(v.details, v.precision, v.device),
-                 self.instances, self.threads, self.kv_budget, self.max_context, time.perf_counter() - started)
+                 "tokens, context %d) in %.1fs", self.name, v.name, self.matrix_engine, self.instances, self.threads,
+                 self.kv_budget, self.max_context, time.perf_counter() - started)
 
     def stop(self) -> None:
         """Refuse new requests; finish the accepted ones; end the driver threads."""
@@ -120,6 +125,8 @@ class GenerationModel:
 
     def release(self) -> None:
         self.stop()
+        if self.matrix_engine is not None:
+            self.metrics.model_info.labels(self.name, self.task.name, self.variant.name, self.matrix_engine).dec()
         self.__dict__.pop("drivers", None)
 
     @property
@@ -244,6 +251,7 @@ class GenerationModel:
             name=self.name, versions=(self.version,), platform=platform_of(self.variant.engine),
             inputs=self.input_specs(),
             outputs=self.output_specs(), parameters={"task": self.task.name, "variant": self.variant.name,
+                                                     "matrix_engine": self.matrix_engine,
                                                      "max_context": self.max_context,
                                                      "kv_tokens": self.kv_budget if self.ready else None,
                                                      "decoupled": True})
