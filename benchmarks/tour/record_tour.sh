@@ -57,8 +57,8 @@ serve() {
     curl -s localhost:8000/v2/models/nope/infer -d '{}' -w ' %{http_code}\n'
   show "python examples/clients.py --url http://127.0.0.1:8000 --model all-MiniLM-L6-v2" \
     python examples/clients.py --url http://127.0.0.1:8000 --model all-MiniLM-L6-v2
-  show 'curl -s localhost:8000/metrics | grep -E "^kiln_requests_total"' \
-    bash -c 'curl -s localhost:8000/metrics | grep -E "^kiln_requests_total"'
+  show 'curl -s localhost:8000/metrics | grep -E "^kiln_(model_info|requests_total)"' \
+    bash -c 'curl -s localhost:8000/metrics | grep -E "^kiln_(model_info|requests_total)"'
   kill -TERM $server; wait $server
 }
 
