@@ -290,8 +290,24 @@ def test_the_amx_refusals_named_are_the_kernels_states():
     states = [name.strip() for name in header.split("enum amx_state {", 1)[1].split("}", 1)[0].split(",")]
     assert states[:3] == ["AMX_OFF", "AMX_ON", "AMX_MODEL"]
     assert {i: name for i, name in enumerate(states) if i >= 3} == {
-        3: "AMX_NOT_BUILT", 4: "AMX_NO_UNIT", 5: "AMX_NOT_GRANTED", 6: "AMX_DISAGREES"}
-    assert set(AMX_REFUSALS) == {3, 4, 5, 6}
+        3: "AMX_NOT_BUILT", 4: "AMX_NO_UNIT", 5: "AMX_NOT_GRANTED", 6: "AMX_DISAGREES", 7: "AMX_CRASHED"}
+    assert set(AMX_REFUSALS) == {3, 4, 5, 6, 7}
+
+
+def test_a_check_that_faults_is_a_refusal_not_the_end_of_the_process():
+    """The AMX kernels' checks run in a child process first: on a unit they never ran on, a tile
+    instruction or configuration the CPU rejects faults there, and this process goes on with AMX off and
+    says why. Mode 3 is a check that faults as such an instruction would (ud2: SIGILL)."""
+    lib = ctypes.CDLL(library_path())
+    lib.kiln_gguf_use_avx512(1)
+    try:
+        assert lib.kiln_gguf_use_amx(3) == 0
+        assert not amx_on() and lib.kiln_gguf_amx_state() == 7
+        assert amx_refusal() == AMX_REFUSALS[7].format(signal="SIGILL")
+        assert lib.kiln_gguf_use_amx(3) == 0 and amx_refusal() == AMX_REFUSALS[7].format(signal="SIGILL")  # remembered
+    finally:
+        lib.kiln_gguf_use_amx(0)
+    assert amx_refusal() is None and not amx_on()
 
 
 def test_what_turning_amx_on_found_outlives_the_sessions():

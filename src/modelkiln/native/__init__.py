@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import logging
+import signal
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -78,15 +79,27 @@ AMX_REFUSALS = {
     3: "this kiln was compiled without AMX's instructions (GCC older than 11 or clang older than 12)",
     4: "this CPU has no AMX-INT8",
     5: "Linux did not grant this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)",
-    6: "the AMX kernels' check product differed from the AVX-512 kernels' bits",
+    6: "the AMX kernels' check products differed from the AVX-512 kernels' bits",
+    7: "the AMX kernels' check products crashed the child process they ran in ({signal})",
 }
 
 
 def amx_refusal() -> str | None:
     """Why ``KILN_AMX=1`` did not turn AMX on in this process, or None (on, or not asked). Set when a
-    session registers the operators (gguf_ops.c's RegisterCustomOps runs the check)."""
+    session registers the operators (gguf_ops.c's RegisterCustomOps runs the checks, in a child process
+    first: a fault on the unit is a refusal, with the signal that ended the child)."""
     lib = library()
-    return AMX_REFUSALS.get(lib.kiln_gguf_amx_state()) if lib else None
+    if not lib:
+        return None
+    reason = AMX_REFUSALS.get(lib.kiln_gguf_amx_state())
+    if reason and "{signal}" in reason:
+        number = lib.kiln_gguf_amx_signal()
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        reason = reason.format(signal=name)
+    return reason
 
 
 def log_amx_refusal(details: Mapping[str, Any]) -> None:

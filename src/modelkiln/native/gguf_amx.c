@@ -14,8 +14,9 @@
  * CPU with AVX-512, not only where AMX exists. The K-quants' AMX kernels are gguf_ops.c's.
  *
  * Off unless asked (KILN_AMX=1, or kiln_gguf_use_amx): turning it on checks that the CPU has AMX-INT8,
- * asks Linux for the tile state (arch_prctl), and compares one product of every type with the
- * AVX-512 kernels bit for bit, refusing AMX if any of the three fails. */
+ * asks Linux for the tile state (arch_prctl), and compares products of every type with the AVX-512
+ * kernels bit for bit, refusing AMX if any of the three fails (gguf_ops.c runs the products in a
+ * child process first, so that a fault on the unit is a refusal too, not the end of the process). */
 #include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
@@ -108,7 +109,8 @@ static int linux_grants_tiles(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-/* One product of every type through ``fn`` and through the AVX-512 kernel: the same bits? */
+/* Products of every type through ``fn``, for every row count a tile takes (each its own tile
+ * configuration), and through the AVX-512 kernel: the same bits? */
 static int agrees_with_avx512(amx_rows_fn fn) {
     enum { NB = 3, ROWS = 16 };
     static const int types[] = {GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0};
@@ -130,22 +132,29 @@ static int agrees_with_avx512(amx_rows_fn fn) {
                 memcpy(tile + b * L.bytes + L.d + 2 * c, &(uint16_t){0x2400}, 2);
                 if (L.m) memcpy(tile + b * L.bytes + L.m + 2 * c, &(uint16_t){0xAC00}, 2);
             }
-        float ours[ROWS][TILE], theirs[4][TILE];
-        fn(types[k], ROWS, tile, NB, x, ours);
+        float ours[ROWS][TILE], theirs[ROWS][TILE];
         for (int r = 0; r < ROWS; r += 4) {
             const q8_32 *rows[4] = {x + r * NB, x + (r + 1) * NB, x + (r + 2) * NB, x + (r + 3) * NB};
-            q32_tile_rows(types[k], 4, tile, NB, rows, theirs);
-            if (memcmp(ours[r], theirs, sizeof theirs)) return 0;
+            q32_tile_rows(types[k], 4, tile, NB, rows, theirs + r);
+        }
+        for (int R = 1; R <= ROWS; R++) {
+            fn(types[k], R, tile, NB, x, ours);
+            if (memcmp(ours, theirs, sizeof(float) * TILE * (size_t)R)) return 0;
         }
     }
     return 1;
 }
 
-/* Why the CPU's AMX cannot run these kernels here (an amx_state), or AMX_ON. */
-static int amx_refusal(void) {
+int q32_amx_available(void) {
     if (!AMX_COMPILED) return AMX_NOT_BUILT;
     if (!cpu_has_amx_int8()) return AMX_NO_UNIT;
-    if (!linux_grants_tiles()) return AMX_NOT_GRANTED;
+    return linux_grants_tiles() ? AMX_ON : AMX_NOT_GRANTED;
+}
+
+/* Why the CPU's AMX cannot run these kernels here (an amx_state), or AMX_ON. */
+static int amx_refusal(void) {
+    const int available = q32_amx_available();
+    if (available != AMX_ON) return available;
     return agrees_with_avx512(rows_amx) ? AMX_ON : AMX_DISAGREES;
 }
 

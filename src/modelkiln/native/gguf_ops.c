@@ -29,10 +29,13 @@
  * Built with AVX2 (every machine this package targets has it); the AVX-512 forms (VNNI's vpdpbusd
  * and vpdpwssd, sixteen columns a vector) are chosen at load time where the CPU has them. Compiled
  * with -ffp-contract=off so the gather's float operations round as gguf-py's numpy ones do. */
+#include <errno.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "gguf_k.h"
 #include "gguf_q32.h"
@@ -790,7 +793,8 @@ static const OrtCustomOp MATMUL = {13, create_matmul, matmul_name, cpu, matmul_i
 static const OrtCustomOp GATHER = {13, create_gather, gather_name, cpu, gather_input, two, float_output, one,
                                    compute, destroy, required, required, default_memory};
 
-/* One product of every K-quant through the AMX kernel and the AVX-512 one: the same bits? */
+/* Products of every K-quant through the AMX kernel, for every row count a tile takes, and through
+ * the AVX-512 one: the same bits? */
 static int k_agrees_with_avx512(k_amx_fn fn) {
     enum { NB = 2, ROWS = 16 };
     /* each type, where its fp16 scale d and (0: none) its minimums' scale dmin lie */
@@ -813,13 +817,15 @@ static int k_agrees_with_avx512(k_amx_fn fn) {
                 memcpy(tile + b * bytes + types[k].d + 2 * c, &(uint16_t){0x2400}, 2);
                 if (types[k].dmin) memcpy(tile + b * bytes + types[k].dmin + 2 * c, &(uint16_t){0x2400}, 2);
             }
-        float ours[ROWS][TILE], theirs[4][TILE];
-        fn(type, ROWS, tile, NB, x, ours);
-        for (int r = 0; r < ROWS && same; r += 4) {
+        float ours[ROWS][TILE], theirs[ROWS][TILE];
+        for (int r = 0; r < ROWS; r += 4) {
             const q8_block *rows[4] = {x + r * NB, x + (r + 1) * NB, x + (r + 2) * NB, x + (r + 3) * NB};
-            if (k_low_type(type)) k_low_tile_rows_512(type, 4, tile, NB, rows, theirs);
-            else tile_rows[4](type, tile, NB, rows, theirs);
-            same = !memcmp(ours[r], theirs, sizeof theirs);
+            if (k_low_type(type)) k_low_tile_rows_512(type, 4, tile, NB, rows, theirs + r);
+            else tile_rows[4](type, tile, NB, rows, theirs + r);
+        }
+        for (int R = 1; R <= ROWS && same; R++) {
+            fn(type, R, tile, NB, x, ours);
+            same = !memcmp(ours, theirs, sizeof(float) * TILE * (size_t)R);
         }
     }
     free(tile);
@@ -828,23 +834,69 @@ static int k_agrees_with_avx512(k_amx_fn fn) {
 }
 
 static int amx_state = AMX_OFF;  /* what the last kiln_gguf_use_amx found (kiln_gguf_amx_state) */
+static int amx_signal = 0;       /* AMX_CRASHED: the signal that ended the checks' child (kiln_gguf_amx_signal) */
 
-/* AMX (gguf_amx_tiles.h): 0 off, 1 the CPU's, 2 a model of its tiles (tests); returns whether the
- * mode took: every kernel's check against the AVX-512 kernels passed (call after
- * kiln_gguf_use_avx512(1)). Rows go to AMX in groups of up to sixteen while at least AMX_MIN_ROWS
- * are left (fewer: the VNNI kernels, four at a time); the same bits either way. */
+/* Every kernel's check against the AVX-512 kernels, in this process: an amx_state (mode 1 the CPU's
+ * tiles, 2 the model of them; 3, for tests, a check that faults as a broken tile instruction would). */
+static int amx_checks(int mode) {
+    if (mode == 3) __builtin_trap();  /* ud2: SIGILL, as an instruction or tile configuration the CPU rejects */
+    const int state = q32_use_amx(mode);
+    if (state != AMX_ON && state != AMX_MODEL) return state;
+    return k_agrees_with_avx512(mode == 1 ? k_rows_amx : k_rows_model) ? state : AMX_DISAGREES;
+}
+
+/* The checks in a child process first: these kernels' tile instructions may meet a unit they never
+ * ran on (a configuration it rejects faults: #UD, #GP), and a fault there must be a refusal with its
+ * reason, not the end of a server. The child only computes and exits (no locks of its parent's
+ * threads are taken: glibc's fork leaves malloc usable). Once a process and mode: fork copies the
+ * page tables of what may be gigabytes of mapped weights. -1: no child could be made. */
+static int amx_checks_in_child(int mode) {
+    static int found[4] = {-1, -1, -1, -1}, signals[4];
+    if (found[mode] >= 0) {
+        amx_signal = signals[mode];
+        return found[mode];
+    }
+    const pid_t child = fork();
+    if (child == 0) _exit(amx_checks(mode));
+    if (child < 0) return -1;
+    int status;
+    while (waitpid(child, &status, 0) < 0)
+        if (errno != EINTR) return -1;
+    amx_signal = signals[mode] = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    return found[mode] = WIFSIGNALED(status) ? AMX_CRASHED : WEXITSTATUS(status);
+}
+
+/* AMX (gguf_amx_tiles.h): 0 off, 1 the CPU's, 2 a model of its tiles (tests; 3: a check that faults);
+ * returns whether the mode took: every kernel's check against the AVX-512 kernels passed, in a child
+ * process and then in this one (call after kiln_gguf_use_avx512(1)). Rows go to AMX in groups of up
+ * to sixteen while at least AMX_MIN_ROWS are left (fewer: the VNNI kernels, four at a time); the same
+ * bits either way. */
 __attribute__((visibility("default")))
 int kiln_gguf_use_amx(int mode) {
     k_amx_rows = NULL;
-    amx_state = q32_use_amx(mode);
-    if (amx_state != AMX_ON && amx_state != AMX_MODEL) return amx_state == AMX_OFF;
-    const k_amx_fn fn = mode == 1 ? k_rows_amx : k_rows_model;
-    if (!k_agrees_with_avx512(fn)) {
-        q32_use_amx(0);
-        amx_state = AMX_DISAGREES;
+    q32_use_amx(0);
+    amx_signal = 0;
+    if (mode < 1 || mode > 3) {
+        amx_state = AMX_OFF;
+        return 1;
+    }
+    amx_state = mode == 1 ? q32_amx_available() : AMX_ON;  /* nothing to try where this fails: no child */
+    if (amx_state != AMX_ON) return 0;
+    const int child = amx_checks_in_child(mode);
+    if (child < 0 && mode == 3) {  /* no child to fault in: never fault here */
+        amx_state = AMX_OFF;
         return 0;
     }
-    k_amx_rows = fn;
+    if (child >= 0 && child != AMX_ON && child != AMX_MODEL) {
+        amx_state = child;
+        return 0;
+    }
+    amx_state = amx_checks(mode);
+    if (amx_state != AMX_ON && amx_state != AMX_MODEL) {
+        q32_use_amx(0);
+        return 0;
+    }
+    k_amx_rows = mode == 1 ? k_rows_amx : k_rows_model;
     return 1;
 }
 
@@ -853,6 +905,9 @@ int kiln_gguf_amx_on(void) { return k_amx_rows != NULL; }
 
 __attribute__((visibility("default")))
 int kiln_gguf_amx_state(void) { return amx_state; }
+
+__attribute__((visibility("default")))
+int kiln_gguf_amx_signal(void) { return amx_signal; }
 
 /* The AVX-512 (VNNI) forms where the CPU has them (the same results as the AVX2 forms). */
 __attribute__((visibility("default")))

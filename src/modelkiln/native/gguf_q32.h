@@ -33,9 +33,10 @@ void q32_use_avx512(int on);
  * q32_use_amx turned it on (q32_amx_on); the same bits as q32_tile_rows. */
 int q32_use_amx(int mode);  /* an amx_state */
 int q32_amx_on(void);
+int q32_amx_available(void);  /* AMX_ON where the CPU's AMX may be tried here (built, the unit, Linux's grant), or why not */
 /* What turning AMX on found (kiln_gguf_amx_state; native/__init__.py names them): off (not asked), on, on over the
  * model of the tiles (tests), or why it was refused. */
-enum amx_state { AMX_OFF, AMX_ON, AMX_MODEL, AMX_NOT_BUILT, AMX_NO_UNIT, AMX_NOT_GRANTED, AMX_DISAGREES };
+enum amx_state { AMX_OFF, AMX_ON, AMX_MODEL, AMX_NOT_BUILT, AMX_NO_UNIT, AMX_NOT_GRANTED, AMX_DISAGREES, AMX_CRASHED };
 void q32_amx_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][16]);
 
 #endif
