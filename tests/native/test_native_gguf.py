@@ -1,7 +1,9 @@
 """kiln's native operators over GGUF blocks (src/modelkiln/native/gguf_ops.c, gguf_q32.c), through
 onnxruntime as a served graph runs them: the K-quants and the types with a scale per 32 weights."""
 import ctypes
+import errno
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from generation_helpers import random_gguf_blocks
 from helpers import SRC
 from modelkiln.convert.gguf.blocks import FP16_FIELDS
 from modelkiln.convert.gguf.tiles import tiles
+from modelkiln import native
 from modelkiln.machine import cpu_flags
 from modelkiln.native import (AMX_REFUSALS, DOMAIN, GGML_TYPES, amx_on, amx_refusal, library_path,
                               variant_matrix_engine)
@@ -302,12 +305,28 @@ def test_a_check_that_faults_is_a_refusal_not_the_end_of_the_process():
     lib.kiln_gguf_use_avx512(1)
     try:
         assert lib.kiln_gguf_use_amx(3) == 0
-        assert not amx_on() and lib.kiln_gguf_amx_state() == 7
+        assert not amx_on() and lib.kiln_gguf_amx_state() == 7 and lib.kiln_gguf_amx_detail() == signal.SIGILL
         assert amx_refusal() == AMX_REFUSALS[7].format(signal="SIGILL")
         assert lib.kiln_gguf_use_amx(3) == 0 and amx_refusal() == AMX_REFUSALS[7].format(signal="SIGILL")  # remembered
     finally:
         lib.kiln_gguf_use_amx(0)
     assert amx_refusal() is None and not amx_on()
+
+
+def test_a_refusal_by_linux_names_its_errno(monkeypatch):
+    """Linux refuses the tile state (arch_prctl) for reasons a user can act on: the refusal says which."""
+    class Refused:
+        def __init__(self, state: int, detail: int):
+            self.kiln_gguf_amx_state = lambda: state
+            self.kiln_gguf_amx_detail = lambda: detail
+
+    monkeypatch.setattr(native, "library", lambda: Refused(5, errno.ENOSPC))
+    assert amx_refusal() == ("Linux did not grant this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM: "
+                             "ENOSPC, a thread's signal stack (sigaltstack) is too small for the tile state)")
+    monkeypatch.setattr(native, "library", lambda: Refused(5, errno.EPERM))
+    assert amx_refusal().endswith("(arch_prctl ARCH_REQ_XCOMP_PERM: EPERM)")
+    monkeypatch.setattr(native, "library", lambda: Refused(7, 99))  # no such signal: its number
+    assert amx_refusal() == AMX_REFUSALS[7].format(signal="signal 99")
 
 
 def test_what_turning_amx_on_found_outlives_the_sessions():

@@ -13,6 +13,7 @@ graph holds these operators only when the library was there when it was converte
 from __future__ import annotations
 
 import ctypes
+import errno
 import importlib.machinery
 import logging
 import signal
@@ -78,9 +79,14 @@ def amx_on() -> bool:
 AMX_REFUSALS = {
     3: "this kiln was compiled without AMX's instructions (GCC older than 11 or clang older than 12)",
     4: "this CPU has no AMX-INT8",
-    5: "Linux did not grant this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)",
+    5: "Linux did not grant this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {errno})",
     6: "the AMX kernels' check products differed from the AVX-512 kernels' bits",
     7: "the AMX kernels' check products crashed the child process they ran in ({signal})",
+}
+_ERRNO_MEANING = {  # what arch_prctl(ARCH_REQ_XCOMP_PERM)'s errors mean (the kernel's fpu/xstate.c)
+    errno.ENOSPC: "a thread's signal stack (sigaltstack) is too small for the tile state",
+    errno.EOPNOTSUPP: "the kernel does not offer the tile state to processes",
+    errno.EINVAL: "the kernel does not know the request (Linux before 5.16)",
 }
 
 
@@ -92,13 +98,15 @@ def amx_refusal() -> str | None:
     if not lib:
         return None
     reason = AMX_REFUSALS.get(lib.kiln_gguf_amx_state())
+    detail = lib.kiln_gguf_amx_detail()
     if reason and "{signal}" in reason:
-        number = lib.kiln_gguf_amx_signal()
         try:
-            name = signal.Signals(number).name
+            reason = reason.format(signal=signal.Signals(detail).name)
         except ValueError:
-            name = f"signal {number}"
-        reason = reason.format(signal=name)
+            reason = reason.format(signal=f"signal {detail}")
+    elif reason and "{errno}" in reason:
+        name = errno.errorcode.get(detail, f"errno {detail}")
+        reason = reason.format(errno=f"{name}, {_ERRNO_MEANING[detail]}" if detail in _ERRNO_MEANING else name)
     return reason
 
 

@@ -18,6 +18,7 @@
  * kernels bit for bit, refusing AMX if any of the three fails (gguf_ops.c runs the products in a
  * child process first, so that a fault on the unit is a refusal too, not the end of the process). */
 #include <cpuid.h>
+#include <errno.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -104,9 +105,12 @@ static int cpu_has_amx_int8(void) {
     return (d >> 24 & 1) && (d >> 25 & 1) && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 }
 
+/* 0, or arch_prctl's errno: ENOSPC where a thread's signal stack (sigaltstack) is too small for the
+ * tile state a signal frame would then carry, EOPNOTSUPP where the kernel does not offer it, EINVAL
+ * where it does not know the request (before 5.16). */
 static int linux_grants_tiles(void) {
     enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : errno;
 }
 
 /* Products of every type through ``fn``, for every row count a tile takes (each its own tile
@@ -145,15 +149,18 @@ static int agrees_with_avx512(amx_rows_fn fn) {
     return 1;
 }
 
-int q32_amx_available(void) {
+int q32_amx_available(int *error) {
+    *error = 0;
     if (!AMX_COMPILED) return AMX_NOT_BUILT;
     if (!cpu_has_amx_int8()) return AMX_NO_UNIT;
-    return linux_grants_tiles() ? AMX_ON : AMX_NOT_GRANTED;
+    *error = linux_grants_tiles();
+    return *error ? AMX_NOT_GRANTED : AMX_ON;
 }
 
 /* Why the CPU's AMX cannot run these kernels here (an amx_state), or AMX_ON. */
 static int amx_refusal(void) {
-    const int available = q32_amx_available();
+    int error;
+    const int available = q32_amx_available(&error);
     if (available != AMX_ON) return available;
     return agrees_with_avx512(rows_amx) ? AMX_ON : AMX_DISAGREES;
 }

@@ -834,7 +834,8 @@ static int k_agrees_with_avx512(k_amx_fn fn) {
 }
 
 static int amx_state = AMX_OFF;  /* what the last kiln_gguf_use_amx found (kiln_gguf_amx_state) */
-static int amx_signal = 0;       /* AMX_CRASHED: the signal that ended the checks' child (kiln_gguf_amx_signal) */
+/* kiln_gguf_amx_detail: the signal that ended the checks' child (AMX_CRASHED), arch_prctl's errno (AMX_NOT_GRANTED) */
+static int amx_detail = 0;
 
 /* Every kernel's check against the AVX-512 kernels, in this process: an amx_state (mode 1 the CPU's
  * tiles, 2 the model of them; 3, for tests, a check that faults as a broken tile instruction would). */
@@ -853,7 +854,7 @@ static int amx_checks(int mode) {
 static int amx_checks_in_child(int mode) {
     static int found[4] = {-1, -1, -1, -1}, signals[4];
     if (found[mode] >= 0) {
-        amx_signal = signals[mode];
+        amx_detail = signals[mode];
         return found[mode];
     }
     const pid_t child = fork();
@@ -862,7 +863,7 @@ static int amx_checks_in_child(int mode) {
     int status;
     while (waitpid(child, &status, 0) < 0)
         if (errno != EINTR) return -1;
-    amx_signal = signals[mode] = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    amx_detail = signals[mode] = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
     return found[mode] = WIFSIGNALED(status) ? AMX_CRASHED : WEXITSTATUS(status);
 }
 
@@ -875,12 +876,12 @@ __attribute__((visibility("default")))
 int kiln_gguf_use_amx(int mode) {
     k_amx_rows = NULL;
     q32_use_amx(0);
-    amx_signal = 0;
+    amx_detail = 0;
     if (mode < 1 || mode > 3) {
         amx_state = AMX_OFF;
         return 1;
     }
-    amx_state = mode == 1 ? q32_amx_available() : AMX_ON;  /* nothing to try where this fails: no child */
+    amx_state = mode == 1 ? q32_amx_available(&amx_detail) : AMX_ON;  /* nothing to try where this fails: no child */
     if (amx_state != AMX_ON) return 0;
     const int child = amx_checks_in_child(mode);
     if (child < 0 && mode == 3) {  /* no child to fault in: never fault here */
@@ -907,7 +908,7 @@ __attribute__((visibility("default")))
 int kiln_gguf_amx_state(void) { return amx_state; }
 
 __attribute__((visibility("default")))
-int kiln_gguf_amx_signal(void) { return amx_signal; }
+int kiln_gguf_amx_detail(void) { return amx_detail; }
 
 /* The AVX-512 (VNNI) forms where the CPU has them (the same results as the AVX2 forms). */
 __attribute__((visibility("default")))

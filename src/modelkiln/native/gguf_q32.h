@@ -33,7 +33,9 @@ void q32_use_avx512(int on);
  * q32_use_amx turned it on (q32_amx_on); the same bits as q32_tile_rows. */
 int q32_use_amx(int mode);  /* an amx_state */
 int q32_amx_on(void);
-int q32_amx_available(void);  /* AMX_ON where the CPU's AMX may be tried here (built, the unit, Linux's grant), or why not */
+/* AMX_ON where the CPU's AMX may be tried here (built, the unit, Linux's grant), or why not (with arch_prctl's
+ * errno in *error where Linux refused) */
+int q32_amx_available(int *error);
 /* What turning AMX on found (kiln_gguf_amx_state; native/__init__.py names them): off (not asked), on, on over the
  * model of the tiles (tests), or why it was refused. */
 enum amx_state { AMX_OFF, AMX_ON, AMX_MODEL, AMX_NOT_BUILT, AMX_NO_UNIT, AMX_NOT_GRANTED, AMX_DISAGREES, AMX_CRASHED };
