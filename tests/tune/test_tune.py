@@ -61,6 +61,11 @@ def tuned(zoo, tmp_path_factory):
 def test_tune_ranks_and_writes_config(tuned):
     _, out, r = tuned
     assert "best first" in r.stdout and "fp32" in r.stdout and "int8" in r.stdout
+    # a column for the one setting that differs (variant); the others once, under the table
+    header = next(line for line in r.stdout.splitlines() if "variant" in line and "req/s" in line)
+    assert "instances" not in header and "max batch" not in header
+    caption = " ".join(r.stdout.split("the same in every trial:", 1)[1].split())
+    assert "threads 1" in caption and "instances 1" in caption and "max batch size 2" in caption
     settings = read_serve_config(out / "best.json")
     assert settings["variant"] in ("fp32", "int8") and settings["threads"] == 1 and settings["max_batch_size"] == 2
     assert settings["instances"] == 1 and settings["max_padding"] == 0.5 and settings["alone_threads"] == 0

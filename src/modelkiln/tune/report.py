@@ -39,12 +39,18 @@ def print_ranking(console: Any, result: TuneResult) -> None:
     from rich.table import Table
 
     budget = f"p99 ≤ {result.p99_budget_ms:g} ms" if result.p99_budget_ms is not None else "no p99 budget"
-    table = Table(title=f"kiln tune {result.model} ({budget}), best first", title_justify="left")
-    swept = list(sweepable_flags("encoder"))  # a column per sweepable setting, as the declaration lists them
+    trials = result.ranked()
+    # A column per setting whose value differs between trials, as the declaration lists them; the others, the
+    # same in every trial, on one line under the table (eighteen columns would squeeze the variants' names).
+    settings = list(sweepable_flags("encoder"))
+    swept = [n for n in settings if len({_cell(n, t.settings) for t in trials}) > 1]
+    same = [f"{n.replace('_', ' ')} {_cell(n, trials[0].settings)}" for n in settings if n not in swept] if trials else []
+    table = Table(title=f"kiln tune {result.model} ({budget}), best first", title_justify="left",
+                  caption=f"the same in every trial: {', '.join(same)}" if same else None, caption_justify="left")
     for name in ("#", *(n.replace("_", " ") for n in swept),
                  "best load", "req/s", "inputs/s", "p50 ms", "p99 ms", "server batch", "peak RSS MB", "budget"):
-        table.add_column(name, justify="right")
-    for rank, t in enumerate(result.ranked(), 1):
+        table.add_column(name, justify="right", no_wrap=name == "variant")
+    for rank, t in enumerate(trials, 1):
         s = t.settings
         b = t.best
         status = t.error[:40] if t.error else ("ok" if t.within_budget else "over")
