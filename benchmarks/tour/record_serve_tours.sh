@@ -27,6 +27,6 @@ run() {  # print the command as the README shows it, then its output
 kill -TERM $server; wait $server || true
 trap - EXIT
 
-run "kiln tune $art --p99-ms 60 --variants int8,optimized --instances 1,2 --max-queue-delay-ms 0 --alone-threads auto,0 --concurrency 1:16:x4 --inputs sts -o $out/kiln-serve.json" \
-  kiln tune "$art" --p99-ms 60 --variants int8,optimized --instances 1,2 --max-queue-delay-ms 0 --alone-threads auto,0 --concurrency 1:16:x4 \
+run "kiln tune $art --p99-ms 60 --variants int8,openvino-int8 --instances 1,2 --max-queue-delay-ms 0 --alone-threads auto,0 --concurrency 1:16:x4 --inputs sts -o $out/kiln-serve.json" \
+  kiln tune "$art" --p99-ms 60 --variants int8,openvino-int8 --instances 1,2 --max-queue-delay-ms 0 --alone-threads auto,0 --concurrency 1:16:x4 \
     --inputs sts -o "$out/kiln-serve.json" | tee "$out/tune.txt"
