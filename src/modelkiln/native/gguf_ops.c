@@ -874,10 +874,16 @@ static int amx_checks_in_child(int mode) {
  * bits either way. */
 __attribute__((visibility("default")))
 int kiln_gguf_use_amx(int mode) {
+    static int asked = 0;  /* the mode in force: nothing asked yet is AMX off */
+    if (mode < 1 || mode > 3) mode = 0;
+    /* Every session registers the operators (RegisterCustomOps asks again): the same mode leaves the
+     * kernels' pointers alone, which another session's products may be reading right then. */
+    if (mode == asked) return mode == 0 || k_amx_rows != NULL;
+    asked = mode;
     k_amx_rows = NULL;
     q32_use_amx(0);
     amx_detail = 0;
-    if (mode < 1 || mode > 3) {
+    if (mode == 0) {
         amx_state = AMX_OFF;
         return 1;
     }
