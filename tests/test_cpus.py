@@ -18,7 +18,7 @@ from helpers import SRC
 from modelkiln import cpus
 from modelkiln.cpus import CpuBudget, Quota, available_cpus, cgroup_quota, cpu_budget, quota_cpus
 from modelkiln.errors import KilnError
-from modelkiln.machine import cpu_flags, matrix_engine
+from modelkiln.machine import cpu_description, cpu_flags, matrix_engine
 from modelkiln.serve.settings import ServeSettings
 
 
@@ -155,3 +155,26 @@ def test_default_layout_two_thread_sessions_and_a_worker_per_four_cpus():
     assert [ServeSettings(cpus=c).worker_count(generation=False) for c in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 16]
     assert ServeSettings(cpus=16).worker_count(generation=True) == 1
     assert ServeSettings(cpus=2, workers=2).worker_count(generation=False) == 2
+
+
+def test_a_server_says_when_the_default_variant_was_timed_on_another_cpu(zoo, tmp_path, caplog):
+    """The default variant is the fastest on the CPU the artifact was converted on (a CI runner's AMD EPYC, say);
+    served on another (an AMX Xeon) another variant may be faster: the server says so, unless one is named."""
+    from modelkiln.serve.metrics import Metrics
+    from modelkiln.serve.served import served_model
+    from modelkiln.serve.settings import ModelSpec
+
+    artifact = tmp_path / "elsewhere"
+    shutil.copytree(zoo.artifact("bert", "sentence-embeddings", precisions=("fp32",)), artifact)
+    manifest = json.loads((artifact / "kiln.json").read_text())
+    here = served_model(ModelSpec("here", str(artifact)), ServeSettings(), Metrics())
+    assert "were timed on" not in caplog.text  # converted on this machine
+    manifest["machine"] = {"cpu": "Some Other CPU", "isa": "AVX2 FMA", "cores": 2}
+    (artifact / "kiln.json").write_text(json.dumps(manifest))
+    served_model(ModelSpec("away", str(artifact)), ServeSettings(), Metrics())
+    assert (f"model away: its variants were timed on Some Other CPU (AVX2 FMA), this host is "
+            f"{cpu_description()['cpu']} ({cpu_description()['isa']}): variant {here.variant.name} is that machine's "
+            "choice") in caplog.text
+    caplog.clear()
+    served_model(ModelSpec("named", str(artifact), variant=here.variant.name), ServeSettings(), Metrics())
+    assert "were timed on" not in caplog.text  # a variant named: nothing to say

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,12 @@ def cpu_description() -> dict[str, Any]:
     is what this process may use (``cpus.available_cpus``: a pinned or quota-limited process runs
     on fewer cores than the host has, and its figures are those of its share)."""
     return {"cpu": cpu_model(), "isa": vector_extensions(cpu_flags()), "cores": available_cpus().count}
+
+
+def timed_elsewhere(recorded: Mapping[str, Any]) -> str | None:
+    """The CPU an artifact's variants were timed on (its manifest's ``machine``), where it is not this one
+    (another model or other vector extensions: which variant is fastest may differ here); else None."""
+    here = cpu_description()
+    if not recorded or (recorded.get("cpu"), recorded.get("isa")) == (here["cpu"], here["isa"]):
+        return None
+    return f"{recorded.get('cpu')} ({recorded.get('isa')})"

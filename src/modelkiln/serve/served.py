@@ -8,11 +8,13 @@ only one kind serves (OpenAI completions, embeddings), which look for models tha
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..machine import cpu_description, timed_elsewhere
 from ..manifest import Manifest, Variant
 from ..tasks.text_generation import is_generation
 from .generation.engine_process import ENGINE_ADDRESS
@@ -23,6 +25,8 @@ from .metrics import Metrics
 from .model import EncoderModel, Stats
 from .settings import ModelSpec, ServeSettings
 from .types import InferRequest, InferResponse, ModelMetadata
+
+log = logging.getLogger("modelkiln.serve")
 
 
 class ServedModel(Protocol):
@@ -57,9 +61,20 @@ class ServedModel(Protocol):
 
 def served_model(spec: ModelSpec, settings: ServeSettings, metrics: Metrics) -> ServedModel:
     """The served model for an artifact folder, not loaded yet (``load`` is blocking)."""
+    model: ServedModel
     if is_generation(Manifest.load(Path(spec.path))):
         engine_address = os.environ.get(ENGINE_ADDRESS)
-        if engine_address:  # a worker of kiln serve --workers N: the engines run in the engine process
-            return FrontGenerationModel(spec, settings, metrics, engine_address)
-        return GenerationModel(spec, settings, metrics)
-    return EncoderModel(spec, settings, metrics)
+        # a worker of kiln serve --workers N: the engines run in the engine process
+        model = (FrontGenerationModel(spec, settings, metrics, engine_address) if engine_address
+                 else GenerationModel(spec, settings, metrics))
+    else:
+        model = EncoderModel(spec, settings, metrics)
+    elsewhere = timed_elsewhere(model.manifest.machine)
+    if elsewhere and not (spec.variant or settings.variant) and model.variant.device == "cpu":
+        # The default variant is the fastest where the artifact was converted: an AMX Xeon may run
+        # another one fastest (OpenVINO's bf16) than the AMD EPYC of a CI runner did.
+        here = cpu_description()
+        log.warning("model %s: its variants were timed on %s, this host is %s (%s): variant %s is that machine's "
+                    "choice; `kiln tune` measures them here, --variant names one", model.name, elsewhere,
+                    here["cpu"], here["isa"], model.variant.name)
+    return model
