@@ -165,7 +165,7 @@ def test_a_server_says_when_the_default_variant_was_timed_on_another_cpu(zoo, tm
     from modelkiln.serve.settings import ModelSpec
 
     artifact = tmp_path / "elsewhere"
-    shutil.copytree(zoo.artifact("bert", "sentence-embeddings", precisions=("fp32",)), artifact)
+    shutil.copytree(zoo.artifact("bert", "sentence-embeddings"), artifact)
     manifest = json.loads((artifact / "kiln.json").read_text())
     here = served_model(ModelSpec("here", str(artifact)), ServeSettings(), Metrics())
     assert "were timed on" not in caplog.text  # converted on this machine
@@ -178,3 +178,7 @@ def test_a_server_says_when_the_default_variant_was_timed_on_another_cpu(zoo, tm
     caplog.clear()
     served_model(ModelSpec("named", str(artifact), variant=here.variant.name), ServeSettings(), Metrics())
     assert "were timed on" not in caplog.text  # a variant named: nothing to say
+    manifest["variants"] = [v for v in manifest["variants"] if v["name"] == here.variant.name]
+    (artifact / "kiln.json").write_text(json.dumps(manifest))
+    served_model(ModelSpec("alone", str(artifact)), ServeSettings(), Metrics())
+    assert "were timed on" not in caplog.text  # one variant: no other to choose

@@ -70,7 +70,8 @@ def served_model(spec: ModelSpec, settings: ServeSettings, metrics: Metrics) -> 
     else:
         model = EncoderModel(spec, settings, metrics)
     elsewhere = timed_elsewhere(model.manifest.machine)
-    if elsewhere and not (spec.variant or settings.variant) and model.variant.device == "cpu":
+    choices = [v for v in model.manifest.kept_variants() if v.device == model.variant.device]
+    if elsewhere and not (spec.variant or settings.variant) and model.variant.device == "cpu" and len(choices) > 1:
         # The default variant is the fastest where the artifact was converted: an AMX Xeon may run
         # another one fastest (OpenVINO's bf16) than the AMD EPYC of a CI runner did.
         here = cpu_description()
