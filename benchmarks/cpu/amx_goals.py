@@ -141,13 +141,19 @@ def bench(out: Path, amx_modes: list[int]) -> list[str]:
     return lines
 
 
-def served(out: Path) -> list[str]:
+def served(out: Path, amx_on: int) -> list[str]:
     lines = ["Served against llama-server on the same Q4_K_M file, 16 streams, output tokens/s (median of rounds):"]
     for shape in ("Qwen2.5-0.5B-Instruct", "Llama-3.2-1B-Instruct"):
         data = load(out / f"served-{shape}" / "rows.json")
         if data is None:
             lines.append(f"  missing: served-{shape}/rows.json")
             continue
+        # the unit kiln serve said it ran on (its model metadata), where the run recorded it
+        units = sorted({r["unit"] for r in data["rows"] if r.get("server") == "kiln serve" and r.get("unit")})
+        if units:
+            lines.append(f"  {shape}: kiln serve ran on {', '.join(units)}")
+            if amx_on and not all(unit.startswith("AMX") for unit in units):
+                lines.append(f"  AMX WAS NOT ON in kiln serve's runs of {shape} (KILN_AMX=1): their figures are not AMX's")
         for mode in ("greedy", "sampled"):
             rates = {}
             for server in ("kiln serve", "llama-server"):
@@ -173,7 +179,7 @@ def main() -> None:
     amx_modes = [0, 1] if amx_runs else [0]
     text = "\n".join([cpu.rstrip(), "" if amx else "NO AMX on this CPU: a rehearsal; no AMX goal can be judged here.",
                       "", *minilm(args.out, "amx_bf16" in cpu), "", *bench(args.out, amx_modes), "",
-                      *inprocess(args.out, 1 if amx_runs else 0), "", *served(args.out)])
+                      *inprocess(args.out, 1 if amx_runs else 0), "", *served(args.out, 1 if amx_runs else 0)])
     print(text)
     if args.write:
         args.write.write_text(text + "\n")

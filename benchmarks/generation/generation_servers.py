@@ -63,6 +63,7 @@ class Running:
     url: str
     model: str
     pid: int  # the process whose RSS is the server's memory
+    unit: str | None = None  # kiln serve: the matrix engine its metadata names (AMX on, or what it ran on instead)
 
 
 @dataclass
@@ -120,7 +121,9 @@ def kiln_serve(args: argparse.Namespace) -> Iterator[Running]:
                "--grpc-port", "0", "--cpus", str(args.threads), "--threads", str(args.threads),
                "--max-batch-size", str(args.max_batch)] + (["--variant", args.variant] if args.variant else [])
     with process(command, f"http://127.0.0.1:{port}/v2/health/ready") as proc:
-        yield Running(f"http://127.0.0.1:{port}", MODEL, proc.pid)
+        url = f"http://127.0.0.1:{port}"
+        metadata = httpx.get(f"{url}/v2/models/{MODEL}", timeout=10).json()
+        yield Running(url, MODEL, proc.pid, metadata["parameters"].get("matrix_engine"))
 
 
 def llama_server(args: argparse.Namespace) -> Iterator[Running]:
@@ -266,7 +269,8 @@ def run_rounds(args: argparse.Namespace, names: list[str]) -> list[dict]:
                                               server, args.out / f"round{round_}-{slug(label)}.json", label, args, mode)
                             for step in result["steps"]:
                                 rows.append({"round": round_, "server": name, "protocol": protocol, "mode": mode,
-                                             "load_before": load, **{k: step.get(k) for k in STEP_FIELDS}})
+                                             "load_before": load, "unit": running.unit,
+                                             **{k: step.get(k) for k in STEP_FIELDS}})
                                 print(json.dumps(rows[-1]), flush=True)
             except (RuntimeError, OSError, subprocess.CalledProcessError, httpx.HTTPError, triton_server.TritonServerError) as exc:
                 rows.append({"round": round_, "server": name, "failed": str(exc)[-2000:], "load_before": uptime_before})
@@ -305,6 +309,9 @@ def table(rows: list[dict]) -> list[str]:
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]:.0f} | {med('ttft_p50_ms')} / {med('ttft_p90_ms')} "
                      f"| {med('itl_p50_ms')} / {med('itl_p90_ms')} | {statistics.median(tokens):.1f} "
                      f"({', '.join(f'{t:.1f}' for t in tokens)}) | {rate:.2f} | {per_request:.0f} | {errors} | {mismatches} |")
+    units = sorted({r["unit"] for r in measured if r.get("unit")})
+    if units:
+        lines.append(f"\nkiln serve's products ran on: {', '.join(units)} (its model metadata's matrix_engine)")
     for r in rows:
         if "seconds_per_answer" in r:
             lines.append(f"\n{r['server']} (round {r['round']}, not kiln loadtest: {r['protocol']}, whole answers of "
