@@ -848,23 +848,20 @@ static int amx_checks(int mode) {
 
 /* The checks in a child process first: these kernels' tile instructions may meet a unit they never
  * ran on (a configuration it rejects faults: #UD, #GP), and a fault there must be a refusal with its
- * reason, not the end of a server. The child only computes and exits (no locks of its parent's
- * threads are taken: glibc's fork leaves malloc usable). Once a process and mode: fork copies the
- * page tables of what may be gigabytes of mapped weights. -1: no child could be made. */
+ * reason (the signal, in amx_detail), not the end of a server. The child only computes and exits (no
+ * locks of its parent's threads are taken: glibc's fork leaves malloc usable). -1: no child could be made. */
 static int amx_checks_in_child(int mode) {
-    static int found[4] = {-1, -1, -1, -1}, signals[4];
-    if (found[mode] >= 0) {
-        amx_detail = signals[mode];
-        return found[mode];
-    }
     const pid_t child = fork();
     if (child == 0) _exit(amx_checks(mode));
     if (child < 0) return -1;
     int status;
     while (waitpid(child, &status, 0) < 0)
         if (errno != EINTR) return -1;
-    amx_detail = signals[mode] = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-    return found[mode] = WIFSIGNALED(status) ? AMX_CRASHED : WEXITSTATUS(status);
+    if (WIFSIGNALED(status)) {
+        amx_detail = WTERMSIG(status);
+        return AMX_CRASHED;
+    }
+    return WEXITSTATUS(status);
 }
 
 /* AMX (gguf_amx_tiles.h): 0 off, 1 the CPU's, 2 a model of its tiles (tests; 3: a check that faults);
@@ -877,7 +874,8 @@ int kiln_gguf_use_amx(int mode) {
     static int asked = 0;  /* the mode in force: nothing asked yet is AMX off */
     if (mode < 1 || mode > 3) mode = 0;
     /* Every session registers the operators (RegisterCustomOps asks again): the same mode leaves the
-     * kernels' pointers alone, which another session's products may be reading right then. */
+     * kernels' pointers alone, which another session's products may be reading right then, and forks
+     * no second child (fork copies the page tables of what may be gigabytes of mapped weights). */
     if (mode == asked) return mode == 0 || k_amx_rows != NULL;
     asked = mode;
     k_amx_rows = NULL;
