@@ -286,7 +286,7 @@ def run_generation_bench(model: TextGenerationModel, cfg: GenerationBenchConfig,
         own_cells, own_notes = measure_backend(backend, label, inputs, cfg, steps)
         for cell in own_cells:
             cell.matrix_engine = engine
-        refusal = native.amx_refusal() if "native_ops" in variant.details else None
+        refusal = native.variant_amx_refusal(variant.details)
         if refusal and not any(note.startswith("KILN_AMX=1") for note in notes):
             notes.append(f"KILN_AMX=1: AMX refused ({refusal}); kiln's GGUF operators ran on {engine}")
         cells += own_cells

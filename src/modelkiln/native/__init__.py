@@ -110,10 +110,16 @@ def amx_refusal() -> str | None:
     return reason
 
 
+def variant_amx_refusal(details: Mapping[str, Any]) -> str | None:
+    """Why ``KILN_AMX=1`` left AMX off for a variant, where it runs on these operators (encoders never do:
+    their refusal is not theirs to say), else None. Ask after a session of it exists."""
+    return amx_refusal() if "native_ops" in details else None
+
+
 def log_amx_refusal(details: Mapping[str, Any]) -> None:
     """Says once a process why ``KILN_AMX=1`` left AMX off, for a variant on these operators (a session
     of it exists: registering the operators ran the check)."""
-    refusal = amx_refusal() if "native_ops" in details else None
+    refusal = variant_amx_refusal(details)
     if refusal and refusal not in _refusals_said:
         _refusals_said.add(refusal)
         log.warning("KILN_AMX=1 asked for AMX, refused: %s; kiln's GGUF operators run on their AVX-512 or AVX2 "
