@@ -269,7 +269,7 @@ def _amx_agrees(mode: int) -> None:
 
 @pytest.mark.skipif(not {"avx512bw", "avx512_vnni"} <= cpu_flags(), reason="the AMX kernel's float step is AVX-512's: this CPU has no AVX-512 VNNI")
 def test_the_amx_kernel_on_a_model_of_its_tiles_gives_the_avx512_kernels_bits():
-    """The AMX kernel compiled over a plain C model of its three tiles (the instructions as Intel's
+    """The AMX kernel compiled over a plain C model of its tiles (the instructions as Intel's
     manual defines them): its data layout and arithmetic, tested on any CPU with AVX-512."""
     _amx_agrees(2)
 
@@ -288,8 +288,8 @@ def test_amx_is_refused_where_the_cpu_lacks_it_and_tested_where_asked():
 
 
 def test_the_amx_refusals_named_are_the_kernels_states():
-    """native.AMX_REFUSALS reads gguf_q32.h's amx_state by number: the two lists must agree."""
-    header = (Path(__file__).parents[2] / "src" / "modelkiln" / "native" / "gguf_q32.h").read_text()
+    """native.AMX_REFUSALS reads gguf_amx_tiles.h's amx_state by number: the two lists must agree."""
+    header = (Path(__file__).parents[2] / "src" / "modelkiln" / "native" / "gguf_amx_tiles.h").read_text()
     states = [name.strip() for name in header.split("enum amx_state {", 1)[1].split("}", 1)[0].split(",")]
     assert states[:3] == ["AMX_OFF", "AMX_ON", "AMX_MODEL"]
     assert {i: name for i, name in enumerate(states) if i >= 3} == {

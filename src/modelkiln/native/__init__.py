@@ -1,5 +1,5 @@
 """Native onnxruntime operators over a GGUF file's blocks (``gguf_ops.c``, ``gguf_k_low.c``, ``gguf_q32.c``, on AMX
-``gguf_amx.c``), and kiln's attention (``attention.c``).
+``gguf_amx.c`` and ``gguf_k_amx.c``), and kiln's attention (``attention.c``).
 
 ``GgufMatMul`` multiplies by Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights stored as the
 file stores them (Q4_K 4.5 and Q6_K 6.56 bits a weight, where MatMulNBits needs 6 and 10 for the same values
@@ -70,12 +70,12 @@ def _cpu_supported() -> bool:
 
 def amx_on() -> bool:
     """Whether GgufMatMul runs rows on AMX's tiles in this process (``KILN_AMX=1`` where the CPU has
-    AMX-INT8 and the kernels' check passed, set when a session registers the operators: gguf_amx.c)."""
+    AMX-INT8 and the kernels' check passed, set when a session registers the operators: gguf_ops.c's kiln_gguf_use_amx)."""
     lib = library()
     return bool(lib and lib.kiln_gguf_amx_on())
 
 
-# Why ``KILN_AMX=1`` left AMX off (gguf_q32.h's amx_state, from the third on)
+# Why ``KILN_AMX=1`` left AMX off (gguf_amx_tiles.h's amx_state, from the third on)
 AMX_REFUSALS = {
     3: "this kiln was compiled without AMX's instructions (GCC older than 11 or clang older than 12)",
     4: "this CPU has no AMX-INT8",

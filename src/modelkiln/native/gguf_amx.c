@@ -8,10 +8,12 @@
  * column; the float step after it is the AVX-512 kernel's own (gguf_q32_blocks.h), row by row, so a
  * row gets the same bits here as on the AVX-512 and AVX2 paths, alone or with any other rows.
  * Q4_0..Q5_1's codes are unsigned and X's signed: TDPBSUD; Q8_0's are signed too: TDPBSSD.
+ * Consecutive blocks alternate between the two tile sets, and a block's float step runs while the
+ * next block multiplies (amx_tile).
  *
  * The same kernel is compiled twice: with the AMX instructions, and over a plain C model of the
- * three tiles it uses (gguf_amx_tiles.h), so that its data layout and arithmetic are tested on any
- * CPU with AVX-512, not only where AMX exists. The K-quants' AMX kernels are gguf_ops.c's.
+ * tiles it uses (gguf_amx_tiles.h), so that its data layout and arithmetic are tested on any
+ * CPU with AVX-512, not only where AMX exists. The K-quants' AMX kernels are gguf_k_amx.c's.
  *
  * Off unless asked (KILN_AMX=1, or kiln_gguf_use_amx): turning it on checks that the CPU has AMX-INT8,
  * asks Linux for the tile state (arch_prctl), and compares products of every type with the AVX-512
@@ -30,41 +32,56 @@
 #include "gguf_q32_blocks.h"
 #include "gguf_tiles.h"
 
+/* Block b's codes as B wants them: Q8_0's eight vectors as they are, the others' nibbles apart (and
+ * their fifth bits or'ed in) into ``codes`` */
+INLINE_AMX const uint8_t *b_codes(const layout L, const uint8_t *t, uint8_t codes[8][64]) {
+    if (L.codes != 256) return t;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i h = L.high ? _mm512_loadu_si512(t + L.high) : _mm512_setzero_si512();
+    for (int v = 0; v < 4; v++) {
+        const __m512i q = _mm512_loadu_si512(t + 64 * v);
+        __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+        if (L.high) c0 = _mm512_or_si512(c0, fifth_bits_512(h, v, 0)), c1 = _mm512_or_si512(c1, fifth_bits_512(h, v, 1));
+        _mm512_store_si512(codes[v], c0);
+        _mm512_store_si512(codes[4 + v], c1);
+    }
+    return codes[0];
+}
+
+/* Every row's float step of block b (its tile bytes at t), from the block's exact sums */
+INLINE_AMX void float_steps(const layout L, const uint8_t *t, const q8_32 *x, int64_t nb, int64_t b, int32_t sums[][16],
+                            __m512 *acc, int R) {
+    for (int r = 0; r < R; r++) {
+        const q8_32 *xr = x + (size_t)r * (size_t)nb + b;
+        __m512i isum = _mm512_load_si512(sums[r]);
+        if (L.offset) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(L.offset * xr->sum));
+        float_step_512(&acc[r], isum, xr, t, L);
+    }
+}
+
+/* Block b multiplies in tile set b % 2 while block b − 1's float steps run on the vector units (and
+ * block b + 1's multiply needs no tile of block b's): each row's float steps still come in block order,
+ * so its bits are the AVX-512 kernel's. */
 INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][TILE]) {
     const layout L = layout_of(type);
     t_setup(emulate, R, QK32);  /* A: R rows × 32 codes; B: 8 groups of 4 inputs × 16 columns × 4 */
     const size_t row_bytes = (size_t)nb * sizeof(q8_32);  /* from a row's block to the next row's */
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __attribute__((aligned(64))) uint8_t codes[8][64];
-    __attribute__((aligned(64))) int32_t sums[16][16];
+    __attribute__((aligned(64))) uint8_t codes[2][8][64];
+    __attribute__((aligned(64))) int32_t sums[2][16][16];
     __m512 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, t += L.bytes) {
+        const int set = (int)(b & 1);
         prefetch_ahead(t, L.bytes);
-        const uint8_t *codes_b = t;  /* Q8_0: the tile's eight vectors are B's rows */
-        if (L.codes == 256) {
-            const __m512i h = L.high ? _mm512_loadu_si512(t + L.high) : _mm512_setzero_si512();
-            for (int v = 0; v < 4; v++) {
-                const __m512i q = _mm512_loadu_si512(t + 64 * v);
-                __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-                if (L.high) c0 = _mm512_or_si512(c0, fifth_bits_512(h, v, 0)), c1 = _mm512_or_si512(c1, fifth_bits_512(h, v, 1));
-                _mm512_store_si512(codes[v], c0);
-                _mm512_store_si512(codes[4 + v], c1);
-            }
-            codes_b = codes[0];
-        }
-        t_zero_c(emulate);
-        t_load(emulate, 1, x[b].qs, row_bytes);
-        t_load(emulate, 2, codes_b, 64);
-        t_multiply(emulate, L.codes == 512);
-        t_store_c(emulate, sums);
-        for (int r = 0; r < R; r++) {
-            const q8_32 *xr = x + (size_t)r * (size_t)nb + b;
-            __m512i isum = _mm512_load_si512(sums[r]);
-            if (L.offset) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(L.offset * xr->sum));
-            float_step_512(&acc[r], isum, xr, t, L);
-        }
+        const uint8_t *codes_b = b_codes(L, t, codes[set]);
+        t_zero_c(emulate, set);
+        t_load(emulate, set, TILE_A, x[b].qs, row_bytes);
+        t_load(emulate, set, TILE_B, codes_b, 64);
+        t_multiply(emulate, set, L.codes == 512);
+        if (b > 0) float_steps(L, t - L.bytes, x, nb, b - 1, sums[!set], acc, R);
+        t_store_c(emulate, set, sums[set]);
     }
+    float_steps(L, t - L.bytes, x, nb, nb - 1, sums[(nb - 1) & 1], acc, R);
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
     t_done(emulate);
 }

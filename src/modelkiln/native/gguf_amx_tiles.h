@@ -1,8 +1,13 @@
-/* The three AMX tiles kiln's kernels use (0: C, the int32 sums; 1: A, rows of X's int8 codes; 2: B,
- * the weights' codes), as the AMX instructions or as a plain C model of them (the instructions'
- * definitions in Intel's manual). A kernel written once over these runs either way (``emulate`` a
- * constant where it is inlined), so its data layout and arithmetic are tested on any CPU with
- * AVX-512: gguf_amx.c (the types with a scale per 32) and gguf_ops.c (the K-quants). */
+/* The AMX tiles kiln's kernels use, as the AMX instructions or as a plain C model of them (the
+ * instructions' definitions in Intel's manual). They come in two sets of three (set 0: C 0, the int32
+ * sums, A 1, rows of X's int8 codes, B 2, the weights' codes; set 1: tiles 3, 4, 5), so that a kernel
+ * can have two products in flight: a multiply into one C tile waits for the one before it (and for
+ * that C to be stored and zeroed again), which would chain every product of a row through one tile;
+ * two sets let the second multiply start while the first runs, and the float work on one set's sums
+ * run while the other multiplies (llama.cpp's and oneDNN's AMX kernels keep several C tiles for this).
+ * A kernel written once over these runs either way (``emulate`` a constant where it is inlined), so its
+ * data layout and arithmetic are tested on any CPU with AVX-512: gguf_amx.c (the types with a scale
+ * per 32), gguf_k_amx.c (Q4_K, Q5_K, Q6_K) and gguf_k_low.c (Q2_K, Q3_K). */
 #ifndef KILN_GGUF_AMX_TILES_H
 #define KILN_GGUF_AMX_TILES_H
 
@@ -22,18 +27,23 @@
 #define INLINE_AMX AMX_TARGET __attribute__((always_inline)) static inline
 #define AMX_MAX_ROWS 16  /* rows of X (of C and A) a tile multiply takes */
 
+/* What turning AMX on found (kiln_gguf_amx_state; native/__init__.py names them): off (not asked), on, on over the
+ * model of the tiles (tests), or why it was refused. */
+enum amx_state { AMX_OFF, AMX_ON, AMX_MODEL, AMX_NOT_BUILT, AMX_NO_UNIT, AMX_NOT_GRANTED, AMX_DISAGREES, AMX_CRASHED };
+
 typedef struct {  /* palette 1's tile configuration (LDTILECFG's 64 bytes) */
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
 
-/* The model of the three tiles (0: C, 1: A, 2: B), a thread's own as real tiles are. */
+/* The model of the six tiles (a set's C, A, B at 3 · set + 0, 1, 2), a thread's own as real tiles are. */
 typedef struct {
     int rows, colsb;
     uint8_t data[16][64];
 } model_tile;
-static __thread model_tile model[3];
+static __thread model_tile model[6];
+enum { TILE_A = 1, TILE_B = 2 };  /* t_load's ``which`` */
 
 INLINE_AMX void t_config(int emulate, const tile_config *cfg) {
     if (!emulate) {
@@ -42,67 +52,79 @@ INLINE_AMX void t_config(int emulate, const tile_config *cfg) {
 #endif
         return;
     }
-    for (int i = 0; i < 3; i++) model[i].rows = cfg->rows[i], model[i].colsb = cfg->colsb[i];
+    for (int i = 0; i < 6; i++) model[i].rows = cfg->rows[i], model[i].colsb = cfg->colsb[i];
 }
 
-INLINE_AMX void t_zero_c(int emulate) {
-    if (emulate) memset(model[0].data, 0, sizeof model[0].data);
+/* The instructions name their tiles in the instruction itself (an immediate): each set's own. */
+INLINE_AMX void t_zero_c(int emulate, int set) {
+    if (emulate) memset(model[3 * set].data, 0, sizeof model[3 * set].data);
 #if AMX_COMPILED
-    else _tile_zero(0);
+    else if (set == 0) _tile_zero(0);
+    else _tile_zero(3);
 #endif
 }
 
-INLINE_AMX void t_load(int emulate, int which, const void *p, size_t stride) {
+INLINE_AMX void t_load(int emulate, int set, int which, const void *p, size_t stride) {
     if (emulate) {
-        for (int r = 0; r < model[which].rows; r++) memcpy(model[which].data[r], (const uint8_t *)p + r * stride, (size_t)model[which].colsb);
+        model_tile *m = &model[3 * set + which];
+        for (int r = 0; r < m->rows; r++) memcpy(m->data[r], (const uint8_t *)p + r * stride, (size_t)m->colsb);
     }
 #if AMX_COMPILED
-    else if (which == 1) _tile_loadd(1, p, stride);
-    else _tile_loadd(2, p, stride);
+    else if (set == 0 && which == TILE_A) _tile_loadd(1, p, stride);
+    else if (set == 0) _tile_loadd(2, p, stride);
+    else if (which == TILE_A) _tile_loadd(4, p, stride);
+    else _tile_loadd(5, p, stride);
 #endif
 }
 
 /* C += A · B: each int32 of C's row m, column n gains Σ over k of A[m][4k+i] · B[k][4n+i], i < 4;
  * A's bytes signed, B's signed (TDPBSSD) or unsigned (TDPBSUD). */
-INLINE_AMX void t_multiply(int emulate, int signed_b) {
+INLINE_AMX void t_multiply(int emulate, int set, int signed_b) {
     if (!emulate) {
 #if AMX_COMPILED
-        if (signed_b) _tile_dpbssd(0, 1, 2);
-        else _tile_dpbsud(0, 1, 2);
+        if (set == 0 && signed_b) _tile_dpbssd(0, 1, 2);
+        else if (set == 0) _tile_dpbsud(0, 1, 2);
+        else if (signed_b) _tile_dpbssd(3, 4, 5);
+        else _tile_dpbsud(3, 4, 5);
 #endif
         return;
     }
-    for (int m = 0; m < model[0].rows; m++) {
+    const model_tile *a = &model[3 * set + TILE_A], *b = &model[3 * set + TILE_B];
+    model_tile *c = &model[3 * set];
+    for (int m = 0; m < c->rows; m++) {
         int32_t row[16];
-        memcpy(row, model[0].data[m], sizeof row);
-        for (int k = 0; k < model[1].colsb / 4; k++)
-            for (int n = 0; n < model[0].colsb / 4; n++)
+        memcpy(row, c->data[m], sizeof row);
+        for (int k = 0; k < a->colsb / 4; k++)
+            for (int n = 0; n < c->colsb / 4; n++)
                 for (int i = 0; i < 4; i++) {
-                    const int a = (int8_t)model[1].data[m][4 * k + i], byte = model[2].data[k][4 * n + i];
-                    row[n] += a * (signed_b ? (int8_t)byte : byte);
+                    const int x = (int8_t)a->data[m][4 * k + i], byte = b->data[k][4 * n + i];
+                    row[n] += x * (signed_b ? (int8_t)byte : byte);
                 }
-        memcpy(model[0].data[m], row, sizeof row);
+        memcpy(c->data[m], row, sizeof row);
     }
 }
 
-INLINE_AMX void t_store_c(int emulate, int32_t out[][16]) {
+INLINE_AMX void t_store_c(int emulate, int set, int32_t out[][16]) {
     if (emulate) {
-        for (int r = 0; r < model[0].rows; r++) memcpy(out[r], model[0].data[r], 64);
+        for (int r = 0; r < model[3 * set].rows; r++) memcpy(out[r], model[3 * set].data[r], 64);
     }
 #if AMX_COMPILED
-    else _tile_stored(0, out, 64);
+    else if (set == 0) _tile_stored(0, out, 64);
+    else _tile_stored(3, out, 64);
 #endif
 }
 
-/* A configuration of the three tiles: C and A of ``rows`` rows, A of ``a_bytes`` codes a row, B of
+/* A configuration of both sets: C and A of ``rows`` rows, A of ``a_bytes`` codes a row, B of
  * a_bytes / 4 rows of sixteen columns' four codes. */
 INLINE_AMX void t_setup(int emulate, int rows, int a_bytes) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    cfg.rows[0] = (uint8_t)rows, cfg.colsb[0] = 64;
-    cfg.rows[1] = (uint8_t)rows, cfg.colsb[1] = (uint16_t)a_bytes;
-    cfg.rows[2] = (uint8_t)(a_bytes / 4), cfg.colsb[2] = 64;
+    for (int set = 0; set < 2; set++) {
+        cfg.rows[3 * set] = (uint8_t)rows, cfg.colsb[3 * set] = 64;
+        cfg.rows[3 * set + TILE_A] = (uint8_t)rows, cfg.colsb[3 * set + TILE_A] = (uint16_t)a_bytes;
+        cfg.rows[3 * set + TILE_B] = (uint8_t)(a_bytes / 4), cfg.colsb[3 * set + TILE_B] = 64;
+    }
     t_config(emulate, &cfg);
 }
 

@@ -92,6 +92,37 @@ AVX512 void add_scaled_512(__m512i *sums, __m512i lo[][MAX_ROWS], __m512i hi[][M
         sums[r] = _mm512_add_epi32(sums[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[0][r], sl), _mm512_mullo_epi32(hi[0][r], sh)));
 }
 
+/* Q4_K's scales and minimums of sixteen columns from the file's three words each (k4_scales_mins,
+ * a lane per column): sc[0] bytes are scales 0-3, sc[1] 4-7, mn likewise */
+AVX512 void k4_scales_mins_512(const uint8_t *t, __m512i sc[2], __m512i mn[2]) {
+    const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), four = _mm512_set1_epi32(0x0f0f0f0f), two = _mm512_set1_epi32(0x03030303);
+    const __m512i u0 = _mm512_loadu_si512(t + K4_SC), u1 = _mm512_loadu_si512(t + K4_SC + 64), u2 = _mm512_loadu_si512(t + K4_SC + 128);
+    sc[0] = _mm512_and_si512(u0, six);
+    mn[0] = _mm512_and_si512(u1, six);
+    sc[1] = _mm512_or_si512(_mm512_and_si512(u2, four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), two), 4));
+    mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), two), 4));
+}
+
+/* Q5_K's fifth bits of k4 group v (bit 4 of each byte): bit v / 8 of qh vector v % 8 (first: the
+ * codes 4v+i; second: 128+4v+i, bit v / 8 + 4). 16-bit shifts carry bits across bytes only where
+ * the 0x10 mask drops them. */
+AVX512 void k5_fifth_512(const uint8_t *t, int v, __m512i *first, __m512i *second) {
+    const __m512i h = _mm512_loadu_si512(t + K5_QH + 64 * (v % 8)), bit4 = _mm512_set1_epi8(0x10);
+    const int j = v / 8;
+    *first = _mm512_and_si512(_mm512_slli_epi16(h, 4 - j), bit4);
+    *second = _mm512_and_si512(j ? _mm512_srli_epi16(h, j) : h, bit4);
+}
+
+/* Q6_K's codes of four weights of sixteen columns: k4 group v (0..31) from the low nibbles of ql
+ * vector v and bits 2f of qh vector v % 16 (f = v / 16), group v + 32 from the high nibbles and
+ * bits 2(f + 2). Shifting 16-bit lanes moves bits across bytes only where the 0x30 mask drops them. */
+AVX512 void q6_k_codes_512(const uint8_t *t, int v, __m512i *first, __m512i *second) {
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    const __m512i l = _mm512_loadu_si512(t + K6_QL + 64 * v), h = _mm512_loadu_si512(t + K6_QH + 64 * (v % 16));
+    *first = _mm512_or_si512(_mm512_and_si512(l, low), _mm512_and_si512(v < 16 ? _mm512_slli_epi16(h, 4) : _mm512_slli_epi16(h, 2), top));
+    *second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), _mm512_and_si512(v < 16 ? h : _mm512_srli_epi16(h, 2), top));
+}
+
 /* byte i of every lane, as int32; bytes i and i + 1 as an int16 pair (the minimums: Q4_K's of
  * sub-blocks 2k and 2k+1 against X's 32-sums of them, Q6_K's 32 · scale of groups 2k, 2k+1 against
  * its 16-sums, one vpdpwssd each) */
@@ -127,19 +158,39 @@ AVX2 __m256i byte_256(__m256i v, int i) { return _mm256_and_si256(_mm256_srli_ep
 
 /* ---- AMX (gguf_amx_tiles.h): up to sixteen rows of X a tile multiply, one per sub-block of 32
  *      inputs (Q4_K, Q5_K: the codes of eight vectors are B's eight rows) or group of 16 (Q2_K,
- *      Q3_K, Q6_K: four vectors' codes); each product (exact) times its sub-block's scale into the
- *      same integer sums as above, the minimums and the float step as above: the AVX-512 kernels'
- *      bits ------------------------------------------------------------------------------------------ */
-INLINE_AMX void amx_scaled_product(int emulate, const void *a, size_t row_bytes, const uint8_t (*codes)[64], __m512i scale,
-                                   __m512i *sums, int R) {
-    __attribute__((aligned(64))) int32_t c[16][16];
-    t_zero_c(emulate);
-    t_load(emulate, 1, a, row_bytes);
-    t_load(emulate, 2, codes, 64);
-    t_multiply(emulate, 0);  /* the codes are unsigned: TDPBSUD */
-    t_store_c(emulate, c);
-    for (int r = 0; r < R; r++) sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(_mm512_load_si512(c[r]), scale));
+ *      Q3_K, Q6_K: four vectors' codes), two at a time, one in each tile set; each product (exact)
+ *      times its sub-block's scale into the same integer sums as above, the minimums and the float
+ *      step as above: the AVX-512 kernels' bits ------------------------------------------------------ */
+/* sums[r] += scale0 · (row r's codes at a0 · codes0) + scale1 · (its codes at a1 · codes1) */
+INLINE_AMX void amx_scaled_pair(int emulate, size_t row_bytes, const void *a0, const uint8_t (*codes0)[64], __m512i scale0,
+                                const void *a1, const uint8_t (*codes1)[64], __m512i scale1, __m512i *sums, int R) {
+    __attribute__((aligned(64))) int32_t c0[16][16], c1[16][16];
+    /* both multiplies issued before either's sums are stored: the second runs while the first does */
+    t_zero_c(emulate, 0);
+    t_load(emulate, 0, TILE_A, a0, row_bytes);
+    t_load(emulate, 0, TILE_B, codes0, 64);
+    t_multiply(emulate, 0, 0);  /* the codes are unsigned: TDPBSUD */
+    t_zero_c(emulate, 1);
+    t_load(emulate, 1, TILE_A, a1, row_bytes);
+    t_load(emulate, 1, TILE_B, codes1, 64);
+    t_multiply(emulate, 1, 0);
+    t_store_c(emulate, 0, c0);
+    t_store_c(emulate, 1, c1);
+    for (int r = 0; r < R; r++)
+        sums[r] = _mm512_add_epi32(sums[r], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(c0[r]), scale0),
+                                                             _mm512_mullo_epi32(_mm512_load_si512(c1[r]), scale1)));
 }
+
+/* ---- the kernels' entry points ------------------------------------------------------------------- */
+/* gguf_ops.c: X's rows quantized per 256 inputs; rows 1..4 (MAX_ROWS) against a tile with the kernel in
+ * force (AVX-512 VNNI where kiln_gguf_use_avx512 turned it on, else AVX2), any K-quant */
+void k_quantize_row(const float *x, int64_t k, q8_block *out);
+void k_tile_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_block *const *x, float out[][TILE]);
+/* gguf_k_amx.c: rows 1..16 of X at x, x + nb, ... against a tile on AMX where k_use_amx turned it on (k_amx_on);
+ * the same bits as k_tile_rows */
+int k_use_amx(int mode);  /* an amx_state */
+int k_amx_on(void);
+void k_amx_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]);
 
 /* ---- Q2_K and Q3_K (gguf_k_low.c) ---------------------------------------------------------------- */
 int k_low_type(int64_t type);

@@ -9,7 +9,8 @@
  * GgufGather  Y[..., K] = the rows of W for token ids, dequantized exactly as gguf-py does
  * (domain "kiln.gguf"; attributes ggml_type (12: Q4_K, 13: Q5_K, 14: Q6_K), K and N). Q2_K and Q3_K (10,
  * 11) are gguf_k_low.c's and the types with a scale per 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
- * gguf_q32.c's, in tiles of the same shape; this file also holds the operators and their dispatch.
+ * gguf_q32.c's, in tiles of the same shape, and the AMX forms gguf_k_amx.c's and gguf_amx.c's; this file
+ * also holds the operators, their dispatch and the switch that turns AMX on.
  *
  * Why: MatMulNBits needs an fp32 scale per block and an fp32 correction for a block minimum, so a
  * Q4_K weight costs 6 bits there against the file's 4.5, a Q5_K 10 against 5.5, and a Q6_K 10 against 6.56. Decoding one
@@ -41,7 +42,7 @@
 #include "gguf_q32.h"
 #include "ort_abi.h"
 
-static void quantize_row(const float *x, int64_t k, q8_block *out) {
+void k_quantize_row(const float *x, int64_t k, q8_block *out) {
     for (int64_t b = 0; b < k / QK_K; b++, x += QK_K) {
         q8_block *o = out + b;
         const float amax = quantize_codes(x, QK_K, o->qs, NULL);
@@ -63,27 +64,6 @@ static const size_t TILE_BLOCK_BYTES[15] = {[GGML_Q2_K] = K2_BYTES, [GGML_Q3_K] 
                                             [GGML_Q5_K] = K5_BYTES, [GGML_Q6_K] = K6_BYTES};
 
 static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
-
-/* Q4_K's scales and minimums of sixteen columns from the file's three words each (k4_scales_mins,
- * a lane per column): sc[0] bytes are scales 0-3, sc[1] 4-7, mn likewise */
-AVX512 void k4_scales_mins_512(const uint8_t *t, __m512i sc[2], __m512i mn[2]) {
-    const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), four = _mm512_set1_epi32(0x0f0f0f0f), two = _mm512_set1_epi32(0x03030303);
-    const __m512i u0 = _mm512_loadu_si512(t + K4_SC), u1 = _mm512_loadu_si512(t + K4_SC + 64), u2 = _mm512_loadu_si512(t + K4_SC + 128);
-    sc[0] = _mm512_and_si512(u0, six);
-    mn[0] = _mm512_and_si512(u1, six);
-    sc[1] = _mm512_or_si512(_mm512_and_si512(u2, four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), two), 4));
-    mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), two), 4));
-}
-
-/* Q5_K's fifth bits of k4 group v (bit 4 of each byte): bit v / 8 of qh vector v % 8 (first: the
- * codes 4v+i; second: 128+4v+i, bit v / 8 + 4). 16-bit shifts carry bits across bytes only where
- * the 0x10 mask drops them. */
-AVX512 void k5_fifth_512(const uint8_t *t, int v, __m512i *first, __m512i *second) {
-    const __m512i h = _mm512_loadu_si512(t + K5_QH + 64 * (v % 8)), bit4 = _mm512_set1_epi8(0x10);
-    const int j = v / 8;
-    *first = _mm512_and_si512(_mm512_slli_epi16(h, 4 - j), bit4);
-    *second = _mm512_and_si512(j ? _mm512_srli_epi16(h, j) : h, bit4);
-}
 
 /* Q4_K, and Q5_K (five: its fifth bits or'ed into the codes; scales and minimums are Q4_K's) */
 AVX512 void q4_k_tile_512(const int five, const uint8_t *t, int64_t nb, const q8_block *const *x, const int R, __m512 *acc) {
@@ -121,16 +101,6 @@ AVX512 void q4_k_tile_512(const int five, const uint8_t *t, int64_t nb, const q8
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + (five ? K5_DMIN : K4_DMIN))));
         for (int r = 0; r < R; r++) float_step_512(&acc[r], sums[r], mins[r], x[r][b].d, d, dmin);
     }
-}
-
-/* Q6_K's codes of four weights of sixteen columns: k4 group v (0..31) from the low nibbles of ql
- * vector v and bits 2f of qh vector v % 16 (f = v / 16), group v + 32 from the high nibbles and
- * bits 2(f + 2). Shifting 16-bit lanes moves bits across bytes only where the 0x30 mask drops them. */
-AVX512 void q6_k_codes_512(const uint8_t *t, int v, __m512i *first, __m512i *second) {
-    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
-    const __m512i l = _mm512_loadu_si512(t + K6_QL + 64 * v), h = _mm512_loadu_si512(t + K6_QH + 64 * (v % 16));
-    *first = _mm512_or_si512(_mm512_and_si512(l, low), _mm512_and_si512(v < 16 ? _mm512_slli_epi16(h, 4) : _mm512_slli_epi16(h, 2), top));
-    *second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), _mm512_and_si512(v < 16 ? h : _mm512_srli_epi16(h, 2), top));
 }
 
 AVX512 void q6_k_tile_512(const uint8_t *t, int64_t nb, const q8_block *const *x, const int R, __m512 *acc) {
@@ -339,96 +309,10 @@ static tile_rows_fn tile_rows[MAX_ROWS + 1] = {NULL, tile_rows_256_1, tile_rows_
 typedef void (*k_low_rows_fn)(int, int, const uint8_t *, int64_t, const q8_block *const *, float[][TILE]);
 static k_low_rows_fn k_low_rows = k_low_tile_rows_256;  /* Q2_K, Q3_K (gguf_k_low.c) */
 
-INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
-    const size_t row_bytes = (size_t)nb * sizeof(q8_block);
-    const int bytes = five ? K5_BYTES : K4_BYTES;
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __attribute__((aligned(64))) uint8_t lo[8][64], hi[8][64];
-    __m512 acc[AMX_MAX_ROWS];
-    t_setup(emulate, R, 32);
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, t += bytes) {
-        prefetch_ahead(t, bytes);
-        __m512i sc[2], mn[2], sums[AMX_MAX_ROWS], mins[AMX_MAX_ROWS];
-        k4_scales_mins_512(t, sc, mn);
-        for (int r = 0; r < R; r++) sums[r] = mins[r] = _mm512_setzero_si512();
-        for (int j = 0; j < 4; j++) {  /* sub-block j from the low nibbles, j + 4 from the high */
-            for (int v = 0; v < 8; v++) {
-                const __m512i q = _mm512_loadu_si512(t + K4_QS + 64 * (8 * j + v));
-                __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-                if (five) {
-                    __m512i f0, f1;
-                    k5_fifth_512(t, 8 * j + v, &f0, &f1);
-                    c0 = _mm512_or_si512(c0, f0), c1 = _mm512_or_si512(c1, f1);
-                }
-                _mm512_store_si512(lo[v], c0);
-                _mm512_store_si512(hi[v], c1);
-            }
-            amx_scaled_product(emulate, x[b].qs + 32 * j, row_bytes, lo, byte_512(sc[0], j), sums, R);
-            amx_scaled_product(emulate, x[b].qs + 128 + 32 * j, row_bytes, hi, byte_512(sc[1], j), sums, R);
-        }
-        for (int k = 0; k < 4; k++) {
-            const __m512i m = byte_pair_512(mn[k / 2], 2 * (k % 2));
-            for (int r = 0; r < R; r++)
-                mins[r] = _mm512_dpwssd_epi32(mins[r], m, _mm512_set1_epi32(load32(x[(size_t)r * (size_t)nb + b].bsums32 + 2 * k)));
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + (five ? K5_D : K4_D))));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + (five ? K5_DMIN : K4_DMIN))));
-        for (int r = 0; r < R; r++) float_step_512(&acc[r], sums[r], mins[r], x[(size_t)r * (size_t)nb + b].d, d, dmin);
-    }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
-    t_done(emulate);
+void k_tile_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_block *const *x, float out[][TILE]) {
+    if (k_low_type(type)) k_low_rows(type, rows, t, nb, x, out);
+    else tile_rows[rows](type, t, nb, x, out);
 }
-
-INLINE_AMX void q6_k_amx(int emulate, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
-    const size_t row_bytes = (size_t)nb * sizeof(q8_block);
-    __attribute__((aligned(64))) uint8_t first[4][64], second[4][64];
-    __m512 acc[AMX_MAX_ROWS];
-    t_setup(emulate, R, 16);
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, t += K6_BYTES) {
-        prefetch_ahead(t, K6_BYTES);
-        __m512i sums[AMX_MAX_ROWS], mins[AMX_MAX_ROWS];
-        for (int r = 0; r < R; r++) sums[r] = mins[r] = _mm512_setzero_si512();
-        for (int g = 0; g < 8; g++) {  /* group g (codes 16g..) and g + 8 (codes 128 + 16g..) */
-            for (int i = 0; i < 4; i++) {
-                __m512i c0, c1;
-                q6_k_codes_512(t, 4 * g + i, &c0, &c1);
-                _mm512_store_si512(first[i], c0);
-                _mm512_store_si512(second[i], c1);
-            }
-            amx_scaled_product(emulate, x[b].qs + 16 * g, row_bytes, first,
-                               _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * g))), sums, R);
-            amx_scaled_product(emulate, x[b].qs + 128 + 16 * g, row_bytes, second,
-                               _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * (g + 8)))), sums, R);
-        }
-        for (int k = 0; k < 8; k++) {  /* the codes are q + 32: 32 · scale against the 16-sums */
-            const __m512i m = pairs16_512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 32 * k))), 5),
-                                          _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 32 * k + 16))), 5));
-            for (int r = 0; r < R; r++)
-                mins[r] = _mm512_dpwssd_epi32(mins[r], m, _mm512_set1_epi32(load32(x[(size_t)r * (size_t)nb + b].bsums + 2 * k)));
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + K6_D)));
-        for (int r = 0; r < R; r++) float_step_512(&acc[r], sums[r], mins[r], x[(size_t)r * (size_t)nb + b].d, d, d);
-    }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
-    t_done(emulate);
-}
-
-typedef void (*k_amx_fn)(int, int, const uint8_t *, int64_t, const q8_block *, float[][TILE]);
-AMX_TARGET static void k_rows_amx(int type, int R, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
-    if (k_low_type(type)) k_low_amx_rows(0, type, R, t, nb, x, out);
-    else if (type == GGML_Q4_K) q4_k_amx(0, 0, t, nb, x, R, out);
-    else if (type == GGML_Q5_K) q4_k_amx(0, 1, t, nb, x, R, out);
-    else q6_k_amx(0, t, nb, x, R, out);
-}
-AMX_TARGET static void k_rows_model(int type, int R, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
-    if (k_low_type(type)) k_low_amx_rows(1, type, R, t, nb, x, out);
-    else if (type == GGML_Q4_K) q4_k_amx(1, 0, t, nb, x, R, out);
-    else if (type == GGML_Q5_K) q4_k_amx(1, 1, t, nb, x, R, out);
-    else q6_k_amx(1, t, nb, x, R, out);
-}
-static k_amx_fn k_amx_rows = NULL;
 
 /* ---- the matmul, a tile of sixteen columns per task over onnxruntime's threads ---------------- */
 /* The two families: K-quants (a super-block of 256 inputs, X in q8_block) and the types with a
@@ -542,7 +426,7 @@ static void matmul_task(void *data, size_t task) {
     const int two = job->pairs && (int64_t)tile + 1 < tiles;
     int64_t first = 0;  /* AMX's rows depend only on the count, so both tiles leave the same */
     for (int i = 0; i <= two; i++)
-        if (q32 ? q32_amx_on() : k_amx_rows != NULL)
+        if (q32 ? q32_amx_on() : k_amx_on())
             first = amx_rows_task(job, tile_weights(job, tile + i), (int64_t)(tile + i) * TILE, tile_columns(job, tile + i), q32);
     if (two) first = pair_rows_task(job, tile, first);
     for (int i = 0; i <= two; i++) tile_rows_task(job, tile + i, first);
@@ -570,7 +454,7 @@ static void quantize_rows_task(void *data, size_t row) {
     const float *x = job->x + row * job->k;
     if (!job->times) {
         if (q32_type(job->type)) q32_quantize_row(x, job->k, (q8_32 *)job->out + row * job->nb);
-        else quantize_row(x, job->k, (q8_block *)job->out + row * job->nb);
+        else k_quantize_row(x, job->k, (q8_block *)job->out + row * job->nb);
         return;
     }
     /* the products, 256 at a time (a K-quant block, eight of a scale per 32), each one float
@@ -581,7 +465,7 @@ static void quantize_rows_task(void *data, size_t row) {
         const int64_t n = job->k - at < QK_K ? job->k - at : QK_K;
         for (int64_t i = 0; i < n; i++) product[i] = x[at + i] * times[at + i];
         if (q32_type(job->type)) q32_quantize_row(product, n, (q8_32 *)job->out + row * job->nb + at / QK32);
-        else quantize_row(product, n, (q8_block *)job->out + row * job->nb + at / QK_K);
+        else k_quantize_row(product, n, (q8_block *)job->out + row * job->nb + at / QK_K);
     }
 }
 
@@ -793,46 +677,6 @@ static const OrtCustomOp MATMUL = {13, create_matmul, matmul_name, cpu, matmul_i
 static const OrtCustomOp GATHER = {13, create_gather, gather_name, cpu, gather_input, two, float_output, one,
                                    compute, destroy, required, required, default_memory};
 
-/* Products of every K-quant through the AMX kernel, for every row count a tile takes, and through
- * the AVX-512 one: the same bits? */
-static int k_agrees_with_avx512(k_amx_fn fn) {
-    enum { NB = 2, ROWS = 16 };
-    /* each type, where its fp16 scale d and (0: none) its minimums' scale dmin lie */
-    static const struct { int type, d, dmin; } types[] = {{GGML_Q2_K, K2_D, K2_DMIN}, {GGML_Q3_K, K3_D, 0},
-        {GGML_Q4_K, K4_D, K4_DMIN}, {GGML_Q5_K, K5_D, K5_DMIN}, {GGML_Q6_K, K6_D, 0}};
-    uint8_t *tile = aligned(NB * K6_BYTES);  /* the largest */
-    q8_block *x = aligned(sizeof(q8_block) * ROWS * NB);
-    uint32_t seed = 54321;
-    int same = 1;
-    for (int i = 0; i < ROWS * NB; i++) {
-        float values[QK_K];
-        for (int j = 0; j < QK_K; j++) values[j] = (float)((int)((seed = seed * 1103515245u + 12345u) >> 16) % 255 - 127);
-        quantize_row(values, QK_K, x + i);
-    }
-    for (size_t k = 0; k < sizeof types / sizeof *types && same; k++) {
-        const int type = types[k].type, bytes = (int)TILE_BLOCK_BYTES[type];
-        for (int i = 0; i < NB * bytes; i++) tile[i] = (uint8_t)((seed = seed * 1103515245u + 12345u) >> 16);
-        for (int b = 0; b < NB; b++)  /* finite fp16 scales: 1/64 */
-            for (int c = 0; c < TILE; c++) {
-                memcpy(tile + b * bytes + types[k].d + 2 * c, &(uint16_t){0x2400}, 2);
-                if (types[k].dmin) memcpy(tile + b * bytes + types[k].dmin + 2 * c, &(uint16_t){0x2400}, 2);
-            }
-        float ours[ROWS][TILE], theirs[ROWS][TILE];
-        for (int r = 0; r < ROWS; r += 4) {
-            const q8_block *rows[4] = {x + r * NB, x + (r + 1) * NB, x + (r + 2) * NB, x + (r + 3) * NB};
-            if (k_low_type(type)) k_low_tile_rows_512(type, 4, tile, NB, rows, theirs + r);
-            else tile_rows[4](type, tile, NB, rows, theirs + r);
-        }
-        for (int R = 1; R <= ROWS && same; R++) {
-            fn(type, R, tile, NB, x, ours);
-            same = !memcmp(ours, theirs, sizeof(float) * TILE * (size_t)R);
-        }
-    }
-    free(tile);
-    free(x);
-    return same;
-}
-
 static int amx_state = AMX_OFF;  /* what the last kiln_gguf_use_amx found (kiln_gguf_amx_state) */
 /* kiln_gguf_amx_detail: the signal that ended the checks' child (AMX_CRASHED), arch_prctl's errno (AMX_NOT_GRANTED) */
 static int amx_detail = 0;
@@ -843,7 +687,7 @@ static int amx_checks(int mode) {
     if (mode == 3) __builtin_trap();  /* ud2: SIGILL, as an instruction or tile configuration the CPU rejects */
     const int state = q32_use_amx(mode);
     if (state != AMX_ON && state != AMX_MODEL) return state;
-    return k_agrees_with_avx512(mode == 1 ? k_rows_amx : k_rows_model) ? state : AMX_DISAGREES;
+    return k_use_amx(mode) == state ? state : AMX_DISAGREES;
 }
 
 /* The checks in a child process first: these kernels' tile instructions may meet a unit they never
@@ -876,9 +720,9 @@ int kiln_gguf_use_amx(int mode) {
     /* Every session registers the operators (RegisterCustomOps asks again): the same mode leaves the
      * kernels' pointers alone, which another session's products may be reading right then, and forks
      * no second child (fork copies the page tables of what may be gigabytes of mapped weights). */
-    if (mode == asked) return mode == 0 || k_amx_rows != NULL;
+    if (mode == asked) return mode == 0 || k_amx_on();
     asked = mode;
-    k_amx_rows = NULL;
+    k_use_amx(0);
     q32_use_amx(0);
     amx_detail = 0;
     if (mode == 0) {
@@ -896,17 +740,17 @@ int kiln_gguf_use_amx(int mode) {
         amx_state = child;
         return 0;
     }
-    amx_state = amx_checks(mode);
+    amx_state = amx_checks(mode);  /* each family's kernels go on where their check passes */
     if (amx_state != AMX_ON && amx_state != AMX_MODEL) {
+        k_use_amx(0);
         q32_use_amx(0);
         return 0;
     }
-    k_amx_rows = mode == 1 ? k_rows_amx : k_rows_model;
     return 1;
 }
 
 __attribute__((visibility("default")))
-int kiln_gguf_amx_on(void) { return k_amx_rows != NULL; }
+int kiln_gguf_amx_on(void) { return k_amx_on(); }
 
 __attribute__((visibility("default")))
 int kiln_gguf_amx_state(void) { return amx_state; }

@@ -36,9 +36,6 @@ int q32_amx_on(void);
 /* AMX_ON where the CPU's AMX may be tried here (built, the unit, Linux's grant), or why not (with arch_prctl's
  * errno in *error where Linux refused) */
 int q32_amx_available(int *error);
-/* What turning AMX on found (kiln_gguf_amx_state; native/__init__.py names them): off (not asked), on, on over the
- * model of the tiles (tests), or why it was refused. */
-enum amx_state { AMX_OFF, AMX_ON, AMX_MODEL, AMX_NOT_BUILT, AMX_NO_UNIT, AMX_NOT_GRANTED, AMX_DISAGREES, AMX_CRASHED };
 void q32_amx_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][16]);
 
 #endif
