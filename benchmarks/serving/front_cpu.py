@@ -33,24 +33,10 @@ import urllib.request
 from pathlib import Path
 
 from modelkiln.data import sts_sentences
-from modelkiln.tune.sweep import ServeProcess
+from modelkiln.tune.sweep import ServeProcess, process_tree
 from wrk_load import run_wrk, write_script
 
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (Linux /proc/PID/task/*/children)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    return found
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
