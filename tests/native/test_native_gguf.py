@@ -243,13 +243,13 @@ def _matmul(lib, kind, x, tiled, n, k):
 
 def _amx_agrees(mode: int) -> None:
     """37 rows (two AMX tiles of sixteen, then five for the VNNI kernel) against the AVX-512 kernel
-    alone, and each row against itself alone (one row: never AMX), bit for bit, every type."""
+    alone, and each row against itself alone (one row: never AMX), bit for bit, every type; blocks a row
+    one, an odd and an even count (the kernels alternate tile sets from block to block)."""
     lib = ctypes.CDLL(library_path())
     lib.kiln_gguf_use_avx512(1)
     n = 33
     try:
-        for kind in KINDS:
-            k = 576 if kind in PER_32 else 512
+        for kind, k in [(kind, k) for kind in KINDS for k in ((32, 96, 576) if kind in PER_32 else (256, 768, 512))]:
             tiled = tiles(kind, random_blocks(kind, n, k, seed=7))
             x = np.random.default_rng(8).standard_normal((37, k)).astype(np.float32)
             assert lib.kiln_gguf_use_amx(0)
@@ -259,9 +259,9 @@ def _amx_agrees(mode: int) -> None:
             # what kiln convert's matrix engine column, kiln bench's rows and kiln serve's log name
             assert variant_matrix_engine({"native_ops": 2}, "int4", "cpu").startswith("AMX (8+ rows), ")
             tiled_rows = _matmul(lib, kind, x, tiled, n, k)
-            assert np.array_equal(tiled_rows, plain), kind
+            assert np.array_equal(tiled_rows, plain), (kind, k)
             for row in (0, 15, 16, 31, 36):
-                assert np.array_equal(_matmul(lib, kind, x[row:row + 1], tiled, n, k)[0], tiled_rows[row]), (kind, row)
+                assert np.array_equal(_matmul(lib, kind, x[row:row + 1], tiled, n, k)[0], tiled_rows[row]), (kind, k, row)
     finally:
         lib.kiln_gguf_use_amx(0)
     assert not amx_on() and not variant_matrix_engine({"native_ops": 2}, "int4", "cpu").startswith("AMX")
