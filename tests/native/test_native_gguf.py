@@ -258,8 +258,9 @@ def _amx_agrees(mode: int) -> None:
             assert amx_on() and amx_refusal() is None
             # what kiln convert's matrix engine column, kiln bench's rows and kiln serve's log name
             assert variant_matrix_engine({"native_ops": 2}, "int4", "cpu").startswith("AMX (8+ rows), ")
-            tiled_rows = _matmul(lib, kind, x, tiled, n, k)
+            tiled_rows = _matmul(lib, kind, x, tiled, n, k)  # the tile's B unpacked once for two groups of sixteen
             assert np.array_equal(tiled_rows, plain), (kind, k)
+            assert np.array_equal(_matmul(lib, kind, x[:20], tiled, n, k), plain[:20]), (kind, k)  # one group: block by block
             for row in (0, 15, 16, 31, 36):
                 assert np.array_equal(_matmul(lib, kind, x[row:row + 1], tiled, n, k)[0], tiled_rows[row]), (kind, k, row)
     finally:

@@ -32,8 +32,8 @@
 #include "gguf_q32_blocks.h"
 #include "gguf_tiles.h"
 
-/* Block b's codes as B wants them: Q8_0's eight vectors as they are, the others' nibbles apart (and
- * their fifth bits or'ed in) into ``codes`` */
+/* A block's codes as B wants them: Q8_0's eight vectors as they are, the others' nibbles apart (and
+ * their fifth bits or'ed in) into ``codes`` (the block's image, 512 bytes) */
 INLINE_AMX const uint8_t *b_codes(const layout L, const uint8_t *t, uint8_t codes[8][64]) {
     if (L.codes != 256) return t;
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -61,8 +61,10 @@ INLINE_AMX void float_steps(const layout L, const uint8_t *t, const q8_32 *x, in
 
 /* Block b multiplies in tile set b % 2 while block b − 1's float steps run on the vector units (and
  * block b + 1's multiply needs no tile of block b's): each row's float steps still come in block order,
- * so its bits are the AVX-512 kernel's. */
-INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][TILE]) {
+ * so its bits are the AVX-512 kernel's. B is read from ``images`` (every block's, q32_amx_images) where
+ * given, else unpacked block by block. */
+INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_32 *x,
+                         float out[][TILE]) {
     const layout L = layout_of(type);
     t_setup(emulate, R, QK32);  /* A: R rows × 32 codes; B: 8 groups of 4 inputs × 16 columns × 4 */
     const size_t row_bytes = (size_t)nb * sizeof(q8_32);  /* from a row's block to the next row's */
@@ -73,7 +75,7 @@ INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, int64_t
     for (int64_t b = 0; b < nb; b++, t += L.bytes) {
         const int set = (int)(b & 1);
         prefetch_ahead(t, L.bytes);
-        const uint8_t *codes_b = b_codes(L, t, codes[set]);
+        const uint8_t *codes_b = images ? images + b * Q32_IMAGE_BYTES : b_codes(L, t, codes[set]);
         t_zero_c(emulate, set);
         t_load(emulate, set, TILE_A, x[b].qs, row_bytes);
         t_load(emulate, set, TILE_B, codes_b, 64);
@@ -95,25 +97,35 @@ INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, int64_t
     default: call(GGML_Q8_0);                                 \
     }
 
-AMX_TARGET static void rows_amx(int type, int R, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][TILE]) {
-#define CALL(T) amx_tile(0, T, R, t, nb, x, out)
+AMX_TARGET static void rows_amx(int type, int R, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_32 *x,
+                                float out[][TILE]) {
+#define CALL(T) amx_tile(0, T, R, t, images, nb, x, out)
     EACH_TYPE(CALL)
 #undef CALL
 }
 
-AMX_TARGET static void rows_model(int type, int R, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][TILE]) {
-#define CALL(T) amx_tile(1, T, R, t, nb, x, out)
+AMX_TARGET static void rows_model(int type, int R, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_32 *x,
+                                  float out[][TILE]) {
+#define CALL(T) amx_tile(1, T, R, t, images, nb, x, out)
     EACH_TYPE(CALL)
 #undef CALL
 }
 
-typedef void (*amx_rows_fn)(int, int, const uint8_t *, int64_t, const q8_32 *, float[][TILE]);
+typedef void (*amx_rows_fn)(int, int, const uint8_t *, const uint8_t *, int64_t, const q8_32 *, float[][TILE]);
 static amx_rows_fn amx_rows = NULL;
 
 int q32_amx_on(void) { return amx_rows != NULL; }
 
-void q32_amx_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][16]) {
-    amx_rows(type, rows, t, nb, x, out);
+void q32_amx_rows(int type, int rows, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_32 *x, float out[][16]) {
+    amx_rows(type, rows, t, images, nb, x, out);
+}
+
+size_t q32_amx_image_bytes(int type) { return layout_of(type).codes == 256 ? Q32_IMAGE_BYTES : 0; }
+
+AMX_TARGET void q32_amx_images(int type, const uint8_t *t, int64_t nb, uint8_t *images) {
+    const layout L = layout_of(type);
+    if (L.codes != 256) return;
+    for (int64_t b = 0; b < nb; b++) b_codes(L, t + b * L.bytes, (uint8_t(*)[64])(images + b * Q32_IMAGE_BYTES));
 }
 
 static int cpu_has_amx_int8(void) {
@@ -158,10 +170,13 @@ static int agrees_with_avx512(amx_rows_fn fn) {
             const q8_32 *rows[4] = {x + r * NB, x + (r + 1) * NB, x + (r + 2) * NB, x + (r + 3) * NB};
             q32_tile_rows(types[k], 4, tile, NB, rows, theirs + r);
         }
-        for (int R = 1; R <= ROWS; R++) {
-            fn(types[k], R, tile, NB, x, ours);
-            if (memcmp(ours, theirs, sizeof(float) * TILE * (size_t)R)) return 0;
-        }
+        __attribute__((aligned(64))) uint8_t images[NB * Q32_IMAGE_BYTES];
+        q32_amx_images(types[k], tile, NB, images);
+        for (int R = 1; R <= ROWS; R++)
+            for (int unpacked = 0; unpacked < 2; unpacked++) {  /* block by block, and from the images */
+                fn(types[k], R, tile, unpacked && q32_amx_image_bytes(types[k]) ? images : NULL, NB, x, ours);
+                if (memcmp(ours, theirs, sizeof(float) * TILE * (size_t)R)) return 0;
+            }
     }
     return 1;
 }

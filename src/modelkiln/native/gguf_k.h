@@ -113,6 +113,18 @@ AVX512 void k5_fifth_512(const uint8_t *t, int v, __m512i *first, __m512i *secon
     *second = _mm512_and_si512(j ? _mm512_srli_epi16(h, j) : h, bit4);
 }
 
+/* Q4_K's codes of four weights of sixteen columns (five: Q5_K's, their fifth bits or'ed in): k4 group v
+ * (0..31) from the low nibbles of vector v, group v + 32 from the high ones */
+AVX512 void q4_k_codes_512(const int five, const uint8_t *t, int v, __m512i *first, __m512i *second) {
+    const __m512i low = _mm512_set1_epi8(0x0F), q = _mm512_loadu_si512(t + K4_QS + 64 * v);
+    *first = _mm512_and_si512(q, low), *second = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+    if (five) {
+        __m512i f0, f1;
+        k5_fifth_512(t, v, &f0, &f1);
+        *first = _mm512_or_si512(*first, f0), *second = _mm512_or_si512(*second, f1);
+    }
+}
+
 /* Q6_K's codes of four weights of sixteen columns: k4 group v (0..31) from the low nibbles of ql
  * vector v and bits 2f of qh vector v % 16 (f = v / 16), group v + 32 from the high nibbles and
  * bits 2(f + 2). Shifting 16-bit lanes moves bits across bytes only where the 0x30 mask drops them. */
@@ -162,8 +174,8 @@ AVX2 __m256i byte_256(__m256i v, int i) { return _mm256_and_si256(_mm256_srli_ep
  *      times its sub-block's scale into the same integer sums as above, the minimums and the float
  *      step as above: the AVX-512 kernels' bits ------------------------------------------------------ */
 /* sums[r] += scale0 · (row r's codes at a0 · codes0) + scale1 · (its codes at a1 · codes1) */
-INLINE_AMX void amx_scaled_pair(int emulate, size_t row_bytes, const void *a0, const uint8_t (*codes0)[64], __m512i scale0,
-                                const void *a1, const uint8_t (*codes1)[64], __m512i scale1, __m512i *sums, int R) {
+INLINE_AMX void amx_scaled_pair(int emulate, size_t row_bytes, const void *a0, const uint8_t *codes0, __m512i scale0,
+                                const void *a1, const uint8_t *codes1, __m512i scale1, __m512i *sums, int R) {
     __attribute__((aligned(64))) int32_t c0[16][16], c1[16][16];
     /* both multiplies issued before either's sums are stored: the second runs while the first does */
     t_zero_c(emulate, 0);
@@ -187,18 +199,23 @@ INLINE_AMX void amx_scaled_pair(int emulate, size_t row_bytes, const void *a0, c
 void k_quantize_row(const float *x, int64_t k, q8_block *out);
 void k_tile_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_block *const *x, float out[][TILE]);
 /* gguf_k_amx.c: rows 1..16 of X at x, x + nb, ... against a tile on AMX where k_use_amx turned it on (k_amx_on);
- * the same bits as k_tile_rows */
+ * the same bits as k_tile_rows. ``images``: NULL, or the tile's B tiles unpacked once by k_amx_images
+ * (K_IMAGE_BYTES a super-block, every type), for many rows. */
+#define K_IMAGE_BYTES 4096  /* a super-block's 256 codes of sixteen columns, as int8 */
 int k_use_amx(int mode);  /* an amx_state */
 int k_amx_on(void);
-void k_amx_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]);
+void k_amx_rows(int type, int rows, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x, float out[][TILE]);
+void k_amx_images(int type, const uint8_t *t, int64_t nb, uint8_t *images);
 
 /* ---- Q2_K and Q3_K (gguf_k_low.c) ---------------------------------------------------------------- */
 int k_low_type(int64_t type);
 /* out[r][c] = row r of x · column c of a tile, 1 ≤ rows ≤ 4 (the AVX-512 and the AVX2 form) */
 void k_low_tile_rows_512(int type, int rows, const uint8_t *t, int64_t nb, const q8_block *const *x, float out[][TILE]);
 void k_low_tile_rows_256(int type, int rows, const uint8_t *t, int64_t nb, const q8_block *const *x, float out[][TILE]);
-/* rows 1..16 of X at x, x + nb, ... against a tile on AMX (emulate: the tiles' model) */
-void k_low_amx_rows(int emulate, int type, int rows, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]);
+/* rows 1..16 of X at x, x + nb, ... against a tile on AMX (emulate: the tiles' model), and a super-block's B tiles */
+void k_low_amx_rows(int emulate, int type, int rows, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x,
+                    float out[][TILE]);
+void k_low_amx_images(int type, const uint8_t *t, uint8_t *img);
 void k_low_dequantize_column(int type, const uint8_t *t, int c, float *y);
 
 #endif

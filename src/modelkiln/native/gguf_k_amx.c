@@ -16,11 +16,22 @@
 #include "gguf_amx_tiles.h"
 #include "gguf_k.h"
 
-INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
+/* A Q4_K (five: Q5_K) super-block's B tiles (K_IMAGE_BYTES): sub-block j's low nibbles at 1024 j, its high
+ * ones (sub-block j + 4) 512 bytes on, each eight vectors' codes */
+INLINE_AMX void q4_k_images(const int five, const uint8_t *t, uint8_t *img) {
+    for (int v = 0; v < 32; v++) {  /* vector v: sub-block v / 8 */
+        __m512i c0, c1;
+        q4_k_codes_512(five, t, v, &c0, &c1);
+        _mm512_store_si512(img + 1024 * (v / 8) + 64 * (v % 8), c0);
+        _mm512_store_si512(img + 1024 * (v / 8) + 512 + 64 * (v % 8), c1);
+    }
+}
+
+INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x,
+                         int R, float out[][TILE]) {
     const size_t row_bytes = (size_t)nb * sizeof(q8_block);
     const int bytes = five ? K5_BYTES : K4_BYTES;
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __attribute__((aligned(64))) uint8_t lo[8][64], hi[8][64];
+    __attribute__((aligned(64))) uint8_t local[K_IMAGE_BYTES];
     __m512 acc[AMX_MAX_ROWS];
     t_setup(emulate, R, 32);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -28,22 +39,11 @@ INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, int64_t 
         prefetch_ahead(t, bytes);
         __m512i sc[2], mn[2], sums[AMX_MAX_ROWS], mins[AMX_MAX_ROWS];
         k4_scales_mins_512(t, sc, mn);
+        const uint8_t *img = images ? images + b * K_IMAGE_BYTES : (q4_k_images(five, t, local), local);
         for (int r = 0; r < R; r++) sums[r] = mins[r] = _mm512_setzero_si512();
-        for (int j = 0; j < 4; j++) {  /* sub-block j from the low nibbles, j + 4 from the high */
-            for (int v = 0; v < 8; v++) {
-                const __m512i q = _mm512_loadu_si512(t + K4_QS + 64 * (8 * j + v));
-                __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-                if (five) {
-                    __m512i f0, f1;
-                    k5_fifth_512(t, 8 * j + v, &f0, &f1);
-                    c0 = _mm512_or_si512(c0, f0), c1 = _mm512_or_si512(c1, f1);
-                }
-                _mm512_store_si512(lo[v], c0);
-                _mm512_store_si512(hi[v], c1);
-            }
-            amx_scaled_pair(emulate, row_bytes, x[b].qs + 32 * j, lo, byte_512(sc[0], j), x[b].qs + 128 + 32 * j, hi,
-                            byte_512(sc[1], j), sums, R);
-        }
+        for (int j = 0; j < 4; j++)  /* sub-block j from the low nibbles, j + 4 from the high */
+            amx_scaled_pair(emulate, row_bytes, x[b].qs + 32 * j, img + 1024 * j, byte_512(sc[0], j), x[b].qs + 128 + 32 * j,
+                            img + 1024 * j + 512, byte_512(sc[1], j), sums, R);
         for (int k = 0; k < 4; k++) {
             const __m512i m = byte_pair_512(mn[k / 2], 2 * (k % 2));
             for (int r = 0; r < R; r++)
@@ -57,28 +57,34 @@ INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, int64_t 
     t_done(emulate);
 }
 
-INLINE_AMX void q6_k_amx(int emulate, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
+/* A Q6_K super-block's B tiles (K_IMAGE_BYTES): group g's codes at 512 g, group g + 8's 256 bytes on, each
+ * four vectors' codes */
+INLINE_AMX void q6_k_images(const uint8_t *t, uint8_t *img) {
+    for (int v = 0; v < 32; v++) {  /* vector v: group v / 4 */
+        __m512i c0, c1;
+        q6_k_codes_512(t, v, &c0, &c1);
+        _mm512_store_si512(img + 512 * (v / 4) + 64 * (v % 4), c0);
+        _mm512_store_si512(img + 512 * (v / 4) + 256 + 64 * (v % 4), c1);
+    }
+}
+
+INLINE_AMX void q6_k_amx(int emulate, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x, int R,
+                         float out[][TILE]) {
     const size_t row_bytes = (size_t)nb * sizeof(q8_block);
-    __attribute__((aligned(64))) uint8_t first[4][64], second[4][64];
+    __attribute__((aligned(64))) uint8_t local[K_IMAGE_BYTES];
     __m512 acc[AMX_MAX_ROWS];
     t_setup(emulate, R, 16);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, t += K6_BYTES) {
         prefetch_ahead(t, K6_BYTES);
         __m512i sums[AMX_MAX_ROWS], mins[AMX_MAX_ROWS];
+        const uint8_t *img = images ? images + b * K_IMAGE_BYTES : (q6_k_images(t, local), local);
         for (int r = 0; r < R; r++) sums[r] = mins[r] = _mm512_setzero_si512();
-        for (int g = 0; g < 8; g++) {  /* group g (codes 16g..) and g + 8 (codes 128 + 16g..) */
-            for (int i = 0; i < 4; i++) {
-                __m512i c0, c1;
-                q6_k_codes_512(t, 4 * g + i, &c0, &c1);
-                _mm512_store_si512(first[i], c0);
-                _mm512_store_si512(second[i], c1);
-            }
-            amx_scaled_pair(emulate, row_bytes, x[b].qs + 16 * g, first,
+        for (int g = 0; g < 8; g++)  /* group g (codes 16g..) and g + 8 (codes 128 + 16g..) */
+            amx_scaled_pair(emulate, row_bytes, x[b].qs + 16 * g, img + 512 * g,
                             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * g))),
-                            x[b].qs + 128 + 16 * g, second,
+                            x[b].qs + 128 + 16 * g, img + 512 * g + 256,
                             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 16 * (g + 8)))), sums, R);
-        }
         for (int k = 0; k < 8; k++) {  /* the codes are q + 32: 32 · scale against the 16-sums */
             const __m512i m = pairs16_512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 32 * k))), 5),
                                           _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t + K6_SC + 32 * k + 16))), 5));
@@ -92,26 +98,39 @@ INLINE_AMX void q6_k_amx(int emulate, const uint8_t *t, int64_t nb, const q8_blo
     t_done(emulate);
 }
 
-AMX_TARGET static void k_rows_amx(int type, int R, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
-    if (k_low_type(type)) k_low_amx_rows(0, type, R, t, nb, x, out);
-    else if (type == GGML_Q4_K) q4_k_amx(0, 0, t, nb, x, R, out);
-    else if (type == GGML_Q5_K) q4_k_amx(0, 1, t, nb, x, R, out);
-    else q6_k_amx(0, t, nb, x, R, out);
+AMX_TARGET static void k_rows_amx(int type, int R, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x,
+                                  float out[][TILE]) {
+    if (k_low_type(type)) k_low_amx_rows(0, type, R, t, images, nb, x, out);
+    else if (type == GGML_Q4_K) q4_k_amx(0, 0, t, images, nb, x, R, out);
+    else if (type == GGML_Q5_K) q4_k_amx(0, 1, t, images, nb, x, R, out);
+    else q6_k_amx(0, t, images, nb, x, R, out);
 }
-AMX_TARGET static void k_rows_model(int type, int R, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
-    if (k_low_type(type)) k_low_amx_rows(1, type, R, t, nb, x, out);
-    else if (type == GGML_Q4_K) q4_k_amx(1, 0, t, nb, x, R, out);
-    else if (type == GGML_Q5_K) q4_k_amx(1, 1, t, nb, x, R, out);
-    else q6_k_amx(1, t, nb, x, R, out);
+AMX_TARGET static void k_rows_model(int type, int R, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x,
+                                    float out[][TILE]) {
+    if (k_low_type(type)) k_low_amx_rows(1, type, R, t, images, nb, x, out);
+    else if (type == GGML_Q4_K) q4_k_amx(1, 0, t, images, nb, x, R, out);
+    else if (type == GGML_Q5_K) q4_k_amx(1, 1, t, images, nb, x, R, out);
+    else q6_k_amx(1, t, images, nb, x, R, out);
 }
 
-typedef void (*k_amx_fn)(int, int, const uint8_t *, int64_t, const q8_block *, float[][TILE]);
+typedef void (*k_amx_fn)(int, int, const uint8_t *, const uint8_t *, int64_t, const q8_block *, float[][TILE]);
 static k_amx_fn amx_rows = NULL;
 
 int k_amx_on(void) { return amx_rows != NULL; }
 
-void k_amx_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
-    amx_rows(type, rows, t, nb, x, out);
+void k_amx_rows(int type, int rows, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x, float out[][TILE]) {
+    amx_rows(type, rows, t, images, nb, x, out);
+}
+
+AMX_TARGET void k_amx_images(int type, const uint8_t *t, int64_t nb, uint8_t *images) {
+    const int bytes = type == GGML_Q2_K ? K2_BYTES : type == GGML_Q3_K ? K3_BYTES : type == GGML_Q4_K ? K4_BYTES
+                    : type == GGML_Q5_K ? K5_BYTES : K6_BYTES;
+    for (int64_t b = 0; b < nb; b++, t += bytes, images += K_IMAGE_BYTES) {
+        if (k_low_type(type)) k_low_amx_images(type, t, images);
+        else if (type == GGML_Q4_K) q4_k_images(0, t, images);
+        else if (type == GGML_Q5_K) q4_k_images(1, t, images);
+        else q6_k_images(t, images);
+    }
 }
 
 /* Products of every K-quant through the AMX kernel, for every row count a tile takes, and through
@@ -124,6 +143,7 @@ static int agrees_with_avx512(k_amx_fn fn) {
         {GGML_Q6_K, K6_BYTES, K6_D, 0}};
     uint8_t *tile = aligned_alloc(64, NB * K6_BYTES);  /* the largest */
     q8_block *x = aligned_alloc(64, sizeof(q8_block) * ROWS * NB);
+    uint8_t *images = aligned_alloc(64, NB * K_IMAGE_BYTES);
     uint32_t seed = 54321;
     int same = 1;
     for (int i = 0; i < ROWS * NB; i++) {
@@ -144,13 +164,16 @@ static int agrees_with_avx512(k_amx_fn fn) {
             const q8_block *rows[4] = {x + r * NB, x + (r + 1) * NB, x + (r + 2) * NB, x + (r + 3) * NB};
             k_tile_rows(type, 4, tile, NB, rows, theirs + r);
         }
-        for (int R = 1; R <= ROWS && same; R++) {
-            fn(type, R, tile, NB, x, ours);
-            same = !memcmp(ours, theirs, sizeof(float) * TILE * (size_t)R);
-        }
+        k_amx_images(type, tile, NB, images);
+        for (int R = 1; R <= ROWS && same; R++)
+            for (int unpacked = 0; unpacked < 2 && same; unpacked++) {  /* block by block, and from the images */
+                fn(type, R, tile, unpacked ? images : NULL, NB, x, ours);
+                same = !memcmp(ours, theirs, sizeof(float) * TILE * (size_t)R);
+            }
     }
     free(tile);
     free(x);
+    free(images);
     return same;
 }
 

@@ -212,10 +212,22 @@ void k_low_tile_rows_256(int type, int rows, const uint8_t *t, int64_t nb, const
 }
 
 /* ---- AMX: one tile multiply per group of 16 inputs (four vectors' codes are B's four rows), two at a time */
-INLINE_AMX void k_low_amx(int emulate, const int three, const uint8_t *t, int64_t nb, const q8_block *x, int R, float out[][TILE]) {
+/* A super-block's B tiles (K_IMAGE_BYTES): group g's four vectors' codes at 256 g */
+INLINE_AMX void k_low_images(const int three, const uint8_t *t, uint8_t *img) {
+    for (int g = 0; g < 16; g++)
+        for (int i = 0; i < 4; i++) _mm512_store_si512(img + 256 * g + 64 * i, k_low_codes_512(three, t, 4 * (g % 4) + i, g / 4));
+}
+
+AMX_TARGET void k_low_amx_images(int type, const uint8_t *t, uint8_t *img) {
+    if (type == GGML_Q3_K) k_low_images(1, t, img);
+    else k_low_images(0, t, img);
+}
+
+INLINE_AMX void k_low_amx(int emulate, const int three, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x,
+                          int R, float out[][TILE]) {
     const size_t row_bytes = (size_t)nb * sizeof(q8_block);
     const int bytes = three ? K3_BYTES : K2_BYTES;
-    __attribute__((aligned(64))) uint8_t codes[2][4][64];
+    __attribute__((aligned(64))) uint8_t local[K_IMAGE_BYTES];
     __m512 acc[AMX_MAX_ROWS];
     t_setup(emulate, R, 16);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -223,13 +235,11 @@ INLINE_AMX void k_low_amx(int emulate, const int three, const uint8_t *t, int64_
         prefetch_ahead(t, bytes);
         __m512i sc3[4], sums[AMX_MAX_ROWS], mins[AMX_MAX_ROWS];
         if (three) k3_scales_512(t, sc3);
+        const uint8_t *img = images ? images + b * K_IMAGE_BYTES : (k_low_images(three, t, local), local);
         for (int r = 0; r < R; r++) sums[r] = mins[r] = _mm512_setzero_si512();
-        for (int g = 0; g < 16; g += 2) {  /* groups g and g + 1, one in each tile set */
-            for (int h = 0; h < 2; h++)
-                for (int i = 0; i < 4; i++) _mm512_store_si512(codes[h][i], k_low_codes_512(three, t, 4 * ((g + h) % 4) + i, (g + h) / 4));
-            amx_scaled_pair(emulate, row_bytes, x[b].qs + 16 * g, codes[0], k_low_scale_512(three, t, sc3, g),
-                            x[b].qs + 16 * (g + 1), codes[1], k_low_scale_512(three, t, sc3, g + 1), sums, R);
-        }
+        for (int g = 0; g < 16; g += 2)  /* groups g and g + 1, one in each tile set */
+            amx_scaled_pair(emulate, row_bytes, x[b].qs + 16 * g, img + 256 * g, k_low_scale_512(three, t, sc3, g),
+                            x[b].qs + 16 * (g + 1), img + 256 * (g + 1), k_low_scale_512(three, t, sc3, g + 1), sums, R);
         for (int k = 0; k < 8; k++) {
             const __m512i m = pairs16_512(k_low_min_512(three, t, sc3, 2 * k), k_low_min_512(three, t, sc3, 2 * k + 1));
             for (int r = 0; r < R; r++)
@@ -243,13 +253,14 @@ INLINE_AMX void k_low_amx(int emulate, const int three, const uint8_t *t, int64_
     t_done(emulate);
 }
 
-AMX_TARGET void k_low_amx_rows(int emulate, int type, int rows, const uint8_t *t, int64_t nb, const q8_block *x, float out[][TILE]) {
+AMX_TARGET void k_low_amx_rows(int emulate, int type, int rows, const uint8_t *t, const uint8_t *images, int64_t nb,
+                               const q8_block *x, float out[][TILE]) {
     /* each call with constant flags, so that each inlined copy is specialised */
     const int three = type == GGML_Q3_K;
-    if (emulate && three) k_low_amx(1, 1, t, nb, x, rows, out);
-    else if (emulate) k_low_amx(1, 0, t, nb, x, rows, out);
-    else if (three) k_low_amx(0, 1, t, nb, x, rows, out);
-    else k_low_amx(0, 0, t, nb, x, rows, out);
+    if (emulate && three) k_low_amx(1, 1, t, images, nb, x, rows, out);
+    else if (emulate) k_low_amx(1, 0, t, images, nb, x, rows, out);
+    else if (three) k_low_amx(0, 1, t, images, nb, x, rows, out);
+    else k_low_amx(0, 0, t, images, nb, x, rows, out);
 }
 
 /* ---- exact dequantization (the gather): gguf-py's float32 operations, in its order --------------- */

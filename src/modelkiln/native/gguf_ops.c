@@ -67,7 +67,6 @@ static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 
 
 /* Q4_K, and Q5_K (five: its fifth bits or'ed into the codes; scales and minimums are Q4_K's) */
 AVX512 void q4_k_tile_512(const int five, const uint8_t *t, int64_t nb, const q8_block *const *x, const int R, __m512 *acc) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
     const int bytes = five ? K5_BYTES : K4_BYTES;
     for (int64_t b = 0; b < nb; b++, t += bytes) {
         prefetch_ahead(t, bytes);
@@ -82,13 +81,8 @@ AVX512 void q4_k_tile_512(const int five, const uint8_t *t, int64_t nb, const q8
             for (int first = 8 * j; first < 8 * j + 8; first += chains(R))
                 for (int c = 0; c < chains(R); c++) {  /* c a constant once unrolled: the chains stay in registers */
                     const int v = first + c;
-                    const __m512i q = _mm512_loadu_si512(t + K4_QS + 64 * v);
-                    __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-                    if (five) {
-                        __m512i f0, f1;
-                        k5_fifth_512(t, v, &f0, &f1);
-                        c0 = _mm512_or_si512(c0, f0), c1 = _mm512_or_si512(c1, f1);
-                    }
+                    __m512i c0, c1;
+                    q4_k_codes_512(five, t, v, &c0, &c1);
                     products_512(lo, hi, c, c0, c1, x, b, 4 * v, R);
                 }
             add_scaled_512(sums, lo, hi, byte_512(sc[0], j), byte_512(sc[1], j), R);
@@ -347,15 +341,39 @@ static inline float *out_at(const matmul_job *job, int64_t r, int64_t c0) {
  * CPU to measure (benchmarks/generation/gguf_kernels.py). */
 #define AMX_MIN_ROWS 8
 
+/* A thread's buffer for a tile's B tiles, unpacked once (tile_images): it grows to the largest tile
+ * asked of that thread and lives as long as the thread (onnxruntime's pool threads, the session's). */
+static __thread uint8_t *images_buffer;
+static __thread size_t images_capacity;
+
+/* The tile's B tiles, every block's, unpacked once into the thread's buffer: where AMX takes the
+ * rows in more than one group of sixteen (a step of 24+ sequences, a prompt chunk), every group
+ * reads them instead of unpacking its own. NULL where the type has none to unpack (Q8_0) or no
+ * memory was had (each group then unpacks block by block: the same bits). */
+static const uint8_t *tile_images(const matmul_job *job, const uint8_t *t, int q32) {
+    const size_t bytes = (size_t)job->nb * (q32 ? q32_amx_image_bytes(job->type) : K_IMAGE_BYTES);
+    if (!bytes) return NULL;
+    if (bytes > images_capacity) {
+        free(images_buffer);
+        images_buffer = aligned(bytes);
+        images_capacity = images_buffer ? bytes : 0;
+        if (!images_buffer) return NULL;
+    }
+    if (q32) q32_amx_images(job->type, t, job->nb, images_buffer);
+    else k_amx_images(job->type, t, job->nb, images_buffer);
+    return images_buffer;
+}
+
 /* Rows r.. of the job against one tile on AMX, sixteen at a time while AMX_MIN_ROWS are left; returns
  * the first row it left to the VNNI kernels. */
 static int64_t amx_rows_task(const matmul_job *job, const uint8_t *t, int64_t c0, int64_t columns, int q32) {
+    const uint8_t *images = job->rows >= AMX_MAX_ROWS + AMX_MIN_ROWS ? tile_images(job, t, q32) : NULL;
     int64_t r = 0;
     for (int64_t R; job->rows - r >= AMX_MIN_ROWS; r += R) {
         float out[AMX_MAX_ROWS][TILE];
         R = job->rows - r < AMX_MAX_ROWS ? job->rows - r : AMX_MAX_ROWS;
-        if (q32) q32_amx_rows(job->type, (int)R, t, job->nb, (const q8_32 *)job->x + r * job->nb, out);
-        else k_amx_rows(job->type, (int)R, t, job->nb, (const q8_block *)job->x + r * job->nb, out);
+        if (q32) q32_amx_rows(job->type, (int)R, t, images, job->nb, (const q8_32 *)job->x + r * job->nb, out);
+        else k_amx_rows(job->type, (int)R, t, images, job->nb, (const q8_block *)job->x + r * job->nb, out);
         for (int i = 0; i < R; i++) memcpy(out_at(job, r + i, c0), out[i], sizeof(float) * (size_t)columns);
     }
     return r;

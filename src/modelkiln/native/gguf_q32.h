@@ -30,12 +30,16 @@ void q32_pair_rows(int type, const uint8_t *t, const uint8_t *u, int64_t nb, con
 void q32_dequantize_row(int type, const uint8_t *w, int64_t row, int64_t nb, float *y);
 void q32_use_avx512(int on);
 /* AMX (gguf_amx.c): rows 1..AMX_MAX_ROWS (gguf_amx_tiles.h) of X at x, x + nb, ... (one q8_32 array) against a tile, where
- * q32_use_amx turned it on (q32_amx_on); the same bits as q32_tile_rows. */
+ * q32_use_amx turned it on (q32_amx_on); the same bits as q32_tile_rows. ``images``: NULL, or the tile's B tiles unpacked
+ * once by q32_amx_images (q32_amx_image_bytes a block; none for Q8_0, whose B is its codes as stored), for many rows. */
 int q32_use_amx(int mode);  /* an amx_state */
 int q32_amx_on(void);
 /* AMX_ON where the CPU's AMX may be tried here (built, the unit, Linux's grant), or why not (with arch_prctl's
  * errno in *error where Linux refused) */
 int q32_amx_available(int *error);
-void q32_amx_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_32 *x, float out[][16]);
+void q32_amx_rows(int type, int rows, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_32 *x, float out[][16]);
+#define Q32_IMAGE_BYTES 512  /* a block's B tile: 8 rows of 64 bytes */
+size_t q32_amx_image_bytes(int type);
+void q32_amx_images(int type, const uint8_t *t, int64_t nb, uint8_t *images);
 
 #endif
