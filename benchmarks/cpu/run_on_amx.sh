@@ -12,7 +12,8 @@
 #   - the Qwen2.5-0.5B and Llama-3.2-1B shapes (random weights, Q4_K_M: model_shapes.py) and kiln artifacts of them.
 # Then it measures, each step into OUT/<step>.txt (a failed step does not stop the others), KILN_AMX=0 being the
 # same build with the AVX-512 kernels:
-#   1. the AMX kernels against the AVX-512 ones, bit for bit, on the unit itself (KILN_AMX=1 pytest);
+#   1. the AMX kernels against the AVX-512 ones, bit for bit, on the unit itself, and beside onnxruntime's own AMX
+#      GEMM in one thread (KILN_AMX=1 pytest);
 #   2. the kernels alone, one thread: AMX, AVX-512 VNNI, AVX2 at 1, 4, 8, 12, 16, 64 rows (gguf_kernels.py; 8 and 12:
 #      whether AMX from 8 rows on, gguf_ops.c's AMX_MIN_ROWS, is where it starts to win);
 #   3. MiniLM: every variant converted (OpenVINO's too; the gate checks alone = batched), STS-B of each, in process

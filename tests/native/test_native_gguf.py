@@ -288,6 +288,66 @@ def test_amx_is_refused_where_the_cpu_lacks_it_and_tested_where_asked():
     _amx_agrees(1)
 
 
+_MLAS_AND_KILN = """
+import sys
+import numpy as np
+from modelkiln.runtime.onnx import session_options
+import onnxruntime as ort
+from modelkiln.native import amx_on
+folder = sys.argv[1]
+data = np.load(folder + "/inputs.npz")
+session = ort.InferenceSession(folder + "/model.onnx", session_options(1))  # one thread: every node on this one
+assert amx_on(), "KILN_AMX=1 was refused"
+for i in range(3):  # MLAS's GEMM, kiln's, then MLAS's again after kiln's, in the same thread
+    integer, floats = session.run(["integer", "floats"], {"a": data["a"], "x": data["x"]})
+    np.savez(folder + f"/run{i}.npz", integer=integer, floats=floats)
+"""
+
+
+@pytest.mark.skipif("amx_int8" not in cpu_flags(), reason="this CPU has no AMX-INT8: onnxruntime's AMX GEMM and kiln's "
+                                                          "cannot meet here")
+def test_kilns_amx_kernels_leave_onnxruntimes_own_amx_gemm_working_in_the_same_thread(tmp_path):
+    """onnxruntime's int8 GEMM (MLAS) runs on AMX's tiles too, configures a pool thread's tiles once and counts on
+    them staying so; kiln's kernels run in the same threads. A graph with both, on one thread, three times: every
+    product exact (MLAS's against numpy's integers, kiln's against its AVX-512 kernel), and the process alive."""
+    if os.environ.get("KILN_AMX") != "1":
+        pytest.skip("AMX is opt-in (KILN_AMX=1) until measured on an AMX CPU; set it to run this test")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(9)
+    kind, k, n = "Q4_K", 512, 33
+    raw = random_blocks(kind, n, k, seed=7)
+    x = rng.standard_normal((37, k)).astype(np.float32)  # two AMX groups of sixteen, five rows for VNNI
+    a = rng.integers(0, 256, (64, 256), dtype=np.uint8)
+    b = rng.integers(-128, 128, (256, 64), dtype=np.int8)
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["a", "b"], ["integer"]),
+         helper.make_node("GgufMatMul", ["x", "w"], ["floats"], domain=DOMAIN, ggml_type=GGML_TYPES[kind], K=k, N=n)],
+        "mlas_and_kiln",
+        [helper.make_tensor_value_info("a", TensorProto.UINT8, [64, 256]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [37, k])],
+        [helper.make_tensor_value_info("integer", TensorProto.INT32, [64, 64]),
+         helper.make_tensor_value_info("floats", TensorProto.FLOAT, [37, n])],
+        [numpy_helper.from_array(b, "b"), numpy_helper.from_array(tiles(kind, raw), "w")])
+    (tmp_path / "model.onnx").write_bytes(helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]).SerializeToString())
+    np.savez(tmp_path / "inputs.npz", a=a, x=x)
+    run = subprocess.run([sys.executable, "-c", _MLAS_AND_KILN, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "KILN_AMX": "1", "PYTHONPATH": str(SRC)})
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
+    lib = ctypes.CDLL(library_path())
+    lib.kiln_gguf_use_avx512(1)
+    lib.kiln_gguf_use_amx(0)
+    try:
+        kiln_avx512 = _matmul(lib, kind, x, tiles(kind, raw), n, k)
+    finally:
+        lib.kiln_gguf_use_amx(1)  # as this process had it (KILN_AMX=1)
+    for i in range(3):
+        got = np.load(tmp_path / f"run{i}.npz")
+        assert np.array_equal(got["integer"], a.astype(np.int32) @ b.astype(np.int32)), i
+        assert np.array_equal(got["floats"], kiln_avx512), i
+
+
 def test_the_amx_refusals_named_are_the_kernels_states():
     """native.AMX_REFUSALS reads gguf_amx_tiles.h's amx_state by number: the two lists must agree."""
     header = (Path(__file__).parents[2] / "src" / "modelkiln" / "native" / "gguf_amx_tiles.h").read_text()

@@ -66,7 +66,8 @@ INLINE_AMX void float_steps(const layout L, const uint8_t *t, const q8_32 *x, in
 INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_32 *x,
                          float out[][TILE]) {
     const layout L = layout_of(type);
-    t_setup(emulate, R, QK32);  /* A: R rows × 32 codes; B: 8 groups of 4 inputs × 16 columns × 4 */
+    tile_use use;
+    t_setup(emulate, R, QK32, &use);  /* A: R rows × 32 codes; B: 8 groups of 4 inputs × 16 columns × 4 */
     const size_t row_bytes = (size_t)nb * sizeof(q8_32);  /* from a row's block to the next row's */
     __attribute__((aligned(64))) uint8_t codes[2][8][64];
     __attribute__((aligned(64))) int32_t sums[2][16][16];
@@ -85,7 +86,7 @@ INLINE_AMX void amx_tile(int emulate, int type, int R, const uint8_t *t, const u
     }
     float_steps(L, t - L.bytes, x, nb, nb - 1, sums[(nb - 1) & 1], acc, R);
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
-    t_done(emulate);
+    t_done(emulate, &use);
 }
 
 #define EACH_TYPE(call)                                       \

@@ -35,7 +35,17 @@ typedef struct {  /* palette 1's tile configuration (LDTILECFG's 64 bytes) */
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
-} tile_config;
+} __attribute__((aligned(64))) tile_config;
+
+/* The thread's tile configuration before a kernel configured its own (t_setup), to put back after it
+ * (t_done): onnxruntime's own AMX kernels (MLAS's int8 GEMM, in the same pool threads) configure a
+ * thread's tiles once and count on them staying so; releasing them, or leaving another shape, would
+ * make its next tile instruction fault or compute with the wrong shapes. Where the thread had none
+ * configured, kiln's stays: the next kernel with the same shape then loads nothing. */
+typedef struct {
+    tile_config before;
+    int changed;  /* the kernel's configuration differs from ``before``: it was loaded */
+} tile_use;
 
 /* The model of the six tiles (a set's C, A, B at 3 · set + 0, 1, 2), a thread's own as real tiles are. */
 typedef struct {
@@ -45,13 +55,7 @@ typedef struct {
 static __thread model_tile model[6];
 enum { TILE_A = 1, TILE_B = 2 };  /* t_load's ``which`` */
 
-INLINE_AMX void t_config(int emulate, const tile_config *cfg) {
-    if (!emulate) {
-#if AMX_COMPILED
-        _tile_loadconfig(cfg);
-#endif
-        return;
-    }
+INLINE_AMX void t_config_model(const tile_config *cfg) {
     for (int i = 0; i < 6; i++) model[i].rows = cfg->rows[i], model[i].colsb = cfg->colsb[i];
 }
 
@@ -115,8 +119,9 @@ INLINE_AMX void t_store_c(int emulate, int set, int32_t out[][16]) {
 }
 
 /* A configuration of both sets: C and A of ``rows`` rows, A of ``a_bytes`` codes a row, B of
- * a_bytes / 4 rows of sixteen columns' four codes. */
-INLINE_AMX void t_setup(int emulate, int rows, int a_bytes) {
+ * a_bytes / 4 rows of sixteen columns' four codes; loaded only where the thread's differs (STTILECFG
+ * reads it: LDTILECFG also zeroes every tile). */
+INLINE_AMX void t_setup(int emulate, int rows, int a_bytes, tile_use *use) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -125,12 +130,24 @@ INLINE_AMX void t_setup(int emulate, int rows, int a_bytes) {
         cfg.rows[3 * set + TILE_A] = (uint8_t)rows, cfg.colsb[3 * set + TILE_A] = (uint16_t)a_bytes;
         cfg.rows[3 * set + TILE_B] = (uint8_t)(a_bytes / 4), cfg.colsb[3 * set + TILE_B] = 64;
     }
-    t_config(emulate, &cfg);
+    use->changed = 0;
+    if (emulate) {
+        t_config_model(&cfg);
+        return;
+    }
+#if AMX_COMPILED
+    _tile_storeconfig(&use->before);
+    use->changed = memcmp(&use->before, &cfg, sizeof cfg) != 0;
+    if (use->changed) _tile_loadconfig(&cfg);
+#endif
 }
 
-INLINE_AMX void t_done(int emulate) {
+/* The thread's configuration put back where the kernel changed one it had (none: kiln's stays). */
+INLINE_AMX void t_done(int emulate, const tile_use *use) {
 #if AMX_COMPILED
-    if (!emulate) _tile_release();
+    if (!emulate && use->changed && use->before.palette) _tile_loadconfig(&use->before);
+#else
+    (void)emulate, (void)use;
 #endif
 }
 

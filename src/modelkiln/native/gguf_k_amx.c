@@ -33,7 +33,8 @@ INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, const ui
     const int bytes = five ? K5_BYTES : K4_BYTES;
     __attribute__((aligned(64))) uint8_t local[K_IMAGE_BYTES];
     __m512 acc[AMX_MAX_ROWS];
-    t_setup(emulate, R, 32);
+    tile_use use;
+    t_setup(emulate, R, 32, &use);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, t += bytes) {
         prefetch_ahead(t, bytes);
@@ -54,7 +55,7 @@ INLINE_AMX void q4_k_amx(int emulate, const int five, const uint8_t *t, const ui
         for (int r = 0; r < R; r++) float_step_512(&acc[r], sums[r], mins[r], x[(size_t)r * (size_t)nb + b].d, d, dmin);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
-    t_done(emulate);
+    t_done(emulate, &use);
 }
 
 /* A Q6_K super-block's B tiles (K_IMAGE_BYTES): group g's codes at 512 g, group g + 8's 256 bytes on, each
@@ -73,7 +74,8 @@ INLINE_AMX void q6_k_amx(int emulate, const uint8_t *t, const uint8_t *images, i
     const size_t row_bytes = (size_t)nb * sizeof(q8_block);
     __attribute__((aligned(64))) uint8_t local[K_IMAGE_BYTES];
     __m512 acc[AMX_MAX_ROWS];
-    t_setup(emulate, R, 16);
+    tile_use use;
+    t_setup(emulate, R, 16, &use);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, t += K6_BYTES) {
         prefetch_ahead(t, K6_BYTES);
@@ -95,7 +97,7 @@ INLINE_AMX void q6_k_amx(int emulate, const uint8_t *t, const uint8_t *images, i
         for (int r = 0; r < R; r++) float_step_512(&acc[r], sums[r], mins[r], x[(size_t)r * (size_t)nb + b].d, d, d);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
-    t_done(emulate);
+    t_done(emulate, &use);
 }
 
 AMX_TARGET static void k_rows_amx(int type, int R, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x,

@@ -229,7 +229,8 @@ INLINE_AMX void k_low_amx(int emulate, const int three, const uint8_t *t, const 
     const int bytes = three ? K3_BYTES : K2_BYTES;
     __attribute__((aligned(64))) uint8_t local[K_IMAGE_BYTES];
     __m512 acc[AMX_MAX_ROWS];
-    t_setup(emulate, R, 16);
+    tile_use use;
+    t_setup(emulate, R, 16, &use);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, t += bytes) {
         prefetch_ahead(t, bytes);
@@ -250,7 +251,7 @@ INLINE_AMX void k_low_amx(int emulate, const int three, const uint8_t *t, const 
         for (int r = 0; r < R; r++) float_step_512(&acc[r], sums[r], mins[r], x[(size_t)r * (size_t)nb + b].d, d, dmin);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
-    t_done(emulate);
+    t_done(emulate, &use);
 }
 
 AMX_TARGET void k_low_amx_rows(int emulate, int type, int rows, const uint8_t *t, const uint8_t *images, int64_t nb,
