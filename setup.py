@@ -10,7 +10,7 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 ext_modules = [
     Extension(
         "modelkiln.native._gguf_ops",
-        ["src/modelkiln/native/gguf_ops.c", "src/modelkiln/native/gguf_k_low.c", "src/modelkiln/native/gguf_q32.c",
+        ["src/modelkiln/native/gguf_ops.c", "src/modelkiln/native/gguf_k456.c", "src/modelkiln/native/gguf_k_low.c", "src/modelkiln/native/gguf_q32.c",
          "src/modelkiln/native/gguf_amx.c", "src/modelkiln/native/gguf_k_amx.c",
          "src/modelkiln/native/attention.c", "src/modelkiln/native/norm.c"],
         depends=["src/modelkiln/native/ort_abi.h", "src/modelkiln/native/gguf_q32.h", "src/modelkiln/native/gguf_q32_blocks.h", "src/modelkiln/native/gguf_amx_tiles.h",

@@ -1,4 +1,4 @@
-"""kiln's native operators over GGUF blocks (src/modelkiln/native/gguf_ops.c, gguf_q32.c), through
+"""kiln's native operators over GGUF blocks (src/modelkiln/native/gguf_ops.c and its kernels), through
 onnxruntime as a served graph runs them: the K-quants and the types with a scale per 32 weights."""
 import ctypes
 import errno

@@ -1,5 +1,5 @@
-"""Native onnxruntime operators over a GGUF file's blocks (``gguf_ops.c``, ``gguf_k_low.c``, ``gguf_q32.c``, on AMX
-``gguf_amx.c`` and ``gguf_k_amx.c``), and kiln's attention (``attention.c``).
+"""Native onnxruntime operators over a GGUF file's blocks (``gguf_ops.c``; kernels ``gguf_k456.c``, ``gguf_k_low.c``,
+``gguf_q32.c``, on AMX ``gguf_k_amx.c`` and ``gguf_amx.c``), and kiln's attention (``attention.c``).
 
 ``GgufMatMul`` multiplies by Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights stored as the
 file stores them (Q4_K 4.5 and Q6_K 6.56 bits a weight, where MatMulNBits needs 6 and 10 for the same values

@@ -1,4 +1,4 @@
-/* What the K-quant kernels share (gguf_ops.c: Q4_K, Q5_K, Q6_K; gguf_k_low.c: Q2_K, Q3_K): X's
+/* What the K-quant kernels share (gguf_k456.c: Q4_K, Q5_K, Q6_K; gguf_k_low.c: Q2_K, Q3_K): X's
  * int8 codes per 256 inputs, and the steps every type's kernel is made of, in their AVX-512 (VNNI),
  * AVX2 and AMX forms. A super-block of 256 inputs of sixteen columns (a tile's) is multiplied with
  * each row of X into two exact integers
@@ -194,10 +194,17 @@ INLINE_AMX void amx_scaled_pair(int emulate, size_t row_bytes, const void *a0, c
 }
 
 /* ---- the kernels' entry points ------------------------------------------------------------------- */
-/* gguf_ops.c: X's rows quantized per 256 inputs; rows 1..4 (MAX_ROWS) against a tile with the kernel in
- * force (AVX-512 VNNI where kiln_gguf_use_avx512 turned it on, else AVX2), any K-quant */
+/* gguf_k456.c: X's rows quantized per 256 inputs; rows 1..4 (MAX_ROWS) against a tile with the kernel in force
+ * (AVX-512 VNNI where k_use_avx512 turned it on, else AVX2), any K-quant; Q4_K's and Q5_K's two tiles (t, and u:
+ * the next sixteen columns) against four rows (AVX-512 only); a tile super-block's bytes; a row dequantized as
+ * gguf-py does (the gather) */
 void k_quantize_row(const float *x, int64_t k, q8_block *out);
+void k_use_avx512(int on);
 void k_tile_rows(int type, int rows, const uint8_t *t, int64_t nb, const q8_block *const *x, float out[][TILE]);
+void k_pair_rows_512(int type, const uint8_t *t, const uint8_t *u, int64_t nb, const q8_block *const *x, float out[][TILE],
+                     float out2[][TILE]);
+size_t k_tile_block_bytes(int64_t type);
+void k_dequantize_row(int type, const uint8_t *w, int64_t row, int64_t nb, float *y);
 /* gguf_k_amx.c: rows 1..16 of X at x, x + nb, ... against a tile on AMX where k_use_amx turned it on (k_amx_on);
  * the same bits as k_tile_rows. ``images``: NULL, or the tile's B tiles unpacked once by k_amx_images
  * (K_IMAGE_BYTES a super-block, every type), for many rows. */
