@@ -93,10 +93,10 @@ def cpu_description() -> dict[str, Any]:
     return {"cpu": cpu_model(), "isa": vector_extensions(cpu_flags()), "cores": available_cpus().count}
 
 
-def timed_elsewhere(recorded: Mapping[str, Any]) -> str | None:
-    """The CPU an artifact's variants were timed on (its manifest's ``machine``), where it is not this one
-    (another model or other vector extensions: which variant is fastest may differ here); else None."""
-    here = cpu_description()
+def timed_elsewhere(recorded: Mapping[str, Any], here: Mapping[str, Any]) -> str | None:
+    """The CPU an artifact's variants were timed on (its manifest's ``machine``), where it is not ``here``
+    (``cpu_description()``: another model or other vector extensions, and which variant is fastest may
+    differ); else None."""
     if not recorded or (recorded.get("cpu"), recorded.get("isa")) == (here["cpu"], here["isa"]):
         return None
     return f"{recorded.get('cpu')} ({recorded.get('isa')})"

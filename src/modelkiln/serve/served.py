@@ -69,12 +69,14 @@ def served_model(spec: ModelSpec, settings: ServeSettings, metrics: Metrics) -> 
                  else GenerationModel(spec, settings, metrics))
     else:
         model = EncoderModel(spec, settings, metrics)
-    elsewhere = timed_elsewhere(model.manifest.machine)
     choices = [v for v in model.manifest.kept_variants() if v.device == model.variant.device]
-    if elsewhere and not (spec.variant or settings.variant) and model.variant.device == "cpu" and len(choices) > 1:
-        # The default variant is the fastest where the artifact was converted: an AMX Xeon may run
-        # another one fastest (OpenVINO's bf16) than the AMD EPYC of a CI runner did.
-        here = cpu_description()
+    if spec.variant or settings.variant or model.variant.device != "cpu" or len(choices) < 2:
+        return model  # a variant named, or no other to choose
+    # The default variant is the fastest where the artifact was converted: an AMX Xeon may run
+    # another one fastest (OpenVINO's bf16) than the AMD EPYC of a CI runner did.
+    here = cpu_description()
+    elsewhere = timed_elsewhere(model.manifest.machine, here)
+    if elsewhere:
         log.warning("model %s: its variants were timed on %s, this host is %s (%s): variant %s is that machine's "
                     "choice; `kiln tune` measures them here, --variant names one", model.name, elsewhere,
                     here["cpu"], here["isa"], model.variant.name)
