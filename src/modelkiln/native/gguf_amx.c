@@ -182,36 +182,27 @@ static int agrees_with_avx512(amx_rows_fn fn) {
     return 1;
 }
 
-int q32_amx_available(int *error) {
+/* Whether ``mode`` may be tried here (AMX_ON), or why not: 1, the CPU's AMX, needs the instructions built, the
+ * unit and Linux's grant (arch_prctl's errno in *error where Linux refused); 2, the model of the tiles, the
+ * AVX-512 VNNI its float steps are written in; 3 (a test's check that faults) is always tried. */
+int q32_amx_available(int mode, int *error) {
     *error = 0;
+    if (mode == 2) return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") ? AMX_ON : AMX_NO_UNIT;
+    if (mode != 1) return AMX_ON;
     if (!AMX_COMPILED) return AMX_NOT_BUILT;
     if (!cpu_has_amx_int8()) return AMX_NO_UNIT;
     *error = linux_grants_tiles();
     return *error ? AMX_NOT_GRANTED : AMX_ON;
 }
 
-/* Why the CPU's AMX cannot run these kernels here (an amx_state), or AMX_ON. */
-static int amx_refusal(void) {
-    int error;
-    const int available = q32_amx_available(&error);
-    if (available != AMX_ON) return available;
-    return agrees_with_avx512(rows_amx) ? AMX_ON : AMX_DISAGREES;
-}
-
-/* 0: off; 1: the CPU's AMX (stays off where it is missing, refused, or disagrees); 2: the model of the tiles
- * (tests). Returns what it found (an amx_state). Call after q32_use_avx512(1): the check compares with it. */
+/* 0: off; 1: the CPU's AMX; 2: the model of its tiles (tests). The kernels go on only where their products
+ * agree with the AVX-512 kernels' (call after q32_use_avx512(1), where q32_amx_available said AMX_ON); returns
+ * what it found (an amx_state). */
 int q32_use_amx(int mode) {
     amx_rows = NULL;
-    if (mode == 1) {
-        const int state = amx_refusal();
-        if (state == AMX_ON) amx_rows = rows_amx;
-        return state;
-    }
-    if (mode == 2) {
-        if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vnni")) return AMX_NO_UNIT;
-        if (!agrees_with_avx512(rows_model)) return AMX_DISAGREES;
-        amx_rows = rows_model;
-        return AMX_MODEL;
-    }
-    return AMX_OFF;
+    if (mode != 1 && mode != 2) return AMX_OFF;
+    const amx_rows_fn fn = mode == 1 ? rows_amx : rows_model;
+    if (!agrees_with_avx512(fn)) return AMX_DISAGREES;
+    amx_rows = fn;
+    return mode == 1 ? AMX_ON : AMX_MODEL;
 }

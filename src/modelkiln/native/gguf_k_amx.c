@@ -180,7 +180,7 @@ static int agrees_with_avx512(k_amx_fn fn) {
 }
 
 /* 0: off; 1: the CPU's AMX; 2: the model of its tiles (tests). The kernels go on only where their products
- * agree with the AVX-512 kernels' (call after kiln_gguf_use_avx512(1), and for 1 where q32_amx_available
+ * agree with the AVX-512 kernels' (call after kiln_gguf_use_avx512(1), where q32_amx_available
  * said AMX_ON); returns what it found (an amx_state). */
 int k_use_amx(int mode) {
     amx_rows = NULL;

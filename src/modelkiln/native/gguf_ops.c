@@ -423,7 +423,7 @@ int kiln_gguf_use_amx(int mode) {
         amx_state = AMX_OFF;
         return 1;
     }
-    amx_state = mode == 1 ? q32_amx_available(&amx_detail) : AMX_ON;  /* nothing to try where this fails: no child */
+    amx_state = q32_amx_available(mode, &amx_detail);  /* nothing to try where this fails: no child */
     if (amx_state != AMX_ON) return 0;
     const int child = amx_checks_in_child(mode);
     if (child < 0 && mode == 3) {  /* no child to fault in: never fault here */

@@ -34,9 +34,9 @@ void q32_use_avx512(int on);
  * once by q32_amx_images (q32_amx_image_bytes a block; none for Q8_0, whose B is its codes as stored), for many rows. */
 int q32_use_amx(int mode);  /* an amx_state */
 int q32_amx_on(void);
-/* AMX_ON where the CPU's AMX may be tried here (built, the unit, Linux's grant), or why not (with arch_prctl's
- * errno in *error where Linux refused) */
-int q32_amx_available(int *error);
+/* AMX_ON where an AMX mode (kiln_gguf_use_amx's) may be tried here, or why not (with arch_prctl's errno in
+ * *error where Linux refused the tile state) */
+int q32_amx_available(int mode, int *error);
 void q32_amx_rows(int type, int rows, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_32 *x, float out[][16]);
 #define Q32_IMAGE_BYTES 512  /* a block's B tile: 8 rows of 64 bytes */
 size_t q32_amx_image_bytes(int type);
