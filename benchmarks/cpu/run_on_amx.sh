@@ -136,10 +136,15 @@ step gguf-kernels "$PY" benchmarks/generation/gguf_kernels.py --rows 1,4,8,12,16
 MINILM=$("$PY" -m modelkiln.embedded all-MiniLM-L6-v2)
 step minilm-convert kiln convert "$MINILM" --out "$OUT/minilm" --threads 2 --force
 step minilm-eval kiln eval "$OUT/minilm" --threads 2
+kept_of() {  # kept_of ARTIFACT NAME...: those of the NAMEs the artifact kept (openvino-bf16 only where bf16 is native)
+  "$PY" -c "import sys; from modelkiln.manifest import Manifest
+kept = {v.name for v in Manifest.load(sys.argv[1]).kept_variants()}; print(' '.join(n for n in sys.argv[2:] if n in kept))" "$@"
+}
+INPROCESS_VARIANTS=$(kept_of "$OUT/minilm" fp32 int8 openvino-fp32 openvino-bf16 openvino-int8)
 step minilm-inprocess "$PY" benchmarks/encoders/openvino_vs_onnxruntime.py "$OUT/minilm" --threads 2 --rounds 7 \
-  --out "$OUT/openvino-minilm"
+  --variants "${INPROCESS_VARIANTS// /,}" --out "$OUT/openvino-minilm"
 step minilm-served bash benchmarks/encoders/serve_variants_ab.sh "$OUT/minilm" "$OUT/serve-minilm" \
-  "int8 openvino-int8 openvino-bf16" "$ROUNDS"
+  "$(kept_of "$OUT/minilm" int8 openvino-int8 openvino-bf16)" "$ROUNDS"
 
 # ---- 4: SmolLM2's prefill and decode steps
 step smollm2-convert kiln convert "$SMOLLM2_GGUF" --task text-generation --out "$OUT/smollm2" --threads 2 --force
