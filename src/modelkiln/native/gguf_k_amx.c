@@ -100,19 +100,21 @@ INLINE_AMX void q6_k_amx(int emulate, const uint8_t *t, const uint8_t *images, i
     t_done(emulate, &use);
 }
 
+/* Each type's kernel, ``emulate`` a constant in each of the two entries below (the instructions, the model) */
+INLINE_AMX void k_rows(int emulate, int type, int R, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x,
+                       float out[][TILE]) {
+    if (k_low_type(type)) k_low_amx_rows(emulate, type, R, t, images, nb, x, out);
+    else if (type == GGML_Q4_K) q4_k_amx(emulate, 0, t, images, nb, x, R, out);
+    else if (type == GGML_Q5_K) q4_k_amx(emulate, 1, t, images, nb, x, R, out);
+    else q6_k_amx(emulate, t, images, nb, x, R, out);
+}
 AMX_TARGET static void k_rows_amx(int type, int R, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x,
                                   float out[][TILE]) {
-    if (k_low_type(type)) k_low_amx_rows(0, type, R, t, images, nb, x, out);
-    else if (type == GGML_Q4_K) q4_k_amx(0, 0, t, images, nb, x, R, out);
-    else if (type == GGML_Q5_K) q4_k_amx(0, 1, t, images, nb, x, R, out);
-    else q6_k_amx(0, t, images, nb, x, R, out);
+    k_rows(0, type, R, t, images, nb, x, out);
 }
 AMX_TARGET static void k_rows_model(int type, int R, const uint8_t *t, const uint8_t *images, int64_t nb, const q8_block *x,
                                     float out[][TILE]) {
-    if (k_low_type(type)) k_low_amx_rows(1, type, R, t, images, nb, x, out);
-    else if (type == GGML_Q4_K) q4_k_amx(1, 0, t, images, nb, x, R, out);
-    else if (type == GGML_Q5_K) q4_k_amx(1, 1, t, images, nb, x, R, out);
-    else q6_k_amx(1, t, images, nb, x, R, out);
+    k_rows(1, type, R, t, images, nb, x, out);
 }
 
 typedef void (*k_amx_fn)(int, int, const uint8_t *, const uint8_t *, int64_t, const q8_block *, float[][TILE]);
@@ -125,8 +127,7 @@ void k_amx_rows(int type, int rows, const uint8_t *t, const uint8_t *images, int
 }
 
 AMX_TARGET void k_amx_images(int type, const uint8_t *t, int64_t nb, uint8_t *images) {
-    const int bytes = type == GGML_Q2_K ? K2_BYTES : type == GGML_Q3_K ? K3_BYTES : type == GGML_Q4_K ? K4_BYTES
-                    : type == GGML_Q5_K ? K5_BYTES : K6_BYTES;
+    const size_t bytes = k_tile_block_bytes(type);
     for (int64_t b = 0; b < nb; b++, t += bytes, images += K_IMAGE_BYTES) {
         if (k_low_type(type)) k_low_amx_images(type, t, images);
         else if (type == GGML_Q4_K) q4_k_images(0, t, images);

@@ -164,8 +164,8 @@ static void matmul_task(void *data, size_t task) {
     const int q32 = q32_type(job->type);
     const int two = job->pairs && (int64_t)tile + 1 < tiles;
     int64_t first = 0;  /* AMX's rows depend only on the count, so both tiles leave the same */
-    for (int i = 0; i <= two; i++)
-        if (q32 ? q32_amx_on() : k_amx_on())
+    if (q32 ? q32_amx_on() : k_amx_on())
+        for (int i = 0; i <= two; i++)
             first = amx_rows_task(job, tile_weights(job, tile + i), (int64_t)(tile + i) * TILE, tile_columns(job, tile + i), q32);
     if (two) first = pair_rows_task(job, tile, first);
     for (int i = 0; i <= two; i++) tile_rows_task(job, tile + i, first);
